@@ -1,0 +1,21 @@
+"""Kernel registry: platforms, backends and the process-wide ``kernel_registry``."""
+
+from ejkernel.kernels._registry import (
+    Backend,
+    KernelRegistry,
+    KernelSpec,
+    LazyImplementation,
+    Platform,
+    current_backend,
+    kernel_registry,
+)
+
+__all__ = [
+    "Backend",
+    "KernelRegistry",
+    "KernelSpec",
+    "LazyImplementation",
+    "Platform",
+    "current_backend",
+    "kernel_registry",
+]

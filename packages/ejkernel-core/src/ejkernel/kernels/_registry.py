@@ -1,0 +1,366 @@
+"""Kernel registry: which implementation of an algorithm runs on which platform and hardware.
+
+Implementations are registered under an algorithm name (case-insensitive) with a :class:`Platform`
+(how it is written), a :class:`Backend` (what hardware it targets) and a priority. Lookup returns the
+highest-priority match. Backend plugins register *lazily* (``register_lazy``): only the import path is
+recorded, and the implementation module is imported on first call, so discovering plugins at
+``import ejkernel`` costs no kernel imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import threading
+import warnings
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any, Literal, TypeVar
+
+from ejkernel.errors import KernelNotFoundError
+
+F = TypeVar("F", bound=Callable)
+
+
+class Platform(StrEnum):
+    """How an implementation is written (and compiled)."""
+
+    TRITON = "triton"
+    PALLAS = "pallas"
+    CUDA = "cuda"
+    CUTE = "cute"
+    XLA = "xla"
+
+
+class Backend(StrEnum):
+    """Which hardware an implementation targets; ``ANY`` matches every backend query."""
+
+    GPU = "gpu"
+    TPU = "tpu"
+    CPU = "cpu"
+    ANY = "any"
+
+
+PlatformLike = Platform | Literal["triton", "pallas", "cuda", "cute", "xla", "auto"]
+BackendLike = Backend | Literal["gpu", "tpu", "cpu", "any"]
+
+
+class LazyImplementation:
+    """A callable standing for ``"package.module:attribute"``, imported on first use.
+
+    Attribute access (``heuristic_cfg``, ``config_space``, ``check_supported`` ...) also resolves it.
+    """
+
+    def __init__(self, target: str, *, plugin: str | None = None):
+        module, sep, attribute = target.partition(":")
+        if not sep or not module or not attribute:
+            raise ValueError(f"lazy target must look like 'package.module:attribute', got {target!r}")
+        self.target = target
+        self.plugin = plugin
+        self._resolved: Callable | None = None
+        self._lock = threading.Lock()
+
+    def resolve(self) -> Callable:
+        if self._resolved is None:
+            with self._lock:
+                if self._resolved is None:
+                    module_name, _, attribute = self.target.partition(":")
+                    obj: Any = importlib.import_module(module_name)
+                    for part in attribute.split("."):
+                        obj = getattr(obj, part)
+                    if not callable(obj):
+                        raise TypeError(f"lazy target {self.target!r} resolved to non-callable {obj!r}")
+                    self._resolved = obj
+        return self._resolved
+
+    @property
+    def resolved(self) -> bool:
+        return self._resolved is not None
+
+    def __call__(self, *args, **kwargs):
+        return self.resolve()(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("target", "plugin", "_resolved", "_lock"):
+            raise AttributeError(name)
+        return getattr(self.resolve(), name)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.resolve())
+
+    def __repr__(self) -> str:
+        return f"<lazy {self.target}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One registered implementation of an algorithm."""
+
+    platform: Platform
+    backend: Backend
+    algorithm: str
+    implementation: Callable
+    priority: int = 0
+    plugin: str | None = dataclasses.field(default=None, compare=False)
+    """Name of the backend plugin that registered it (None for direct registrations)."""
+
+
+def _as_platform(value: PlatformLike | None, *, argument: str = "platform") -> Platform | None:
+    if value is None or value == "auto":
+        return None
+    try:
+        return Platform(str(value).lower())
+    except ValueError:
+        choices = ", ".join(repr(p.value) for p in Platform)
+        raise ValueError(f"{argument}={value!r} is not a platform; expected one of {choices} or 'auto'") from None
+
+
+def _as_backend(value: BackendLike | None, *, argument: str = "backend") -> Backend | None:
+    if value is None:
+        return None
+    try:
+        return Backend(str(value).lower())
+    except ValueError:
+        choices = ", ".join(repr(b.value) for b in Backend)
+        raise ValueError(f"{argument}={value!r} is not a backend; expected one of {choices}") from None
+
+
+def current_backend() -> Backend:
+    """The :class:`Backend` of ``jax.default_backend()`` (``cuda``/``rocm`` count as GPU)."""
+    import jax
+
+    name = jax.default_backend().lower()
+    if name in ("gpu", "cuda", "rocm"):
+        return Backend.GPU
+    if name == "tpu":
+        return Backend.TPU
+    return Backend.CPU
+
+
+def _normalize_annotation(annotation: Any) -> str:
+    if annotation is inspect.Parameter.empty:
+        return ""
+    if isinstance(annotation, str):
+        text = annotation
+    else:
+        text = getattr(annotation, "__qualname__", None) or repr(annotation)
+    return text.replace("typing.", "").replace(" ", "")
+
+
+def _types_are_equivalent(first: Any, second: Any) -> bool:
+    """Annotations match when they are equal or render the same (string vs evaluated forms)."""
+    return first == second or _normalize_annotation(first) == _normalize_annotation(second)
+
+
+class KernelRegistry:
+    """Stores :class:`KernelSpec` objects by algorithm and looks up the best match."""
+
+    def __init__(self) -> None:
+        self._registry: dict[str, list[KernelSpec]] = {}
+        self._lock = threading.RLock()
+
+    # ---- registration -------------------------------------------------------------------------
+    def _add(self, spec: KernelSpec) -> None:
+        with self._lock:
+            specs = self._registry.setdefault(spec.algorithm, [])
+            specs.append(spec)
+            specs.sort(key=lambda s: -s.priority)  # stable: equal priorities keep registration order
+
+    def register(
+        self,
+        algorithm: str,
+        platform: Platform | Literal["triton", "pallas", "cuda", "cute", "xla"],
+        backend: BackendLike,
+        priority: int = 0,
+    ) -> Callable[[F], F]:
+        """Decorator registering ``func`` as an implementation of ``algorithm``; returns ``func``."""
+        algorithm_key = _check_algorithm(algorithm)
+        platform_value = _as_platform(platform)
+        if platform_value is None:
+            raise ValueError("register() needs a concrete platform, not 'auto'")
+        backend_value = _as_backend(backend)
+        if backend_value is None:
+            raise ValueError("register() needs a backend (use Backend.ANY for hardware-agnostic code)")
+        _check_priority(priority)
+
+        def decorator(func: F) -> F:
+            if not callable(func):
+                raise TypeError(f"register({algorithm!r}) decorates callables, got {func!r}")
+            self._add(KernelSpec(platform_value, backend_value, algorithm_key, func, priority))
+            return func
+
+        return decorator
+
+    def register_lazy(
+        self,
+        algorithm: str,
+        platform: PlatformLike,
+        backend: BackendLike,
+        target: str,
+        priority: int = 0,
+        *,
+        plugin: str | None = None,
+    ) -> KernelSpec:
+        """Register ``"package.module:function"`` without importing it (what plugins use)."""
+        algorithm_key = _check_algorithm(algorithm)
+        platform_value = _as_platform(platform)
+        if platform_value is None:
+            raise ValueError("register_lazy() needs a concrete platform, not 'auto'")
+        backend_value = _as_backend(backend)
+        if backend_value is None:
+            raise ValueError("register_lazy() needs a backend (use Backend.ANY for hardware-agnostic code)")
+        _check_priority(priority)
+        spec = KernelSpec(
+            platform_value, backend_value, algorithm_key, LazyImplementation(target, plugin=plugin), priority, plugin
+        )
+        self._add(spec)
+        return spec
+
+    def unregister_plugin(self, plugin: str) -> int:
+        """Remove every implementation a plugin registered (used when its hook fails midway)."""
+        removed = 0
+        with self._lock:
+            for algorithm in list(self._registry):
+                kept = [s for s in self._registry[algorithm] if s.plugin != plugin]
+                removed += len(self._registry[algorithm]) - len(kept)
+                if kept:
+                    self._registry[algorithm] = kept
+                else:
+                    del self._registry[algorithm]
+        return removed
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def find(
+        self, algorithm: str, platform: PlatformLike | None = None, backend: BackendLike | None = None
+    ) -> list[KernelSpec]:
+        """Every spec matching the query, best first (no fallback rules applied)."""
+        platform_value = _as_platform(platform)
+        backend_value = _as_backend(backend)
+        with self._lock:
+            specs = list(self._registry.get(algorithm.lower(), ()))
+        return [
+            s
+            for s in specs
+            if (platform_value is None or s.platform == platform_value)
+            and (backend_value is None or s.backend == backend_value or s.backend == Backend.ANY)
+        ]
+
+    def get(
+        self, algorithm: str, platform: PlatformLike | None = None, backend: BackendLike | None = None
+    ) -> Callable:
+        """Best implementation for the query, with the spec's fallback rules.
+
+        * ``Platform.XLA`` with no direct match retries with ``Backend.ANY``;
+        * ``Backend.ANY`` with no match retries with ``jax.default_backend()``.
+        """
+        platform_value = _as_platform(platform)
+        backend_value = _as_backend(backend)
+        matches = self.find(algorithm, platform_value, backend_value)
+        if not matches and platform_value == Platform.XLA:
+            matches = self.find(algorithm, platform_value, Backend.ANY)
+        if not matches and backend_value == Backend.ANY:
+            matches = self.find(algorithm, platform_value, current_backend())
+        if not matches:
+            raise KernelNotFoundError(self._not_found_message(algorithm, platform_value, backend_value))
+        return matches[0].implementation
+
+    def _not_found_message(self, algorithm: str, platform: Platform | None, backend: Backend | None) -> str:
+        query = f"algorithm={algorithm!r}"
+        if platform is not None:
+            query += f", platform={platform.value!r}"
+        if backend is not None:
+            query += f", backend={backend.value!r}"
+        lines = [f"no kernel implementation registered for {query}."]
+        registered = self.list_implementations(algorithm)
+        if registered:
+            lines.append("Registered for this algorithm: " + ", ".join(_describe(s) for s in registered) + ".")
+        else:
+            known = self.list_algorithms()
+            lines.append(f"Nothing is registered for {algorithm!r}; known algorithms: {', '.join(known) or 'none'}.")
+        if platform is not None:
+            from ejkernel.plugins import provider_hint
+
+            hint = provider_hint(platform.value, algorithm.lower())
+            if hint:
+                lines.append(hint)
+        return " ".join(lines)
+
+    def list_algorithms(self) -> list[str]:
+        with self._lock:
+            return sorted(self._registry)
+
+    def list_implementations(self, algorithm: str) -> list[KernelSpec]:
+        with self._lock:
+            return list(self._registry.get(algorithm.lower(), ()))
+
+    # ---- signature validation ---------------------------------------------------------------
+    def validate_signatures(self, algorithm: str | None, verbose: bool = False) -> bool | None:
+        """Warn about implementations whose signature differs from the highest-priority one."""
+        if algorithm is None:
+            for name in self.list_algorithms():
+                self.validate_signatures(name, verbose=verbose)
+            return None
+        specs = self.list_implementations(algorithm)
+        if not specs:
+            raise ValueError(f"algorithm {algorithm!r} is not registered; known: {', '.join(self.list_algorithms())}")
+        signatures = [(spec, inspect.signature(spec.implementation)) for spec in specs]
+        if verbose:
+            for spec, signature in signatures:
+                print(f"{_describe(spec)}: {signature}")
+        reference_spec, reference = signatures[0]
+        ok = True
+        for spec, signature in signatures[1:]:
+            for problem in _signature_differences(reference, signature):
+                ok = False
+                warnings.warn(
+                    f"{algorithm}: {_describe(spec)} differs from {_describe(reference_spec)}: {problem}",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return ok
+
+
+def _signature_differences(reference: inspect.Signature, other: inspect.Signature) -> list[str]:
+    problems = []
+    ref_params = list(reference.parameters.values())
+    other_params = list(other.parameters.values())
+    if len(ref_params) != len(other_params):
+        problems.append(f"{len(other_params)} parameters instead of {len(ref_params)}")
+    for expected, actual in zip(ref_params, other_params):
+        if expected.name != actual.name:
+            problems.append(f"parameter {actual.name!r} where {expected.name!r} was expected")
+            continue
+        if expected.kind != actual.kind:
+            problems.append(f"parameter {actual.name!r} is {actual.kind.description}, not {expected.kind.description}")
+        if expected.default != actual.default and not (
+            expected.default is inspect.Parameter.empty and actual.default is inspect.Parameter.empty
+        ):
+            problems.append(f"parameter {actual.name!r} defaults to {actual.default!r}, not {expected.default!r}")
+        if not _types_are_equivalent(expected.annotation, actual.annotation):
+            problems.append(
+                f"parameter {actual.name!r} is annotated {_normalize_annotation(actual.annotation)!r}, "
+                f"not {_normalize_annotation(expected.annotation)!r}"
+            )
+    return problems
+
+
+def _describe(spec: KernelSpec) -> str:
+    origin = f" from {spec.plugin}" if spec.plugin else ""
+    return f"{spec.platform.value}/{spec.backend.value} (priority {spec.priority}{origin})"
+
+
+def _check_algorithm(algorithm: str) -> str:
+    if not isinstance(algorithm, str) or not algorithm.strip():
+        raise ValueError(f"algorithm must be a non-empty string, got {algorithm!r}")
+    return algorithm.strip().lower()
+
+
+def _check_priority(priority: int) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {priority!r} ({type(priority).__name__})")
+
+
+kernel_registry = KernelRegistry()
+"""The process-wide registry every plugin registers into."""

@@ -1,0 +1,321 @@
+"""Backend plugin discovery, isolation and status.
+
+Backends are found through the ``ejkernel.backends`` entry-point group when ``ejkernel`` is imported.
+A plugin that fails to import, speaks another plugin API version, or raises in a hook is recorded with
+its error and warned about once; it never breaks ``import ejkernel`` or another plugin.
+
+Environment controls (read at discovery):
+
+* ``EJKERNEL_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points (use :func:`load_plugin` by hand).
+* ``EJKERNEL_PLUGINS=xla,triton``: load only these backends (by entry-point name).
+* ``EJKERNEL_BLOCK_PLUGINS=cuda``: never load these backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import threading
+import warnings
+from typing import Any
+
+import pluggy
+
+from ejkernel.errors import PluginError
+from ejkernel.kernels._registry import KernelRegistry, kernel_registry
+from ejkernel.plugins.hookspecs import (
+    ENTRY_POINT_GROUP,
+    PLUGIN_API_VERSION,
+    PROJECT_NAME,
+    BackendHookSpec,
+    BackendInfo,
+    hookimpl,
+    hookspec,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendInfo",
+    "LoadedBackend",
+    "PluginWarning",
+    "backends",
+    "discover",
+    "get_backend",
+    "hookimpl",
+    "hookspec",
+    "load_plugin",
+    "plugin_manager",
+    "provider_hint",
+    "shipped_configs",
+    "usable_reason",
+]
+
+FIRST_PARTY = {"xla": "ejkernel-xla", "triton": "ejkernel-triton", "pallas": "ejkernel-pallas", "cuda": "ejkernel-cuda"}
+"""Which first-party distribution provides each platform (for install hints)."""
+
+
+class PluginWarning(UserWarning):
+    """A backend plugin was skipped because it is broken."""
+
+
+@dataclasses.dataclass
+class LoadedBackend:
+    """A discovered backend plugin and what happened when it was loaded."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    info: BackendInfo | None = None
+    error: str | None = None
+    """Why loading failed (import error, API mismatch, hook exception); None when it loaded."""
+    implementations: int = 0
+    _usable: tuple[str | None] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def platforms(self) -> tuple[str, ...]:
+        return self.info.platforms if self.info else ()
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self.info.targets if self.info else ()
+
+    def unusable_reason(self) -> str | None:
+        """None when usable here; else why not. Computed once (it may look at devices)."""
+        if self.error is not None:
+            return f"error: {self.error}"
+        if self._usable is None:
+            reason = None
+            if self.info is not None and self.info.check_usable is not None:
+                try:
+                    reason = self.info.check_usable()
+                except Exception as exc:  # a broken check must not break the caller
+                    reason = f"availability check raised {type(exc).__name__}: {exc}"
+            self._usable = (reason,)
+        return self._usable[0]
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return f"error: {self.error}"
+        reason = self.unusable_reason()
+        return "ok" if reason is None else f"unavailable: {reason}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "platforms": list(self.platforms),
+            "targets": list(self.targets),
+            "status": self.status,
+            "implementations": self.implementations,
+        }
+
+
+_lock = threading.RLock()
+_manager: pluggy.PluginManager | None = None
+_backends: dict[str, LoadedBackend] = {}
+_discovered = False
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The pluggy manager holding every loaded backend plugin."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            _manager = pluggy.PluginManager(PROJECT_NAME)
+            _manager.add_hookspecs(BackendHookSpec)
+        return _manager
+
+
+def _env_names(variable: str) -> set[str] | None:
+    value = os.environ.get(variable)
+    if value is None:
+        return None
+    return {part.strip() for part in value.split(",") if part.strip()}
+
+
+def discover(registry: KernelRegistry = kernel_registry) -> dict[str, LoadedBackend]:
+    """Load every backend plugin from entry points once (idempotent); returns the backends table."""
+    global _discovered
+    with _lock:
+        if _discovered:
+            return _backends
+        _discovered = True
+        if os.environ.get("EJKERNEL_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("", "0", "false", "False"):
+            return _backends
+        only = _env_names("EJKERNEL_PLUGINS")
+        blocked = _env_names("EJKERNEL_BLOCK_PLUGINS") or set()
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if entry_point.name in blocked or (only is not None and entry_point.name not in only):
+                continue
+            if entry_point.name in _backends:
+                _warn_once(
+                    _backends[entry_point.name],
+                    f"a second entry point named {entry_point.name!r} ({_dist_label(entry_point)}) was ignored",
+                )
+                continue
+            _load_entry_point(entry_point, registry)
+        return _backends
+
+
+def _dist_label(entry_point: importlib.metadata.EntryPoint) -> str:
+    dist = entry_point.dist
+    return f"{dist.name} {dist.version}" if dist is not None else entry_point.value
+
+
+def _load_entry_point(entry_point: importlib.metadata.EntryPoint, registry: KernelRegistry) -> None:
+    dist = entry_point.dist
+    backend = LoadedBackend(
+        name=entry_point.name,
+        distribution=dist.name if dist is not None else None,
+        version=dist.version if dist is not None else None,
+    )
+    _backends[backend.name] = backend
+    try:
+        plugin = entry_point.load()
+    except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from a plugin import too
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        backend.error = f"import of {entry_point.value!r} failed: {type(exc).__name__}: {exc}"
+        _warn_once(backend, backend.error)
+        return
+    _register(backend, plugin, registry)
+
+
+def load_plugin(plugin: Any, name: str | None = None, registry: KernelRegistry = kernel_registry) -> LoadedBackend:
+    """Load a plugin object or module by hand (when autoload is disabled, or in tests)."""
+    with _lock:
+        label = name or getattr(plugin, "__name__", None) or repr(plugin)
+        backend = LoadedBackend(name=label, distribution=None, version=None)
+        _register(backend, plugin, registry)
+        if backend.info is not None and name is None:
+            backend.name = backend.info.name
+        _backends[backend.name] = backend
+        return backend
+
+
+def _register(backend: LoadedBackend, plugin: Any, registry: KernelRegistry) -> None:
+    manager = plugin_manager()
+    try:
+        manager.register(plugin, name=backend.name)
+    except Exception as exc:
+        backend.error = f"not a valid plugin: {type(exc).__name__}: {exc}"
+        _warn_once(backend, backend.error)
+        return
+    try:
+        info_impl = getattr(plugin, "ejkernel_backend_info", None)
+        if info_impl is None:
+            raise PluginError("it does not implement the required hook ejkernel_backend_info")
+        info = info_impl()
+        if not isinstance(info, BackendInfo):
+            raise PluginError(f"ejkernel_backend_info returned {type(info).__name__}, expected BackendInfo")
+        if info.api_version != PLUGIN_API_VERSION:
+            raise PluginError(
+                f"built for ejkernel plugin API {info.api_version}; this ejkernel-core speaks {PLUGIN_API_VERSION}"
+            )
+        backend.info = info
+        backend.distribution = backend.distribution or info.distribution
+        backend.version = backend.version or info.version
+        register_impl = getattr(plugin, "ejkernel_register_kernels", None)
+        if register_impl is not None:
+            before = _count(registry)
+            register_impl(registry=registry, plugin=backend.name)
+            backend.implementations = _count(registry) - before
+    except Exception as exc:
+        registry.unregister_plugin(backend.name)
+        manager.unregister(name=backend.name)
+        backend.implementations = 0
+        backend.error = f"{type(exc).__name__}: {exc}"
+        _warn_once(backend, backend.error)
+
+
+def _count(registry: KernelRegistry) -> int:
+    return sum(len(registry.list_implementations(a)) for a in registry.list_algorithms())
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(backend: LoadedBackend, message: str) -> None:
+    key = (backend.name, message)
+    if key in _warned:
+        return
+    _warned.add(key)
+    origin = f" ({backend.distribution} {backend.version})" if backend.distribution else ""
+    warnings.warn(
+        f"ejkernel backend plugin {backend.name!r}{origin} was skipped: {message}", PluginWarning, stacklevel=3
+    )
+
+
+def backends() -> dict[str, LoadedBackend]:
+    """Every discovered backend by name (loaded or broken)."""
+    return dict(discover())
+
+
+def get_backend(name: str) -> LoadedBackend | None:
+    return discover().get(name)
+
+
+def usable_reason(plugin: str | None) -> str | None:
+    """Why the plugin that registered an implementation cannot run here; None if it can.
+
+    Implementations registered directly (no plugin) are taken as usable.
+    """
+    if plugin is None:
+        return None
+    backend = discover().get(plugin)
+    if backend is None:
+        return None
+    return backend.unusable_reason()
+
+
+def provider_hint(platform: str, algorithm: str) -> str:
+    """One sentence on which plugin would provide ``platform`` (installed, broken or missing)."""
+    providers = [b for b in discover().values() if platform in b.platforms or (b.info is None and b.name == platform)]
+    for backend in providers:
+        if backend.error is not None:
+            return f"Backend {backend.name!r} ({backend.distribution}) is installed but broken: {backend.error}."
+    if providers:
+        names = ", ".join(f"{b.name!r} ({b.distribution} {b.version})" for b in providers)
+        return f"Installed backend(s) {names} provide platform {platform!r} but implement no {algorithm!r}."
+    distribution = FIRST_PARTY.get(platform)
+    if distribution:
+        return f"Platform {platform!r} comes from the {distribution} distribution: pip install {distribution}."
+    return f"No installed backend provides platform {platform!r}."
+
+
+_shipped_cache: dict[tuple[str, str, str], dict] = {}
+
+
+def shipped_configs(algorithm: str, platform: str, device_kind: str) -> dict:
+    """Merged tuned configs that loaded plugins ship for this device kind (a broken hook is skipped)."""
+    key = (algorithm, platform, device_kind)
+    with _lock:
+        if key in _shipped_cache:
+            return _shipped_cache[key]
+        merged: dict = {}
+        manager = plugin_manager()
+        for impl in manager.hook.ejkernel_shipped_configs.get_hookimpls():
+            try:
+                result = impl.function(algorithm=algorithm, platform=platform, device_kind=device_kind)
+            except Exception as exc:
+                backend = _backends.get(impl.plugin_name) or LoadedBackend(impl.plugin_name, None, None)
+                _warn_once(backend, f"ejkernel_shipped_configs raised {type(exc).__name__}: {exc}")
+                continue
+            if result:
+                merged.update(result)
+        _shipped_cache[key] = merged
+        return merged
+
+
+def _reset_for_tests() -> None:
+    """Forget discovery state (tests only)."""
+    global _discovered, _manager
+    with _lock:
+        _discovered = False
+        _manager = None
+        _backends.clear()
+        _warned.clear()
+        _shipped_cache.clear()

@@ -1,0 +1,73 @@
+"""The hooks a backend plugin implements.
+
+A backend distribution declares one entry point in the ``ejkernel.backends`` group pointing at a module
+(or object) whose functions are decorated with :data:`ejkernel.hookimpl`. Hooks must be cheap: import
+nothing heavy (no triton, no kernels) and compile nothing; register implementations lazily by import path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from ejkernel.kernels._registry import KernelRegistry
+
+PROJECT_NAME = "ejkernel"
+ENTRY_POINT_GROUP = "ejkernel.backends"
+PLUGIN_API_VERSION = 1
+"""Bumped when a hook changes incompatibly; a plugin built for another version is refused with a reason."""
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+    """What a backend plugin says about itself (returned by :func:`ejkernel_backend_info`)."""
+
+    name: str
+    """Short name shown by ``ejkernel list-backends`` (``"triton"``)."""
+    distribution: str
+    """The pip distribution that ships it (``"ejkernel-triton"``)."""
+    version: str
+    platforms: tuple[str, ...]
+    """Platforms it implements (values of :class:`ejkernel.kernels.Platform`)."""
+    targets: tuple[str, ...]
+    """Hardware it targets (values of :class:`ejkernel.kernels.Backend`)."""
+    check_usable: Callable[[], str | None] | None = None
+    """Returns why the backend cannot run here (``"triton is not installed"``), or None when it can.
+
+    Called lazily (by the CLI and the dispatcher), never at import: it may import jax and look at devices.
+    """
+    description: str = ""
+    api_version: int = PLUGIN_API_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"BackendInfo.name must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "platforms", tuple(self.platforms))
+        object.__setattr__(self, "targets", tuple(self.targets))
+
+
+class BackendHookSpec:
+    """Hook specifications of the ``ejkernel`` project."""
+
+    @hookspec(firstresult=True)
+    def ejkernel_backend_info(self) -> BackendInfo:
+        """Describe this backend. Required."""
+
+    @hookspec
+    def ejkernel_register_kernels(self, registry: KernelRegistry, plugin: str) -> None:
+        """Register implementations, normally with ``registry.register_lazy(..., plugin=plugin)``."""
+
+    @hookspec
+    def ejkernel_shipped_configs(self, algorithm: str, platform: str, device_kind: str) -> Any:
+        """Tuned configs shipped for a device kind (``"NVIDIA H100 80GB HBM3"``).
+
+        Return a mapping ``{cache_key: config}`` of configs in the executor's cache-key format, or None.
+        Called at most once per (algorithm, platform, device kind) and only when a config is needed.
+        """

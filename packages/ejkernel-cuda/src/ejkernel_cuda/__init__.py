@@ -1,0 +1,1 @@
+"""ejkernel cuda backend (see plugin.py for its entry point)."""

@@ -1,0 +1,1 @@
+"""ejkernel pallas backend (see plugin.py for its entry point)."""

@@ -1,0 +1,1 @@
+"""ejkernel triton backend (see plugin.py for its entry point)."""

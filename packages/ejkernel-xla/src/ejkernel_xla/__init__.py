@@ -1,0 +1,1 @@
+"""ejkernel xla backend (see plugin.py for its entry point)."""

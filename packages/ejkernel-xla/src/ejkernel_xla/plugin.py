@@ -1,0 +1,33 @@
+"""Entry point of the XLA backend: describes it and registers its implementations lazily."""
+
+from __future__ import annotations
+
+from ejkernel import BackendInfo, hookimpl
+from ejkernel.plugins.checks import distribution_version
+
+NAME = "xla"
+DISTRIBUTION = "ejkernel-xla"
+
+# algorithm -> "module:function" inside this package. Every operation runs on every machine here.
+IMPLEMENTATIONS: dict[str, str] = {
+    "flash_attention": "ejkernel_xla.flash_attention:flash_attention",
+}
+
+
+@hookimpl
+def ejkernel_backend_info() -> BackendInfo:
+    return BackendInfo(
+        name=NAME,
+        distribution=DISTRIBUTION,
+        version=distribution_version(DISTRIBUTION),
+        platforms=("xla",),
+        targets=("cpu", "gpu", "tpu"),
+        check_usable=None,
+        description="pure JAX: blockwise, memory O(S); the fallback for every operation",
+    )
+
+
+@hookimpl
+def ejkernel_register_kernels(registry, plugin: str) -> None:
+    for algorithm, target in IMPLEMENTATIONS.items():
+        registry.register_lazy(algorithm, "xla", "any", target, priority=0, plugin=plugin)
