@@ -1,0 +1,34 @@
+"""Public operations. Each name loads its module on first access, so importing this package is cheap.
+
+To add an operation, put it in ``operations/<name>.py`` and list its public names in ``_EXPORTS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS: dict[str, str] = {
+    # base
+    "KernelConfig": "ejkernel.modules.base",
+    "create_default_executor": "ejkernel.modules.base",
+    "detect_platform": "ejkernel.modules.base",
+    # operations: "public name": "module"
+    "flash_attention": "ejkernel.modules.operations.flash_attention",
+    "FlashAttention": "ejkernel.modules.operations.flash_attention",
+    "FlashAttentionConfig": "ejkernel.modules.operations.flash_attention",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ejkernel.modules' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,1 @@
+"""The operations; see ``ejkernel.modules`` for the public names."""

@@ -1,0 +1,152 @@
+"""Choosing which registered implementation runs an operation, and falling back when one cannot.
+
+``platform="auto"`` walks the implementations registered for the current hardware, best first, and
+takes the first one whose backend plugin is usable here and whose ``check_supported`` accepts the call;
+each one skipped is logged with its reason. An explicit ``platform=`` is honoured or refused with a clear
+error, never silently replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ejkernel.errors import KernelNotFoundError, UnsupportedFeature
+from ejkernel.kernels._registry import (
+    Backend,
+    KernelSpec,
+    Platform,
+    _as_platform,
+    current_backend,
+    kernel_registry,
+)
+
+logger = logging.getLogger("ejkernel.dispatch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """The implementation chosen for a call, and what was passed over on the way."""
+
+    spec: KernelSpec
+    skipped: tuple[tuple[str, str], ...] = ()
+    """(platform, reason) for each better-ranked implementation that could not take the call."""
+
+    @property
+    def platform(self) -> str:
+        return self.spec.platform.value
+
+    @property
+    def implementation(self) -> Callable:
+        return self.spec.implementation
+
+
+def _spec_label(spec: KernelSpec) -> str:
+    return f"{spec.platform.value}" + (f" ({spec.plugin})" if spec.plugin else "")
+
+
+def _unusable_reason(spec: KernelSpec) -> str | None:
+    from ejkernel.plugins import usable_reason
+
+    return usable_reason(spec.plugin)
+
+
+def _unsupported_reason(spec: KernelSpec, args: tuple, kwargs: dict) -> str | None:
+    check = _optional_attribute(spec.implementation, "check_supported")
+    if check is None:
+        return None
+    try:
+        check(*args, **kwargs)
+    except UnsupportedFeature as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _optional_attribute(implementation: Callable, name: str) -> Any:
+    try:
+        return getattr(implementation, name)
+    except AttributeError:
+        return None
+
+
+def _candidates(algorithm: str, platform: Platform | None, backend: Backend) -> list[KernelSpec]:
+    specs = kernel_registry.find(algorithm, platform, backend)
+    if not specs and platform == Platform.XLA:
+        specs = kernel_registry.find(algorithm, platform, Backend.ANY)
+    return specs
+
+
+def _install_hint(algorithm: str) -> str:
+    from ejkernel.plugins import FIRST_PARTY, backends
+
+    if "xla" in backends():
+        return ""
+    return (
+        f" {FIRST_PARTY['xla']} implements {algorithm!r} on every machine (CPU, GPU, TPU): "
+        f"pip install {FIRST_PARTY['xla']}."
+    )
+
+
+def resolve(algorithm: str, platform: str | Platform | None, args: tuple, kwargs: dict) -> Resolution:
+    """Pick the implementation of ``algorithm`` for this call (see the module docstring)."""
+    requested = _as_platform(platform)
+    backend = current_backend()
+    candidates = _candidates(algorithm, requested, backend)
+    if requested is not None:
+        if not candidates:
+            everywhere = kernel_registry.find(algorithm, requested, None)
+            if everywhere:
+                targets = ", ".join(sorted({s.backend.value for s in everywhere}))
+                raise KernelNotFoundError(
+                    f"{algorithm}: platform={requested.value!r} is registered for {targets}, but this machine "
+                    f"runs jax on {backend.value}. Use platform='auto' to let ejkernel pick what runs here."
+                    + _install_hint(algorithm)
+                )
+            kernel_registry.get(algorithm, requested, backend)  # raises with the registry's full explanation
+        spec = candidates[0]
+        reason = _unusable_reason(spec)
+        if reason is not None:
+            raise KernelNotFoundError(
+                f"{algorithm}: platform={requested.value!r} cannot run here: {reason}."
+                " Use platform='auto' to fall back to what runs here." + _install_hint(algorithm)
+            )
+        reason = _unsupported_reason(spec, args, kwargs)
+        if reason is not None:
+            raise UnsupportedFeature(f"{algorithm}: platform={requested.value!r} cannot take this call: {reason}")
+        return Resolution(spec)
+
+    skipped: list[tuple[str, str]] = []
+    for spec in candidates:
+        reason = _unusable_reason(spec) or _unsupported_reason(spec, args, kwargs)
+        if reason is None:
+            for skipped_platform, why in skipped:
+                _log_fallback(algorithm, skipped_platform, spec.platform.value, why)
+            return Resolution(spec, tuple(skipped))
+        skipped.append((_spec_label(spec), reason))
+    if not candidates:
+        registered = kernel_registry.list_implementations(algorithm)
+        if not registered:
+            kernel_registry.get(algorithm)  # raises: nothing registered at all, with the known algorithms
+        listing = ", ".join(f"{s.platform.value}/{s.backend.value}" for s in registered)
+        raise KernelNotFoundError(
+            f"{algorithm}: no implementation targets {backend.value} (registered: {listing})."
+            + _install_hint(algorithm)
+        )
+    details = "; ".join(f"{name}: {why}" for name, why in skipped)
+    raise KernelNotFoundError(f"{algorithm}: no implementation can take this call here ({details})." + _install_hint(algorithm))
+
+
+_logged: set[tuple[str, str, str]] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_fallback(algorithm: str, skipped: str, chosen: str, reason: str) -> None:
+    key = (algorithm, skipped, reason)
+    with _logged_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    logger.info("%s: using %s instead of %s: %s", algorithm, chosen, skipped, reason)
