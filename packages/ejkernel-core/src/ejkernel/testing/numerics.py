@@ -1,0 +1,214 @@
+"""Numerics shared by every conformance suite: fresh random inputs and dtype-aware comparisons.
+
+How results are compared
+------------------------
+A backend's output is compared with a float64 reference computed *from the same (already rounded)
+inputs*, by relative L2 error::
+
+    relative_error(actual, expected) = ||actual - expected||_2 / ||expected||_2
+
+(the RMSE of the difference divided by the RMS of the reference). Element-wise ``allclose`` is the wrong
+tool for low precision: a few values near zero dominate it while saying nothing about the kernel.
+
+The tolerances below are what a *good* implementation reaches: inputs rounded to the dtype, float32
+accumulation, the output (and, in flash kernels, the probabilities fed to the second matmul) rounded to
+the dtype. They were calibrated on attention (see ``docs/testing.md``): an XLA float32-accumulating
+blockwise kernel sits 4-50x below them (measured, unit-normal q/k/v, D=64: float32 3e-7, bfloat16 2.3e-3
+with bf16 probabilities, float16 3e-4), a kernel accumulating in bf16 sits near the bound, and a wrong
+rescale or mask lands orders of magnitude above. Gradients get a looser bound because ``dS = P * (dP - rowsum(dO * O))`` cancels.
+
+A GPU backend whose float32 matmuls run in TF32 does not reach the float32 bound; it either computes
+float32 in full precision (Triton: ``input_precision="ieee"``) or states so by overriding the suite's
+``tolerances`` (``dict(TOLERANCES, float32=TF32_TOLERANCE)``).
+
+``rmse_ratio(actual, baseline, reference)`` is the other way of saying "as good as XLA": the kernel's
+error divided by the error of a trusted baseline at the same dtype (both against the float64 reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Largest relative L2 error accepted for the forward output and for each gradient."""
+
+    forward: float
+    gradient: float
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(forward=2e-5, gradient=1e-4),
+    "bfloat16": Tolerance(forward=1e-2, gradient=2e-2),
+    "float16": Tolerance(forward=1.5e-3, gradient=3e-3),
+}
+"""Per dtype (see the module docstring). Keys are ``jnp.dtype(...).name``."""
+
+TF32_TOLERANCE = Tolerance(forward=4e-3, gradient=8e-3)
+"""For GPU backends that run float32 matmuls in TF32 (10-bit mantissa); opt-in, never the default."""
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def dtype_name(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
+def tolerance_for(dtype: Any, tolerances: Mapping[str, Tolerance] | None = None) -> Tolerance:
+    table = TOLERANCES if tolerances is None else tolerances
+    try:
+        return table[dtype_name(dtype)]
+    except KeyError:
+        raise KeyError(f"no tolerance for dtype {dtype_name(dtype)}; known: {sorted(table)}") from None
+
+
+# ---- comparisons ---------------------------------------------------------------------------------
+
+
+def _as_float64(x: Any) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64) if _is_low_precision(x) else np.asarray(x, dtype=np.float64)
+
+
+def _is_low_precision(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def relative_error(actual: Any, expected: Any) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (0 when both are exactly zero)."""
+    a, e = _as_float64(actual), _as_float64(expected)
+    if a.shape != e.shape:
+        raise ValueError(f"shape mismatch: actual {a.shape} vs expected {e.shape}")
+    denominator = np.linalg.norm(e.ravel())
+    numerator = np.linalg.norm((a - e).ravel())
+    if denominator == 0.0:
+        return 0.0 if numerator == 0.0 else float("inf")
+    return float(numerator / denominator)
+
+
+def rmse_ratio(actual: Any, baseline: Any, reference: Any) -> float:
+    """Error of ``actual`` over error of ``baseline``, both against ``reference`` (≈1: as good as it)."""
+    a, b, r = _as_float64(actual), _as_float64(baseline), _as_float64(reference)
+    error_actual = np.sqrt(np.mean((a - r) ** 2))
+    error_baseline = np.sqrt(np.mean((b - r) ** 2))
+    if error_baseline == 0.0:
+        return 0.0 if error_actual == 0.0 else float("inf")
+    return float(error_actual / error_baseline)
+
+
+def assert_finite(x: Any, name: str = "value") -> None:
+    values = _as_float64(x)
+    bad = ~np.isfinite(values)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise AssertionError(f"{name}: {int(bad.sum())} non-finite values of {values.size} (first at {where})")
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    dtype: Any,
+    gradient: bool = False,
+    name: str = "output",
+    tolerances: Mapping[str, Tolerance] | None = None,
+    scale: float = 1.0,
+) -> float:
+    """Finite, same shape, and relative L2 error within the dtype's tolerance (``scale`` loosens it);
+    returns the error. ``dtype`` is the dtype the computation ran in (the inputs' dtype)."""
+    assert_finite(actual, name)
+    tol = tolerance_for(dtype, tolerances)
+    bound = (tol.gradient if gradient else tol.forward) * scale
+    error = relative_error(actual, expected)
+    if not error <= bound:
+        raise AssertionError(
+            f"{name}: relative L2 error {error:.3e} exceeds the {dtype_name(dtype)} "
+            f"{'gradient' if gradient else 'forward'} tolerance {bound:.3e}"
+        )
+    return error
+
+
+def assert_tree_close(
+    actual: Mapping[str, Any],
+    expected: Mapping[str, Any],
+    *,
+    dtype: Any,
+    gradient: bool = True,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    scale: float = 1.0,
+) -> dict[str, float]:
+    """``assert_close`` on every entry of two dicts with the same keys (e.g. gradients by argument)."""
+    if set(actual) != set(expected):
+        raise AssertionError(f"keys differ: {sorted(actual)} vs {sorted(expected)}")
+    errors = {}
+    failures = []
+    for key in sorted(expected):
+        try:
+            errors[key] = assert_close(
+                actual[key], expected[key], dtype=dtype, gradient=gradient, name=key, tolerances=tolerances, scale=scale
+            )
+        except AssertionError as exc:
+            failures.append(str(exc))
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return errors
+
+
+# ---- inputs --------------------------------------------------------------------------------------
+
+
+def fresh_keys(seed: int | jax.Array, count: int) -> list[jax.Array]:
+    """``count`` independent PRNG keys (one per tensor: q, k and v must never share randomness)."""
+    key = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+    return list(jax.random.split(key, count))
+
+
+def random_normal(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32, scale: float = 1.0) -> jax.Array:
+    """Standard normal (times ``scale``) drawn in float32 then rounded to ``dtype``; zeros are replaced
+    by ``scale`` so no element is exactly zero."""
+    x = jax.random.normal(key, tuple(shape), jnp.float32) * scale
+    x = jnp.where(x == 0, jnp.float32(scale), x)
+    return x.astype(dtype)
+
+
+def random_inputs(
+    seed: int | jax.Array,
+    shapes: Mapping[str, Sequence[int] | None],
+    dtype: Any = jnp.float32,
+    scale: float | Mapping[str, float] = 1.0,
+) -> dict[str, jax.Array | None]:
+    """One fresh normal tensor per name, each from its own key: ``random_inputs(0, {"query": (2, 17, 4,
+    64), "key": ..., "value": ...}, jnp.bfloat16)``. A ``None`` shape gives ``None`` (optional inputs)."""
+    keys = fresh_keys(seed, len(shapes))
+    out: dict[str, jax.Array | None] = {}
+    for k, (name, shape) in zip(keys, shapes.items()):
+        s = scale.get(name, 1.0) if isinstance(scale, Mapping) else scale
+        out[name] = None if shape is None else random_normal(k, shape, dtype, s)
+    return out
+
+
+def to_float64(tree: Any) -> Any:
+    """numpy float64 copies of every floating array in ``tree`` (integers/bools/None unchanged); use
+    inside ``jax.enable_x64(True)`` to feed a float64 reference the exact values the kernel saw."""
+
+    def convert(x):
+        if x is None or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return _as_float64(x)
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: x is None)
+
+
+def jax_float64(tree: Any) -> Any:
+    """Like ``to_float64`` but jax float64 arrays (call within ``jax.enable_x64(True)``)."""
+    return jax.tree.map(
+        lambda x: jnp.asarray(x, jnp.float64) if isinstance(x, np.ndarray) and x.dtype == np.float64 else x,
+        to_float64(tree),
+        is_leaf=lambda x: x is None,
+    )
