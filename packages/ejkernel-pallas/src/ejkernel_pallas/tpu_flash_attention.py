@@ -1,0 +1,665 @@
+"""Flash attention for TPU in Pallas (Mosaic TPU), forward and backward, semantics of docs/flash_attention.md.
+
+Layout: the public [B, S, H, D] arrays are moved to [B, H, S, D] so each kernel block is an (S-block, D)
+tile; lengths are padded inside the wrapper to whole blocks and the padding is masked in the kernel, so
+callers pass any length. Masks are evaluated per block from cheap per-token metadata (positions, segment
+ids) instead of a materialized [Sq, Skv] mask; blocks that a static causal/window mask hides entirely
+are skipped. Attention sinks seed the online softmax (they are extra logits without a value), so no
+extra pass is needed; their gradient is a cheap reduction done outside the kernels.
+
+Backward: two kernels, as in FlashAttention-2: one accumulates dK/dV per KV block, looping over the
+query heads of its GQA group and all query blocks; the other accumulates dQ per query block (and writes
+dBias blocks when a bias is given). Both recompute the probabilities from the saved log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ejkernel.errors import UnsupportedFeature
+from ejkernel.ops.utils import dropout as dropout_hash
+
+from ejkernel_pallas.tpu_tiling import LANES, check_block, round_up, sublane_multiple
+
+# ---------------------------------------------------------------------------------------------------
+# Tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuFlashBlocks:
+    """Block sizes of the three kernels (rows of Q / rows of K,V per grid step)."""
+
+    fwd_q: int
+    fwd_kv: int
+    dkv_q: int
+    dkv_kv: int
+    dq_q: int
+    dq_kv: int
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TpuFlashBlocks.{field.name} must be a positive int, got {value!r}")
+
+
+# Larger blocks amortize the ~0.35 us per-grid-step overhead of TPU pipelines; 512 rows of bf16 with
+# D=128 keep Q, K, V, the f32 logits tile and double buffers well inside the 16-32 MiB of scoped VMEM.
+DEFAULT_FWD_BLOCK = 512
+DEFAULT_BWD_BLOCK = 256
+
+
+def _default_block(length: int, cap: int, row_multiple: int) -> int:
+    """Whole (padded) length when it fits in one block, else ``cap`` (a multiple of 128)."""
+    if length <= cap:
+        return round_up(length, row_multiple)
+    return cap
+
+
+def choose_blocks(cfg, sq: int, skv: int, row_multiple: int) -> TpuFlashBlocks:
+    """Blocks from ``cfg`` (a FlashAttentionConfig or None), falling back to the TPU heuristic."""
+    fwd = getattr(cfg, "fwd_params", None) if cfg is not None else None
+    bwd = getattr(cfg, "bwd_params", None) if cfg is not None else None
+
+    def pick(params, name, length, cap):
+        value = getattr(params, name, None) if params is not None else None
+        return value if value is not None else _default_block(length, cap, row_multiple)
+
+    dkv_q = pick(bwd, "q_blocksize", sq, DEFAULT_BWD_BLOCK)
+    dkv_kv = pick(bwd, "kv_blocksize", skv, DEFAULT_BWD_BLOCK)
+    dq_q = getattr(bwd, "blocksize_m", None) if bwd is not None else None
+    dq_kv = getattr(bwd, "blocksize_n", None) if bwd is not None else None
+    return TpuFlashBlocks(
+        fwd_q=pick(fwd, "q_blocksize", sq, DEFAULT_FWD_BLOCK),
+        fwd_kv=pick(fwd, "kv_blocksize", skv, DEFAULT_FWD_BLOCK),
+        dkv_q=dkv_q,
+        dkv_kv=dkv_kv,
+        dq_q=dq_q if dq_q is not None else dkv_q,
+        dq_kv=dq_kv if dq_kv is not None else dkv_kv,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Static description of one call (hashable: it parameterizes the custom VJP)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    scale: float
+    causal: bool
+    window: tuple[int, int] | None
+    soft_cap: float | None
+    dropout_prob: float
+    sq: int  # real lengths
+    skv: int
+    q_offset: int  # Skv - Sq: bottom-right alignment (unused with varlen: positions come as arrays)
+    groups: int  # query heads per KV head
+    varlen: bool
+    has_segments: bool
+    bias_shape: tuple[int, int] | None  # (B or 1, H or 1) of the bias
+    mask_heads: int | None  # 1 or H for attention_mask, None without
+    num_sinks: int  # 0 = no sinks
+    blocks: TpuFlashBlocks
+    interpret: object  # False, or pltpu.InterpretParams
+
+
+def _pad_axis(x, axis: int, length: int, value=0):
+    extra = length - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block math shared by the kernels
+
+
+def _block_visible(st: _Static, qi, ki, block_q: int, block_kv: int):
+    """False when a static causal/window mask hides the whole (qi, ki) block (traced bool)."""
+    if st.varlen:
+        return True
+    q_first = qi * block_q + st.q_offset
+    q_last = q_first + block_q - 1
+    kv_first = ki * block_kv
+    kv_last = kv_first + block_kv - 1
+    visible = kv_first < st.skv
+    if st.causal:
+        visible = jnp.logical_and(visible, kv_first <= q_last)
+    if st.window is not None:
+        left, right = st.window
+        visible = jnp.logical_and(visible, kv_last >= q_first - left)
+        visible = jnp.logical_and(visible, kv_first <= q_last + right)
+    return visible
+
+
+def _logits_and_mask(st: _Static, r, b, h, qi, ki, block_q: int, block_kv: int):
+    """Logits (after soft cap and bias, f32), the raw capped logits for the cap derivative, and the mask."""
+    q = r["q"][...]
+    k = r["k"][...]
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * st.scale
+    if st.soft_cap is not None:
+        s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+    capped = s
+    if st.bias_shape is not None:
+        s = s + r["bias"][...].astype(jnp.float32)
+
+    rows = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    cols = ki * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    mask = jnp.broadcast_to(cols < st.skv, (block_q, block_kv))
+    if st.varlen:
+        q_pos, kv_pos = r["q_pos"][...], r["kv_pos"][...]
+    else:
+        q_pos, kv_pos = rows + st.q_offset, cols
+    if st.causal:
+        mask &= kv_pos <= q_pos
+    if st.window is not None:
+        left, right = st.window
+        mask &= (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
+    if st.has_segments:
+        mask &= r["q_seg"][...] == r["kv_seg"][...]
+    if st.mask_heads is not None:
+        mask &= r["mask"][...] != 0
+    return s, capped, mask, rows, cols
+
+
+def _dropout_keep(st: _Static, r, b, h, rows, cols):
+    seed = r["seed"][0]
+    return dropout_hash.keep_mask(seed, b, h, rows, cols, st.dropout_prob)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input plumbing: every array input has a block spec derived from the grid's (b, head, q-block, kv-block)
+
+
+def _specs(st: _Static, names, coords, block_q: int, block_kv: int, d: int, dv: int):
+    """BlockSpecs for ``names``; ``coords(*grid) -> (b, q_head, qi, ki)``."""
+    g = st.groups
+
+    def spec(block, index):
+        return pl.BlockSpec(block, lambda *grid: index(*coords(*grid)))
+
+    table = {
+        "q": lambda: spec((None, None, block_q, d), lambda b, h, qi, ki: (b, h, qi, 0)),
+        "k": lambda: spec((None, None, block_kv, d), lambda b, h, qi, ki: (b, h // g, ki, 0)),
+        "v": lambda: spec((None, None, block_kv, dv), lambda b, h, qi, ki: (b, h // g, ki, 0)),
+        "o": lambda: spec((None, None, block_q, dv), lambda b, h, qi, ki: (b, h, qi, 0)),
+        "do": lambda: spec((None, None, block_q, dv), lambda b, h, qi, ki: (b, h, qi, 0)),
+        "lse": lambda: spec((None, None, block_q, 1), lambda b, h, qi, ki: (b, h, qi, 0)),
+        "delta": lambda: spec((None, None, block_q, 1), lambda b, h, qi, ki: (b, h, qi, 0)),
+        "q_pos": lambda: spec((None, block_q, 1), lambda b, h, qi, ki: (b, qi, 0)),
+        "q_seg": lambda: spec((None, block_q, 1), lambda b, h, qi, ki: (b, qi, 0)),
+        "kv_pos": lambda: spec((None, 1, block_kv), lambda b, h, qi, ki: (b, 0, ki)),
+        "kv_seg": lambda: spec((None, 1, block_kv), lambda b, h, qi, ki: (b, 0, ki)),
+        "sinks": lambda: spec((None, 1, st.num_sinks), lambda b, h, qi, ki: (h, 0, 0)),
+        "seed": lambda: pl.BlockSpec(memory_space=pltpu.SMEM),
+    }
+    if st.bias_shape is not None:
+        bb, bh = st.bias_shape
+        table["bias"] = lambda: spec(
+            (None, None, block_q, block_kv),
+            lambda b, h, qi, ki: (b if bb > 1 else 0, h if bh > 1 else 0, qi, ki),
+        )
+        table["dbias"] = lambda: spec((None, None, block_q, block_kv), lambda b, h, qi, ki: (b, h, qi, ki))
+    if st.mask_heads is not None:
+        mh = st.mask_heads
+        table["mask"] = lambda: spec(
+            (None, None, block_q, block_kv), lambda b, h, qi, ki: (b, h if mh > 1 else 0, qi, ki)
+        )
+    return [table[name]() for name in names]
+
+
+def _check_tiling(st: _Static, arrays: dict, names, specs):
+    for name, spec in zip(names, specs):
+        if name == "seed":
+            continue
+        array = arrays[name]
+        check_block(f"flash_attention[{name}]", spec.block_shape, array.shape, array.dtype)
+
+
+def _compiler_params(num_parallel: int, num_arbitrary: int):
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_parallel + ("arbitrary",) * num_arbitrary)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward kernel
+
+
+def _fwd_kernel(*refs, st: _Static, names):
+    r = dict(zip(names, refs))
+    block_q, block_kv = st.blocks.fwd_q, st.blocks.fwd_kv
+    b, h, qi, ki = (pl.program_id(i) for i in range(4))
+    m_ref, l_ref, acc_ref = r["m_scratch"], r["l_scratch"], r["acc_scratch"]
+
+    @pl.when(ki == 0)
+    def _init():
+        if st.num_sinks:
+            sinks = r["sinks"][...].astype(jnp.float32)  # (1, K)
+            m0 = jnp.max(sinks, axis=-1, keepdims=True)
+            m_ref[...] = jnp.broadcast_to(m0, m_ref.shape)
+            l_ref[...] = jnp.broadcast_to(jnp.sum(jnp.exp(sinks - m0), axis=-1, keepdims=True), l_ref.shape)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(_block_visible(st, qi, ki, block_q, block_kv))
+    def _step():
+        s, _, mask, rows, cols = _logits_and_mask(st, r, b, h, qi, ki, block_q, block_kv)
+        s = jnp.where(mask, s, -jnp.inf)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m_prev - m_safe)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
+        m_ref[...] = m_new
+        if st.dropout_prob > 0.0:
+            keep = _dropout_keep(st, r, b, h, rows, cols)
+            p = jnp.where(keep, p * (1.0 / (1.0 - st.dropout_prob)), 0.0)
+        v = r["v"][...]
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        acc_ref[...] = alpha * acc_ref[...] + pv
+
+    @pl.when(ki == pl.num_programs(3) - 1)
+    def _finish():
+        l = l_ref[...]
+        m = m_ref[...]
+        has_mass = l > 0.0
+        safe_l = jnp.where(has_mass, l, 1.0)
+        r["out"][...] = jnp.where(has_mass, acc_ref[...] / safe_l, 0.0).astype(r["out"].dtype)
+        # Rows with no mass never produce probabilities in the backward (they are masked everywhere).
+        r["lse_out"][...] = jnp.where(has_mass, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l), 0.0)
+
+
+def _forward(st: _Static, arrays: dict):
+    q = arrays["q"]
+    batch, heads, sq_pad, d = q.shape
+    skv_pad, dv = arrays["v"].shape[2], arrays["v"].shape[3]
+    block_q, block_kv = st.blocks.fwd_q, st.blocks.fwd_kv
+    names = [n for n in ("q", "k", "v", "bias", "mask", "q_pos", "kv_pos", "q_seg", "kv_seg", "sinks", "seed") if n in arrays]
+    coords = lambda b, h, qi, ki: (b, h, qi, ki)  # noqa: E731
+    in_specs = _specs(st, names, coords, block_q, block_kv, d, dv)
+    _check_tiling(st, arrays, names, in_specs)
+    out_specs = _specs(st, ["o", "lse"], coords, block_q, block_kv, d, dv)
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, heads, sq_pad, dv), q.dtype),
+        jax.ShapeDtypeStruct((batch, heads, sq_pad, 1), jnp.float32),
+    ]
+    kernel = functools.partial(
+        _fwd_kernel, st=st, names=names + ["out", "lse_out", "m_scratch", "l_scratch", "acc_scratch"]
+    )
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(batch, heads, sq_pad // block_q, skv_pad // block_kv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=[
+            pltpu.VMEM((block_q, 1), jnp.float32),
+            pltpu.VMEM((block_q, 1), jnp.float32),
+            pltpu.VMEM((block_q, dv), jnp.float32),
+        ],
+        compiler_params=_compiler_params(3, 1),
+        interpret=st.interpret,
+        name="ejkernel_tpu_flash_fwd",
+    )(*[arrays[n] for n in names])
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward kernels
+
+
+def _probabilities_and_dlogits(st: _Static, r, b, h, qi, ki, block_q, block_kv):
+    """Recomputed (dropped-out) probabilities, and the logit gradients before (dS) and after the cap."""
+    s, capped, mask, rows, cols = _logits_and_mask(st, r, b, h, qi, ki, block_q, block_kv)
+    p = jnp.where(mask, jnp.exp(s - r["lse"][...]), 0.0)
+    do = r["do"][...]
+    v = r["v"][...]
+    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    p_dropped = p
+    if st.dropout_prob > 0.0:
+        keep = _dropout_keep(st, r, b, h, rows, cols)
+        inv_keep = 1.0 / (1.0 - st.dropout_prob)
+        p_dropped = jnp.where(keep, p * inv_keep, 0.0)
+        dp = jnp.where(keep, dp * inv_keep, 0.0)
+    ds = p * (dp - r["delta"][...])  # gradient of the final logits (what the bias receives)
+    ds_raw = ds
+    if st.soft_cap is not None:
+        ds_raw = ds * (1.0 - jnp.square(capped / st.soft_cap))
+    return p_dropped, ds, ds_raw * st.scale
+
+
+def _dkv_kernel(*refs, st: _Static, names):
+    r = dict(zip(names, refs))
+    block_q, block_kv = st.blocks.dkv_q, st.blocks.dkv_kv
+    b, hk, ki, g, qi = (pl.program_id(i) for i in range(5))
+    h = hk * st.groups + g
+    dk_acc, dv_acc = r["dk_scratch"], r["dv_scratch"]
+
+    @pl.when(jnp.logical_and(g == 0, qi == 0))
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when(_block_visible(st, qi, ki, block_q, block_kv))
+    def _step():
+        p_dropped, _, ds_scaled = _probabilities_and_dlogits(st, r, b, h, qi, ki, block_q, block_kv)
+        q, do = r["q"][...], r["do"][...]
+        dv_acc[...] += jax.lax.dot_general(
+            p_dropped.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        dk_acc[...] += jax.lax.dot_general(
+            ds_scaled.astype(q.dtype), q, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(jnp.logical_and(g == pl.num_programs(3) - 1, qi == pl.num_programs(4) - 1))
+    def _finish():
+        r["dk_out"][...] = dk_acc[...].astype(r["dk_out"].dtype)
+        r["dv_out"][...] = dv_acc[...].astype(r["dv_out"].dtype)
+
+
+def _dq_kernel(*refs, st: _Static, names):
+    r = dict(zip(names, refs))
+    block_q, block_kv = st.blocks.dq_q, st.blocks.dq_kv
+    b, h, qi, ki = (pl.program_id(i) for i in range(4))
+    dq_acc = r["dq_scratch"]
+    visible = _block_visible(st, qi, ki, block_q, block_kv)
+
+    @pl.when(ki == 0)
+    def _init():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    @pl.when(visible)
+    def _step():
+        _, ds, ds_scaled = _probabilities_and_dlogits(st, r, b, h, qi, ki, block_q, block_kv)
+        k = r["k"][...]
+        dq_acc[...] += jax.lax.dot_general(
+            ds_scaled.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        if st.bias_shape is not None:
+            r["dbias_out"][...] = ds
+
+    if st.bias_shape is not None:
+
+        @pl.when(jnp.logical_not(visible))
+        def _hidden():
+            r["dbias_out"][...] = jnp.zeros(r["dbias_out"].shape, jnp.float32)
+
+    @pl.when(ki == pl.num_programs(3) - 1)
+    def _finish():
+        r["dq_out"][...] = dq_acc[...].astype(r["dq_out"].dtype)
+
+
+_BWD_INPUTS = ("q", "k", "v", "bias", "mask", "q_pos", "kv_pos", "q_seg", "kv_seg", "seed", "do", "lse", "delta")
+
+
+def _backward(st: _Static, arrays: dict):
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    batch, heads, sq_pad, d = q.shape
+    kv_heads, skv_pad, dv = k.shape[1], k.shape[2], v.shape[3]
+    names = [n for n in _BWD_INPUTS if n in arrays]
+    g = st.groups
+
+    # dK, dV: grid (b, kv head, kv block, q head in group, q block); the last two axes reduce.
+    bq, bkv = st.blocks.dkv_q, st.blocks.dkv_kv
+    coords = lambda b, hk, ki, gi, qi: (b, hk * g + gi, qi, ki)  # noqa: E731
+    in_specs = _specs(st, names, coords, bq, bkv, d, dv)
+    _check_tiling(st, arrays, names, in_specs)
+    kv_out = _specs(st, ["k", "v"], coords, bq, bkv, d, dv)
+    dk, dv_ = pl.pallas_call(
+        functools.partial(_dkv_kernel, st=st, names=names + ["dk_out", "dv_out", "dk_scratch", "dv_scratch"]),
+        grid=(batch, kv_heads, skv_pad // bkv, g, sq_pad // bq),
+        in_specs=in_specs,
+        out_specs=kv_out,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, dv), jnp.float32)],
+        compiler_params=_compiler_params(3, 2),
+        interpret=st.interpret,
+        name="ejkernel_tpu_flash_dkv",
+    )(*[arrays[n] for n in names])
+
+    # dQ (and dBias): grid (b, q head, q block, kv block).
+    bq, bkv = st.blocks.dq_q, st.blocks.dq_kv
+    coords = lambda b, h, qi, ki: (b, h, qi, ki)  # noqa: E731
+    in_specs = _specs(st, names, coords, bq, bkv, d, dv)
+    _check_tiling(st, arrays, names, in_specs)
+    out_names, out_shape = ["q"], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if st.bias_shape is not None:
+        out_names.append("dbias")
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, sq_pad, skv_pad), jnp.float32))
+    outs = pl.pallas_call(
+        functools.partial(_dq_kernel, st=st, names=names + ["dq_out", "dbias_out"][: len(out_names)] + ["dq_scratch"]),
+        grid=(batch, heads, sq_pad // bq, skv_pad // bkv),
+        in_specs=in_specs,
+        out_specs=_specs(st, out_names, coords, bq, bkv, d, dv),
+        out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
+        compiler_params=_compiler_params(3, 1),
+        interpret=st.interpret,
+        name="ejkernel_tpu_flash_dq",
+    )(*[arrays[n] for n in names])
+    dq = outs[0]
+    dbias = outs[1] if st.bias_shape is not None else None
+    return dq, dk, dv_, dbias
+
+
+# ---------------------------------------------------------------------------------------------------
+# Custom VJP over the padded, head-major arrays
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(st: _Static, arrays: dict):
+    out, _ = _forward(st, arrays)
+    return out
+
+
+def _attention_fwd(st: _Static, arrays: dict):
+    out, lse = _forward(st, arrays)
+    return out, (arrays, out, lse)
+
+
+def _attention_bwd(st: _Static, residuals, d_out):
+    arrays, out, lse = residuals
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    bwd_arrays = {**arrays, "do": d_out, "lse": lse, "delta": delta}
+    bwd_arrays.pop("sinks", None)
+    dq, dk, dv, dbias = _backward(st, bwd_arrays)
+    grads = {}
+    for name, value in arrays.items():
+        if name == "q":
+            grads[name] = dq
+        elif name == "k":
+            grads[name] = dk
+        elif name == "v":
+            grads[name] = dv
+        elif name == "bias":
+            bb, bh = st.bias_shape
+            reduce_axes = tuple(axis for axis, size in ((0, bb), (1, bh)) if size == 1)
+            grads[name] = jnp.sum(dbias, axis=reduce_axes, keepdims=True).astype(value.dtype)
+        elif name == "sinks":
+            # d/d sink_k = -sum_i P_sink[i, k] * delta_i with P_sink = exp(sink_k - lse_i).
+            sinks = value[:, 0, :].astype(jnp.float32)  # [H, K]
+            p_sink = jnp.exp(sinks[None, :, None, :] - lse)  # [B, H, Sq, K]
+            grads[name] = (-jnp.sum(p_sink * delta, axis=(0, 2)))[:, None, :].astype(value.dtype)
+        elif jnp.issubdtype(value.dtype, jnp.floating):
+            grads[name] = jnp.zeros_like(value)
+        else:
+            grads[name] = None
+    return (grads,)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public entry (canonical signature, arguments already normalized by core)
+
+
+def _varlen_metadata(cum_seqlens, total: int, padded: int, outside: int):
+    """Per-token (sequence index, local index) for a packed axis; tokens past the end get ``outside``."""
+    tokens = jnp.arange(padded, dtype=jnp.int32)
+    cum = cum_seqlens.astype(jnp.int32)
+    seq = jnp.searchsorted(cum, tokens, side="right").astype(jnp.int32) - 1
+    inside = tokens < cum[-1]
+    seq_clamped = jnp.clip(seq, 0, cum.shape[0] - 2)
+    local = tokens - cum[seq_clamped]
+    return jnp.where(inside, seq_clamped, outside), local, seq_clamped
+
+
+def check_supported(
+    query, key, value, bias=None, *, attention_mask=None, q_segment_ids=None, kv_segment_ids=None,
+    cum_seqlens_q=None, cum_seqlens_k=None, dropout_prob=0.0, softmax_aux=None, **_,
+):
+    """Raise UnsupportedFeature for calls these kernels do not take (shapes/dtypes only)."""
+    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise UnsupportedFeature(f"pallas TPU flash_attention: dtype {query.dtype} is not supported")
+    if cum_seqlens_q is not None and (q_segment_ids is not None or kv_segment_ids is not None):
+        raise UnsupportedFeature("pallas TPU flash_attention: segment ids together with cum_seqlens")
+    if softmax_aux is not None and softmax_aux.ndim not in (1, 2):
+        raise UnsupportedFeature("pallas TPU flash_attention: softmax_aux must be [H] or [H, K]")
+
+
+def flash_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    *,
+    attention_mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    softmax_scale: float,
+    causal: bool,
+    sliding_window=None,
+    logits_soft_cap=None,
+    dropout_prob: float = 0.0,
+    dropout_seed=None,
+    cum_seqlens_q=None,
+    cum_seqlens_k=None,
+    softmax_aux=None,
+    cfg=None,
+    interpret=False,
+):
+    """TPU flash attention.
+
+    ``interpret``: False (compile with Mosaic), True (Pallas' generic interpreter: fastest on CPU), or a
+    ``pltpu.InterpretParams`` (the TPU-faithful interpreter; ``detect_races=True`` checks for data races).
+    """
+    check_supported(
+        query, key, value, bias, attention_mask=attention_mask, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k,
+        dropout_prob=dropout_prob, softmax_aux=softmax_aux,
+    )
+    batch, sq, heads, d = query.shape
+    skv, kv_heads, dv = key.shape[1], key.shape[2], value.shape[3]
+    varlen = cum_seqlens_q is not None
+    # Rows of q-side blocks also index int8 masks (32-row tiles) and f32 metadata (8-row tiles).
+    row_multiple = max(sublane_multiple(query.dtype), 32 if attention_mask is not None else 8)
+    blocks = choose_blocks(cfg, sq, skv, row_multiple)
+    sq_pad = round_up(sq, math.lcm(blocks.fwd_q, blocks.dkv_q, blocks.dq_q))
+    skv_pad = round_up(skv, math.lcm(blocks.fwd_kv, blocks.dkv_kv, blocks.dq_kv))
+    arrays = {
+        "q": _pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
+        "k": _pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
+        "v": _pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
+    }
+    bias_shape = None
+    if bias is not None:
+        bias_shape = (bias.shape[0], bias.shape[1])
+        arrays["bias"] = _pad_axis(_pad_axis(bias, 2, sq_pad), 3, skv_pad)
+    mask_heads = None
+    if attention_mask is not None:
+        mask_heads = attention_mask.shape[1]
+        arrays["mask"] = _pad_axis(_pad_axis(attention_mask.astype(jnp.int8), 2, sq_pad), 3, skv_pad)
+
+    has_segments = q_segment_ids is not None or varlen
+    if varlen:
+        q_seq, q_local, q_seq_c = _varlen_metadata(cum_seqlens_q, sq, sq_pad, -1)
+        kv_seq, kv_local, kv_seq_c = _varlen_metadata(cum_seqlens_k, skv, skv_pad, -2)
+        cq, ck = cum_seqlens_q.astype(jnp.int32), cum_seqlens_k.astype(jnp.int32)
+        # Bottom-right alignment inside each sequence: p(i) = i_local + Skv_n - Sq_n.
+        q_pos = q_local + (ck[q_seq_c + 1] - ck[q_seq_c]) - (cq[q_seq_c + 1] - cq[q_seq_c])
+        arrays["q_pos"] = q_pos[None, :, None]
+        arrays["kv_pos"] = kv_local[None, None, :]
+        arrays["q_seg"] = q_seq[None, :, None]
+        arrays["kv_seg"] = kv_seq[None, None, :]
+    elif has_segments:
+        arrays["q_seg"] = _pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_pad)[:, :, None]
+        arrays["kv_seg"] = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, skv_pad)[:, None, :]
+    num_sinks = 0
+    if softmax_aux is not None:
+        sinks = softmax_aux.reshape(heads, -1) if softmax_aux.ndim == 1 else softmax_aux
+        num_sinks = sinks.shape[1]
+        arrays["sinks"] = sinks[:, None, :]
+    if dropout_prob > 0.0:
+        if dropout_seed is None:
+            raise ValueError("dropout_prob > 0 needs dropout_seed")
+        seed = jnp.asarray(dropout_seed).astype(jnp.uint32).astype(jnp.int32)
+        arrays["seed"] = seed.reshape(1)
+
+    st = _Static(
+        scale=float(softmax_scale),
+        causal=bool(causal),
+        window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        dropout_prob=float(dropout_prob),
+        sq=sq,
+        skv=skv,
+        q_offset=skv - sq,
+        groups=heads // kv_heads,
+        varlen=varlen,
+        has_segments=has_segments,
+        bias_shape=bias_shape,
+        mask_heads=mask_heads,
+        num_sinks=num_sinks,
+        blocks=blocks,
+        interpret=interpret,
+    )
+    out = _attention(st, arrays)
+    return jnp.swapaxes(out[:, :, :sq], 1, 2)
+
+
+def heuristic_blocks(sq: int, skv: int, dtype=jnp.bfloat16) -> TpuFlashBlocks:
+    """The blocks used when the config leaves them unset (exposed for tests and autotuning)."""
+    return choose_blocks(None, sq, skv, sublane_multiple(dtype))
+
+
+def config_space_blocks(sq: int, skv: int) -> list[tuple[int, int]]:
+    """(q, kv) block candidates that tile on TPU: multiples of 128 up to the padded lengths."""
+    sizes = [s for s in (128, 256, 512, 1024) if s <= max(LANES, round_up(max(sq, skv), LANES))]
+    return [(bq, bk) for bq in sizes for bk in sizes]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Micro-benchmark (on a TPU; `python -m ejkernel_pallas.tpu_flash_attention`)
+
+
+def _benchmark(batch=4, seq=4096, heads=16, dim=128, causal=True, iters=20):
+    import time
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (batch, seq, heads, dim), jnp.bfloat16) for kk in keys)
+    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, softmax_scale=dim**-0.5, causal=causal))
+    fn(q, k, v).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(iters):
+        out = fn(q, k, v)
+    out.block_until_ready()
+    seconds = (time.perf_counter() - start) / iters
+    flops = 4 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
+    print(f"tpu flash fwd B={batch} S={seq} H={heads} D={dim} causal={causal}: {seconds * 1e3:.3f} ms, {flops / seconds / 1e12:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    _benchmark()
