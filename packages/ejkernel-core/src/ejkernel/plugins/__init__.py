@@ -44,6 +44,8 @@ __all__ = [
     "get_backend",
     "hookimpl",
     "hookspec",
+    "PluginHost",
+    "host",
     "load_plugin",
     "plugin_manager",
     "provider_hint",
@@ -113,20 +115,163 @@ class LoadedBackend:
         }
 
 
-_lock = threading.RLock()
-_manager: pluggy.PluginManager | None = None
-_backends: dict[str, LoadedBackend] = {}
-_discovered = False
+class PluginHost:
+    """Loads backend plugins into a registry and remembers what happened to each.
 
+    The process has one (:func:`host`) bound to ``kernel_registry``; tests and embedders can make their own.
+    """
 
-def plugin_manager() -> pluggy.PluginManager:
-    """The pluggy manager holding every loaded backend plugin."""
-    global _manager
-    with _lock:
-        if _manager is None:
-            _manager = pluggy.PluginManager(PROJECT_NAME)
-            _manager.add_hookspecs(BackendHookSpec)
-        return _manager
+    def __init__(self, registry: KernelRegistry) -> None:
+        self.registry = registry
+        self.manager = pluggy.PluginManager(PROJECT_NAME)
+        self.manager.add_hookspecs(BackendHookSpec)
+        self.backends: dict[str, LoadedBackend] = {}
+        self.discovered = False
+        self._lock = threading.RLock()
+        self._warned: set[tuple[str, str]] = set()
+        self._shipped: dict[tuple[str, str, str], dict] = {}
+
+    # ---- loading ------------------------------------------------------------------------------
+    def discover(self, entry_points=None) -> dict[str, LoadedBackend]:
+        """Load every backend plugin from entry points once (idempotent); honours the env controls."""
+        with self._lock:
+            if self.discovered:
+                return self.backends
+            self.discovered = True
+            if os.environ.get("EJKERNEL_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("", "0", "false", "False"):
+                return self.backends
+            only = _env_names("EJKERNEL_PLUGINS")
+            blocked = _env_names("EJKERNEL_BLOCK_PLUGINS") or set()
+            if entry_points is None:
+                entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+            for entry_point in entry_points:
+                if entry_point.name in blocked or (only is not None and entry_point.name not in only):
+                    continue
+                if entry_point.name in self.backends:
+                    self._warn_once(
+                        self.backends[entry_point.name],
+                        f"a second entry point named {entry_point.name!r} ({_dist_label(entry_point)}) was ignored",
+                    )
+                    continue
+                self._load_entry_point(entry_point)
+            return self.backends
+
+    def _load_entry_point(self, entry_point: importlib.metadata.EntryPoint) -> None:
+        dist = entry_point.dist
+        backend = LoadedBackend(
+            name=entry_point.name,
+            distribution=dist.name if dist is not None else None,
+            version=dist.version if dist is not None else None,
+        )
+        self.backends[backend.name] = backend
+        try:
+            plugin = entry_point.load()
+        except BaseException as exc:  # noqa: BLE001 - a plugin calling sys.exit() at import is broken too
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            backend.error = f"import of {entry_point.value!r} failed: {type(exc).__name__}: {exc}"
+            self._warn_once(backend, backend.error)
+            return
+        self._register(backend, plugin)
+
+    def load_plugin(self, plugin: Any, name: str | None = None) -> LoadedBackend:
+        """Load a plugin object or module by hand (when autoload is disabled, or in tests)."""
+        with self._lock:
+            label = name or getattr(plugin, "__name__", None) or repr(plugin)
+            backend = LoadedBackend(name=label, distribution=None, version=None)
+            self._register(backend, plugin)
+            self.backends[backend.name] = backend
+            return backend
+
+    def _register(self, backend: LoadedBackend, plugin: Any) -> None:
+        try:
+            self.manager.register(plugin, name=backend.name)
+        except Exception as exc:
+            backend.error = f"not a valid plugin: {type(exc).__name__}: {exc}"
+            self._warn_once(backend, backend.error)
+            return
+        try:
+            info_impl = getattr(plugin, "ejkernel_backend_info", None)
+            if info_impl is None:
+                raise PluginError("it does not implement the required hook ejkernel_backend_info")
+            info = info_impl()
+            if not isinstance(info, BackendInfo):
+                raise PluginError(f"ejkernel_backend_info returned {type(info).__name__}, expected BackendInfo")
+            if info.api_version != PLUGIN_API_VERSION:
+                raise PluginError(
+                    f"built for ejkernel plugin API {info.api_version}; this ejkernel-core speaks {PLUGIN_API_VERSION}"
+                )
+            backend.info = info
+            backend.distribution = backend.distribution or info.distribution
+            backend.version = backend.version or info.version
+            register_impl = getattr(plugin, "ejkernel_register_kernels", None)
+            if register_impl is not None:
+                before = _count(self.registry)
+                register_impl(registry=self.registry, plugin=backend.name)
+                backend.implementations = _count(self.registry) - before
+        except Exception as exc:
+            self.registry.unregister_plugin(backend.name)
+            self.manager.unregister(name=backend.name)
+            backend.implementations = 0
+            backend.error = f"{type(exc).__name__}: {exc}"
+            self._warn_once(backend, backend.error)
+
+    def _warn_once(self, backend: LoadedBackend, message: str) -> None:
+        key = (backend.name, message)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        origin = f" ({backend.distribution} {backend.version})" if backend.distribution else ""
+        warnings.warn(
+            f"ejkernel backend plugin {backend.name!r}{origin} was skipped: {message}", PluginWarning, stacklevel=4
+        )
+
+    # ---- queries ------------------------------------------------------------------------------
+    def usable_reason(self, plugin: str | None) -> str | None:
+        """Why the plugin that registered an implementation cannot run here; None if it can.
+
+        Implementations registered directly (no plugin) are taken as usable.
+        """
+        if plugin is None:
+            return None
+        backend = self.discover().get(plugin)
+        return None if backend is None else backend.unusable_reason()
+
+    def provider_hint(self, platform: str, algorithm: str) -> str:
+        """One sentence on which plugin would provide ``platform`` (installed, broken or missing)."""
+        providers = [b for b in self.discover().values() if platform in b.platforms]
+        for backend in providers:
+            if backend.error is not None:
+                return f"Backend {backend.name!r} ({backend.distribution}) is installed but broken: {backend.error}."
+        if providers:
+            names = ", ".join(f"{b.name!r} ({b.distribution} {b.version})" for b in providers)
+            return f"Installed backend(s) {names} provide platform {platform!r} but implement no {algorithm!r}."
+        distribution = FIRST_PARTY.get(platform)
+        if distribution:
+            broken = self.backends.get(platform)
+            if broken is not None and broken.error is not None:
+                return f"Backend {platform!r} ({broken.distribution}) is installed but broken: {broken.error}."
+            return f"Platform {platform!r} comes from the {distribution} distribution: pip install {distribution}."
+        return f"No installed backend provides platform {platform!r}."
+
+    def shipped_configs(self, algorithm: str, platform: str, device_kind: str) -> dict:
+        """Merged tuned configs that loaded plugins ship for this device kind (a broken hook is skipped)."""
+        key = (algorithm, platform, device_kind)
+        with self._lock:
+            if key in self._shipped:
+                return self._shipped[key]
+            merged: dict = {}
+            for impl in self.manager.hook.ejkernel_shipped_configs.get_hookimpls():
+                try:
+                    result = impl.function(algorithm=algorithm, platform=platform, device_kind=device_kind)
+                except Exception as exc:
+                    backend = self.backends.get(impl.plugin_name) or LoadedBackend(impl.plugin_name, None, None)
+                    self._warn_once(backend, f"ejkernel_shipped_configs raised {type(exc).__name__}: {exc}")
+                    continue
+                if result:
+                    merged.update(result)
+            self._shipped[key] = merged
+            return merged
 
 
 def _env_names(variable: str) -> set[str] | None:
@@ -136,186 +281,54 @@ def _env_names(variable: str) -> set[str] | None:
     return {part.strip() for part in value.split(",") if part.strip()}
 
 
-def discover(registry: KernelRegistry = kernel_registry) -> dict[str, LoadedBackend]:
-    """Load every backend plugin from entry points once (idempotent); returns the backends table."""
-    global _discovered
-    with _lock:
-        if _discovered:
-            return _backends
-        _discovered = True
-        if os.environ.get("EJKERNEL_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("", "0", "false", "False"):
-            return _backends
-        only = _env_names("EJKERNEL_PLUGINS")
-        blocked = _env_names("EJKERNEL_BLOCK_PLUGINS") or set()
-        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if entry_point.name in blocked or (only is not None and entry_point.name not in only):
-                continue
-            if entry_point.name in _backends:
-                _warn_once(
-                    _backends[entry_point.name],
-                    f"a second entry point named {entry_point.name!r} ({_dist_label(entry_point)}) was ignored",
-                )
-                continue
-            _load_entry_point(entry_point, registry)
-        return _backends
-
-
 def _dist_label(entry_point: importlib.metadata.EntryPoint) -> str:
     dist = entry_point.dist
     return f"{dist.name} {dist.version}" if dist is not None else entry_point.value
-
-
-def _load_entry_point(entry_point: importlib.metadata.EntryPoint, registry: KernelRegistry) -> None:
-    dist = entry_point.dist
-    backend = LoadedBackend(
-        name=entry_point.name,
-        distribution=dist.name if dist is not None else None,
-        version=dist.version if dist is not None else None,
-    )
-    _backends[backend.name] = backend
-    try:
-        plugin = entry_point.load()
-    except BaseException as exc:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from a plugin import too
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        backend.error = f"import of {entry_point.value!r} failed: {type(exc).__name__}: {exc}"
-        _warn_once(backend, backend.error)
-        return
-    _register(backend, plugin, registry)
-
-
-def load_plugin(plugin: Any, name: str | None = None, registry: KernelRegistry = kernel_registry) -> LoadedBackend:
-    """Load a plugin object or module by hand (when autoload is disabled, or in tests)."""
-    with _lock:
-        label = name or getattr(plugin, "__name__", None) or repr(plugin)
-        backend = LoadedBackend(name=label, distribution=None, version=None)
-        _register(backend, plugin, registry)
-        if backend.info is not None and name is None:
-            backend.name = backend.info.name
-        _backends[backend.name] = backend
-        return backend
-
-
-def _register(backend: LoadedBackend, plugin: Any, registry: KernelRegistry) -> None:
-    manager = plugin_manager()
-    try:
-        manager.register(plugin, name=backend.name)
-    except Exception as exc:
-        backend.error = f"not a valid plugin: {type(exc).__name__}: {exc}"
-        _warn_once(backend, backend.error)
-        return
-    try:
-        info_impl = getattr(plugin, "ejkernel_backend_info", None)
-        if info_impl is None:
-            raise PluginError("it does not implement the required hook ejkernel_backend_info")
-        info = info_impl()
-        if not isinstance(info, BackendInfo):
-            raise PluginError(f"ejkernel_backend_info returned {type(info).__name__}, expected BackendInfo")
-        if info.api_version != PLUGIN_API_VERSION:
-            raise PluginError(
-                f"built for ejkernel plugin API {info.api_version}; this ejkernel-core speaks {PLUGIN_API_VERSION}"
-            )
-        backend.info = info
-        backend.distribution = backend.distribution or info.distribution
-        backend.version = backend.version or info.version
-        register_impl = getattr(plugin, "ejkernel_register_kernels", None)
-        if register_impl is not None:
-            before = _count(registry)
-            register_impl(registry=registry, plugin=backend.name)
-            backend.implementations = _count(registry) - before
-    except Exception as exc:
-        registry.unregister_plugin(backend.name)
-        manager.unregister(name=backend.name)
-        backend.implementations = 0
-        backend.error = f"{type(exc).__name__}: {exc}"
-        _warn_once(backend, backend.error)
 
 
 def _count(registry: KernelRegistry) -> int:
     return sum(len(registry.list_implementations(a)) for a in registry.list_algorithms())
 
 
-_warned: set[tuple[str, str]] = set()
+_host = PluginHost(kernel_registry)
 
 
-def _warn_once(backend: LoadedBackend, message: str) -> None:
-    key = (backend.name, message)
-    if key in _warned:
-        return
-    _warned.add(key)
-    origin = f" ({backend.distribution} {backend.version})" if backend.distribution else ""
-    warnings.warn(
-        f"ejkernel backend plugin {backend.name!r}{origin} was skipped: {message}", PluginWarning, stacklevel=3
-    )
+def host() -> PluginHost:
+    """The process-wide plugin host (bound to ``kernel_registry``)."""
+    return _host
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The pluggy manager holding every loaded backend plugin."""
+    return _host.manager
+
+
+def discover() -> dict[str, LoadedBackend]:
+    """Load the installed backend plugins into ``kernel_registry`` (once; later calls are free)."""
+    return _host.discover()
+
+
+def load_plugin(plugin: Any, name: str | None = None) -> LoadedBackend:
+    """Load a plugin object or module by hand into the process-wide host."""
+    return _host.load_plugin(plugin, name)
 
 
 def backends() -> dict[str, LoadedBackend]:
     """Every discovered backend by name (loaded or broken)."""
-    return dict(discover())
+    return dict(_host.discover())
 
 
 def get_backend(name: str) -> LoadedBackend | None:
-    return discover().get(name)
+    return _host.discover().get(name)
 
 
 def usable_reason(plugin: str | None) -> str | None:
-    """Why the plugin that registered an implementation cannot run here; None if it can.
-
-    Implementations registered directly (no plugin) are taken as usable.
-    """
-    if plugin is None:
-        return None
-    backend = discover().get(plugin)
-    if backend is None:
-        return None
-    return backend.unusable_reason()
+    return _host.usable_reason(plugin)
 
 
 def provider_hint(platform: str, algorithm: str) -> str:
-    """One sentence on which plugin would provide ``platform`` (installed, broken or missing)."""
-    providers = [b for b in discover().values() if platform in b.platforms or (b.info is None and b.name == platform)]
-    for backend in providers:
-        if backend.error is not None:
-            return f"Backend {backend.name!r} ({backend.distribution}) is installed but broken: {backend.error}."
-    if providers:
-        names = ", ".join(f"{b.name!r} ({b.distribution} {b.version})" for b in providers)
-        return f"Installed backend(s) {names} provide platform {platform!r} but implement no {algorithm!r}."
-    distribution = FIRST_PARTY.get(platform)
-    if distribution:
-        return f"Platform {platform!r} comes from the {distribution} distribution: pip install {distribution}."
-    return f"No installed backend provides platform {platform!r}."
-
-
-_shipped_cache: dict[tuple[str, str, str], dict] = {}
+    return _host.provider_hint(platform, algorithm)
 
 
 def shipped_configs(algorithm: str, platform: str, device_kind: str) -> dict:
-    """Merged tuned configs that loaded plugins ship for this device kind (a broken hook is skipped)."""
-    key = (algorithm, platform, device_kind)
-    with _lock:
-        if key in _shipped_cache:
-            return _shipped_cache[key]
-        merged: dict = {}
-        manager = plugin_manager()
-        for impl in manager.hook.ejkernel_shipped_configs.get_hookimpls():
-            try:
-                result = impl.function(algorithm=algorithm, platform=platform, device_kind=device_kind)
-            except Exception as exc:
-                backend = _backends.get(impl.plugin_name) or LoadedBackend(impl.plugin_name, None, None)
-                _warn_once(backend, f"ejkernel_shipped_configs raised {type(exc).__name__}: {exc}")
-                continue
-            if result:
-                merged.update(result)
-        _shipped_cache[key] = merged
-        return merged
-
-
-def _reset_for_tests() -> None:
-    """Forget discovery state (tests only)."""
-    global _discovered, _manager
-    with _lock:
-        _discovered = False
-        _manager = None
-        _backends.clear()
-        _warned.clear()
-        _shipped_cache.clear()
+    return _host.shipped_configs(algorithm, platform, device_kind)
