@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from ejkernel.errors import KernelNotFoundError
 from ejkernel.kernels._registry import KernelSpec, current_backend, kernel_registry
-from ejkernel.modules.operations._dispatch import _optional_attribute, resolve
+from ejkernel.modules.operations._dispatch import Resolution, _optional_attribute, resolve
 from ejkernel.ops import Kernel
 
 
@@ -37,6 +37,11 @@ class RegistryOperation(Kernel):
         args, kwargs = self.validate(*args, **kwargs)
         resolution = resolve(self.algorithm, platform, args, kwargs)
         return args, {**kwargs, "platform": resolution.platform, "provider": resolution.spec.plugin or ""}
+
+    def explain(self, *args, platform: Any = "auto", **kwargs) -> Resolution:
+        """Which implementation would run this call here, and why better-ranked ones were passed over."""
+        args, kwargs = self.validate(*args, **kwargs)
+        return resolve(self.algorithm, platform, args, kwargs)
 
     def spec_for(self, platform: str, provider: str = "") -> KernelSpec:
         """The registered implementation ``prepare`` chose (by platform and providing plugin)."""

@@ -43,6 +43,15 @@ class Resolution:
     def implementation(self) -> Callable:
         return self.spec.implementation
 
+    def describe(self) -> str:
+        """``xla (from plugin 'xla'); passed over: triton (triton): no GPU visible``."""
+        text = f"{self.platform}/{self.spec.backend.value}" + (
+            f" from plugin {self.spec.plugin!r}" if self.spec.plugin else ""
+        )
+        if self.skipped:
+            text += "; passed over: " + "; ".join(f"{name}: {why}" for name, why in self.skipped)
+        return text
+
 
 def _spec_label(spec: KernelSpec) -> str:
     return f"{spec.platform.value}" + (f" ({spec.plugin})" if spec.plugin else "")
