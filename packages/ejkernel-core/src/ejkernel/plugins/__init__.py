@@ -255,21 +255,34 @@ class PluginHost:
         return f"No installed backend provides platform {platform!r}."
 
     def shipped_configs(self, algorithm: str, platform: str, device_kind: str) -> dict:
-        """Merged tuned configs that loaded plugins ship for this device kind (a broken hook is skipped)."""
+        """Merged ``{signature: config}`` tables that loaded plugins ship for this device model.
+
+        A plugin whose hook raises or returns something other than a mapping is warned about and
+        skipped; on a conflict the plugin registered first keeps its entry.
+        """
+        from collections.abc import Mapping
+
         key = (algorithm, platform, device_kind)
         with self._lock:
             if key in self._shipped:
                 return self._shipped[key]
             merged: dict = {}
             for impl in self.manager.hook.ejkernel_shipped_configs.get_hookimpls():
+                backend = self.backends.get(impl.plugin_name) or LoadedBackend(impl.plugin_name, None, None)
                 try:
                     result = impl.function(algorithm=algorithm, platform=platform, device_kind=device_kind)
                 except Exception as exc:
-                    backend = self.backends.get(impl.plugin_name) or LoadedBackend(impl.plugin_name, None, None)
                     self._warn_once(backend, f"ejkernel_shipped_configs raised {type(exc).__name__}: {exc}")
                     continue
-                if result:
-                    merged.update(result)
+                if result is None:
+                    continue
+                if not isinstance(result, Mapping):
+                    self._warn_once(
+                        backend, f"ejkernel_shipped_configs returned {type(result).__name__}, expected a mapping"
+                    )
+                    continue
+                for signature, config in result.items():
+                    merged.setdefault(signature, config)
             self._shipped[key] = merged
             return merged
 

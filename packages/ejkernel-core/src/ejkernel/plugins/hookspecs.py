@@ -66,8 +66,13 @@ class BackendHookSpec:
 
     @hookspec
     def ejkernel_shipped_configs(self, algorithm: str, platform: str, device_kind: str) -> Any:
-        """Tuned configs shipped for a device kind (``"NVIDIA H100 80GB HBM3"``).
+        """Tuned configs this plugin ships for ``algorithm`` on ``platform`` and a device model.
 
-        Return a mapping ``{cache_key: config}`` of configs in the executor's cache-key format, or None.
-        Called at most once per (algorithm, platform, device kind) and only when a config is needed.
+        ``device_kind`` is jax's device model name (``"NVIDIA H100 80GB HBM3"``). Return None or a mapping
+        ``{signature: config}``: ``signature`` is :attr:`ejkernel.ops.Invocation.signature` (the abstract
+        call: array shapes/dtypes and static arguments, free of kernel, device and jax versions, so a file
+        of them survives upgrades), or ``"*"`` for every call of this algorithm on this device. ``config``
+        is a config object or its typed JSON (:func:`ejkernel.ops.to_json`). ``ejkernel cache export
+        --shipped`` writes such a table from a tuned cache. Called at most once per (algorithm, platform,
+        device kind), only when a config is needed; must not compile anything.
         """

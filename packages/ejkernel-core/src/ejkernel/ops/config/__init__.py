@@ -1,0 +1,1 @@
+"""Config selection: in-memory and persistent caches, overlays, policies and the selector chain."""

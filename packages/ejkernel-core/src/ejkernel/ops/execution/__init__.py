@@ -1,0 +1,1 @@
+"""Running kernels: the executor, batch helpers and autotuning."""

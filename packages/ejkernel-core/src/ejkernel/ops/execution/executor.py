@@ -1,0 +1,112 @@
+"""The executor: selects a config for each call and runs the kernel with it.
+
+Under ``jax.jit`` the executor runs at trace time: the config is chosen from abstract shapes and the
+traced program contains only the chosen implementation, so selection costs nothing at run time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Generic, Protocol, runtime_checkable
+
+from ejkernel.ops.config.selection import ConfigSelectorChain
+from ejkernel.ops.core.kernel import Invocation, Kernel
+from ejkernel.ops.core.types import Cfg, Out
+from ejkernel.ops.execution.dispatch import run_kernel
+from ejkernel.ops.registry import record_invocation, recording_enabled
+
+__all__ = ["ConfigChooser", "Executor", "get_default_executor", "set_default_executor"]
+
+
+@runtime_checkable
+class ConfigChooser(Protocol):
+    """Anything that picks a config for an invocation (:class:`ConfigSelectorChain` is one)."""
+
+    def choose(self, inv: Invocation) -> Any: ...
+
+
+class Executor(Generic[Cfg, Out]):
+    """Runs kernels: ``executor(kernel, *args, cfg=None, **kwargs)``.
+
+    Per call: ``kernel.prepare`` validates/normalizes the arguments, an :class:`Invocation` is built,
+    the config is ``cfg`` when given (used exactly, for this call only, never cached) or the chooser's
+    pick, and ``run_<platform>`` (else ``run``) runs with it. An explicit ``platform=`` keyword is passed
+    through untouched and picks ``run_<platform>``.
+    """
+
+    def __init__(self, chooser: ConfigChooser | None = None):
+        if chooser is None:
+            chooser = ConfigSelectorChain()
+        if not callable(getattr(chooser, "choose", None)):
+            raise TypeError(f"Executor needs a chooser with a choose(invocation) method, got {type(chooser).__name__}")
+        self.chooser = chooser
+
+    def __call__(self, kernel: Kernel[Cfg, Out], *args: Any, cfg: Cfg | None = None, **kwargs: Any) -> Out:
+        if getattr(type(kernel), "prepare", None) is _BASE_PREPARE and isinstance(kernel, Kernel):
+            inv = Invocation._of_call(kernel, args, kwargs)  # the common fast path: nothing to normalize
+        else:
+            inv = self.invocation(kernel, *args, **kwargs)
+        if cfg is None:
+            cfg = self.chooser.choose(inv)
+        if recording_enabled():
+            record_invocation(kernel, inv)
+        return run_kernel(kernel, inv.args, inv.kwargs, cfg, inv=inv)
+
+    def invocation(self, kernel: Kernel, *args: Any, **kwargs: Any) -> Invocation:
+        """The :class:`Invocation` this executor would build for ``kernel(*args, **kwargs)``."""
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"Executor expects a Kernel as first argument, got {type(kernel).__name__}")
+        if type(kernel).prepare is not _BASE_PREPARE:
+            prepared = kernel.prepare(*args, **kwargs)
+            if not (isinstance(prepared, tuple) and len(prepared) == 2):
+                raise TypeError(f"{type(kernel).__qualname__}.prepare must return (args, kwargs), got {prepared!r}")
+            args, kwargs = tuple(prepared[0]), dict(prepared[1])
+        return Invocation._of_call(kernel, args, kwargs)
+
+    def choose(self, kernel: Kernel[Cfg, Out], *args: Any, **kwargs: Any) -> Cfg:
+        """The config this executor would use for ``kernel(*args, **kwargs)`` (nothing runs)."""
+        return self.chooser.choose(self.invocation(kernel, *args, **kwargs))
+
+    def __repr__(self) -> str:
+        return f"Executor({self.chooser!r})"
+
+
+_BASE_PREPARE = Kernel.prepare
+_default: Executor | None = None
+_default_lock = threading.Lock()
+
+
+def _build_default() -> Executor:
+    from ejkernel.ops.config.cache import ConfigCache
+    from ejkernel.ops.config.persistent import PersistentCache
+    from ejkernel.ops.config.selection import AutotunePolicy
+    from ejkernel.ops.execution.tuning import Tuner
+
+    # Heuristics unless EJKERNEL_AUTOTUNE_POLICY=autotune: autotuning every new shape inside a user's
+    # training loop is slow and surprising. Persisted and shipped configs are used either way; when
+    # autotuning is switched on, the per-key budget stays small.
+    policy = AutotunePolicy(allow_autotune=False, max_candidates=8, time_budget_s=20.0)
+    chain = ConfigSelectorChain(cache=ConfigCache(), persistent=PersistentCache(), policy=policy, tuner=Tuner())
+    return Executor(chain)
+
+
+def get_default_executor() -> Executor:
+    """The process-wide executor used by ``Kernel.__call__`` and the public operations (built lazily)."""
+    global _default
+    executor = _default
+    if executor is None:
+        with _default_lock:
+            if _default is None:
+                _default = _build_default()
+            executor = _default
+    return executor
+
+
+def set_default_executor(executor: Executor | None) -> Executor | None:
+    """Replace the process-wide executor (None: rebuild lazily on next use); returns the previous one."""
+    global _default
+    if executor is not None and not isinstance(executor, Executor):
+        raise TypeError(f"set_default_executor expects an Executor or None, got {type(executor).__name__}")
+    with _default_lock:
+        previous, _default = _default, executor
+    return previous

@@ -1,0 +1,1 @@
+"""Utilities of the kernel framework: parameter carriers, fingerprints, serialization, HLO labels."""
