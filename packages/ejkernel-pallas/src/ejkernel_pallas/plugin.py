@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
-import os
-
 from ejkernel import BackendInfo, hookimpl
 from ejkernel.plugins.checks import distribution_version, no_device
 
+from ejkernel_pallas.interpret import INTERPRET_ENV, NEED_DEVICE_MESSAGE, interpret_mode
+
 NAME = "pallas"
 DISTRIBUTION = "ejkernel-pallas"
-INTERPRET_ENV = "EJKERNEL_PALLAS_INTERPRET"
 
 # (algorithm, backend) -> "module:function". Priority 10 puts these above the XLA fallback.
-IMPLEMENTATIONS: dict[tuple[str, str], str] = {}
+# The "cpu" entries run the kernels in interpret mode when EJKERNEL_PALLAS_INTERPRET asks for it, and
+# otherwise refuse the call (UnsupportedFeature) with NEED_DEVICE_MESSAGE, so auto dispatch falls back.
+_FLASH = "ejkernel_pallas.flash_attention:flash_attention"
+IMPLEMENTATIONS: dict[tuple[str, str], str] = {
+    ("flash_attention", "tpu"): _FLASH,
+    ("flash_attention", "gpu"): _FLASH,
+    ("flash_attention", "cpu"): _FLASH,
+}
+
+__all__ = ["DISTRIBUTION", "IMPLEMENTATIONS", "INTERPRET_ENV", "NAME", "check_usable", "interpret_requested"]
 
 
 def interpret_requested() -> bool:
-    return os.environ.get(INTERPRET_ENV, "").strip() not in ("", "0", "false", "False")
+    return interpret_mode() is not None
 
 
 def check_usable() -> str | None:
@@ -24,7 +32,7 @@ def check_usable() -> str | None:
         return None
     reason = no_device("tpu", "gpu")
     if reason:
-        return f"{reason} (Pallas kernels run on CPU only in interpret mode: set {INTERPRET_ENV}=1)"
+        return f"{reason}. {NEED_DEVICE_MESSAGE}"
     return None
 
 

@@ -1,0 +1,600 @@
+"""Flash attention for NVIDIA GPUs in Pallas (Triton lowering), forward and backward.
+
+Semantics of docs/flash_attention.md for: causal, sliding window, soft cap, GQA/MQA, segment ids, varlen
+(packed sequences through cum_seqlens), attention sinks. Bias, attention_mask and dropout are refused with
+``UnsupportedFeature`` (the dispatcher falls back to another backend).
+
+Arrays stay in the public [B, S, H, D] layout (blocks are strided row loads); lengths are padded to whole
+blocks and head dims to powers of two inside the wrapper. Each program owns one query block (forward, dQ)
+or one KV block (dK/dV) and loops over the other axis in three ranges: blocks before and after the ones a
+mask can touch run the mask-free body, which keeps the common causal case at one masked diagonal band.
+The forward works in base 2 (exp2 with log2(e) folded into the scale) when there is no soft cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from ejkernel.errors import UnsupportedFeature
+
+LOG2E = math.log2(math.e)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuFlashTuning:
+    """Blocks (powers of two, >= 16) and Triton launch parameters of the three kernels."""
+
+    fwd_q: int = 128
+    fwd_kv: int = 64
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    dkv_q: int = 64
+    dkv_kv: int = 128
+    dq_q: int = 128
+    dq_kv: int = 64
+    bwd_warps: int = 8
+    bwd_stages: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GpuFlashTuning.{field.name} must be a positive int, got {value!r}")
+            if field.name.endswith(("_q", "_kv")) and (value & (value - 1) or value < 16):
+                raise ValueError(f"GpuFlashTuning.{field.name}={value}: Triton blocks are powers of two >= 16")
+
+
+def _fit(block: int, length: int) -> int:
+    """Shrink a block to the smallest power of two >= 16 covering ``length`` (short sequences)."""
+    return max(16, min(block, pl.next_power_of_2(length)))
+
+
+def choose_tuning(cfg, sq: int, skv: int, head_dim: int) -> GpuFlashTuning:
+    fwd = getattr(cfg, "fwd_params", None) if cfg is not None else None
+    bwd = getattr(cfg, "bwd_params", None) if cfg is not None else None
+    base = GpuFlashTuning(fwd_warps=8 if head_dim > 64 else 4)
+
+    def get(params, name, default):
+        value = getattr(params, name, None) if params is not None else None
+        return default if value is None else value
+
+    dkv_q = get(bwd, "q_blocksize", base.dkv_q)
+    dkv_kv = get(bwd, "kv_blocksize", base.dkv_kv)
+    return GpuFlashTuning(
+        fwd_q=_fit(get(fwd, "q_blocksize", base.fwd_q), sq),
+        fwd_kv=_fit(get(fwd, "kv_blocksize", base.fwd_kv), skv),
+        fwd_warps=get(fwd, "num_warps", base.fwd_warps),
+        fwd_stages=get(fwd, "num_stages", base.fwd_stages),
+        dkv_q=_fit(dkv_q, sq),
+        dkv_kv=_fit(dkv_kv, skv),
+        dq_q=_fit(get(bwd, "blocksize_m", base.dq_q), sq),
+        dq_kv=_fit(get(bwd, "blocksize_n", base.dq_kv), skv),
+        bwd_warps=get(bwd, "num_warps", base.bwd_warps),
+        bwd_stages=get(bwd, "num_stages", base.bwd_stages),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    scale: float
+    causal: bool
+    window: tuple[int, int] | None
+    soft_cap: float | None
+    sq: int
+    skv: int
+    q_offset: int
+    groups: int
+    varlen: bool
+    has_segments: bool
+    num_sinks: int  # padded count (power of two), 0 = none
+    tuning: GpuFlashTuning
+    interpret: bool
+
+    @property
+    def statically_masked(self) -> bool:
+        return self.varlen or self.has_segments
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad_axis(x, axis: int, length: int, value=0):
+    extra = length - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which blocks a mask can touch
+
+
+def _kv_ranges(st: _Static, qi, block_q: int, block_kv: int, num_kv: int):
+    """(lo, full_lo, full_hi, hi): KV blocks [lo, hi) are visible to query block ``qi``; those in
+    [full_lo, full_hi) are visible to every row of it (no mask needed)."""
+    if st.varlen:
+        return 0, 0, 0, num_kv
+    q_first = qi * block_q + st.q_offset
+    q_last = q_first + block_q - 1
+    lo, hi = 0, num_kv
+    last_allowed = st.skv - 1  # the last KV column every row may see
+    if st.causal:
+        hi = jnp.minimum(hi, (q_last + block_kv) // block_kv)
+        last_allowed = jnp.minimum(last_allowed, q_first)
+    if st.window is not None:
+        left, right = st.window
+        hi = jnp.minimum(hi, (q_last + right + block_kv) // block_kv)
+        lo = jnp.maximum(lo, (q_first - left) // block_kv)
+        last_allowed = jnp.minimum(last_allowed, q_first + right)
+    hi = jnp.maximum(hi, 0)
+    lo = jnp.clip(lo, 0, hi)
+    if st.has_segments:
+        return lo, lo, lo, hi
+    full_lo = lo
+    if st.window is not None:
+        full_lo = jnp.maximum(lo, -(-(q_last - st.window[0]) // block_kv))
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip((last_allowed + 1) // block_kv, full_lo, hi)
+    return lo, full_lo, full_hi, hi
+
+
+def _q_ranges(st: _Static, ki, block_q: int, block_kv: int, num_q: int):
+    """(lo, full_lo, full_hi, hi) over query blocks for KV block ``ki`` (the transpose of _kv_ranges)."""
+    if st.varlen:
+        return 0, 0, 0, num_q
+    kv_first = ki * block_kv
+    kv_last = kv_first + block_kv - 1
+    off = st.q_offset
+    lo, hi = 0, num_q
+    full_lo, full_hi = 0, num_q
+    if st.causal:
+        lo = jnp.maximum(lo, (kv_first - off) // block_q)
+        full_lo = jnp.maximum(full_lo, -(-(kv_last - off) // block_q))
+    if st.window is not None:
+        left, right = st.window
+        lo = jnp.maximum(lo, (kv_first - off - right) // block_q)
+        full_lo = jnp.maximum(full_lo, -(-(kv_last - off - right) // block_q))
+        hi = jnp.minimum(hi, (kv_last - off + left) // block_q + 1)
+        full_hi = jnp.minimum(full_hi, (kv_first - block_q + 1 - off + left) // block_q + 1)
+    hi = jnp.maximum(hi, 0)
+    lo = jnp.clip(lo, 0, hi)
+    if st.has_segments:
+        return lo, lo, lo, hi
+    padded_block = kv_first + block_kv > st.skv
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
+    full_hi = jnp.where(padded_block, full_lo, full_hi)
+    return lo, full_lo, full_hi, hi
+
+
+def _mask(st: _Static, q_rows, kv_cols, q_pos, kv_pos, q_seg, kv_seg):
+    """Visibility of a (rows, cols) block; positions/segments are None unless the call has them."""
+    mask = kv_cols[None, :] < st.skv
+    if q_pos is None:
+        q_pos, kv_pos = q_rows + st.q_offset, kv_cols
+    if st.causal:
+        mask &= kv_pos[None, :] <= q_pos[:, None]
+    if st.window is not None:
+        left, right = st.window
+        mask &= (kv_pos[None, :] >= q_pos[:, None] - left) & (kv_pos[None, :] <= q_pos[:, None] + right)
+    if q_seg is not None:
+        mask &= q_seg[:, None] == kv_seg[None, :]
+    return mask
+
+
+def _run_ranges(body, ranges, carry):
+    lo, full_lo, full_hi, hi = ranges
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
+
+
+def _dot_nt(a, b):
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _optional(r, name, index=...):
+    return r[name][index] if name in r else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward kernel: one program per (query block, batch, head)
+
+
+def _fwd_kernel(*refs, st: _Static, names):
+    r = dict(zip(names, refs))
+    block_q, block_kv = st.tuning.fwd_q, st.tuning.fwd_kv
+    qi = pl.program_id(0)
+    num_kv = r["k"].shape[0] // block_kv
+    q = r["q"][...]
+    q_rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+    q_pos, q_seg = _optional(r, "q_pos"), _optional(r, "q_seg")
+    base2 = st.soft_cap is None
+    # Logits in base 2 when possible: exp2(x * log2e) == exp(x), one multiply saved per element.
+    logit_scale = st.scale * LOG2E if base2 else st.scale
+
+    if st.num_sinks:
+        sinks = r["sinks"][...].astype(jnp.float32) * (LOG2E if base2 else 1.0)
+        m0 = jnp.max(sinks)
+        l0 = jnp.sum(jnp.exp2(sinks - m0) if base2 else jnp.exp(sinks - m0))
+        m_init = jnp.full((block_q,), m0, jnp.float32)
+        l_init = jnp.full((block_q,), l0, jnp.float32)
+    else:
+        m_init = jnp.full((block_q,), -jnp.inf, jnp.float32)
+        l_init = jnp.zeros((block_q,), jnp.float32)
+    acc_init = jnp.zeros((block_q, r["v"].shape[-1]), jnp.float32)
+
+    def body(masked, kj, carry):
+        m_prev, l_prev, acc = carry
+        cols = pl.ds(kj * block_kv, block_kv)
+        k = r["k"][cols, :]
+        s = _dot_nt(q, k) * logit_scale
+        if st.soft_cap is not None:
+            s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+        if masked:
+            kv_cols = kj * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+            mask = _mask(st, q_rows, kv_cols, q_pos, _optional(r, "kv_pos", cols), q_seg, _optional(r, "kv_seg", cols))
+            s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new  # unmasked rows see finite logits
+        if base2:
+            p = jnp.exp2(s - m_safe[:, None])
+            alpha = jnp.exp2(m_prev - m_safe)
+        else:
+            p = jnp.exp(s - m_safe[:, None])
+            alpha = jnp.exp(m_prev - m_safe)
+        v = r["v"][cols, :]
+        acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
+        return m_new, l_prev * alpha + jnp.sum(p, axis=1), acc
+
+    ranges = _kv_ranges(st, qi, block_q, block_kv, num_kv)
+    m, l, acc = _run_ranges(body, ranges, (m_init, l_init, acc_init))
+    has_mass = l > 0.0
+    safe_l = jnp.where(has_mass, l, 1.0)
+    r["out"][...] = jnp.where(has_mass[:, None], acc / safe_l[:, None], 0.0).astype(r["out"].dtype)
+    m_nat = jnp.where(m == -jnp.inf, 0.0, m) * ((1.0 / LOG2E) if base2 else 1.0)
+    r["lse_out"][...] = jnp.where(has_mass, m_nat + jnp.log(safe_l), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward kernels
+
+
+def _recompute(st: _Static, q, k, lse, masked, q_rows, kv_cols, q_pos, kv_pos, q_seg, kv_seg):
+    """Probabilities of a (q block, kv block), and the soft-cap derivative factor (or None)."""
+    s = _dot_nt(q, k) * st.scale
+    cap_grad = None
+    if st.soft_cap is not None:
+        t = jnp.tanh(s / st.soft_cap)
+        s = st.soft_cap * t
+        cap_grad = 1.0 - t * t
+    p = jnp.exp(s - lse[:, None])
+    if masked:
+        p = jnp.where(_mask(st, q_rows, kv_cols, q_pos, kv_pos, q_seg, kv_seg), p, 0.0)
+    return p, cap_grad
+
+
+def _dkv_kernel(*refs, st: _Static, names):
+    """One program per (KV block, batch, query head): dK, dV contributions of that query head."""
+    r = dict(zip(names, refs))
+    block_q, block_kv = st.tuning.dkv_q, st.tuning.dkv_kv
+    kj = pl.program_id(0)
+    num_q = r["q"].shape[0] // block_q
+    k, v = r["k"][...], r["v"][...]
+    kv_cols = kj * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+    kv_pos, kv_seg = _optional(r, "kv_pos"), _optional(r, "kv_seg")
+
+    def body(masked, qi, carry):
+        dk, dv = carry
+        rows = pl.ds(qi * block_q, block_q)
+        q, do = r["q"][rows, :], r["do"][rows, :]
+        q_rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+        p, cap_grad = _recompute(
+            st, q, k, r["lse"][rows], masked, q_rows, kv_cols,
+            _optional(r, "q_pos", rows), kv_pos, _optional(r, "q_seg", rows), kv_seg,
+        )
+        dv = dv + _dot_tn(p.astype(do.dtype), do)
+        dp = _dot_nt(do, v)
+        ds = p * (dp - r["delta"][rows][:, None])
+        if cap_grad is not None:
+            ds = ds * cap_grad
+        dk = dk + _dot_tn(ds.astype(q.dtype), q)
+        return dk, dv
+
+    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = _run_ranges(body, _q_ranges(st, kj, block_q, block_kv, num_q), init)
+    r["dk_out"][...] = (dk * st.scale).astype(r["dk_out"].dtype)
+    r["dv_out"][...] = dv.astype(r["dv_out"].dtype)
+
+
+def _dq_kernel(*refs, st: _Static, names):
+    r = dict(zip(names, refs))
+    block_q, block_kv = st.tuning.dq_q, st.tuning.dq_kv
+    qi = pl.program_id(0)
+    num_kv = r["k"].shape[0] // block_kv
+    q, do, lse, delta = r["q"][...], r["do"][...], r["lse"][...], r["delta"][...]
+    q_rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+    q_pos, q_seg = _optional(r, "q_pos"), _optional(r, "q_seg")
+
+    def body(masked, kj, dq):
+        cols = pl.ds(kj * block_kv, block_kv)
+        k, v = r["k"][cols, :], r["v"][cols, :]
+        kv_cols = kj * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+        p, cap_grad = _recompute(
+            st, q, k, lse, masked, q_rows, kv_cols, q_pos, _optional(r, "kv_pos", cols), q_seg,
+            _optional(r, "kv_seg", cols),
+        )
+        ds = p * (_dot_nt(do, v) - delta[:, None])
+        if cap_grad is not None:
+            ds = ds * cap_grad
+        return dq + _dot_nn(ds.astype(k.dtype), k)
+
+    dq = _run_ranges(body, _kv_ranges(st, qi, block_q, block_kv, num_kv), jnp.zeros(q.shape, jnp.float32))
+    r["dq_out"][...] = (dq * st.scale).astype(r["dq_out"].dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pallas_call plumbing
+
+
+def _spec_table(st: _Static, bq: int, whole_q: int, whole_kv: int, d: int, dv: int, q_whole: bool, kv_whole: bool, bkv: int):
+    """BlockSpecs over grid (block, b, h): the per-program block on one side, whole rows on the other."""
+    g = st.groups
+    q_rows = whole_q if q_whole else bq
+    kv_rows = whole_kv if kv_whole else bkv
+    q_index = (lambda i, b, h: (b, 0, h, 0)) if q_whole else (lambda i, b, h: (b, i, h, 0))
+    kv_index = (lambda i, b, h: (b, 0, h // g, 0)) if kv_whole else (lambda i, b, h: (b, i, h // g, 0))
+    q_vec = (lambda i, b, h: (b, 0)) if q_whole else (lambda i, b, h: (b, i))
+    kv_vec = (lambda i, b, h: (b, 0)) if kv_whole else (lambda i, b, h: (b, i))
+    lse_index = (lambda i, b, h: (b, h, 0)) if q_whole else (lambda i, b, h: (b, h, i))
+    return {
+        "q": pl.BlockSpec((None, q_rows, None, d), q_index),
+        "do": pl.BlockSpec((None, q_rows, None, dv), q_index),
+        "out": pl.BlockSpec((None, q_rows, None, dv), q_index),
+        "k": pl.BlockSpec((None, kv_rows, None, d), kv_index),
+        "v": pl.BlockSpec((None, kv_rows, None, dv), kv_index),
+        # dK/dV are produced per query head and summed over the GQA group outside.
+        "dk": pl.BlockSpec((None, kv_rows, None, d), lambda i, b, h: (b, i, h, 0)),
+        "dv": pl.BlockSpec((None, kv_rows, None, dv), lambda i, b, h: (b, i, h, 0)),
+        "lse": pl.BlockSpec((None, None, q_rows), lse_index),
+        "delta": pl.BlockSpec((None, None, q_rows), lse_index),
+        "q_pos": pl.BlockSpec((None, q_rows), q_vec),
+        "q_seg": pl.BlockSpec((None, q_rows), q_vec),
+        "kv_pos": pl.BlockSpec((None, kv_rows), kv_vec),
+        "kv_seg": pl.BlockSpec((None, kv_rows), kv_vec),
+        "sinks": pl.BlockSpec((None, st.num_sinks), lambda i, b, h: (h, 0)),
+    }
+
+
+_META = ("q_pos", "kv_pos", "q_seg", "kv_seg")
+
+
+def _forward(st: _Static, arrays: dict):
+    q, v = arrays["q"], arrays["v"]
+    batch, sq_pad, heads, d = q.shape
+    skv_pad, dv = v.shape[1], v.shape[3]
+    t = st.tuning
+    table = _spec_table(st, t.fwd_q, sq_pad, skv_pad, d, dv, q_whole=False, kv_whole=True, bkv=t.fwd_kv)
+    names = [n for n in ("q", "k", "v", *_META, "sinks") if n in arrays]
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, st=st, names=names + ["out", "lse_out"]),
+        grid=(sq_pad // t.fwd_q, batch, heads),
+        in_specs=[table[n] for n in names],
+        out_specs=[table["out"], table["lse"]],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, sq_pad, heads, dv), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, sq_pad), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=t.fwd_warps, num_stages=t.fwd_stages),
+        interpret=st.interpret,
+        name="ejkernel_gpu_flash_fwd",
+    )(*[arrays[n] for n in names])
+    return out, lse
+
+
+def _backward(st: _Static, arrays: dict, out, lse, d_out):
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    batch, sq_pad, heads, d = q.shape
+    skv_pad, kv_heads, dv = k.shape[1], k.shape[2], v.shape[3]
+    t = st.tuning
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    inputs = {**arrays, "do": d_out, "lse": lse, "delta": delta}
+    names = [n for n in ("q", "k", "v", "do", "lse", "delta", *_META) if n in inputs]
+    params = pltriton.CompilerParams(num_warps=t.bwd_warps, num_stages=t.bwd_stages)
+
+    table = _spec_table(st, t.dkv_q, sq_pad, skv_pad, d, dv, q_whole=True, kv_whole=False, bkv=t.dkv_kv)
+    grad_dtype = k.dtype if st.groups == 1 else jnp.float32
+    dk, dv_ = pl.pallas_call(
+        functools.partial(_dkv_kernel, st=st, names=names + ["dk_out", "dv_out"]),
+        grid=(skv_pad // t.dkv_kv, batch, heads),
+        in_specs=[table[n] for n in names],
+        out_specs=[table["dk"], table["dv"]],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, skv_pad, heads, d), grad_dtype),
+            jax.ShapeDtypeStruct((batch, skv_pad, heads, dv), grad_dtype),
+        ],
+        compiler_params=params,
+        interpret=st.interpret,
+        name="ejkernel_gpu_flash_dkv",
+    )(*[inputs[n] for n in names])
+    if st.groups > 1:
+        dk = dk.reshape(batch, skv_pad, kv_heads, st.groups, d).sum(axis=3).astype(k.dtype)
+        dv_ = dv_.reshape(batch, skv_pad, kv_heads, st.groups, dv).sum(axis=3).astype(v.dtype)
+
+    table = _spec_table(st, t.dq_q, sq_pad, skv_pad, d, dv, q_whole=False, kv_whole=True, bkv=t.dq_kv)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, st=st, names=names + ["dq_out"]),
+        grid=(sq_pad // t.dq_q, batch, heads),
+        in_specs=[table[n] for n in names],
+        out_specs=table["q"],
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=st.interpret,
+        name="ejkernel_gpu_flash_dq",
+    )(*[inputs[n] for n in names])
+    return dq, dk, dv_
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(st: _Static, arrays: dict):
+    return _forward(st, arrays)[0]
+
+
+def _attention_fwd(st, arrays):
+    out, lse = _forward(st, arrays)
+    return out, (arrays, out, lse)
+
+
+def _attention_bwd(st, residuals, d_out):
+    arrays, out, lse = residuals
+    dq, dk, dv = _backward(st, arrays, out, lse, d_out)
+    grads = {}
+    for name, value in arrays.items():
+        if name in ("q", "k", "v"):
+            grads[name] = {"q": dq, "k": dk, "v": dv}[name]
+        elif name == "sinks":
+            # d/d sink = -sum_i exp(sink - lse_i) * delta_i (padded sinks are -inf: zero gradient).
+            delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+            p_sink = jnp.exp(value.astype(jnp.float32)[None, :, None, :] - lse[..., None])
+            grads[name] = (-jnp.sum(p_sink * delta[..., None], axis=(0, 2))).astype(value.dtype)
+        else:
+            grads[name] = None
+    return (grads,)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public entry
+
+
+def check_supported(
+    query, key, value, bias=None, *, attention_mask=None, q_segment_ids=None, kv_segment_ids=None,
+    cum_seqlens_q=None, dropout_prob=0.0, softmax_aux=None, **_,
+):
+    if bias is not None:
+        raise UnsupportedFeature("pallas GPU flash_attention: bias is not supported (use platform='triton' or 'xla')")
+    if attention_mask is not None:
+        raise UnsupportedFeature("pallas GPU flash_attention: attention_mask is not supported")
+    if dropout_prob:
+        raise UnsupportedFeature("pallas GPU flash_attention: dropout is not supported")
+    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise UnsupportedFeature(f"pallas GPU flash_attention: dtype {query.dtype} is not supported")
+    if cum_seqlens_q is not None and q_segment_ids is not None:
+        raise UnsupportedFeature("pallas GPU flash_attention: segment ids together with cum_seqlens")
+    if query.shape[-1] > 256 or value.shape[-1] > 256:
+        raise UnsupportedFeature("pallas GPU flash_attention: head_dim > 256")
+
+
+def _varlen_metadata(cum, padded: int, outside: int):
+    tokens = jnp.arange(padded, dtype=jnp.int32)
+    cum = cum.astype(jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cum, tokens, side="right").astype(jnp.int32) - 1, 0, cum.shape[0] - 2)
+    return jnp.where(tokens < cum[-1], seq, outside), tokens - cum[seq], seq
+
+
+def flash_attention(
+    query, key, value, bias=None, *, attention_mask=None, q_segment_ids=None, kv_segment_ids=None,
+    softmax_scale: float, causal: bool, sliding_window=None, logits_soft_cap=None, dropout_prob: float = 0.0,
+    dropout_seed=None, cum_seqlens_q=None, cum_seqlens_k=None, softmax_aux=None, cfg=None, interpret=False,
+):
+    """GPU (Triton-lowered) flash attention; ``interpret=True`` runs Pallas' interpreter (CPU)."""
+    check_supported(
+        query, key, value, bias, attention_mask=attention_mask, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, cum_seqlens_q=cum_seqlens_q, dropout_prob=dropout_prob,
+        softmax_aux=softmax_aux,
+    )
+    batch, sq, heads, d = query.shape
+    skv, kv_heads, dv = key.shape[1], key.shape[2], value.shape[3]
+    tuning = choose_tuning(cfg, sq, skv, d)
+    sq_pad = _round_up(sq, max(tuning.fwd_q, tuning.dkv_q, tuning.dq_q))
+    skv_pad = _round_up(skv, max(tuning.fwd_kv, tuning.dkv_kv, tuning.dq_kv))
+    d_pad, dv_pad = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(dv))
+    arrays = {
+        "q": _pad_axis(_pad_axis(query, 1, sq_pad), 3, d_pad),
+        "k": _pad_axis(_pad_axis(key, 1, skv_pad), 3, d_pad),
+        "v": _pad_axis(_pad_axis(value, 1, skv_pad), 3, dv_pad),
+    }
+    varlen = cum_seqlens_q is not None
+    if varlen:
+        q_seq, q_local, q_seq_c = _varlen_metadata(cum_seqlens_q, sq_pad, -1)
+        kv_seq, kv_local, _ = _varlen_metadata(cum_seqlens_k, skv_pad, -2)
+        cq, ck = cum_seqlens_q.astype(jnp.int32), cum_seqlens_k.astype(jnp.int32)
+        q_pos = q_local + (ck[q_seq_c + 1] - ck[q_seq_c]) - (cq[q_seq_c + 1] - cq[q_seq_c])
+        arrays.update(q_pos=q_pos[None], kv_pos=kv_local[None], q_seg=q_seq[None], kv_seg=kv_seq[None])
+    elif q_segment_ids is not None:
+        arrays["q_seg"] = _pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_pad)
+        arrays["kv_seg"] = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, skv_pad)
+    num_sinks = 0
+    if softmax_aux is not None:
+        sinks = softmax_aux.reshape(heads, -1)
+        num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
+        arrays["sinks"] = _pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
+    st = _Static(
+        scale=float(softmax_scale),
+        causal=bool(causal),
+        window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        sq=sq,
+        skv=skv,
+        q_offset=skv - sq,
+        groups=heads // kv_heads,
+        varlen=varlen,
+        has_segments=varlen or q_segment_ids is not None,
+        num_sinks=num_sinks,
+        tuning=tuning,
+        interpret=bool(interpret),
+    )
+    out = _attention(st, arrays)
+    return out[:, :sq, :, :dv]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Micro-benchmark (on a GPU; `python -m ejkernel_pallas.gpu_flash_attention`)
+
+
+def _benchmark(batch=2, seq=8192, heads=16, dim=128, causal=False, iters=15):
+    import time
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (batch, seq, heads, dim), jnp.bfloat16) for kk in keys)
+    fwd = jax.jit(lambda q, k, v: flash_attention(q, k, v, softmax_scale=dim**-0.5, causal=causal))
+    bwd = jax.jit(jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    flops = 4 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
+    for name, fn, mult in (("fwd", fwd, 1.0), ("fwd+bwd", bwd, 3.5)):
+        jax.block_until_ready(fn(q, k, v))
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v))
+            times.append(time.perf_counter() - start)
+        seconds = sorted(times)[len(times) // 2]
+        print(f"{name} S={seq} causal={causal}: {seconds * 1e3:.3f} ms {mult * flops / seconds / 1e12:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    _benchmark()

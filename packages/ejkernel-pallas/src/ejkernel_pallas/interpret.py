@@ -1,0 +1,47 @@
+"""Interpret mode: running the Pallas kernels on CPU (for CI, debugging, and machines without a TPU/GPU).
+
+``EJKERNEL_PALLAS_INTERPRET`` (read at each call) selects it:
+
+- unset, ``0``, ``false``: off; kernels compile for the TPU or GPU jax runs on.
+- ``1``, ``true``: the TPU kernels run in Pallas' generic interpreter (fastest on CPU).
+- ``tpu``: the TPU kernels run in the TPU-faithful interpreter (``pltpu.InterpretParams``).
+- ``races``: as ``tpu``, and also detects data races between grid steps.
+- ``gpu``: the GPU (Triton-lowered) kernels run in the generic interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+INTERPRET_ENV = "EJKERNEL_PALLAS_INTERPRET"
+_OFF = ("", "0", "false", "no", "off")
+_MODES = ("1", "true", "yes", "on", "tpu", "races", "gpu")
+
+NEED_DEVICE_MESSAGE = (
+    "Pallas kernels need a TPU or GPU, and jax runs on CPU here. To run them on CPU in (slow) interpret "
+    f"mode set {INTERPRET_ENV}=1 (or =gpu for the GPU kernels); to run attention natively on CPU install "
+    "ejkernel-xla (pip install ejkernel-xla)."
+)
+
+
+def interpret_mode() -> str | None:
+    """None when off, else one of ``"generic"``, ``"tpu"``, ``"races"``, ``"gpu"``."""
+    value = os.environ.get(INTERPRET_ENV, "").strip().lower()
+    if value in _OFF:
+        return None
+    if value not in _MODES:
+        raise ValueError(f"{INTERPRET_ENV}={value!r}: expected one of 0, 1, tpu, races, gpu")
+    if value in ("1", "true", "yes", "on"):
+        return "generic"
+    return value
+
+
+def tpu_interpret_argument(mode: str | None):
+    """The ``interpret=`` value for the TPU kernels in ``mode``."""
+    if mode is None or mode == "gpu":
+        return False
+    if mode == "generic":
+        return True
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(detect_races=(mode == "races"))
