@@ -11,7 +11,9 @@ MIN_TRITON = "3.6.0"
 MIN_JAX_TRITON = "0.3.1"
 
 # algorithm -> "module:function"; priority 10 puts these above the XLA fallback on GPUs.
-IMPLEMENTATIONS: dict[str, str] = {}
+IMPLEMENTATIONS: dict[str, str] = {
+    "flash_attention": "ejkernel_triton.flash_attention:flash_attention",
+}
 
 
 def check_usable() -> str | None:
