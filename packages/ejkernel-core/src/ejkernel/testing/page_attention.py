@@ -1,0 +1,288 @@
+"""Reference and conformance suite of ``page_attention`` (``docs/ops/page_attention.md``), plus the
+forward/VJP comparison helpers the other operations' suites share.
+
+A backend's test module subclasses :class:`PageAttentionConformance` and sets ``platform``::
+
+    class TestXlaPageAttention(PageAttentionConformance):
+        platform = "xla"
+
+Forward-only backends set ``supports_gradients = False``: the gradient tests then check that taking a
+gradient raises instead of returning something wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel.testing.numerics import (
+    Tolerance,
+    assert_close,
+    assert_finite,
+    assert_tree_close,
+    jax_float64,
+)
+
+# ---- shared helpers: forward + VJP against a float64 reference -------------------------------------
+
+
+def forward_and_vjp(
+    fn: Callable[..., jax.Array], inputs: Mapping[str, Any], wrt: Sequence[str], cotangent_seed: int
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """``fn(**inputs)``, its VJP w.r.t. the inputs named in ``wrt`` with a fresh random cotangent, and
+    that cotangent."""
+
+    fixed = {k: v for k, v in inputs.items() if k not in wrt}
+
+    @jax.jit  # one compilation per check instead of one per primitive
+    def forward_backward(diff, fixed, cotangent):
+        out, vjp = jax.vjp(lambda *d: fn(**fixed, **dict(zip(wrt, d))), *diff)
+        return out, (vjp(cotangent) if wrt else ())
+
+    shape = jax.eval_shape(lambda: fn(**inputs))
+    cotangent = random_array(cotangent_seed, shape.shape, shape.dtype)
+    out, grads = forward_backward(tuple(inputs[name] for name in wrt), fixed, cotangent)
+    return out, dict(zip(wrt, grads)), cotangent
+
+
+def reference_forward_and_vjp(
+    reference: Callable[..., jax.Array], inputs: Mapping[str, Any], wrt: Sequence[str], cotangent: jax.Array
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The float64 reference on the exact values the kernel saw, and its VJP with the same cotangent."""
+    with jax.enable_x64(True):
+        inputs64 = jax_float64(dict(inputs))
+        inputs64 = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in inputs64.items()}
+
+        fixed = {k: v for k, v in inputs64.items() if k not in wrt}
+
+        @jax.jit
+        def forward_backward(diff, fixed, cotangent):
+            out, vjp = jax.vjp(lambda *d: reference(**fixed, **dict(zip(wrt, d))), *diff)
+            return out, (vjp(cotangent.astype(out.dtype)) if wrt else ())
+
+        out, grads = forward_backward(tuple(inputs64[name] for name in wrt), fixed, jnp.asarray(jax_float64(cotangent)))
+        return np.asarray(out), {name: np.asarray(g) for name, g in zip(wrt, grads)}
+
+
+def check_against_reference(
+    fn: Callable[..., jax.Array],
+    reference: Callable[..., jax.Array],
+    inputs: Mapping[str, Any],
+    wrt: Sequence[str],
+    *,
+    dtype: Any,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    cotangent_seed: int = 12345,
+    scale: float = 1.0,
+) -> jax.Array:
+    """Forward output and every gradient in ``wrt`` within the dtype's tolerance of the reference."""
+    out, grads, cotangent = forward_and_vjp(fn, inputs, wrt, cotangent_seed)
+    expected, expected_grads = reference_forward_and_vjp(reference, inputs, wrt, cotangent)
+    assert out.dtype == jnp.dtype(dtype), f"output dtype {out.dtype}, expected {jnp.dtype(dtype)}"
+    assert_close(out, expected, dtype=dtype, tolerances=tolerances, scale=scale)
+    if wrt:
+        assert_tree_close(grads, expected_grads, dtype=dtype, tolerances=tolerances, scale=scale)
+    return out
+
+
+def assert_gradient_refused(fn: Callable[..., jax.Array], inputs: Mapping[str, Any], wrt: Sequence[str]) -> None:
+    """For forward-only backends: a gradient must raise, never come back wrong."""
+    with pytest.raises(Exception):  # noqa: PT011 - any clear error is acceptable
+        forward_and_vjp(fn, inputs, wrt, 0)
+
+
+def random_array(seed: int, shape: Sequence[int], dtype: Any = jnp.float32, scale: float = 1.0) -> jax.Array:
+    """Standard normal (times ``scale``) from numpy, rounded to ``dtype``; no exact zeros. (numpy, not
+    ``jax.random``: XLA compiles the threefry sampler anew for every shape, seconds each on CI.)"""
+    x = np.random.default_rng(seed).standard_normal(tuple(shape)).astype(np.float32) * np.float32(scale)
+    x[x == 0] = np.float32(scale)
+    return jnp.asarray(x).astype(dtype)
+
+
+def random_lengths(seed: int, count: int, high: int, include: Sequence[int] = ()) -> np.ndarray:
+    """``count`` lengths in ``[0, high]``, the first ones fixed to ``include`` (edge cases)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, high + 1, size=count)
+    lengths[: len(include)] = np.minimum(np.asarray(include, dtype=np.int64)[:count], high)
+    return lengths.astype(np.int32)
+
+
+def random_block_tables(seed: int, num_seqs: int, max_blocks: int, num_blocks: int, lengths, block_size: int) -> np.ndarray:
+    """Each sequence gets distinct random pages (shuffled over the cache); entries past its last used
+    page are -1, which implementations must tolerate."""
+    rng = np.random.default_rng(seed)
+    tables = np.full((num_seqs, max_blocks), -1, np.int32)
+    for s in range(num_seqs):
+        used = -(-int(lengths[s]) // block_size)
+        tables[s, :used] = rng.choice(num_blocks, size=used, replace=False)
+    return tables
+
+
+def sinks_for(seed: int, heads: int, num_sinks: int | None) -> jax.Array | None:
+    if num_sinks is None:
+        return None
+    shape = (heads,) if num_sinks == 0 else (heads, num_sinks)
+    return random_array(seed, shape, jnp.float32)
+
+
+def gather_pages(cache: jax.Array, tables: jax.Array, token_axis: int) -> jax.Array:
+    """``cache[tables]`` with the page and in-page axes merged into one token axis; pages clamped (the
+    references mask unread entries, whatever they hold)."""
+    pages = cache[jnp.clip(tables, 0, cache.shape[0] - 1)]  # [S, P, ...]
+    pages = jnp.moveaxis(pages, token_axis + 2, 2)  # [S, P, page_size, ...]
+    return pages.reshape(pages.shape[0], -1, *pages.shape[3:])
+
+
+def masked_softmax_attention(logits, visible, values, sinks=None):
+    """Dense softmax over ``visible`` keys (``logits`` ``[..., H, Q, K]``, ``values`` ``[..., H, K, Dv]``);
+    rows without a visible key give zeros; ``sinks`` ``[H, n]`` join the denominator only."""
+    masked = jnp.where(visible, logits, -jnp.inf)
+    row_max = masked.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        row_max = jnp.maximum(row_max, sinks.max(axis=-1)[:, None, None])
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(visible, jnp.exp(masked - row_max), 0.0)
+    denominator = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator = denominator + jnp.exp(sinks[:, None, :] - row_max).sum(axis=-1, keepdims=True)
+    probs = weights / jnp.where(denominator == 0, 1.0, denominator)
+    return probs @ values
+
+
+def soft_cap(logits, cap):
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+# ---- the reference ---------------------------------------------------------------------------------
+
+
+def reference_page_attention(
+    query,
+    key_cache,
+    value_cache,
+    context_lens,
+    block_tables,
+    *,
+    attn_scale=None,
+    max_context_len=None,
+    attn_logits_soft_cap=None,
+):
+    """Dense: gather every page of every sequence, repeat kv heads, masked softmax. Float64-ready."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    scale = head_dim**-0.5 if attn_scale is None else attn_scale
+    limit = block_tables.shape[1] * block_size if max_context_len is None else max_context_len
+    group = num_heads // num_kv_heads
+    keys = jnp.repeat(gather_pages(key_cache, block_tables, 1), group, axis=2)  # [S, T, H, D]
+    values = jnp.repeat(gather_pages(value_cache, block_tables, 1), group, axis=2)
+    logits = soft_cap(scale * jnp.einsum("shd,sthd->sht", query, keys), attn_logits_soft_cap)[:, :, None, :]
+    lengths = jnp.minimum(jnp.asarray(context_lens), limit)
+    visible = (jnp.arange(keys.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+    out = masked_softmax_attention(logits, visible, values.transpose(0, 2, 1, 3))
+    return out[:, :, 0, :].astype(query.dtype)
+
+
+# ---- the suite -------------------------------------------------------------------------------------
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# (num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks, lengths to include)
+SHAPES = {
+    "mha": (3, 4, 4, 32, 8, 16, 4, (17, 1, 32)),
+    "gqa4_odd": (4, 8, 2, 64, 16, 24, 5, (0, 79, 1, 16)),
+    "mqa": (2, 4, 1, 16, 4, 12, 6, (23, 5)),
+    "long": (2, 2, 1, 32, 16, 80, 64, (1000, 127)),
+}
+
+
+class PageAttentionConformance:
+    """Test base: subclass and set ``platform`` (see the module docstring)."""
+
+    platform: ClassVar[str]
+    supports_gradients: ClassVar[bool] = True
+    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+
+    def call(self, **kwargs):
+        from ejkernel.modules import page_attention
+
+        return page_attention(**kwargs, platform=self.platform)
+
+    def make_inputs(self, seed, shape, dtype, *, scale=1.0):
+        num_seqs, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, include = shape
+        lengths = random_lengths(seed, num_seqs, max_blocks * block_size, include)
+        return dict(
+            query=random_array(seed * 3, (num_seqs, heads, head_dim), dtype, scale),
+            key_cache=random_array(seed * 3 + 1, (num_blocks, kv_heads, block_size, head_dim), dtype),
+            value_cache=random_array(seed * 3 + 2, (num_blocks, kv_heads, block_size, head_dim), dtype),
+            context_lens=jnp.asarray(lengths),
+            block_tables=jnp.asarray(random_block_tables(seed, num_seqs, max_blocks, num_blocks, lengths, block_size)),
+        )
+
+    def check(self, inputs, dtype, scale=1.0, **static):
+        wrt = ("query", "key_cache", "value_cache")
+        fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
+        if not self.supports_gradients:
+            check_against_reference(fn, lambda **kw: reference_page_attention(**kw, **static), inputs, (),
+                                    dtype=dtype, tolerances=self.tolerances, scale=scale)
+            assert_gradient_refused(fn, inputs, wrt)
+            return
+        check_against_reference(fn, lambda **kw: reference_page_attention(**kw, **static), inputs, wrt,
+                                dtype=dtype, tolerances=self.tolerances, scale=scale)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_forward_and_gradients(self, dtype):
+        self.check(self.make_inputs(1, SHAPES["gqa4_odd"], dtype), dtype)
+
+    @pytest.mark.parametrize("shape", ["mha", "mqa"])
+    def test_head_layouts(self, shape):
+        self.check(self.make_inputs(2, SHAPES[shape], "float32"), "float32")
+
+    def test_long_context_soft_cap_scale_and_max_context_len(self):
+        inputs = self.make_inputs(3, SHAPES["long"], "float32", scale=4.0)
+        self.check(inputs, "float32", attn_scale=0.3, attn_logits_soft_cap=5.0, max_context_len=700)
+
+    def test_large_logits(self):
+        inputs = self.make_inputs(4, SHAPES["mha"], "float32", scale=40.0)
+        self.check(inputs, "float32")
+
+    def test_empty_sequences_give_zeros(self):
+        inputs = self.make_inputs(5, SHAPES["mha"], "float32")
+        inputs["context_lens"] = inputs["context_lens"].at[1:].set(0)
+        wrt = ("query",) if self.supports_gradients else ()
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5)
+        np.testing.assert_array_equal(np.asarray(out[1:]), 0.0)
+        assert np.abs(np.asarray(out[0])).sum() > 0
+        for name, grad in grads.items():
+            assert_finite(grad, f"d {name}")
+            np.testing.assert_array_equal(np.asarray(grad[1:]), 0.0)
+
+    def test_jit_and_vmap(self):
+        inputs = self.make_inputs(6, SHAPES["gqa4_odd"], "float32")
+        jitted = jax.jit(lambda **kw: self.call(**kw))(**inputs)
+        assert_close(jitted, reference_page_attention(**inputs), dtype="float32")
+        # vmap over a stack of query sets sharing one cache
+        queries = jnp.stack([inputs["query"], inputs["query"][::-1] * 0.5])
+        batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "query": q})))(queries)
+        expected = jax.vmap(lambda q: reference_page_attention(**{**inputs, "query": q}))(queries)
+        assert_close(batched, expected, dtype="float32")
+
+    def test_bad_inputs(self):
+        inputs = self.make_inputs(7, SHAPES["gqa4_odd"], "float32")
+        with pytest.raises((ValueError, TypeError), match="query"):
+            self.call(**{**inputs, "query": inputs["query"][0]})
+        with pytest.raises(ValueError, match="key_cache"):  # 3 kv heads do not divide 8
+            self.call(**{**inputs, "key_cache": inputs["key_cache"][:, :1].repeat(3, 1),
+                         "value_cache": inputs["value_cache"][:, :1].repeat(3, 1)})
+        with pytest.raises((ValueError, TypeError), match="value_cache"):
+            self.call(**{**inputs, "value_cache": inputs["value_cache"].astype(jnp.bfloat16)})
+        with pytest.raises((ValueError, TypeError), match="context_lens"):
+            self.call(**{**inputs, "context_lens": inputs["context_lens"][:2]})
+        with pytest.raises(ValueError, match="context_lens"):
+            self.call(**{**inputs, "context_lens": inputs["context_lens"].at[0].set(-1)})
+        with pytest.raises(ValueError, match="block_tables"):  # a page that is read is out of range
+            self.call(**{**inputs, "block_tables": inputs["block_tables"].at[1, 0].set(10_000)})

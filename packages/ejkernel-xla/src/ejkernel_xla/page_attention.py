@@ -1,0 +1,141 @@
+"""XLA ``page_attention`` (semantics: ``docs/ops/page_attention.md``), and the blockwise decode loop the
+serving operations share (``attend_over_blocks``).
+
+Decode is memory-bound, so the loop reads each needed KV page once per query row: a ``lax.scan`` over
+blocks of pages gathers only that block (never the whole gathered cache), folds it into an online
+softmax in float32, and GQA is handled by grouping query heads per kv head instead of repeating KV.
+The scan body is rematerialized under autodiff, so the backward pass stores one small carry per step
+rather than every gathered block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ejkernel.modules.operations.page_attention import PageAttentionConfig
+
+TOKENS_PER_STEP = 512
+"""Default number of cached tokens folded in per scan step (a few pages: big enough to amortize the
+loop, small enough that one step's gathered block stays cheap)."""
+
+LoadBlock = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+VisibleBlock = Callable[[jax.Array], jax.Array]
+
+
+def attend_over_blocks(
+    query: jax.Array,
+    num_steps: int,
+    load_block: LoadBlock,
+    visible_block: VisibleBlock,
+    *,
+    softmax_scale: float,
+    logits_soft_cap: float | None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """Attention of query rows over keys that arrive block by block.
+
+    ``query``: ``[R, Hkv, G, D]`` (row, kv head, query head within the group). ``load_block(i)`` returns
+    step ``i``'s keys ``[R, T, Hkv, D]`` and values ``[R, T, Hkv, Dv]``; ``visible_block(i)`` is bool
+    ``[R, T]``. ``sinks``: float ``[Hkv, G, K]`` logits that join the softmax denominator only. Returns
+    float32 ``[R, Hkv, G, Dv]``; a row with no visible key is zero.
+    """
+    rows, kv_heads, group, _ = query.shape
+    q = query.astype(jnp.float32) * softmax_scale
+
+    @jax.checkpoint
+    def step(carry, i):
+        row_max, row_sum, acc = carry
+        keys, values = load_block(i)
+        logits = jnp.einsum("rkgd,rtkd->rkgt", q, keys.astype(jnp.float32))
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        visible = visible_block(i)[:, None, None, :]
+        logits = jnp.where(visible, logits, -jnp.inf)
+        new_max = jnp.maximum(row_max, logits.max(axis=-1))
+        # -inf - -inf is NaN: rows that have seen nothing yet keep a finite reference point.
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        probs = jnp.exp(logits - safe_max[..., None])
+        rescale = jnp.exp(row_max - safe_max)
+        row_sum = row_sum * rescale + probs.sum(axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("rkgt,rtkd->rkgd", probs, values.astype(jnp.float32))
+        return (new_max, row_sum, acc), None
+
+    value_dim = jax.eval_shape(load_block, jnp.int32(0))[1].shape[-1]
+    init = (
+        jnp.full((rows, kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, kv_heads, group), jnp.float32),
+        jnp.zeros((rows, kv_heads, group, value_dim), jnp.float32),
+    )
+    (row_max, row_sum, acc), _ = jax.lax.scan(step, init, jnp.arange(num_steps, dtype=jnp.int32))
+    if sinks is not None:
+        sink_logits = sinks.astype(jnp.float32)[None]
+        new_max = jnp.maximum(row_max, sink_logits.max(axis=-1))
+        rescale = jnp.exp(row_max - new_max)
+        row_sum = row_sum * rescale + jnp.exp(sink_logits - new_max[..., None]).sum(axis=-1)
+        acc = acc * rescale[..., None]
+    return acc / jnp.where(row_sum == 0.0, 1.0, row_sum)[..., None]
+
+
+def pages_per_step(page_size: int, pages_needed: int, requested: int | None) -> int:
+    """Pages gathered per scan step: the config's choice, else about ``TOKENS_PER_STEP`` tokens."""
+    chosen = requested if requested else max(1, TOKENS_PER_STEP // page_size)
+    return max(1, min(chosen, pages_needed))
+
+
+def padded_tables(block_tables: jax.Array, num_pages: int, width: int) -> jax.Array:
+    """``block_tables`` cut/padded to ``width`` columns and clamped into ``[0, num_pages)``: entries that
+    are never read semantically may hold anything, and the gather must not fault on them."""
+    current = block_tables.shape[1]
+    if width > current:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, width - current)))
+    return jnp.clip(block_tables[:, :width], 0, num_pages - 1)
+
+
+def page_attention(
+    query,
+    key_cache,
+    value_cache,
+    context_lens,
+    block_tables,
+    *,
+    attn_scale: float,
+    max_context_len: int,
+    attn_logits_soft_cap: float | None,
+    cfg: PageAttentionConfig | None = None,
+):
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    pages_needed = max(1, math.ceil(max_context_len / block_size))
+    step_pages = pages_per_step(block_size, pages_needed, cfg.pages_per_compute_block if cfg else None)
+    num_steps = math.ceil(pages_needed / step_pages)
+    tables = padded_tables(block_tables, num_blocks, num_steps * step_pages)
+    lengths = jnp.minimum(context_lens, max_context_len)
+    step_tokens = step_pages * block_size
+
+    def load_block(i):
+        pages = jax.lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)
+
+        def gather(cache):  # [S, P, Hkv, bs, D] -> [S, P * bs, Hkv, D]
+            block = cache[pages].swapaxes(2, 3)
+            return block.reshape(num_seqs, step_tokens, num_kv_heads, block.shape[-1])
+
+        return gather(key_cache), gather(value_cache)
+
+    def visible_block(i):
+        positions = i * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
+        return positions[None, :] < lengths[:, None]
+
+    grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = attend_over_blocks(
+        grouped,
+        num_steps,
+        load_block,
+        visible_block,
+        softmax_scale=attn_scale,
+        logits_soft_cap=attn_logits_soft_cap,
+    )
+    return out.reshape(num_seqs, num_heads, -1).astype(query.dtype)
