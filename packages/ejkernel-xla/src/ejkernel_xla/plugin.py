@@ -12,9 +12,6 @@ DISTRIBUTION = "ejkernel-xla"
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_xla.flash_attention:flash_attention",
     "page_attention": "ejkernel_xla.page_attention:page_attention",
-    "grouped_matmul": "ejkernel_xla.grouped_matmul:grouped_matmul",
-    "mean_pooling": "ejkernel_xla.mean_pooling:mean_pooling",
-    "recurrent": "ejkernel_xla.recurrent:recurrent",
 }
 
 

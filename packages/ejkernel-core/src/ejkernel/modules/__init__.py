@@ -19,16 +19,6 @@ _EXPORTS: dict[str, str] = {
     "page_attention": "ejkernel.modules.operations.page_attention",
     "PageAttention": "ejkernel.modules.operations.page_attention",
     "PageAttentionConfig": "ejkernel.modules.operations.page_attention",
-    "grouped_matmul": "ejkernel.modules.operations.grouped_matmul",
-    "GroupedMatmul": "ejkernel.modules.operations.grouped_matmul",
-    "GroupedMatmulConfig": "ejkernel.modules.operations.grouped_matmul",
-    "mean_pooling": "ejkernel.modules.operations.mean_pooling",
-    "MeanPooling": "ejkernel.modules.operations.mean_pooling",
-    "MeanPoolingConfig": "ejkernel.modules.operations.mean_pooling",
-    "recurrent_attention": "ejkernel.modules.operations.recurrent",
-    "recurrent": "ejkernel.modules.operations.recurrent",
-    "RecurrentAttention": "ejkernel.modules.operations.recurrent",
-    "RecurrentConfig": "ejkernel.modules.operations.recurrent",
 }
 
 __all__ = sorted(_EXPORTS)
