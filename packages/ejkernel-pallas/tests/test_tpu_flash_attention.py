@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import abstract_device, blocks, grads_of, normal, out_and_grads, rel_err
+from helpers import abstract_device, blocks, normal, out_and_grads, rel_err
 from jax.experimental.pallas import tpu as pltpu
 from reference import flash_attention_reference
 

@@ -1,0 +1,52 @@
+"""How the Pallas backend registers and routes on a CPU machine: interpret mode, or a clear refusal."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import normal, rel_err
+from reference import flash_attention_reference
+
+from ejkernel import UnsupportedFeature
+from ejkernel_pallas import plugin
+from ejkernel_pallas.flash_attention import flash_attention
+from ejkernel_pallas.interpret import INTERPRET_ENV, interpret_mode
+
+
+def test_registers_flash_attention_for_tpu_gpu_and_cpu():
+    backends = {backend for (algorithm, backend) in plugin.IMPLEMENTATIONS if algorithm == "flash_attention"}
+    assert backends == {"tpu", "gpu", "cpu"}
+
+
+def test_cpu_without_interpret_mode_is_refused_with_the_fix(monkeypatch):
+    assert jax.default_backend() == "cpu"
+    monkeypatch.delenv(INTERPRET_ENV, raising=False)
+    q = jax.ShapeDtypeStruct((1, 8, 1, 16), jnp.float32)
+    with pytest.raises(UnsupportedFeature) as info:
+        flash_attention.check_supported(q, q, q, softmax_scale=1.0, causal=False)
+    message = str(info.value)
+    assert "need a TPU or GPU" in message and f"{INTERPRET_ENV}=1" in message and "ejkernel-xla" in message
+    with pytest.raises(UnsupportedFeature, match="need a TPU or GPU"):
+        flash_attention(jnp.ones((1, 8, 1, 16)), jnp.ones((1, 8, 1, 16)), jnp.ones((1, 8, 1, 16)), softmax_scale=1.0, causal=False)
+    assert plugin.check_usable() is not None and "EJKERNEL_PALLAS_INTERPRET" in plugin.check_usable()
+
+
+def test_interpret_env_values(monkeypatch):
+    for value, mode in (("0", None), ("1", "generic"), ("tpu", "tpu"), ("races", "races"), ("gpu", "gpu")):
+        monkeypatch.setenv(INTERPRET_ENV, value)
+        assert interpret_mode() == mode
+    monkeypatch.setenv(INTERPRET_ENV, "yes please")
+    with pytest.raises(ValueError, match=INTERPRET_ENV):
+        interpret_mode()
+
+
+@pytest.mark.parametrize("mode", ["1", "gpu"])
+def test_interpret_env_runs_the_kernels_on_cpu(monkeypatch, mode):
+    monkeypatch.setenv(INTERPRET_ENV, mode)
+    assert plugin.check_usable() is None
+    ks = jax.random.split(jax.random.key(31), 3)
+    q, k, v = (normal(kk, (1, 16, 2, 16)) for kk in ks)
+    flash_attention.check_supported(q, k, v, softmax_scale=0.5, causal=True)
+    out = jax.jit(lambda q, k, v: flash_attention(q, k, v, softmax_scale=0.5, causal=True))(q, k, v)
+    assert rel_err(out, flash_attention_reference(q, k, v, softmax_scale=0.5, causal=True)) < 2e-6
