@@ -107,7 +107,7 @@ class PersistentCache:
         """The file's entries; a corrupt file is warned about once and set aside."""
         try:
             text = self.path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing written yet (a write will report trouble)
             return {}
         except OSError as exc:
             self._warn(f"cannot read config cache {self.path}: {exc}; continuing without it")

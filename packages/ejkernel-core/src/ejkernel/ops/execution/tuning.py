@@ -47,13 +47,25 @@ def _log_enabled() -> bool:
     return env_flag(LOG_ENV)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (it may be replaced after the handler is made)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 _handler: logging.Handler | None = None
 
 
 def _log(level: int, message: str, *args: Any) -> None:
     global _handler
     if _log_enabled() and _handler is None:
-        _handler = logging.StreamHandler(sys.stderr)
+        _handler = _StderrHandler()
         _handler.setFormatter(logging.Formatter("[ejkernel autotune] %(message)s"))
         logger.addHandler(_handler)
         logger.setLevel(logging.INFO)
