@@ -204,16 +204,21 @@ def _run_ranges(body, ranges, carry):
     return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
 
 
+def _precision(a):
+    # float32 operands get full-precision products (Triton would otherwise use TF32).
+    return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+
+
 def _dot_nt(a, b):
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
 
 
 def _dot_nn(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
 
 
 def _dot_tn(a, b):
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
 
 
 def _optional(r, name, index=...):
