@@ -19,6 +19,9 @@ _EXPORTS: dict[str, str] = {
     "page_attention": "ejkernel.modules.operations.page_attention",
     "PageAttention": "ejkernel.modules.operations.page_attention",
     "PageAttentionConfig": "ejkernel.modules.operations.page_attention",
+    "ragged_page_attention": "ejkernel.modules.operations.ragged_page_attention",
+    "RaggedPageAttention": "ejkernel.modules.operations.ragged_page_attention",
+    "RaggedPageAttentionConfig": "ejkernel.modules.operations.ragged_page_attention",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,240 @@
+"""``ragged_page_attention``: packed (ragged) query tokens of many sequences over a paged KV cache.
+
+Canonical call every backend receives (validated and normalized here)::
+
+    ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs,
+                          softmax_aux, *, softmax_scale: float, logits_soft_cap: float | None,
+                          sliding_window: int | None, cfg)
+
+- ``queries`` ``[total_tokens, num_q_heads, head_dim]``; ``kv_pages``
+  ``[num_pages, page_size, 2 * num_kv_heads, head_dim]`` with K and V interleaved on the head axis
+  (``2k``: key of kv head ``k``, ``2k + 1``: its value); ``context_lens`` int32 ``[max_num_seqs]``;
+  ``block_tables`` int32 ``[max_num_seqs, pages_per_seq]``; ``query_start_loc`` int32
+  ``[max_num_seqs + 1]``; ``num_seqs`` int32 ``[1]`` (active sequences); ``softmax_aux`` (sinks) float
+  ``[num_q_heads]`` or ``[num_q_heads, num_sinks]`` or None.
+- Sequence ``s < num_seqs`` owns rows ``[query_start_loc[s], query_start_loc[s+1])``; its ``q_len`` queries
+  are its last ``q_len`` tokens: local query ``i`` sits at ``p = context_lens[s] - q_len + i``. Key ``j``
+  is visible when ``j < context_lens[s]``, ``j <= p`` and (window ``w``) ``p - j < w``.
+- Logits ``softmax_scale * <q, k>`` in float32, soft cap ``c * tanh(x / c)``; sinks join the softmax
+  denominator only. Rows past ``query_start_loc[num_seqs]`` give zeros. Output in ``queries``' dtype.
+
+Gradients: an inference operation. The XLA backend is differentiable w.r.t. ``queries``, ``kv_pages`` and
+``softmax_aux``; other backends may be forward-only.
+
+The full specification is ``docs/ops/ragged_page_attention.md``. ``compute_dtype``, ``optimized`` and
+``mask_value`` are accepted for compatibility with the original library and do not change the result;
+``vmem_limit_bytes`` goes into the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Float, Int
+
+from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._validation import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_array,
+    check_cum_seqlens,
+    check_dim,
+    check_positive_int,
+    check_same_dtype,
+    describe,
+    is_array,
+    typechecked,
+)
+from ejkernel.modules.operations.page_attention import (
+    check_gqa,
+    check_lengths,
+    check_page_indices,
+    check_soft_cap,
+    concrete,
+    resolve_scale,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPageAttentionConfig:
+    """Tuning knobs; none of them changes the result (see ``docs/ops/ragged_page_attention.md``)."""
+
+    num_kv_pages_per_block: int | None = None
+    num_queries_per_block: int | None = None
+    vmem_limit_bytes: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    platform: str = "auto"
+    backend: str = "any"
+
+
+def check_sinks(name: str, value: Any, num_heads: int) -> None:
+    """Attention sinks: float ``[num_heads]`` or ``[num_heads, num_sinks]``."""
+    if value is None:
+        return
+    check_array(name, value, dtypes=FLOAT_DTYPES, what="(sink logits [num_q_heads] or [num_q_heads, num_sinks])")
+    if value.ndim not in (1, 2) or value.shape[0] != num_heads:
+        raise ValueError(
+            f"{name} must have shape [{num_heads}] or [{num_heads}, num_sinks] (one row per query head), got {describe(value)}"
+        )
+
+
+def normalize_num_seqs(value: Any, max_num_seqs: int) -> jax.Array:
+    """``num_seqs`` as int32 ``[1]``: a Python int, or an int array with one element."""
+    if is_array(value):
+        check_array("num_seqs", value, dtypes=INT_DTYPES, what="(number of active sequences: an int or int array [1])")
+        if value.size != 1:
+            raise ValueError(f"num_seqs must hold one value (an int or int array [1]), got {describe(value)}")
+        count = concrete(value)
+        array = jnp.reshape(value, (1,)).astype(jnp.int32)
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        count = np.asarray(value)
+        array = jnp.full((1,), value, jnp.int32)
+    else:
+        raise ValueError(f"num_seqs must be an int or an int array [1], got {value!r}")
+    if count is not None and not 0 <= int(count.reshape(-1)[0]) <= max_num_seqs:
+        raise ValueError(f"num_seqs must be in [0, {max_num_seqs}] (max_num_seqs = len(context_lens)), got {int(count.reshape(-1)[0])}")
+    return array
+
+
+def check_window(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    check_positive_int(name, value)
+    return int(value)
+
+
+class RaggedPageAttention(RegistryOperation):
+    """Packed queries over a paged KV cache (see the module docstring)."""
+
+    algorithm = "ragged_page_attention"
+    config_type = RaggedPageAttentionConfig
+
+    def validate(
+        self,
+        queries,
+        kv_pages,
+        context_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        softmax_aux=None,
+        *,
+        softmax_scale=None,
+        logits_soft_cap=None,
+        sliding_window=None,
+    ):
+        check_array("queries", queries, rank=3, dtypes=FLOAT_DTYPES, what="[total_tokens, num_q_heads, head_dim]")
+        check_array("kv_pages", kv_pages, rank=4, dtypes=FLOAT_DTYPES, what="[num_pages, page_size, 2 * num_kv_heads, head_dim]")
+        check_same_dtype("queries", queries, kv_pages=kv_pages)
+        total_tokens, num_heads, head_dim = queries.shape
+        num_pages, page_size, combined_heads, _ = kv_pages.shape
+        check_dim("kv_pages", kv_pages, 3, head_dim, "head_dim of queries")
+        if combined_heads % 2:
+            raise ValueError(
+                f"kv_pages must interleave keys and values on axis 2 (2 * num_kv_heads entries), got an odd "
+                f"{combined_heads}: {describe(kv_pages)}"
+            )
+        check_gqa("queries", num_heads, "kv_pages", combined_heads // 2, kv_pages)
+        check_array("context_lens", context_lens, rank=1, dtypes=INT_DTYPES, what="[max_num_seqs]")
+        max_num_seqs = context_lens.shape[0]
+        check_array("block_tables", block_tables, rank=2, dtypes=INT_DTYPES, what="[max_num_seqs, pages_per_seq]")
+        check_dim("block_tables", block_tables, 0, max_num_seqs, "max_num_seqs = len(context_lens)")
+        check_cum_seqlens("query_start_loc", query_start_loc, total_tokens, "total_tokens of queries")
+        check_dim("query_start_loc", query_start_loc, 0, max_num_seqs + 1, "max_num_seqs + 1")
+        num_seqs = normalize_num_seqs(num_seqs, max_num_seqs)
+        check_sinks("softmax_aux", softmax_aux, num_heads)
+        check_lengths("context_lens", context_lens)
+        starts, lengths, active = concrete(query_start_loc), concrete(context_lens), concrete(num_seqs)
+        if starts is not None and lengths is not None and active is not None:
+            count = int(active[0])
+            q_lens = np.diff(starts)[:count]
+            if (q_lens > lengths[:count]).any():
+                s = int(np.argmax(q_lens > lengths[:count]))
+                raise ValueError(
+                    f"query_start_loc gives sequence {s} {int(q_lens[s])} query tokens but context_lens[{s}] = "
+                    f"{int(lengths[s])}: the new tokens must already be in the cache (q_len <= context_len)"
+                )
+            live = np.where(np.arange(max_num_seqs) < count, lengths, 0)
+            check_page_indices("block_tables", block_tables, live, page_size, num_pages)
+        args = (
+            queries,
+            kv_pages,
+            context_lens.astype(jnp.int32),
+            block_tables.astype(jnp.int32),
+            query_start_loc.astype(jnp.int32),
+            num_seqs,
+            softmax_aux,
+        )
+        kwargs = dict(
+            softmax_scale=resolve_scale("softmax_scale", softmax_scale, head_dim),
+            logits_soft_cap=check_soft_cap("logits_soft_cap", logits_soft_cap),
+            sliding_window=check_window("sliding_window", sliding_window),
+        )
+        return args, kwargs
+
+
+@typechecked
+def ragged_page_attention(
+    queries: Float[jax.Array, "total_tokens num_q_heads head_dim"],
+    kv_pages: Float[jax.Array, "num_pages page_size num_combined_kv_heads head_dim"],
+    context_lens: Int[jax.Array, "max_num_seqs"],
+    block_tables: Int[jax.Array, "max_num_seqs pages_per_seq"],
+    query_start_loc: Int[jax.Array, "max_num_seqs_plus_one"],
+    num_seqs: Int[jax.Array, "*one"] | int,
+    softmax_aux: Float[jax.Array, "num_q_heads"] | Float[jax.Array, "num_q_heads num_sinks"] | None = None,
+    /,
+    *,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    compute_dtype: Any = jnp.bfloat16,
+    optimized: bool = False,
+    sliding_window: int | None = None,
+    mask_value: float | None = None,
+    vmem_limit_bytes: int | None = None,
+    platform: str = "auto",
+    cfg: RaggedPageAttentionConfig | None = None,
+) -> Float[jax.Array, "total_tokens num_q_heads head_dim"]:
+    """Attention of packed query tokens over their sequences' paged KV cache (mixed prefill/decode).
+
+    Args:
+        queries: ``[total_tokens, num_q_heads, head_dim]``, sequences packed back to back.
+        kv_pages: ``[num_pages, page_size, 2 * num_kv_heads, head_dim]``, K/V interleaved on axis 2.
+        context_lens: int ``[max_num_seqs]``, kv length of each sequence (its new tokens included).
+        block_tables: int ``[max_num_seqs, pages_per_seq]``, physical page of each logical page.
+        query_start_loc: int ``[max_num_seqs + 1]``, row offsets of each sequence's queries.
+        num_seqs: active sequences (int or int array ``[1]``).
+        softmax_aux: attention sinks ``[num_q_heads]`` or ``[num_q_heads, num_sinks]``.
+        softmax_scale: logit scale (default ``1/sqrt(head_dim)``).
+        logits_soft_cap: ``c * tanh(x / c)`` on the logits when given.
+        sliding_window: each query sees at most this many keys (itself included).
+        compute_dtype, optimized, mask_value: accepted for compatibility; no effect on the result.
+        vmem_limit_bytes: TPU tuning hint (goes into ``cfg``).
+        platform: ``"auto"`` or a platform name.
+        cfg: a :class:`RaggedPageAttentionConfig`, or None for the backend's heuristic.
+
+    Returns:
+        ``[total_tokens, num_q_heads, head_dim]`` in ``queries``' dtype.
+    """
+    del compute_dtype, optimized, mask_value  # see the module docstring
+    if cfg is None and vmem_limit_bytes is not None:
+        cfg = RaggedPageAttentionConfig(vmem_limit_bytes=vmem_limit_bytes)
+    return execute(
+        RaggedPageAttention(),
+        queries,
+        kv_pages,
+        context_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        softmax_aux,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window,
+        platform=platform,
+        cfg=cfg,
+    )

@@ -1,0 +1,187 @@
+"""Reference and conformance suite of ``ragged_page_attention`` (``docs/ops/ragged_page_attention.md``).
+
+Subclass :class:`RaggedPageAttentionConformance` and set ``platform``; forward-only backends set
+``supports_gradients = False`` (gradients must then raise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
+from ejkernel.testing.page_attention import (
+    DTYPES,
+    assert_gradient_refused,
+    check_against_reference,
+    forward_and_vjp,
+    gather_pages,
+    masked_softmax_attention,
+    random_array,
+    random_block_tables,
+    sinks_for,
+    soft_cap,
+)
+
+
+def reference_ragged_page_attention(
+    queries,
+    kv_pages,
+    context_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    softmax_aux=None,
+    *,
+    softmax_scale=None,
+    logits_soft_cap=None,
+    sliding_window=None,
+):
+    """Dense: every row gathers its whole sequence's cache; masks written out literally. Float64-ready."""
+    total_tokens, num_heads, head_dim = queries.shape
+    num_kv_heads = kv_pages.shape[2] // 2
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    starts = jnp.asarray(query_start_loc)
+    lengths = jnp.asarray(context_lens)
+    active_count = jnp.reshape(jnp.asarray(num_seqs), (-1,))[0]
+
+    rows = jnp.arange(total_tokens)
+    sequence = jnp.clip(jnp.searchsorted(starts[1:], rows, side="right"), 0, lengths.shape[0] - 1)
+    q_len = starts[sequence + 1] - starts[sequence]
+    position = lengths[sequence] - q_len + rows - starts[sequence]
+    live = rows < starts[active_count]
+
+    cache = gather_pages(kv_pages, block_tables, 0)[sequence]  # [T, L, 2 * Hkv, D]
+    keys = jnp.repeat(cache[:, :, 0::2], group, axis=2)  # [T, L, H, D]
+    values = jnp.repeat(cache[:, :, 1::2], group, axis=2)
+    logits = soft_cap(scale * jnp.einsum("thd,tlhd->thl", queries, keys), logits_soft_cap)[:, :, None, :]
+    key_pos = jnp.arange(keys.shape[1])[None, :]
+    visible = (key_pos < lengths[sequence][:, None]) & (key_pos <= position[:, None]) & live[:, None]
+    if sliding_window is not None:
+        visible &= position[:, None] - key_pos < sliding_window
+    sinks = None if softmax_aux is None else jnp.reshape(softmax_aux, (num_heads, -1))
+    out = masked_softmax_attention(logits, visible[:, None, None, :], values.transpose(0, 2, 1, 3), sinks)
+    return out[:, :, 0, :].astype(queries.dtype)
+
+
+# Each case: (num_q_heads, num_kv_heads, head_dim, page_size, [(q_len, kv_len) per active sequence],
+# inactive slots, padding rows)
+CASES = {
+    "mixed_gqa": (4, 2, 32, 8, [(1, 17), (5, 5), (0, 9), (7, 40)], 1, 3),
+    "decode_mha": (2, 2, 16, 4, [(1, 33), (1, 1), (1, 64)], 2, 0),
+    "prefill_mqa": (4, 1, 64, 16, [(17, 17), (3, 30)], 0, 5),
+}
+
+
+class RaggedPageAttentionConformance:
+    """Test base: subclass and set ``platform``."""
+
+    platform: ClassVar[str]
+    supports_gradients: ClassVar[bool] = True
+    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+
+    def call(self, queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, **kw):
+        from ejkernel.modules import ragged_page_attention
+
+        return ragged_page_attention(
+            queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux, platform=self.platform, **kw
+        )
+
+    def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
+        heads, kv_heads, head_dim, page_size, sequences, inactive, padding = case
+        q_lens = np.array([q for q, _ in sequences] + [0] * inactive, np.int32)
+        kv_lens = np.array([k for _, k in sequences] + [0] * inactive, np.int32)
+        max_num_seqs = len(q_lens)
+        starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        pages_per_seq = int(-(-kv_lens.max() // page_size)) + 1
+        num_pages = max(pages_per_seq * max_num_seqs, 4)
+        tables = random_block_tables(seed, max_num_seqs, pages_per_seq, num_pages, kv_lens, page_size)
+        total = int(starts[-1]) + padding
+        return dict(
+            queries=random_array(seed * 5, (total, heads, head_dim), dtype, scale),
+            kv_pages=random_array(seed * 5 + 1, (num_pages, page_size, 2 * kv_heads, head_dim), dtype),
+            context_lens=jnp.asarray(kv_lens),
+            block_tables=jnp.asarray(tables),
+            query_start_loc=jnp.asarray(starts),
+            num_seqs=jnp.asarray([len(sequences)], jnp.int32),
+            softmax_aux=sinks_for(seed * 5 + 2, heads, num_sinks),
+        )
+
+    def check(self, inputs, dtype, **static):
+        wrt = ("queries", "kv_pages") + (("softmax_aux",) if inputs["softmax_aux"] is not None else ())
+        fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
+        reference = lambda **kw: reference_ragged_page_attention(**kw, **static)  # noqa: E731
+        if not self.supports_gradients:
+            check_against_reference(fn, reference, inputs, (), dtype=dtype, tolerances=self.tolerances)
+            assert_gradient_refused(fn, inputs, wrt)
+            return
+        check_against_reference(fn, reference, inputs, wrt, dtype=dtype, tolerances=self.tolerances)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_forward_and_gradients(self, dtype):
+        self.check(self.make_inputs(1, CASES["mixed_gqa"], dtype), dtype)
+
+    @pytest.mark.parametrize("case", ["decode_mha", "prefill_mqa"])
+    def test_batch_mixes(self, case):
+        self.check(self.make_inputs(2, CASES[case], "float32"), "float32")
+
+    @pytest.mark.parametrize("num_sinks", [0, 3])
+    def test_window_soft_cap_and_sinks(self, num_sinks):
+        inputs = self.make_inputs(3, CASES["mixed_gqa"], "float32", scale=3.0, num_sinks=num_sinks)
+        self.check(inputs, "float32", sliding_window=6, logits_soft_cap=4.0, softmax_scale=0.4)
+
+    def test_large_logits(self):
+        self.check(self.make_inputs(4, CASES["prefill_mqa"], "float32", scale=40.0), "float32")
+
+    def test_padding_rows_are_zero(self):
+        inputs = self.make_inputs(5, CASES["mixed_gqa"], "float32", num_sinks=0)
+        wrt = ("queries",) if self.supports_gradients else ()
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5)
+        used = int(inputs["query_start_loc"][int(inputs["num_seqs"][0])])
+        np.testing.assert_array_equal(np.asarray(out[used:]), 0.0)
+        for name, grad in grads.items():
+            assert_finite(grad, f"d {name}")
+            np.testing.assert_array_equal(np.asarray(grad[used:]), 0.0)
+
+    def test_num_seqs_as_int_jit_and_vmap(self):
+        inputs = self.make_inputs(6, CASES["mixed_gqa"], "float32")
+        expected = reference_ragged_page_attention(**inputs)
+        as_int = self.call(**{**inputs, "num_seqs": int(inputs["num_seqs"][0])})
+        assert_close(as_int, expected, dtype="float32")
+        stacked = jnp.stack([inputs["queries"], -inputs["queries"]])
+        batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "queries": q})))(stacked)
+        assert_close(batched[1], reference_ragged_page_attention(**{**inputs, "queries": stacked[1]}), dtype="float32")
+        assert_close(batched[0], expected, dtype="float32")
+
+    def test_bad_inputs(self):
+        inputs = self.make_inputs(7, CASES["mixed_gqa"], "float32")
+
+        def call(**changes):
+            return self.call(**{**inputs, **changes})
+
+        with pytest.raises((ValueError, TypeError), match="queries"):
+            call(queries=inputs["queries"][0])
+        with pytest.raises(ValueError, match="kv_pages"):  # odd combined head count
+            call(kv_pages=inputs["kv_pages"][:, :, :3])
+        with pytest.raises(ValueError, match="kv_pages"):  # 3 kv heads do not divide 4
+            call(kv_pages=jnp.concatenate([inputs["kv_pages"]] * 3, axis=2)[:, :, :6])
+        with pytest.raises(ValueError, match="kv_pages"):
+            call(kv_pages=inputs["kv_pages"].astype(jnp.float16))
+        with pytest.raises(ValueError, match="query_start_loc"):  # not monotone
+            call(query_start_loc=inputs["query_start_loc"].at[2].set(0))
+        with pytest.raises(ValueError, match="query_start_loc"):  # more queries than cached tokens
+            call(context_lens=inputs["context_lens"].at[1].set(2))
+        with pytest.raises(ValueError, match="num_seqs"):
+            call(num_seqs=99)
+        with pytest.raises((ValueError, TypeError), match="softmax_aux"):
+            call(softmax_aux=jnp.ones((3,), jnp.float32))
+        with pytest.raises(ValueError, match="sliding_window"):
+            self.call(**inputs, sliding_window=0)
+        with pytest.raises(ValueError, match="block_tables"):
+            call(block_tables=inputs["block_tables"].at[0, 0].set(-5))
