@@ -74,6 +74,11 @@ def check(name, dtype, b, sq, skv, h, hkv, d, with_cudnn=False, **kw):
 
 
 def run_checks():
+    if os.environ.get("CHECKS") == "quick":
+        check("causal", jnp.bfloat16, 2, 1024, 1024, 8, 8, 128, with_cudnn=True, causal=True)
+        check("gqa+window+cap+sinks, Sq!=Skv, odd", jnp.bfloat16, 2, 700, 1000, 8, 2, 128, causal=True,
+              sliding_window=(300, 16), logits_soft_cap=30.0, softmax_aux=jnp.linspace(-1, 1, 8 * 2).reshape(8, 2))
+        return
     seg = lambda b, s, cut: jnp.broadcast_to((jnp.arange(s) >= cut).astype(jnp.int32), (b, s))  # noqa: E731
     check("plain", jnp.bfloat16, 2, 1024, 1024, 8, 8, 128, with_cudnn=True, causal=False)
     check("causal", jnp.bfloat16, 2, 1024, 1024, 8, 8, 128, with_cudnn=True, causal=True)
@@ -146,10 +151,14 @@ def main():
     default = {"ejk_default": None}
     sweep = {
         "ejk_default": None,
-        "ejk_f128x128w8s2": config(128, 128, 8, 2, None, None, None, None, None, None),
-        "ejk_f128x64w4s3": config(128, 64, 4, 3, None, None, None, None, None, None),
-        "ejk_b128x128w8": config(None, None, None, None, 128, 128, 128, 128, 8, 2),
-        "ejk_b64x64w4s3": config(None, None, None, None, 64, 64, 64, 64, 4, 3),
+        "ejk_f128x128w8s3": config(128, 128, 8, 3, None, None, None, None, None, None),
+        "ejk_f128x64w4s2": config(128, 64, 4, 2, None, None, None, None, None, None),
+        "ejk_f64x64w4s3": config(64, 64, 4, 3, None, None, None, None, None, None),
+        "ejk_b64x128_128x64w4s3": config(None, None, None, None, 64, 128, 128, 64, 4, 3),
+        "ejk_b32x128_64x64w4s3": config(None, None, None, None, 32, 128, 64, 64, 4, 3),
+        "ejk_b64x64w4s2": config(None, None, None, None, 64, 64, 64, 64, 4, 2),
+        "ejk_b64x64w8s3": config(None, None, None, None, 64, 64, 64, 64, 8, 3),
+        "ejk_b128x64_64x128w8s2": config(None, None, None, None, 128, 64, 64, 128, 8, 2),
     }
     bench(8192, False, sweep)
     bench(8192, True, default)

@@ -84,5 +84,5 @@ def test_tuning_validation():
     with pytest.raises(ValueError, match="powers of two"):
         gpu.GpuFlashTuning(fwd_q=96)
     t = gpu.choose_tuning(None, 8192, 8192, 128)
-    assert (t.fwd_q, t.fwd_kv) == (128, 64) and t.fwd_warps == 8
+    assert (t.fwd_q, t.fwd_kv, t.fwd_warps, t.dkv_q, t.dq_kv) == (128, 64, 4, 64, 64)
     assert gpu.choose_tuning(None, 20, 9, 64).fwd_kv == 16  # short sequences shrink the blocks
