@@ -117,7 +117,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _sequence_bounds(cu_q, cu_k, seq_idx, SEQ_Q: tl.constexpr, SEQ_KV: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _sequence_bounds(cu_q, cu_k, seq_idx, SEQ_Q, SEQ_KV, IS_VARLEN: tl.constexpr):
     """(first packed q row, q length, first packed kv row, kv length) of sequence `seq_idx`."""
     if IS_VARLEN:
         q_start = tl.load(cu_q + seq_idx)
@@ -284,13 +284,11 @@ def _fwd_block_loop(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, QSeg, KSeg, CuQ, CuK, Aux, qk_scale, softcap,  # inputs and float scalars
+    Q, K, V, QSeg, KSeg, CuQ, CuK, Aux, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs and scalars
     O, LSE,  # outputs
-    SEQ_Q: tl.constexpr, SEQ_KV: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    stride_qb: tl.constexpr, stride_qs: tl.constexpr, stride_qh: tl.constexpr,
-    stride_kb: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
-    stride_vb: tl.constexpr, stride_vs: tl.constexpr, stride_vh: tl.constexpr,
-    stride_ob: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
@@ -307,7 +305,7 @@ def _fwd_kernel(
     m0 = block * BLOCK_Q
     if m0 >= q_len:
         return
-    batch = 0 if IS_VARLEN else seq_idx
+    batch = 0 if IS_VARLEN else seq_idx.to(tl.int64)  # int64: offsets of large batches overflow int32
     kv_head = head // GROUP
     offs_q = tl.arange(0, BLOCK_Q)
     offs_kv = tl.arange(0, BLOCK_KV)
@@ -315,12 +313,12 @@ def _fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     rows = m0 + offs_q
 
-    q_base = Q + batch * stride_qb + q_start * stride_qs + head * stride_qh
+    q_base = Q + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
     q = tl.load(q_base + rows[:, None] * stride_qs + offs_d[None, :],
                 mask=(rows[:, None] < q_len) & (offs_d[None, :] < D), other=0.0)
-    k_ptrs = (K + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh
+    k_ptrs = (K + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
               + offs_kv[:, None] * stride_ks + offs_d[None, :])
-    v_ptrs = (V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh
+    v_ptrs = (V + batch * SEQ_KV * stride_vs + k_start * stride_vs + kv_head * stride_vh
               + offs_kv[:, None] * stride_vs + offs_dv[None, :])
     seg_offset = batch * SEQ_Q + q_start
     k_seg_ptr = KSeg + batch * SEQ_KV + k_start
@@ -362,7 +360,7 @@ def _fwd_kernel(
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / safe_l[:, None]
     lse = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("inf"))
-    o_ptrs = (O + batch * stride_ob + q_start * stride_os + head * stride_oh
+    o_ptrs = (O + batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
               + rows[:, None] * stride_os + offs_dv[None, :])
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(rows[:, None] < q_len) & (offs_dv[None, :] < DV))
     lse_ptrs = LSE + (batch * NUM_HEADS + head) * SEQ_Q + q_start + rows
@@ -421,13 +419,11 @@ def _dkv_block_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr
 
 @triton.jit
 def _dkv_kernel(
-    Q, K, V, DO, LSE, Delta, QSeg, KSeg, CuQ, CuK, qk_scale, softcap,
+    Q, K, V, DO, LSE, Delta, QSeg, KSeg, CuQ, CuK, qk_scale, softcap, SEQ_Q, SEQ_KV,
     DKOut, DVOut,
-    SEQ_Q: tl.constexpr, SEQ_KV: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    stride_qb: tl.constexpr, stride_qs: tl.constexpr, stride_qh: tl.constexpr,
-    stride_kb: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
-    stride_vb: tl.constexpr, stride_vs: tl.constexpr, stride_vh: tl.constexpr,
-    stride_ob: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
@@ -439,15 +435,15 @@ def _dkv_kernel(
     n0 = tl.program_id(0) * BLOCK_KV
     if n0 >= k_len:
         return
-    batch = 0 if IS_VARLEN else seq_idx
+    batch = 0 if IS_VARLEN else seq_idx.to(tl.int64)  # int64: offsets of large batches overflow int32
     offs_q = tl.arange(0, BLOCK_Q)
     offs_kv = tl.arange(0, BLOCK_KV)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     cols = n0 + offs_kv
 
-    k_base = K + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh
-    v_base = V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh
+    k_base = K + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
+    v_base = V + batch * SEQ_KV * stride_vs + k_start * stride_vs + kv_head * stride_vh
     k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :],
                 mask=(cols[:, None] < k_len) & (offs_d[None, :] < D), other=0.0)
     v = tl.load(v_base + cols[:, None] * stride_vs + offs_dv[None, :],
@@ -465,9 +461,9 @@ def _dkv_kernel(
     # Every query head of this kv head's group adds to the same dK/dV: no repeated kv, no atomics.
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        q_ptrs = (Q + batch * stride_qb + q_start * stride_qs + head * stride_qh
+        q_ptrs = (Q + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
                   + offs_q[:, None] * stride_qs + offs_d[None, :])
-        do_ptrs = (DO + batch * stride_ob + q_start * stride_os + head * stride_oh
+        do_ptrs = (DO + batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
                    + offs_q[:, None] * stride_os + offs_dv[None, :])
         row_offset = (batch * NUM_HEADS + head) * SEQ_Q + q_start
         dk, dv = _dkv_block_loop(
@@ -487,10 +483,10 @@ def _dkv_kernel(
             HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION)
 
     dk = dk * qk_scale
-    dk_ptrs = (DKOut + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh
+    dk_ptrs = (DKOut + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
                + cols[:, None] * stride_ks + offs_d[None, :])
     tl.store(dk_ptrs, dk.to(DKOut.dtype.element_ty), mask=(cols[:, None] < k_len) & (offs_d[None, :] < D))
-    dv_ptrs = (DVOut + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh
+    dv_ptrs = (DVOut + batch * SEQ_KV * stride_vs + k_start * stride_vs + kv_head * stride_vh
                + cols[:, None] * stride_vs + offs_dv[None, :])
     tl.store(dv_ptrs, dv.to(DVOut.dtype.element_ty), mask=(cols[:, None] < k_len) & (offs_dv[None, :] < DV))
 
@@ -535,13 +531,11 @@ def _dq_block_loop(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, Delta, QSeg, KSeg, CuQ, CuK, qk_scale, softcap,
+    Q, K, V, DO, LSE, Delta, QSeg, KSeg, CuQ, CuK, qk_scale, softcap, SEQ_Q, SEQ_KV,
     DQ,
-    SEQ_Q: tl.constexpr, SEQ_KV: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    stride_qb: tl.constexpr, stride_qs: tl.constexpr, stride_qh: tl.constexpr,
-    stride_kb: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
-    stride_vb: tl.constexpr, stride_vs: tl.constexpr, stride_vh: tl.constexpr,
-    stride_ob: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
@@ -557,7 +551,7 @@ def _dq_kernel(
     m0 = block * BLOCK_Q
     if m0 >= q_len:
         return
-    batch = 0 if IS_VARLEN else seq_idx
+    batch = 0 if IS_VARLEN else seq_idx.to(tl.int64)  # int64: offsets of large batches overflow int32
     kv_head = head // GROUP
     offs_q = tl.arange(0, BLOCK_Q)
     offs_kv = tl.arange(0, BLOCK_KV)
@@ -566,18 +560,18 @@ def _dq_kernel(
     rows = m0 + offs_q
 
     row_ok = rows < q_len
-    q = tl.load(Q + batch * stride_qb + q_start * stride_qs + head * stride_qh
+    q = tl.load(Q + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
                 + rows[:, None] * stride_qs + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + batch * stride_ob + q_start * stride_os + head * stride_oh
+    do = tl.load(DO + batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
                  + rows[:, None] * stride_os + offs_dv[None, :],
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     row_offset = (batch * NUM_HEADS + head) * SEQ_Q + q_start
     lse = tl.load(LSE + row_offset + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + row_offset + rows, mask=row_ok, other=0.0)
-    k_ptrs = (K + batch * stride_kb + k_start * stride_ks + kv_head * stride_kh
+    k_ptrs = (K + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
               + offs_kv[:, None] * stride_ks + offs_d[None, :])
-    v_ptrs = (V + batch * stride_vb + k_start * stride_vs + kv_head * stride_vh
+    v_ptrs = (V + batch * SEQ_KV * stride_vs + k_start * stride_vs + kv_head * stride_vh
               + offs_kv[:, None] * stride_vs + offs_dv[None, :])
     k_seg_ptr = KSeg + batch * SEQ_KV + k_start
     if HAS_SEGMENTS:
@@ -601,7 +595,7 @@ def _dq_kernel(
         offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, BLOCK_KV, D, DV, BLOCK_D,
         BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION)
     dq = dq * qk_scale
-    tl.store(DQ + batch * stride_qb + q_start * stride_qs + head * stride_qh
+    tl.store(DQ + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
              + rows[:, None] * stride_qs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 
@@ -756,11 +750,9 @@ def _common_meta(q, k, v, st: _Static, has_segments: bool, varlen: bool) -> dict
     _, skv, hkv, dv = v.shape
     fp32 = q.dtype == jnp.float32
     return dict(
-        SEQ_Q=sq, SEQ_KV=skv, NUM_HEADS=h, GROUP=h // hkv,
-        stride_qb=sq * h * d, stride_qs=h * d, stride_qh=d,
-        stride_kb=skv * hkv * d, stride_ks=hkv * d, stride_kh=d,
-        stride_vb=skv * hkv * dv, stride_vs=hkv * dv, stride_vh=dv,
-        stride_ob=sq * h * dv, stride_os=h * dv, stride_oh=dv,
+        NUM_HEADS=h, GROUP=h // hkv,
+        stride_qs=h * d, stride_qh=d, stride_ks=hkv * d, stride_kh=d,
+        stride_vs=hkv * dv, stride_vh=dv, stride_os=h * dv, stride_oh=dv,
         D=d, DV=dv, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         CAUSAL=st.causal, WINDOW_LEFT=st.window_left, WINDOW_RIGHT=st.window_right,
         USE_SOFTCAP=st.softcap > 0, HAS_SEGMENTS=has_segments, IS_VARLEN=varlen,
@@ -785,7 +777,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, st: _Static):
     args = (q, k, v, q_seg if has_seg else _dummy(), kv_seg if has_seg else _dummy(),
             cu_q if varlen else _dummy(), cu_k if varlen else _dummy(),
             aux if aux is not None else jnp.zeros((1,), jnp.float32),
-            np.float32(st.softmax_scale), np.float32(st.softcap or 1.0))
+            np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, k.shape[1])
     return _launch(
         _fwd_kernel, args, out_shapes, grid, num_warps=t.fwd_num_warps, num_stages=t.fwd_num_stages,
         zeroed_outputs=(0, 1) if varlen else (), interpret=st.interpret, **meta,
@@ -804,7 +796,7 @@ def _bwd_call(q, k, v, do, lse, delta, q_seg, kv_seg, cu_q, cu_k, st: _Static):
     n_seq = _num_sequences(q, cu_q)
     args = (q, k, v, do, lse, delta, q_seg if has_seg else _dummy(), kv_seg if has_seg else _dummy(),
             cu_q if varlen else _dummy(), cu_k if varlen else _dummy(),
-            np.float32(st.softmax_scale), np.float32(st.softcap or 1.0))
+            np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, skv)
     zeroed = lambda n: tuple(range(n)) if varlen else ()  # noqa: E731  padding rows belong to no program
     dk, dv = _launch(
         _dkv_kernel, args, (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from ejkernel import BackendInfo, hookimpl
 from ejkernel.plugins.checks import distribution_version, first_reason, missing_module, no_device, version_below
 
@@ -10,10 +12,28 @@ DISTRIBUTION = "ejkernel-triton"
 MIN_TRITON = "3.6.0"
 MIN_JAX_TRITON = "0.3.1"
 
-# algorithm -> "module:function"; priority 10 puts these above the XLA fallback on GPUs.
+# algorithm -> "module:function"; priority 10 puts these above the XLA fallback. They register for
+# "gpu" and also for "cpu": on a machine without a GPU the dispatcher then meets them, finds the backend
+# unusable (check_usable says why), logs the reason and falls back to XLA; an explicit platform="triton"
+# gets that reason as its error. With TRITON_INTERPRET=1 they run in Triton's interpreter on the CPU.
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_triton.flash_attention:flash_attention",
 }
+TARGETS = ("gpu", "cpu")
+
+
+def interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _no_gpu() -> str | None:
+    if interpret_requested():
+        return None
+    reason = no_device("gpu")
+    if reason:
+        return (f"{reason}: Triton kernels need an NVIDIA GPU (set TRITON_INTERPRET=1 before importing triton "
+                "to run them, slowly, in Triton's interpreter on the CPU)")
+    return None
 
 
 def check_usable() -> str | None:
@@ -22,7 +42,7 @@ def check_usable() -> str | None:
         lambda: version_below("triton", MIN_TRITON),
         lambda: missing_module("jax_triton", "jax-triton"),
         lambda: version_below("jax-triton", MIN_JAX_TRITON),
-        lambda: no_device("gpu"),
+        _no_gpu,
     )
 
 
@@ -42,4 +62,5 @@ def ejkernel_backend_info() -> BackendInfo:
 @hookimpl
 def ejkernel_register_kernels(registry, plugin: str) -> None:
     for algorithm, target in IMPLEMENTATIONS.items():
-        registry.register_lazy(algorithm, "triton", "gpu", target, priority=10, plugin=plugin)
+        for backend in TARGETS:
+            registry.register_lazy(algorithm, "triton", backend, target, priority=10, plugin=plugin)

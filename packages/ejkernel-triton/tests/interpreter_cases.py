@@ -1,0 +1,103 @@
+"""Numerics of the Triton kernels through Triton's interpreter, on the host (run by test_triton_interpreter).
+
+TRITON_INTERPRET=1 must be set before triton is imported, so these cases run in a process of their
+own. Each case runs forward and gradients (q, k, v and sinks) of a fresh random problem, compares them
+with the float64 dense reference, and prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+from ejkernel_triton.flash_attention import Tuning, flash_attention, reference_attention, tuning_to_cfg  # noqa: E402
+
+SMALL_BLOCKS = tuning_to_cfg(Tuning(32, 32, 4, 1, 32, 32, 32, 32, 4, 1))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _segments(rng, batch, length, num):
+    return jnp.asarray(np.sort(rng.integers(0, num, (batch, length)), axis=1), jnp.int32)
+
+
+def case(name, *, seed, b=1, sq=37, skv=37, h=2, hkv=1, d=32, dv=None, dtype=jnp.float32, sinks=0,
+         segments=False, unmatched_segment=False, varlen=None, vmap=False, **kw):
+    rng = np.random.default_rng(seed)
+    dv = dv or d
+    ks = jax.random.split(jax.random.key(seed), 5)
+    lead = (2,) if vmap else ()
+    q = jax.random.normal(ks[0], (*lead, b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (*lead, b, skv, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (*lead, b, skv, hkv, dv), jnp.float32).astype(dtype)
+    w = jax.random.normal(ks[3], (*lead, b, sq, h, dv), jnp.float32)
+    extra = dict(kw)
+    if sinks:
+        extra["softmax_aux"] = jax.random.normal(ks[4], (h, sinks), jnp.float32)
+    if segments:
+        qs = _segments(rng, b, sq, 3)
+        kvs = _segments(rng, b, skv, 3)
+        if unmatched_segment:  # rows of a segment no key has: they must come out as zeros
+            qs = qs.at[:, :5].set(7)
+        extra.update(q_segment_ids=qs, kv_segment_ids=kvs)
+    if varlen:
+        extra.update(cum_seqlens_q=jnp.asarray(varlen[0], jnp.int32), cum_seqlens_k=jnp.asarray(varlen[1], jnp.int32))
+
+    def loss(fn, q, k, v, aux):
+        kwargs = dict(extra)
+        if aux is not None:
+            kwargs["softmax_aux"] = aux
+        attend = lambda q, k, v: fn(q, k, v, **kwargs)  # noqa: E731
+        if vmap:
+            attend = jax.vmap(attend)
+        out = attend(q, k, v)
+        return jnp.sum(out.astype(jnp.float64) * w), out
+
+    ours = lambda q, k, v, **a: flash_attention(q, k, v, cfg=SMALL_BLOCKS, **a)  # noqa: E731
+    ref = lambda q, k, v, **a: reference_attention(q, k, v, dtype=jnp.float64, **a)  # noqa: E731
+    aux = extra.pop("softmax_aux", None)
+    t0 = time.time()
+    grad = jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True)
+    (g_ours, out_ours) = grad(ours, q, k, v, aux)
+    (g_ref, out_ref) = grad(ref, q.astype(jnp.float64), k.astype(jnp.float64), v.astype(jnp.float64), aux)
+    result = dict(
+        name=name, dtype=jnp.dtype(dtype).name, seconds=round(time.time() - t0, 2),
+        out=_rel(out_ours, out_ref), dq=_rel(g_ours[0], g_ref[0]), dk=_rel(g_ours[1], g_ref[1]),
+        dv=_rel(g_ours[2], g_ref[2]),
+        d_aux=_rel(g_ours[3], g_ref[3]) if aux is not None else 0.0,
+        finite=bool(all(np.all(np.isfinite(np.asarray(x, np.float64))) for x in (out_ours, *g_ours[:3]))),
+    )
+    if unmatched_segment:
+        result["masked_rows_zero"] = bool(np.all(np.asarray(out_ours)[:, :5] == 0))
+    print(json.dumps(result), flush=True)
+
+
+CASES = {
+    "gqa_cross_lengths": dict(seed=1, sq=37, skv=45, h=4, hkv=2),
+    "causal_softcap": dict(seed=2, sq=45, skv=37, causal=True, logits_soft_cap=2.0),
+    "window_sinks": dict(seed=3, sq=40, skv=40, sliding_window=(5, 3), sinks=2),
+    "segments_unmatched_causal": dict(seed=4, sq=33, skv=33, causal=True, segments=True, unmatched_segment=True),
+    "varlen_causal_padding": dict(seed=5, b=1, sq=40, skv=44, causal=True, varlen=([0, 5, 20, 33], [0, 7, 20, 37])),
+    "fp16_mqa_headdim40": dict(seed=6, sq=35, skv=35, h=3, hkv=1, d=40, dv=24, dtype=jnp.float16, causal=True),
+    "vmap_fold": dict(seed=7, b=1, sq=21, skv=21, causal=True, vmap=True),
+}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or CASES:
+        case(name, **CASES[name])

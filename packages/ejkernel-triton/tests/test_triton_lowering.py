@@ -1,0 +1,76 @@
+"""Every Triton kernel compiles for sm_90 on a CPU-only machine (lowering through jax-triton).
+
+jax-triton compiles the kernels (Triton -> PTX -> cubin with ptxas) while JAX lowers for the "cuda"
+platform, which the CUDA plugin makes possible with JAX_PLATFORMS=cpu and no GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ejkernel_triton import flash_attention as fa
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None
+                                and importlib.util.find_spec("jax_cuda13_plugin") is None,
+                                reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
+
+
+@pytest.fixture(autouse=True)
+def _sm90(monkeypatch):
+    monkeypatch.setenv(fa.COMPUTE_CAPABILITY_ENV, "90")
+
+
+def _lower_fwd_bwd(q, k, v, **kw):
+    def loss(q, k, v, *extra):
+        return fa.flash_attention(q, k, v, **kw).astype(jnp.float32).sum()
+
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+        lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype,d,kw",
+    [
+        (jnp.bfloat16, 128, dict(causal=True)),
+        (jnp.float16, 64, dict(sliding_window=(64, 0), logits_soft_cap=30.0)),
+    ],
+    ids=["bf16-d128-causal", "fp16-d64-window-softcap"],
+)
+def test_fwd_bwd_compile_for_sm90(dtype, d, kw):
+    b, s, h, hkv = 2, 256, 4, 2
+    text = _lower_fwd_bwd(_spec((b, s, h, d), dtype), _spec((b, s, hkv, d), dtype), _spec((b, s, hkv, d), dtype), **kw)
+    assert text.count("triton_kernel_call") >= 3  # forward, dK/dV and dQ kernels
+
+
+def test_all_features_compile_for_sm90():
+    """Varlen + segments + sinks + GQA + non-power-of-two head dim, bf16, D=96."""
+    dtype, d = jnp.bfloat16, 96
+    q, k, v = _spec((1, 300, 4, d), dtype), _spec((1, 300, 1, d), dtype), _spec((1, 300, 1, d), dtype)
+    cu = jnp.array([0, 100, 250, 290], jnp.int32)
+    seg = jnp.zeros((1, 300), jnp.int32)
+
+    def loss(q, k, v, aux):
+        out = fa.flash_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu, q_segment_ids=seg,
+                                 kv_segment_ids=seg, softmax_aux=aux)
+        return out.astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, _spec((4, 2), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton_kernel_call") >= 3
+
+
+def test_head_dim_256_compiles_for_sm90():
+    dtype = jnp.bfloat16
+    q = _spec((1, 128, 2, 256), dtype)
+    text = jax.jit(lambda q, k, v: fa.flash_attention(q, k, v)).trace(q, q, q).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton_kernel_call" in text
