@@ -13,6 +13,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_xla.flash_attention:flash_attention",
     "page_attention": "ejkernel_xla.page_attention:page_attention",
     "ragged_page_attention": "ejkernel_xla.ragged_page_attention:ragged_page_attention",
+    "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:ragged_decode_attention",
 }
 
 

@@ -22,6 +22,9 @@ _EXPORTS: dict[str, str] = {
     "ragged_page_attention": "ejkernel.modules.operations.ragged_page_attention",
     "RaggedPageAttention": "ejkernel.modules.operations.ragged_page_attention",
     "RaggedPageAttentionConfig": "ejkernel.modules.operations.ragged_page_attention",
+    "ragged_decode_attention": "ejkernel.modules.operations.ragged_decode_attention",
+    "RaggedDecodeAttention": "ejkernel.modules.operations.ragged_decode_attention",
+    "RaggedDecodeAttentionConfig": "ejkernel.modules.operations.ragged_decode_attention",
 }
 
 __all__ = sorted(_EXPORTS)

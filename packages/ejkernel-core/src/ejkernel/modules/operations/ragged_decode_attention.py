@@ -1,0 +1,169 @@
+"""``ragged_decode_attention``: one decode query per sequence over a dense KV buffer, each sequence
+reading only its own slice ``[sequence_start, sequence_end)``.
+
+Canonical call every backend receives (validated and normalized here)::
+
+    ragged_decode_attention(query, key, value, sequence_start, sequence_end, softmax_aux, *,
+                            softmax_scale: float, sliding_window: tuple[int, int] | None,
+                            logit_soft_cap: float | None, cfg)
+
+- ``query`` ``[batch, num_heads, head_dim]``; ``key``/``value`` ``[batch, seq_len, num_kv_heads, head_dim]``
+  (same dtype; ``num_heads % num_kv_heads == 0``, query head ``h`` reads kv head ``h // (num_heads //
+  num_kv_heads)``); ``sequence_start``/``sequence_end`` int32 ``[batch]``; ``softmax_aux`` (sinks) float
+  ``[num_heads]`` or ``[num_heads, num_sinks]`` or None.
+- The query is the token at ``p = sequence_end - 1``. Key ``j`` is visible when
+  ``sequence_start <= j < sequence_end`` and, with ``sliding_window = (left, right)``,
+  ``p - left <= j <= p + right``. An empty range gives zeros.
+- Logits ``softmax_scale * <q, k>`` in float32 (default scale ``1/sqrt(head_dim)``), soft cap
+  ``c * tanh(x / c)``; sinks join the softmax denominator only. Output in ``query``'s dtype.
+
+Gradients: an inference operation; the XLA backend is differentiable w.r.t. ``query``, ``key``, ``value``
+and ``softmax_aux`` (autodiff through its blockwise loop); other backends may be forward-only.
+``block_size`` is a tuning hint (it goes into the config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Float, Int
+
+from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._validation import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_array,
+    check_dim,
+    check_positive_int,
+    check_same_dtype,
+    typechecked,
+)
+from ejkernel.modules.operations.page_attention import check_gqa, check_soft_cap, concrete, resolve_scale
+from ejkernel.modules.operations.ragged_page_attention import check_sinks
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDecodeAttentionConfig:
+    """Tuning knobs; none of them changes the result."""
+
+    block_size: int | None = None  # keys folded in per step
+    num_warps: int | None = None
+    num_stages: int | None = None
+    platform: str = "auto"
+    backend: str = "any"
+
+
+def normalize_window(name, value) -> tuple[int, int] | None:
+    """``None``, an int ``w`` (meaning ``(w, w)``) or a pair of non-negative ints."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)
+    ):
+        raise ValueError(f"{name} must be None, an int >= 0 or a pair (left, right) of ints >= 0, got {value!r}")
+    return (int(value[0]), int(value[1]))
+
+
+class RaggedDecodeAttention(RegistryOperation):
+    """Decode attention over per-sequence slices of a dense KV buffer (see the module docstring)."""
+
+    algorithm = "ragged_decode_attention"
+    config_type = RaggedDecodeAttentionConfig
+
+    def validate(
+        self,
+        query,
+        key,
+        value,
+        sequence_start,
+        sequence_end,
+        softmax_aux=None,
+        *,
+        softmax_scale=None,
+        sliding_window=None,
+        logit_soft_cap=None,
+    ):
+        check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what="[batch, num_heads, head_dim]")
+        layout = "[batch, seq_len, num_kv_heads, head_dim]"
+        check_array("key", key, rank=4, dtypes=FLOAT_DTYPES, what=layout)
+        check_array("value", value, rank=4, dtypes=FLOAT_DTYPES, what=layout)
+        check_same_dtype("query", query, key=key, value=value)
+        batch, num_heads, head_dim = query.shape
+        check_dim("key", key, 0, batch, "batch of query")
+        check_dim("key", key, 3, head_dim, "head_dim of query")
+        for axis, meaning in ((0, "batch"), (1, "seq_len"), (2, "num_kv_heads"), (3, "head_dim")):
+            check_dim("value", value, axis, key.shape[axis], f"{meaning} of key")
+        check_gqa("query", num_heads, "key", key.shape[2], key)
+        for name, bound in (("sequence_start", sequence_start), ("sequence_end", sequence_end)):
+            check_array(name, bound, rank=1, dtypes=INT_DTYPES, what="[batch]")
+            check_dim(name, bound, 0, batch, "batch of query")
+        start, end = concrete(sequence_start), concrete(sequence_end)
+        seq_len = key.shape[1]
+        if start is not None and ((start < 0) | (start > seq_len)).any():
+            raise ValueError(f"sequence_start must be in [0, {seq_len}] (seq_len of key), got {start.tolist()}")
+        if end is not None and ((end < 0) | (end > seq_len)).any():
+            raise ValueError(f"sequence_end must be in [0, {seq_len}] (seq_len of key), got {end.tolist()}")
+        check_sinks("softmax_aux", softmax_aux, num_heads)
+        args = (query, key, value, sequence_start.astype(jnp.int32), sequence_end.astype(jnp.int32), softmax_aux)
+        kwargs = dict(
+            softmax_scale=resolve_scale("softmax_scale", softmax_scale, head_dim),
+            sliding_window=normalize_window("sliding_window", sliding_window),
+            logit_soft_cap=check_soft_cap("logit_soft_cap", logit_soft_cap),
+        )
+        return args, kwargs
+
+
+@typechecked
+def ragged_decode_attention(
+    query: Float[jax.Array, "batch num_heads head_dim"],
+    key: Float[jax.Array, "batch seq_len num_kv_heads head_dim"],
+    value: Float[jax.Array, "batch seq_len num_kv_heads head_dim"],
+    sequence_start: Int[jax.Array, "batch"],
+    sequence_end: Int[jax.Array, "batch"],
+    softmax_scale: float | None = None,
+    block_size: int | None = None,
+    sliding_window: tuple[int, int] | int | None = None,
+    logit_soft_cap: float | None = None,
+    softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = None,
+    platform: str = "auto",
+    *,
+    cfg: RaggedDecodeAttentionConfig | None = None,
+) -> Float[jax.Array, "batch num_heads head_dim"]:
+    """Decode attention of each sequence's query over ``key/value[b, sequence_start[b]:sequence_end[b]]``.
+
+    Args:
+        query: ``[batch, num_heads, head_dim]``, the newest token (at ``sequence_end - 1``).
+        key, value: ``[batch, seq_len, num_kv_heads, head_dim]``.
+        sequence_start, sequence_end: int ``[batch]``, the valid key range (end exclusive).
+        softmax_scale: logit scale (default ``1/sqrt(head_dim)``).
+        block_size: keys per step (tuning hint; goes into ``cfg``).
+        sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``, around the query's position.
+        logit_soft_cap: ``c * tanh(x / c)`` on the logits when given.
+        softmax_aux: attention sinks ``[num_heads]`` or ``[num_heads, num_sinks]``.
+        platform: ``"auto"`` or a platform name.
+        cfg: a :class:`RaggedDecodeAttentionConfig`, or None for the backend's heuristic.
+    """
+    if block_size is not None:
+        check_positive_int("block_size", block_size)
+        if cfg is None:
+            cfg = RaggedDecodeAttentionConfig(block_size=block_size)
+    return execute(
+        RaggedDecodeAttention(),
+        query,
+        key,
+        value,
+        sequence_start,
+        sequence_end,
+        softmax_aux,
+        softmax_scale=softmax_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+        platform=platform,
+        cfg=cfg,
+    )

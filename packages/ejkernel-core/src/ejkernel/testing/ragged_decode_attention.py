@@ -1,0 +1,158 @@
+"""Reference and conformance suite of ``ragged_decode_attention`` (semantics: the module docstring of
+``ejkernel.modules.operations.ragged_decode_attention``).
+
+Subclass :class:`RaggedDecodeAttentionConformance` and set ``platform``; forward-only backends set
+``supports_gradients = False`` (gradients must then raise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
+from ejkernel.testing.page_attention import (
+    DTYPES,
+    assert_gradient_refused,
+    check_against_reference,
+    forward_and_vjp,
+    masked_softmax_attention,
+    random_array,
+    sinks_for,
+    soft_cap,
+)
+
+
+def reference_ragged_decode_attention(
+    query,
+    key,
+    value,
+    sequence_start,
+    sequence_end,
+    softmax_aux=None,
+    *,
+    softmax_scale=None,
+    sliding_window=None,
+    logit_soft_cap=None,
+):
+    """Dense over the whole buffer with the range/window mask written out. Float64-ready."""
+    batch, num_heads, head_dim = query.shape
+    group = num_heads // key.shape[2]
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    keys = jnp.repeat(key, group, axis=2)
+    values = jnp.repeat(value, group, axis=2)
+    logits = soft_cap(scale * jnp.einsum("bhd,bjhd->bhj", query, keys), logit_soft_cap)[:, :, None, :]
+    j = jnp.arange(key.shape[1])[None, :]
+    start, end = jnp.asarray(sequence_start)[:, None], jnp.asarray(sequence_end)[:, None]
+    visible = (j >= start) & (j < end)
+    if sliding_window is not None:
+        left, right = (sliding_window, sliding_window) if isinstance(sliding_window, int) else sliding_window
+        visible &= (j >= end - 1 - left) & (j <= end - 1 + right)
+    sinks = None if softmax_aux is None else jnp.reshape(softmax_aux, (num_heads, -1))
+    out = masked_softmax_attention(logits, visible[:, None, None, :], values.transpose(0, 2, 1, 3), sinks)
+    return out[:, :, 0, :].astype(query.dtype)
+
+
+# (batch, num_heads, num_kv_heads, head_dim, seq_len, [(start, end) per sequence])
+CASES = {
+    "gqa": (4, 8, 2, 32, 45, [(0, 45), (3, 20), (17, 18), (40, 41)]),
+    "mha_odd": (3, 3, 3, 17, 127, [(0, 1), (5, 127), (60, 100)]),
+    "mqa": (2, 4, 1, 64, 33, [(0, 33), (10, 30)]),
+}
+
+
+class RaggedDecodeAttentionConformance:
+    """Test base: subclass and set ``platform``."""
+
+    platform: ClassVar[str]
+    supports_gradients: ClassVar[bool] = True
+    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+
+    def call(self, query, key, value, sequence_start, sequence_end, softmax_aux=None, **kw):
+        from ejkernel.modules import ragged_decode_attention
+
+        return ragged_decode_attention(
+            query, key, value, sequence_start, sequence_end, softmax_aux=softmax_aux, platform=self.platform, **kw
+        )
+
+    def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
+        batch, heads, kv_heads, head_dim, seq_len, ranges = case
+        return dict(
+            query=random_array(seed * 4, (batch, heads, head_dim), dtype, scale),
+            key=random_array(seed * 4 + 1, (batch, seq_len, kv_heads, head_dim), dtype),
+            value=random_array(seed * 4 + 2, (batch, seq_len, kv_heads, head_dim), dtype),
+            sequence_start=jnp.asarray([s for s, _ in ranges], jnp.int32),
+            sequence_end=jnp.asarray([e for _, e in ranges], jnp.int32),
+            softmax_aux=sinks_for(seed * 4 + 3, heads, num_sinks),
+        )
+
+    def check(self, inputs, dtype, **static):
+        wrt = ("query", "key", "value") + (("softmax_aux",) if inputs["softmax_aux"] is not None else ())
+        fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
+        reference = lambda **kw: reference_ragged_decode_attention(**kw, **static)  # noqa: E731
+        if not self.supports_gradients:
+            check_against_reference(fn, reference, inputs, (), dtype=dtype, tolerances=self.tolerances)
+            assert_gradient_refused(fn, inputs, wrt)
+            return
+        check_against_reference(fn, reference, inputs, wrt, dtype=dtype, tolerances=self.tolerances)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_forward_and_gradients(self, dtype):
+        self.check(self.make_inputs(1, CASES["gqa"], dtype), dtype)
+
+    @pytest.mark.parametrize("case", ["mha_odd", "mqa"])
+    def test_head_layouts(self, case):
+        self.check(self.make_inputs(2, CASES[case], "float32"), "float32")
+
+    @pytest.mark.parametrize("num_sinks", [0, 2])
+    def test_window_soft_cap_and_sinks(self, num_sinks):
+        inputs = self.make_inputs(3, CASES["mha_odd"], "float32", scale=3.0, num_sinks=num_sinks)
+        self.check(inputs, "float32", sliding_window=(20, 0), logit_soft_cap=4.0, softmax_scale=0.3)
+
+    def test_large_logits(self):
+        self.check(self.make_inputs(4, CASES["gqa"], "float32", scale=40.0), "float32")
+
+    def test_empty_ranges_give_zeros(self):
+        inputs = self.make_inputs(5, CASES["gqa"], "float32", num_sinks=0)
+        inputs["sequence_end"] = inputs["sequence_start"].at[0].set(45)  # rows 1..3: start == end
+        inputs["sequence_start"] = inputs["sequence_start"].at[0].set(0)
+        wrt = ("query", "key") if self.supports_gradients else ()
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5)
+        np.testing.assert_array_equal(np.asarray(out[1:]), 0.0)
+        for name, grad in grads.items():
+            assert_finite(grad, f"d {name}")
+            np.testing.assert_array_equal(np.asarray(grad[1:]), 0.0)
+
+    def test_jit_and_vmap(self):
+        inputs = self.make_inputs(6, CASES["mqa"], "float32")
+        stacked = jnp.stack([inputs["query"], 2.0 * inputs["query"]])
+        batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "query": q})))(stacked)
+        for i in range(2):
+            expected = reference_ragged_decode_attention(**{**inputs, "query": stacked[i]})
+            assert_close(batched[i], expected, dtype="float32")
+
+    def test_bad_inputs(self):
+        inputs = self.make_inputs(7, CASES["gqa"], "float32")
+
+        def call(**changes):
+            return self.call(**{**inputs, **changes})
+
+        with pytest.raises((ValueError, TypeError), match="query"):
+            call(query=inputs["query"][None])
+        with pytest.raises(ValueError, match="key"):  # 3 kv heads do not divide 8
+            call(key=inputs["key"][:, :, :1].repeat(3, 2), value=inputs["value"][:, :, :1].repeat(3, 2))
+        with pytest.raises(ValueError, match="value"):
+            call(value=inputs["value"].astype(jnp.bfloat16))
+        with pytest.raises((ValueError, TypeError), match="sequence_end"):
+            call(sequence_end=inputs["sequence_end"][:2])
+        with pytest.raises(ValueError, match="sequence_end"):
+            call(sequence_end=inputs["sequence_end"].at[0].set(99))
+        with pytest.raises(ValueError, match="sliding_window"):
+            self.call(**inputs, sliding_window=(-1, 2))
+        with pytest.raises((ValueError, TypeError), match="softmax_aux"):
+            call(softmax_aux=jnp.ones((2, 8), jnp.float32))

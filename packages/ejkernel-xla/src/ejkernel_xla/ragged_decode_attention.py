@@ -1,0 +1,64 @@
+"""XLA ``ragged_decode_attention``: the shared decode loop (``attend_over_blocks``) over contiguous key
+blocks of the dense buffer, masked to each sequence's ``[sequence_start, sequence_end)`` range (and
+window). Each key block is read once; GQA groups query heads per kv head instead of repeating KV."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttentionConfig
+from ejkernel_xla.page_attention import TOKENS_PER_STEP, attend_over_blocks
+
+
+def ragged_decode_attention(
+    query,
+    key,
+    value,
+    sequence_start,
+    sequence_end,
+    softmax_aux=None,
+    *,
+    softmax_scale: float,
+    sliding_window: tuple[int, int] | None,
+    logit_soft_cap: float | None,
+    cfg: RaggedDecodeAttentionConfig | None = None,
+):
+    batch, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads = key.shape[1], key.shape[2]
+    block = max(1, min(seq_len, (cfg.block_size if cfg and cfg.block_size else TOKENS_PER_STEP)))
+    num_steps = math.ceil(seq_len / block)
+    padded = num_steps * block
+    if padded != seq_len:
+        key = jnp.pad(key, ((0, 0), (0, padded - seq_len), (0, 0), (0, 0)))
+        value = jnp.pad(value, ((0, 0), (0, padded - seq_len), (0, 0), (0, 0)))
+    position = sequence_end - 1
+
+    def load_block(i):
+        return (
+            jax.lax.dynamic_slice_in_dim(key, i * block, block, axis=1),
+            jax.lax.dynamic_slice_in_dim(value, i * block, block, axis=1),
+        )
+
+    def visible_block(i):
+        keys = (i * block + jnp.arange(block, dtype=jnp.int32))[None, :]
+        visible = (keys >= sequence_start[:, None]) & (keys < sequence_end[:, None])
+        if sliding_window is not None:
+            left, right = sliding_window
+            visible &= (keys >= position[:, None] - left) & (keys <= position[:, None] + right)
+        return visible
+
+    group = num_heads // num_kv_heads
+    sinks = None if softmax_aux is None else softmax_aux.reshape(num_kv_heads, group, -1)
+    out = attend_over_blocks(
+        query.reshape(batch, num_kv_heads, group, head_dim),
+        num_steps,
+        load_block,
+        visible_block,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logit_soft_cap,
+        sinks=sinks,
+    )
+    return out.reshape(batch, num_heads, -1).astype(query.dtype)
