@@ -69,7 +69,10 @@ def main() -> None:
         "heuristic (no cached config)": lambda: heuristic(kernel, x, y, scale=0.5),
         "explicit cfg=": lambda: tuned(kernel, x, y, cfg=cfg, scale=0.5),
     }
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; direct call: {direct:.1f} us")
+    # How fast this machine runs plain Python (about 1 us on an unloaded modern x86 core), to scale by.
+    python_us = _per_call_us(lambda: sum(range(100)), options.calls, options.rounds)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; direct call: {direct:.1f} us; "
+          f"calibration sum(range(100)): {python_us:.1f} us")
     for name, fn in cases.items():
         total = _per_call_us(fn, options.calls, options.rounds)
         print(f"{name:32s} {total:8.1f} us/call   overhead {total - direct:6.1f} us")

@@ -327,3 +327,17 @@ def test_create_default_executor_recipe_constructs(tmp_path):
     )
     assert executor.chooser.persistent.path == tmp_path / "kernel_cache" / "configs.json"
     assert ConfigSelectorChain(cache=ConfigCache(), persistent=None, autotune=True).policy.allow_autotune
+
+
+def test_a_broken_config_space_falls_back_to_the_heuristic_with_a_warning():
+    class Broken(ToyMatmul):
+        def config_space(self, inv):
+            raise KeyError("no table for this GPU")
+
+    kernel = Broken()
+    chain = make_chain(policy=AutotunePolicy(allow_autotune=True))
+    x, w = random_inputs()
+    with pytest.warns(RuntimeWarning, match="autotuning 'toy_matmul' failed .*no table"):
+        out = Executor(chain)(kernel, x, w)
+    np.testing.assert_allclose(out, np.asarray(x) @ np.asarray(w), rtol=1e-5)
+    assert chain.select(Invocation(kernel, (x, w))).source == "heuristic"  # not retried on every call

@@ -15,7 +15,7 @@ from ejkernel.ops.core.kernel import Invocation, Kernel
 from ejkernel.ops.core.types import Cfg, Out
 from ejkernel.ops.execution.batch import pmap_with_config, vmap_with_config
 from ejkernel.ops.execution.executor import ConfigChooser, Executor, get_default_executor, set_default_executor
-from ejkernel.ops.execution.tuning import CandidateResult, Tuner, TuneResult, autotune, benchmark
+from ejkernel.ops.execution.tuning import Autotuner, CandidateResult, Tuner, TuneResult, autotune, benchmark
 from ejkernel.ops.registry import autotune_recorded, clear_invocations, get_invocations, record_invocation
 from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
 from ejkernel.ops.utils.fingerprint import (
@@ -34,9 +34,6 @@ from ejkernel.ops.utils.labels import (
     labels_to_configs,
 )
 from ejkernel.ops.utils.serialize import from_json, stable_json, to_json
-
-Autotuner = Tuner
-"""Alias (the spec's module listing calls the tuner the Autotuner)."""
 
 __all__ = [
     "AutotunePolicy",

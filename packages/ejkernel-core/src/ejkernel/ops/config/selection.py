@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -188,7 +187,6 @@ class ConfigSelectorChain:
         self._heuristics: dict[str, Any] = {}
         self._shipped_found: dict[str, Any] = {}
         self._untunable: set[str] = set()
-        self._lock = threading.Lock()
 
     def choose(self, inv: Invocation) -> Any:
         """The config for ``inv`` (see :meth:`select`)."""
@@ -197,35 +195,38 @@ class ConfigSelectorChain:
             cfg = self.cache._entries.get(key)  # the per-call fast path: a memory-cache hit
             if cfg is not None:
                 return cfg
-        return self.select(inv).cfg
+        return self._select(inv)[0]
 
     def select(self, inv: Invocation) -> Selection:
         """The config for ``inv`` and which level provided it."""
+        return Selection(*self._select(inv))
+
+    def _select(self, inv: Invocation) -> tuple[Any, str]:
         key = inv.cache_key
         for overlay in _overlays.get():
             cfg = overlay.get(key)
             if cfg is not None:
-                return Selection(cfg, "overlay")
+                return cfg, "overlay"
         cfg = self.cache.get(key)
         if cfg is not None:
-            return Selection(cfg, "cache")
+            return cfg, "cache"
         if self.persistent is not None:
             cfg = self.persistent.get(key)
             if cfg is not None:
                 self.cache.put(key, cfg)
-                return Selection(cfg, "persistent")
+                return cfg, "persistent"
         if self.shipped:
             cfg = self._shipped_config(inv)
             if cfg is not None:
                 self.cache.put(key, cfg)
-                return Selection(cfg, "shipped")
+                return cfg, "shipped"
         heuristic = self.heuristic(inv)
         policy = effective_policy(self.policy)
         if policy.allow_autotune and key not in self._untunable:
             tuned = self._autotune(inv, heuristic, policy)
             if tuned is not None:
-                return Selection(tuned, "autotune")
-        return Selection(heuristic, "heuristic")
+                return tuned, "autotune"
+        return heuristic, "heuristic"
 
     def heuristic(self, inv: Invocation) -> Any:
         """The kernel's heuristic config for ``inv`` (computed once per key)."""
@@ -243,10 +244,19 @@ class ConfigSelectorChain:
             self.persistent.put(inv, cfg)
 
     def _autotune(self, inv: Invocation, heuristic: Any, policy: AutotunePolicy) -> Any:
-        candidates = list(inv.kernel.config_space(inv))
-        if not candidates:
+        try:
+            candidates = list(inv.kernel.config_space(inv))
+            if not candidates:
+                return None
+            result = self.tuner.tune(inv, candidates, heuristic=heuristic, policy=policy)
+        except Exception as exc:  # a broken config space or tuner must not break the user's call
+            warnings.warn(
+                f"autotuning {inv.kernel.name!r} failed ({type(exc).__name__}: {exc}); using its heuristic config",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._untunable.add(inv.cache_key)
             return None
-        result = self.tuner.tune(inv, candidates, heuristic=heuristic, policy=policy)
         if result.best is None:
             self._untunable.add(inv.cache_key)  # nothing ran: do not retry this key on every call
             return None

@@ -47,11 +47,27 @@ def vmap_with_config(
 def pmap_with_config(
     kernel: Kernel, axis_name: Any = None, in_axes: Any = 0, out_axes: Any = 0, *, executor: Any = None, **pmap_kwargs: Any
 ) -> Callable:
-    """``jax.pmap`` of ``kernel`` over its positional arguments (leading axis = devices)."""
+    """``jax.pmap`` of ``kernel`` over its positional arguments (leading axis = devices).
+
+    The pmapped program is kept per set of (hashable) keyword arguments, so repeated eager calls do not
+    recompile.
+    """
     import jax
 
+    compiled: dict[Any, Callable] = {}
+
     def parallel(*args: Any, **kwargs: Any) -> Any:
-        per_device = _runner(kernel, executor, dict(kwargs))
-        return jax.pmap(per_device, axis_name=axis_name, in_axes=in_axes, out_axes=out_axes, **pmap_kwargs)(*args)
+        try:
+            key = tuple(sorted(kwargs.items()))
+            hash(key)
+        except TypeError:  # arrays or other unhashable keywords: build per call
+            key = None
+        program = compiled.get(key) if key is not None else None
+        if program is None:
+            per_device = _runner(kernel, executor, dict(kwargs))
+            program = jax.pmap(per_device, axis_name=axis_name, in_axes=in_axes, out_axes=out_axes, **pmap_kwargs)
+            if key is not None and len(compiled) < 64:
+                compiled[key] = program
+        return program(*args)
 
     return parallel

@@ -34,7 +34,7 @@ from ejkernel.ops.utils.env import env_flag
 if TYPE_CHECKING:
     from ejkernel.ops.config.selection import AutotunePolicy
 
-__all__ = ["LOG_ENV", "CandidateResult", "TuneResult", "Tuner", "autotune", "benchmark", "tuning_inputs"]
+__all__ = ["LOG_ENV", "Autotuner", "CandidateResult", "TuneResult", "Tuner", "autotune", "benchmark", "tuning_inputs"]
 
 LOG_ENV = "EJKERNEL_LOG_AUTOTUNE"
 logger = logging.getLogger("ejkernel.ops.autotune")
@@ -384,6 +384,10 @@ class Tuner:
             _log(logging.INFO, "%s: %r: %.4f ms", kernel.name, result.cfg, result.time_ms)
         else:
             _log(logging.INFO, "%s: %r %s: %s", kernel.name, result.cfg, result.status, result.reason)
+
+
+Autotuner = Tuner
+"""The spec's module listing names the tuner ``Autotuner``."""
 
 
 def _forward(kernel: Kernel, split, cfg: Any) -> Callable:
