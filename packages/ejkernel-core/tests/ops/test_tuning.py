@@ -132,3 +132,17 @@ def test_autotune_and_benchmark_functions():
     assert isinstance(time_ms, float) and time_ms > 0
     with pytest.raises(ValueError, match="num_iters"):
         benchmark(lambda: None, num_iters=0)
+
+
+def test_bfloat16_candidates_are_compared_as_floats_and_get_gradients():
+    kernel = ToyMatmul(space=(ToyConfig(block=4), ToyConfig(block=16), ToyConfig(wrong=True)))
+    x, w = random_inputs(m=32, k=64, n=16, dtype=jnp.bfloat16)
+    outcome = by_cfg(FAST.tune(Invocation(kernel, (x, w)), kernel.space))
+    assert outcome[ToyConfig(block=4)].status == outcome[ToyConfig(block=16)].status == "ok"  # rounding differs
+    assert outcome[ToyConfig(wrong=True)].status == "rejected"
+    vjp_kernel = SpecVjpKernel()
+    a = jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.bfloat16)
+    grads = jax.grad(lambda a: jnp.sum(vjp_kernel(a, a * 2).astype(jnp.float32)))(a)
+    assert grads.dtype == jnp.bfloat16 and np.allclose(np.asarray(grads, np.float32), np.asarray(a * 4, np.float32), rtol=2e-2)
+    rejected = by_cfg(FAST.tune(Invocation(vjp_kernel, (a, a)), vjp_kernel.config_space(None)))
+    assert rejected[ToyConfig(block=4, wrong=True)].status == "rejected"

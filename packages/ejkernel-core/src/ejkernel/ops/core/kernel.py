@@ -33,12 +33,19 @@ from ejkernel.ops.utils.serialize import stable_json
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["Invocation", "Kernel", "is_array_like"]
+__all__ = ["Invocation", "Kernel", "is_array_like", "is_inexact"]
 
 
 def is_array_like(value: Any) -> bool:
     """Arrays, tracers and ``ShapeDtypeStruct``s: anything with a ``shape`` and a ``dtype``."""
     return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, type)
+
+
+def is_inexact(dtype: Any) -> bool:
+    """Floating or complex, bfloat16 and fp8 included (numpy alone does not know those are floats)."""
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 class Kernel(Generic[Cfg, Out]):

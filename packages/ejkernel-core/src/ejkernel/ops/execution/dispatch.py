@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ejkernel.ops.core.kernel import Kernel, explicit_platform, is_array_like
+from ejkernel.ops.core.kernel import Kernel, explicit_platform, is_array_like, is_inexact
 from ejkernel.ops.utils.fingerprint import get_device_platform
 from ejkernel.ops.utils.labels import stamp_mode, stamp_name
 
@@ -124,8 +124,6 @@ class CallSplit:
 
     def grads_to_dynamic(self, grads: Any, kernel_name: str) -> tuple:
         """Per-positional-argument gradients -> one cotangent (or None) per dynamic leaf."""
-        import numpy as np
-
         if not isinstance(grads, (tuple, list)) or len(grads) != len(self.arg_defs):
             raise TypeError(
                 f"kernel {kernel_name!r}: the backward must return a tuple with one gradient per positional "
@@ -144,7 +142,7 @@ class CallSplit:
             if not is_dynamic:
                 continue
             dtype = getattr(leaf, "dtype", None)
-            differentiable = dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
+            differentiable = dtype is not None and is_inexact(dtype)
             cotangents.append(grad if differentiable else None)
         return tuple(cotangents)
 

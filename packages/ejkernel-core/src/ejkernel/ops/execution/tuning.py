@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ejkernel.ops.core.kernel import Invocation, Kernel, is_array_like
+from ejkernel.ops.core.kernel import Invocation, Kernel, is_array_like, is_inexact
 from ejkernel.ops.utils.env import env_flag
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ def _random_array(rng, shape: tuple, dtype: Any):
     dtype = np.dtype(dtype)
     if np.issubdtype(dtype, np.complexfloating):
         data = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
-    elif np.issubdtype(dtype, np.floating) or dtype.kind == "V" or "float" in dtype.name:
+    elif is_inexact(dtype):  # bfloat16 and fp8 too
         data = rng.standard_normal(shape)
     elif dtype == np.bool_:
         data = rng.random(shape) < 0.5
@@ -167,7 +167,7 @@ def tuning_inputs(inv: Invocation, seed: int = 0) -> tuple[tuple, dict]:
         if not is_array_like(value):
             return value
         dtype = np.dtype(value.dtype)
-        keep = _concrete(value) and not np.issubdtype(dtype, np.inexact)
+        keep = _concrete(value) and not is_inexact(dtype)
         return value if keep else _random_array(rng, tuple(value.shape), dtype)
 
     static = set(inv.kernel.static_argnames)
@@ -203,7 +203,7 @@ def _mismatch(kernel: Kernel, got: Any, want: Any, what: str) -> str | None:
             return f"{what}[{index}] is {a.dtype}{list(a.shape)}, the reference's is {b.dtype}{list(b.shape)}"
         if a.dtype == jax.dtypes.float0:
             continue
-        if not np.issubdtype(a.dtype, np.inexact):
+        if not is_inexact(a.dtype):
             if not np.array_equal(a, b):
                 return f"{what}[{index}] differs from the reference (exact dtype {a.dtype})"
             continue
@@ -344,7 +344,7 @@ class Tuner:
         rng = np.random.default_rng(self.seed + 1)
 
         def leaf(shape):
-            if np.issubdtype(np.dtype(shape.dtype), np.inexact):
+            if is_inexact(shape.dtype):
                 return _random_array(rng, shape.shape, shape.dtype)
             return np.zeros(shape.shape, jax.dtypes.float0)
 
