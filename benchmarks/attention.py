@@ -1,0 +1,335 @@
+"""Attention benchmark: every installed ejkernel backend against cuDNN, XLA and JAX's Pallas `mha`.
+
+One command (on a GPU; through the device tool: `bash scripts/device/run.sh python3 benchmarks/attention.py`):
+
+    python benchmarks/attention.py                       # the full sweep
+    python benchmarks/attention.py --seqs 2048,8192 --head-dims 128 --quick
+
+Sweep: S in {1k, 2k, 4k, 8k, 16k}, causal and not, head_dim 64 and 128, forward and forward+backward, bf16,
+a fixed token budget (batch = tokens / S) and hidden size (heads = hidden / head_dim). Timing: jit, warm-up,
+then `--reps` samples, each the mean of `--calls` calls queued back to back (so the host's dispatch hides
+behind the GPU's work and the figure is the device's time per call) over rotating sets of fresh random
+inputs (more data than L2); the median sample is reported. TFLOP/s: forward 4·B·H·S²·D (half if causal),
+forward+backward 3.5× that. Numerics (`--errors`): relative L2 error of out, dq, dk, dv against a float32
+XLA reference at one shape per head dim, for every implementation.
+
+Writes `benchmarks/results/<device>-<date>.json` (or `--out DIR`), a PNG plot of TFLOP/s against S per
+implementation, and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import functools
+import json
+import math
+import platform as host_platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ---- implementations ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    name: str
+    fn: Callable  # (q, k, v, causal) -> out, layout [B, S, H, D]
+
+
+def _jax_nn(implementation: str) -> Callable:
+    def attend(q, k, v, causal):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
+    return attend
+
+
+def _jax_pallas_mha() -> Callable | None:
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    except Exception:
+        return None
+
+    def attend(q, k, v, causal):
+        return pallas_attention.mha(q, k, v, segment_ids=None, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=causal)
+
+    return attend
+
+
+def _ejkernel_impls() -> list[Impl]:
+    """One entry per platform that has flash_attention registered for the GPU and is usable here."""
+    try:
+        from ejkernel.kernels._registry import kernel_registry
+        from ejkernel.modules.operations.flash_attention import flash_attention
+        from ejkernel.plugins import usable_reason
+    except Exception:
+        traceback.print_exc()
+        return []
+    impls = []
+    seen = set()
+    for spec in kernel_registry.find("flash_attention", None, "gpu"):
+        platform = spec.platform.value
+        if platform in seen:
+            continue
+        seen.add(platform)
+        reason = usable_reason(spec.plugin)
+        if reason:
+            print(f"# skipping ejkernel platform={platform}: {reason}", file=sys.stderr)
+            continue
+
+        def attend(q, k, v, causal, platform=platform):
+            return flash_attention(q, k, v, causal=causal, platform=platform)
+
+        impls.append(Impl(f"ejkernel-{platform}", attend))
+    return impls
+
+
+def implementations(selected: list[str] | None) -> list[Impl]:
+    impls = _ejkernel_impls()
+    impls.append(Impl("cudnn", _jax_nn("cudnn")))
+    impls.append(Impl("xla", _jax_nn("xla")))
+    mha = _jax_pallas_mha()
+    if mha is not None:
+        impls.append(Impl("jax-pallas-mha", mha))
+    if selected:
+        impls = [i for i in impls if i.name in selected]
+    return impls
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+
+
+def attention_flops(batch, heads, seq, head_dim, causal, mode) -> float:
+    flops = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    return flops * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def make_step(impl: Impl, causal: bool, mode: str) -> Callable:
+    attend = functools.partial(impl.fn, causal=causal)
+    if mode == "fwd":
+        return jax.jit(attend)
+
+    def fwd_bwd(q, k, v, do):
+        out, pullback = jax.vjp(attend, q, k, v)
+        return out, pullback(do)
+
+    return jax.jit(fwd_bwd)
+
+
+def random_inputs(key, batch, seq, heads, head_dim, dtype, sets):
+    out = []
+    for s in range(sets):
+        ks = jax.random.split(jax.random.fold_in(key, s), 4)
+        q, k, v, do = (jax.random.normal(kk, (batch, seq, heads, head_dim), jnp.float32).astype(dtype) for kk in ks)
+        out.append((q, k, v, do))
+    return out
+
+
+def time_step(step, inputs, mode, warmup, reps, calls) -> float:
+    """Median over `reps` samples of the mean time of `calls` back-to-back calls (seconds)."""
+    args = [x if mode == "fwd+bwd" else x[:3] for x in inputs]
+    for i in range(warmup):
+        jax.block_until_ready(step(*args[i % len(args)]))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        last = None
+        for c in range(calls):
+            last = step(*args[c % len(args)])
+        jax.block_until_ready(last)
+        samples.append((time.perf_counter() - t0) / calls)
+    return float(np.median(samples))
+
+
+# ---- numerics ----------------------------------------------------------------------------------------
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def errors(impl: Impl, q, k, v, do, causal) -> dict[str, float]:
+    """Relative L2 error of out, dq, dk, dv against float32 XLA attention on the same inputs."""
+
+    def grads(fn, *args):
+        out, pullback = jax.vjp(functools.partial(fn, causal=causal), *args[:3])
+        return (out, *pullback(args[3]))
+
+    ref = jax.jit(functools.partial(grads, _jax_nn("xla")))(*(x.astype(jnp.float32) for x in (q, k, v, do)))
+    got = jax.jit(functools.partial(grads, impl.fn))(q, k, v, do)
+    return {name: _rel(g, r) for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+
+
+# ---- reporting ---------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": host_platform.python_version(), "jax": jax.__version__}
+    for dist in ("jaxlib", "triton", "jax-triton", "ejkernel-core", "ejkernel-triton", "ejkernel-pallas", "ejkernel-xla"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def markdown_table(rows: list[dict], impls: list[str]) -> str:
+    header = "| D | mode | causal | S | " + " | ".join(impls) + " |"
+    lines = [header, "|" + "---|" * (4 + len(impls))]
+    keys = sorted({(r["head_dim"], r["mode"], r["causal"], r["seq"]) for r in rows},
+                  key=lambda t: (t[0], t[1] != "fwd", t[2], t[3]))
+    for d, mode, causal, seq in keys:
+        cells = []
+        for name in impls:
+            hit = [r for r in rows if (r["head_dim"], r["mode"], r["causal"], r["seq"], r["impl"]) == (d, mode, causal, seq, name)]
+            cells.append(f"{hit[0]['tflops']:.0f}" if hit and hit[0].get("tflops") else "—")
+        lines.append(f"| {d} | {mode} | {'yes' if causal else 'no'} | {seq} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], impls: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    combos = sorted({(r["head_dim"], r["mode"], r["causal"]) for r in rows}, key=lambda t: (t[0], t[1] != "fwd", t[2]))
+    cols = 4
+    nrows = max(1, math.ceil(len(combos) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax, (d, mode, causal) in zip(axes.flat, combos):
+        for name in impls:
+            pts = sorted((r["seq"], r["tflops"]) for r in rows
+                         if (r["head_dim"], r["mode"], r["causal"], r["impl"]) == (d, mode, causal, name) and r.get("tflops"))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={d} {mode} {'causal' if causal else 'full'}", fontsize=9)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(combos):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    fig.savefig(path, dpi=110)
+
+
+# ---- main --------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", default="1024,2048,4096,8192,16384")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--causal", default="no,yes")
+    p.add_argument("--impls", default="", help="comma-separated subset of implementation names")
+    p.add_argument("--tokens", type=int, default=16384, help="batch * seq")
+    p.add_argument("--hidden", type=int, default=2048, help="heads * head_dim")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--sets", type=int, default=3, help="input sets rotated through (beat the L2 cache)")
+    p.add_argument("--errors", default="2048", help="seq lengths at which to measure numerics ('' for none)")
+    p.add_argument("--out", default=str(RESULTS_DIR))
+    p.add_argument("--name", default="", help="result file stem (default <device>-<date>)")
+    args = p.parse_args(argv)
+
+    device = jax.devices()[0]
+    device_kind = getattr(device, "device_kind", device.platform)
+    now = dt.datetime.now(dt.timezone.utc)
+    stem = args.name or f"{device_kind.lower().replace(' ', '-')}-{now:%Y-%m-%d}"
+    impls = implementations([s for s in args.impls.split(",") if s])
+    names = [i.name for i in impls]
+    dtype = jnp.dtype(args.dtype)
+    print(f"# {device_kind}, {now:%Y-%m-%d %H:%M} UTC, implementations: {', '.join(names)}", flush=True)
+
+    rows: list[dict] = []
+    numerics: list[dict] = []
+    key = jax.random.key(0)
+    error_seqs = {int(s) for s in args.errors.split(",") if s}
+    for d in (int(x) for x in args.head_dims.split(",")):
+        heads = args.hidden // d
+        for seq in (int(x) for x in args.seqs.split(",")):
+            batch = max(1, args.tokens // seq)
+            key, sub = jax.random.split(key)
+            inputs = random_inputs(sub, batch, seq, heads, d, dtype, args.sets)
+            for causal in (c == "yes" for c in args.causal.split(",")):
+                for impl in impls:
+                    if seq in error_seqs:
+                        try:
+                            err = errors(impl, *inputs[0], causal)
+                            numerics.append(dict(impl=impl.name, head_dim=d, seq=seq, batch=batch, heads=heads,
+                                                 causal=causal, **err))
+                        except Exception as exc:  # noqa: BLE001
+                            numerics.append(dict(impl=impl.name, head_dim=d, seq=seq, causal=causal,
+                                                 error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                    for mode in args.modes.split(","):
+                        row = dict(impl=impl.name, head_dim=d, seq=seq, batch=batch, heads=heads, causal=causal,
+                                   mode=mode)
+                        try:
+                            step = make_step(impl, causal, mode)
+                            secs = time_step(step, inputs, mode, args.warmup, args.reps, args.calls)
+                            row.update(ms=secs * 1e3,
+                                       tflops=attention_flops(batch, heads, seq, d, causal, mode) / secs / 1e12)
+                        except Exception as exc:  # noqa: BLE001
+                            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                        rows.append(row)
+                        shown = f"{row['tflops']:7.1f} TFLOP/s {row['ms']:8.3f} ms" if "tflops" in row else row["error"]
+                        print(f"D={d:3d} S={seq:5d} B={batch:2d} {'causal' if causal else 'full  '} {mode:7s} "
+                              f"{impl.name:18s} {shown}", flush=True)
+            del inputs
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    document = dict(
+        device=device_kind, date=now.isoformat(timespec="seconds"), versions=versions(),
+        setup=dict(tokens=args.tokens, hidden=args.hidden, dtype=str(dtype), warmup=args.warmup, reps=args.reps,
+                   calls=args.calls, input_sets=args.sets,
+                   timing="median of reps; each rep = mean of back-to-back calls ended by block_until_ready",
+                   flops="fwd 4*B*H*S^2*D (x0.5 causal); fwd+bwd 3.5x fwd"),
+        implementations=names, results=rows, numerics=numerics,
+    )
+    (out_dir / f"{stem}.json").write_text(json.dumps(document, indent=1))
+    try:
+        plot(rows, names, out_dir / f"{stem}.png", f"flash attention, {dtype}, {args.tokens} tokens, hidden "
+             f"{args.hidden} — {device_kind}, {now:%Y-%m-%d} (jax {jax.__version__})")
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    print()
+    print(f"## {device_kind}, {now:%Y-%m-%d}, TFLOP/s (bf16, {args.tokens} tokens, hidden {args.hidden})")
+    print(markdown_table(rows, names))
+    if numerics:
+        print()
+        print("## relative L2 error vs float32 XLA (out / dq / dk / dv)")
+        for n in numerics:
+            if "error" in n:
+                print(f"D={n['head_dim']} S={n['seq']} causal={n['causal']} {n['impl']}: {n['error']}")
+            else:
+                print(f"D={n['head_dim']} S={n['seq']} causal={n['causal']} {n['impl']:18s} "
+                      f"{n['out']:.2e} {n['dq']:.2e} {n['dk']:.2e} {n['dv']:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

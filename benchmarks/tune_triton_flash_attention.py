@@ -1,0 +1,103 @@
+"""Tune the Triton flash attention's block shapes on the visible GPU (run on the device).
+
+For each head dim and causal flag: time the forward for every forward candidate of
+`ejkernel_triton.flash_attention.tuning_space`, then forward+backward for every backward candidate with
+the best forward fixed. Writes `<out>/triton_flash_tuned.json`: {device_kind: {"d<D>-<causal|full>":
+{tuning fields..., "fwd_ms", "fwd_bwd_ms"}}} -- the table the plugin ships
+(`ejkernel_triton/tuned/flash_attention.json`) -- and prints every timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel_triton.flash_attention import flash_attention, tuning_space, tuning_to_cfg
+
+
+def _time(fn, argsets, reps=5, calls=4):
+    for a in argsets[:2]:
+        jax.block_until_ready(fn(*a))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for c in range(calls):
+            out = fn(*argsets[c % len(argsets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / calls)
+    return float(np.median(samples)) * 1e3
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--out", default=".")
+    args = p.parse_args(argv)
+    kind = jax.devices()[0].device_kind
+    table = {}
+    for d in map(int, args.head_dims.split(",")):
+        h, b, s = args.hidden // d, max(1, args.tokens // args.seq), args.seq
+        argsets = []
+        for i in range(3):
+            ks = jax.random.split(jax.random.key(i), 4)
+            argsets.append(tuple(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in ks))
+        space = tuning_space(d, d, jnp.bfloat16)
+        for causal in (False, True):
+            def fwd_fn(t):
+                return jax.jit(lambda q, k, v, do: flash_attention(q, k, v, causal=causal, cfg=tuning_to_cfg(t)))
+
+            def bwd_fn(t):
+                def f(q, k, v, do):
+                    out, pull = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, cfg=tuning_to_cfg(t)), q, k, v)
+                    return out, pull(do)
+                return jax.jit(f)
+
+            fwd_candidates = list(dict.fromkeys((t.fwd_block_q, t.fwd_block_kv, t.fwd_num_warps, t.fwd_num_stages) for t in space))
+            best_fwd, best_ms = None, float("inf")
+            for f in fwd_candidates:
+                t = dataclasses.replace(space[0], fwd_block_q=f[0], fwd_block_kv=f[1], fwd_num_warps=f[2], fwd_num_stages=f[3])
+                try:
+                    ms = _time(fwd_fn(t), argsets)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"d={d} causal={causal} fwd {f}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                    continue
+                print(f"d={d} causal={causal} fwd {f}: {ms:.3f} ms", flush=True)
+                if ms < best_ms:
+                    best_fwd, best_ms = t, ms
+            bwd_candidates = list(dict.fromkeys((t.dkv_block_q, t.dkv_block_kv, t.dq_block_q, t.dq_block_kv, t.bwd_num_warps, t.bwd_num_stages) for t in space))
+            best, best_bwd_ms = best_fwd, float("inf")
+            for bw in bwd_candidates:
+                t = dataclasses.replace(best_fwd, dkv_block_q=bw[0], dkv_block_kv=bw[1], dq_block_q=bw[2], dq_block_kv=bw[3],
+                                        bwd_num_warps=bw[4], bwd_num_stages=bw[5])
+                try:
+                    ms = _time(bwd_fn(t), argsets)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"d={d} causal={causal} bwd {bw}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                    continue
+                print(f"d={d} causal={causal} fwd+bwd {bw}: {ms:.3f} ms", flush=True)
+                if ms < best_bwd_ms:
+                    best, best_bwd_ms = t, ms
+            entry = dataclasses.asdict(best)
+            entry.update(fwd_ms=round(best_ms, 4), fwd_bwd_ms=round(best_bwd_ms, 4), seq=s, batch=b, heads=h)
+            table[f"d{d}-{'causal' if causal else 'full'}"] = entry
+            print("BEST", d, causal, entry, flush=True)
+    out = Path(args.out) / "triton_flash_tuned.json"
+    out.write_text(json.dumps({kind: table}, indent=1))
+    print(json.dumps({kind: table}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
