@@ -14,6 +14,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "page_attention": "ejkernel_xla.page_attention:page_attention",
     "ragged_page_attention": "ejkernel_xla.ragged_page_attention:ragged_page_attention",
     "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:ragged_decode_attention",
+    "multi_head_latent_attention": "ejkernel_xla.multi_head_latent_attention:multi_head_latent_attention",
 }
 
 

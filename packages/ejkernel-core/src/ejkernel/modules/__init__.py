@@ -25,6 +25,12 @@ _EXPORTS: dict[str, str] = {
     "ragged_decode_attention": "ejkernel.modules.operations.ragged_decode_attention",
     "RaggedDecodeAttention": "ejkernel.modules.operations.ragged_decode_attention",
     "RaggedDecodeAttentionConfig": "ejkernel.modules.operations.ragged_decode_attention",
+    "multi_head_latent_attention": "ejkernel.modules.operations.multi_head_latent_attention",
+    "flash_mla": "ejkernel.modules.operations.multi_head_latent_attention",
+    "mla_attention": "ejkernel.modules.operations.multi_head_latent_attention",
+    "MultiHeadLatentAttention": "ejkernel.modules.operations.multi_head_latent_attention",
+    "FlashMLA": "ejkernel.modules.operations.multi_head_latent_attention",
+    "MultiHeadLatentAttentionConfig": "ejkernel.modules.operations.multi_head_latent_attention",
 }
 
 __all__ = sorted(_EXPORTS)

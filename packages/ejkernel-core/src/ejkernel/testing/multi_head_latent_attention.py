@@ -1,0 +1,146 @@
+"""Reference and conformance suite of ``multi_head_latent_attention`` (semantics: the module docstring
+of ``ejkernel.modules.operations.multi_head_latent_attention``). Subclass
+:class:`MultiHeadLatentAttentionConformance` and set ``platform``; every gradient is required.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
+from ejkernel.testing.page_attention import DTYPES, check_against_reference, forward_and_vjp, masked_softmax_attention, random_array
+
+
+def reference_multi_head_latent_attention(
+    query, key_value, w_kc, w_vc, b_q=None, b_k=None, *, softmax_scale=None, causal=False, cu_seqlens=None
+):
+    """Dense: expand keys/values per head, add the RoPE logits, mask, softmax. Float64-ready."""
+    batch, seq_len, num_heads, head_dim = query.shape
+    group = num_heads // w_kc.shape[1]
+    rope_dim = 0 if b_k is None else b_k.shape[-1]
+    scale = (head_dim + rope_dim) ** -0.5 if softmax_scale is None else softmax_scale
+    keys = jnp.repeat(jnp.einsum("bsr,rkd->bskd", key_value, w_kc), group, axis=2)
+    values = jnp.repeat(jnp.einsum("bsr,rkd->bskd", key_value, w_vc), group, axis=2)
+    logits = jnp.einsum("bihd,bjhd->bhij", query, keys)
+    if b_q is not None:
+        rope_q = b_q if b_q.ndim == 4 else jnp.broadcast_to(b_q[:, :, None], (*query.shape[:3], rope_dim))
+        logits = logits + jnp.einsum("bihd,bjd->bhij", rope_q, b_k)
+    logits = scale * logits
+    i = jnp.arange(seq_len)[:, None]
+    j = jnp.arange(seq_len)[None, :]
+    visible = jnp.ones((seq_len, seq_len), bool)
+    if causal:
+        visible &= j <= i
+    if cu_seqlens is not None:
+        cu = jnp.asarray(cu_seqlens)
+        sequence = jnp.searchsorted(cu, jnp.arange(seq_len), side="right") - 1
+        exists = jnp.arange(seq_len) < cu[-1]
+        visible &= (sequence[:, None] == sequence[None, :]) & exists[:, None] & exists[None, :]
+    out = masked_softmax_attention(logits, visible[None, None], values.transpose(0, 2, 1, 3))
+    return out.transpose(0, 2, 1, 3).astype(query.dtype)
+
+
+# (batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim, kv_lora_rank, rope_dim, b_q per head)
+CASES = {
+    "expanded_rope": (2, 17, 4, 2, 32, 24, 48, 8, False),  # 2 * rank > head_dim + v_head_dim
+    "latent_space": (1, 33, 4, 1, 64, 64, 16, 8, True),  # 2 * rank < head_dim + v_head_dim
+    "no_rope_mha": (2, 9, 3, 3, 16, 16, 12, 0, False),
+}
+WRT = ("query", "key_value", "w_kc", "w_vc")
+
+
+class MultiHeadLatentAttentionConformance:
+    """Test base: subclass and set ``platform``."""
+
+    platform: ClassVar[str]
+    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+
+    def call(self, query, key_value, w_kc, w_vc, b_q=None, b_k=None, **kw):
+        from ejkernel.modules import multi_head_latent_attention
+
+        return multi_head_latent_attention(query, key_value, w_kc, w_vc, b_q, b_k, platform=self.platform, **kw)
+
+    def make_inputs(self, seed, case, dtype, *, scale=1.0):
+        batch, seq_len, heads, kv_heads, head_dim, v_head_dim, rank, rope_dim, per_head = case
+        # up-projections scaled so keys/values have unit variance
+        w_scale = rank**-0.5
+        inputs = dict(
+            query=random_array(seed * 7, (batch, seq_len, heads, head_dim), dtype, scale),
+            key_value=random_array(seed * 7 + 1, (batch, seq_len, rank), dtype),
+            w_kc=random_array(seed * 7 + 2, (rank, kv_heads, head_dim), dtype, w_scale),
+            w_vc=random_array(seed * 7 + 3, (rank, kv_heads, v_head_dim), dtype, w_scale),
+            b_q=None,
+            b_k=None,
+        )
+        if rope_dim:
+            q_shape = (batch, seq_len, heads, rope_dim) if per_head else (batch, seq_len, rope_dim)
+            inputs["b_q"] = random_array(seed * 7 + 4, q_shape, dtype, scale)
+            inputs["b_k"] = random_array(seed * 7 + 5, (batch, seq_len, rope_dim), dtype)
+        return inputs
+
+    def check(self, inputs, dtype, **static):
+        wrt = WRT + (("b_q", "b_k") if inputs["b_q"] is not None else ())
+        check_against_reference(
+            lambda **kw: self.call(**kw, **static),
+            lambda **kw: reference_multi_head_latent_attention(**kw, **static),
+            inputs,
+            wrt,
+            dtype=dtype,
+            tolerances=self.tolerances,
+        )
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_forward_and_gradients(self, dtype):
+        self.check(self.make_inputs(1, CASES["expanded_rope"], dtype), dtype, causal=True)
+
+    @pytest.mark.parametrize("case", ["latent_space", "no_rope_mha"])
+    def test_forms_and_layouts(self, case):
+        self.check(self.make_inputs(2, CASES[case], "float32"), "float32", causal=case == "latent_space", softmax_scale=0.2)
+
+    def test_varlen_causal(self):
+        inputs = self.make_inputs(3, CASES["latent_space"], "float32")
+        cu = jnp.asarray([0, 5, 6, 20, 30], jnp.int32)  # tokens 30..32 are padding
+        self.check(inputs, "float32", causal=True, cu_seqlens=cu)
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw, causal=True, cu_seqlens=cu), inputs, ("query",), 3)
+        np.testing.assert_array_equal(np.asarray(out[:, 30:]), 0.0)
+        assert_finite(grads["query"], "d query")
+        np.testing.assert_array_equal(np.asarray(grads["query"][:, 30:]), 0.0)
+
+    def test_large_logits(self):
+        self.check(self.make_inputs(4, CASES["no_rope_mha"], "float32", scale=30.0), "float32", causal=True)
+
+    def test_jit_vmap_and_aliases(self):
+        from ejkernel.modules import flash_mla
+
+        inputs = self.make_inputs(5, CASES["no_rope_mha"], "float32")
+        expected = reference_multi_head_latent_attention(**inputs, causal=True)
+        stacked = jnp.stack([inputs["query"], -inputs["query"]])
+        batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "query": q}, causal=True)))(stacked)
+        assert_close(batched[0], expected, dtype="float32")
+        alias = flash_mla(inputs["query"], inputs["key_value"], inputs["w_kc"], inputs["w_vc"], causal=True, platform=self.platform)
+        assert_close(alias, expected, dtype="float32")
+
+    def test_bad_inputs(self):
+        inputs = self.make_inputs(6, CASES["expanded_rope"], "float32")
+
+        def call(**changes):
+            return self.call(**{**inputs, **changes})
+
+        with pytest.raises((ValueError, TypeError), match="query"):
+            call(query=inputs["query"][0])
+        with pytest.raises((ValueError, TypeError), match="w_kc"):
+            call(w_kc=inputs["w_kc"][:-1])
+        with pytest.raises(ValueError, match="w_kc"):  # 3 kv heads do not divide 4
+            call(w_kc=inputs["w_kc"][:, :1].repeat(3, 1), w_vc=inputs["w_vc"][:, :1].repeat(3, 1))
+        with pytest.raises(ValueError, match="w_vc"):
+            call(w_vc=inputs["w_vc"].astype(jnp.bfloat16))
+        with pytest.raises(ValueError, match="b_q"):
+            call(b_k=None)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            self.call(**inputs, cu_seqlens=jnp.asarray([0, 5, 3], jnp.int32))

@@ -1,0 +1,80 @@
+"""XLA ``multi_head_latent_attention``: the flash-attention blockwise kernel (``_blockwise``, custom VJP,
+memory O(S)) on one of two equivalent forms, whichever costs fewer FLOPs per (query, key) pair:
+
+- expanded: up-project the latent to per-kv-head keys/values (``key_value @ w_kc``, ``@ w_vc``), append
+  the RoPE parts to queries/keys, GQA attention with head width ``head_dim + rope_dim``;
+- absorbed (latent space): fold ``w_kc`` into the queries (``q @ w_kc^T``, width ``kv_lora_rank``), attend
+  to the latent itself as one shared kv head, then up-project the result with ``w_vc``. No per-head
+  keys/values are ever materialized.
+
+Gradients of every input flow through the blockwise kernel's VJP and the surrounding einsums.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttentionConfig
+from ejkernel_xla._blockwise import AttentionParams, flash_attention_blockwise, key_tokens, query_tokens
+from ejkernel_xla.flash_attention import _block_sizes
+
+
+def absorb_is_cheaper(kv_lora_rank: int, head_dim: int, v_head_dim: int) -> bool:
+    """Per (query, key, head): latent space costs ~2 * rank multiply-adds, expanded head_dim + v_head_dim."""
+    return 2 * kv_lora_rank <= head_dim + v_head_dim
+
+
+def multi_head_latent_attention(
+    query,
+    key_value,
+    w_kc,
+    w_vc,
+    b_q=None,
+    b_k=None,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    cu_seqlens=None,
+    cfg: MultiHeadLatentAttentionConfig | None = None,
+):
+    batch, seq_len, num_heads, head_dim = query.shape
+    rank, num_kv_heads, v_head_dim = w_vc.shape
+    group = num_heads // num_kv_heads
+    absorb = cfg.absorb if cfg is not None and cfg.absorb is not None else absorb_is_cheaper(rank, head_dim, v_head_dim)
+    f32 = jnp.float32
+
+    if b_q is not None and b_q.ndim == 3:
+        b_q = jnp.broadcast_to(b_q[:, :, None], (batch, seq_len, num_heads, b_q.shape[-1]))
+
+    if absorb:
+        grouped_q = query.reshape(batch, seq_len, num_kv_heads, group, head_dim)
+        q = jnp.einsum("bskgd,rkd->bskgr", grouped_q, w_kc, preferred_element_type=f32)
+        q = q.reshape(batch, seq_len, num_heads, rank).astype(query.dtype)
+        k = key_value[:, :, None, :]
+        v = key_value[:, :, None, :]
+        if b_q is not None:
+            q = jnp.concatenate([q, b_q], axis=-1)
+            k = jnp.concatenate([k, b_k[:, :, None, :]], axis=-1)
+    else:
+        q = query
+        k = jnp.einsum("bsr,rkd->bskd", key_value, w_kc, preferred_element_type=f32).astype(query.dtype)
+        v = jnp.einsum("bsr,rkd->bskd", key_value, w_vc, preferred_element_type=f32).astype(query.dtype)
+        if b_q is not None:
+            q = jnp.concatenate([q, b_q], axis=-1)
+            rope_k = jnp.broadcast_to(b_k[:, :, None, :], (batch, seq_len, num_kv_heads, b_k.shape[-1]))
+            k = jnp.concatenate([k, rope_k], axis=-1)
+
+    out = flash_attention_blockwise(
+        q,
+        k,
+        v,
+        params=AttentionParams(softmax_scale=float(softmax_scale), causal=bool(causal)),
+        blocks=_block_sizes(cfg, seq_len, seq_len, q.shape[-1]),
+        q_tokens=query_tokens(batch, seq_len, seq_len, cum_seqlens_q=cu_seqlens, cum_seqlens_k=cu_seqlens),
+        kv_tokens=key_tokens(batch, seq_len, cum_seqlens_k=cu_seqlens),
+    )
+    if absorb:
+        grouped_out = out.reshape(batch, seq_len, num_kv_heads, group, rank)
+        out = jnp.einsum("bskgr,rkd->bskgd", grouped_out, w_vc, preferred_element_type=f32)
+        out = out.reshape(batch, seq_len, num_heads, v_head_dim)
+    return out.astype(query.dtype)
