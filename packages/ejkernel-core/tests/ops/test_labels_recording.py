@@ -109,3 +109,19 @@ def test_manual_recording_and_autotune_from_hash_labels(monkeypatch):
     assert list(results) == [inv.cache_key]
     assert ex.chooser.cache.get(inv.cache_key) == results[inv.cache_key]
     np.testing.assert_allclose(ex(kernel, x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5)
+
+
+def test_stamps_never_break_a_call_with_an_unserializable_config(monkeypatch):
+    ex, kernel = executor(), ToyMatmul()
+    x, w = random_inputs()
+
+    class Opaque:
+        block = 8
+        wrong = False
+        fail = None
+
+    for mode in ("hash", "json"):
+        monkeypatch.setenv("EJKERNEL_OPS_STAMP", mode)
+        lowered = jax.jit(lambda x, w: ex(kernel, x, w, cfg=Opaque())).lower(x, w)
+        (stamp,) = find_labels_in_lowered(lowered)
+        assert stamp.name == "toy_matmul" and stamp.mode == mode

@@ -133,3 +133,11 @@ def test_concurrent_processes_writing_different_keys_lose_nothing(tmp_path):
     for w in range(workers):
         for i in range(count):
             assert cache.get(f"toy@1|worker{w}|key{i}") == FwdParams(blocksize_m=w, blocksize_n=i)
+
+
+def test_unserializable_config_is_kept_in_memory_with_a_warning(tmp_path):
+    cache = PersistentCache(tmp_path)
+    odd = {"callback": print}
+    with pytest.warns(CacheWarning, match="cannot be stored"):
+        assert cache.put("k", odd) is False
+    assert cache.get("k") is odd and not cache.path.exists()

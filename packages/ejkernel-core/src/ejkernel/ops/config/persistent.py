@@ -174,9 +174,15 @@ class PersistentCache:
         if cfg is None:
             raise ValueError("PersistentCache.put: cfg is None (nothing to cache)")
         key = as_key(key)
+        try:
+            config = to_jsonable(cfg)
+        except TypeError as exc:
+            self._warn(f"config {cfg!r} cannot be stored in {self.path} ({exc}); keeping it in memory only")
+            self._decoded[key] = cfg
+            return False
         entry = {
             "kernel": key.split("|", 1)[0],
-            "config": to_jsonable(cfg),
+            "config": config,
             "saved": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
         ok = self._update(lambda entries: entries.__setitem__(key, entry))

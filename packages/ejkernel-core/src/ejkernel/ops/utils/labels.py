@@ -70,14 +70,25 @@ _stamps_lock = threading.Lock()
 
 
 def config_hash(cfg: Any) -> str:
-    """12 hex digits identifying a config by its stable JSON."""
-    return hashlib.sha256(stable_json(cfg).encode()).hexdigest()[:12]
+    """12 hex digits identifying a config by its stable JSON (its repr if it has no JSON form)."""
+    try:
+        text = stable_json(cfg)
+    except TypeError:  # a stamp must never break the call it stamps
+        text = repr(cfg)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _config_payload(cfg: Any) -> Any:
+    try:
+        return to_jsonable(cfg)
+    except TypeError:
+        return {"__repr__": repr(cfg)}
 
 
 def stamp_name(kernel: str, platform: str, cfg: Any, mode: str, *, cache_key: str | None = None, invocation=None) -> str:
     """The scope name stamping one kernel call (see the module docstring)."""
     if mode == "json":
-        payload = json.dumps({"cfg": to_jsonable(cfg), "key": cache_key}, sort_keys=True, separators=(",", ":"))
+        payload = json.dumps({"cfg": _config_payload(cfg), "key": cache_key}, sort_keys=True, separators=(",", ":"))
         encoded = base64.urlsafe_b64encode(payload.encode()).decode().rstrip("=")
         return f"ejk[{_safe(kernel)}|{_safe(platform)}|j:{encoded}]"
     digest = config_hash(cfg)
@@ -132,7 +143,8 @@ class OpLabel:
     def config(self) -> Any:
         """The config this stamp names (None for user labels and hashes unknown to this process)."""
         if self.mode == "json":
-            return from_jsonable(self._decoded()["cfg"])
+            payload = self._decoded()["cfg"]
+            return None if isinstance(payload, dict) and "__repr__" in payload else from_jsonable(payload)
         if self.mode == "hash":
             record = _stamps.get(self.payload or "")
             return None if record is None else record.cfg
