@@ -341,3 +341,18 @@ def test_a_broken_config_space_falls_back_to_the_heuristic_with_a_warning():
         out = Executor(chain)(kernel, x, w)
     np.testing.assert_allclose(out, np.asarray(x) @ np.asarray(w), rtol=1e-5)
     assert chain.select(Invocation(kernel, (x, w))).source == "heuristic"  # not retried on every call
+
+
+def test_default_executor_autotunes_and_persists_when_the_env_says_so(monkeypatch, tmp_path):
+    import json
+
+    from ejkernel.ops import get_default_executor
+
+    monkeypatch.setenv("EJKERNEL_AUTOTUNE_POLICY", "autotune")
+    kernel = ToyMatmul(space=(ToyConfig(block=4), ToyConfig(wrong=True)))
+    x, w = random_inputs()
+    np.testing.assert_allclose(kernel(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5)
+    stored = json.loads((tmp_path / "ejkernel-cache" / "configs.json").read_text())["entries"]
+    (entry,) = stored.values()
+    assert entry["kernel"] == "toy_matmul@1" and entry["config"]["wrong"] is False
+    assert get_default_executor().chooser.select(Invocation(kernel, (x, w))).source == "cache"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -136,13 +137,28 @@ _SUBPROCESS = textwrap.dedent(
     from ops_toy_kernels import ToyMatmul, random_inputs
     from ejkernel.ops import Invocation
     report["key"] = Invocation(ToyMatmul(), random_inputs(), {{"scale": 0.5, "mode": ("a", None)}}).cache_key
+
+    import jax, jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from ejkernel.ops import default_key_builder_with_sharding, sharding_fingerprint
+    mesh = Mesh(jax.devices()[:2], ("data",))
+    x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, PartitionSpec("data")))
+    w = jnp.ones((8, 2))
+    report["sharding"] = sharding_fingerprint(x)
+    report["plain"] = Invocation(ToyMatmul(), (x, w)).cache_key
+    report["sharded"] = default_key_builder_with_sharding(ToyMatmul(), (x, w), {{}})
     print(json.dumps(report))
     """
 )
 
 
 def test_import_is_cheap_and_keys_are_stable_across_processes(tmp_path):
-    env = {**__import__("os").environ, "EJKERNEL_CACHE_DIR": str(tmp_path / "never-created"), "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "EJKERNEL_CACHE_DIR": str(tmp_path / "never-created"),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",  # a real two-device layout
+    }
     result = subprocess.run(
         [sys.executable, "-c", _SUBPROCESS.format(here=str(HERE))], capture_output=True, text=True, env=env, timeout=300
     )
@@ -150,3 +166,15 @@ def test_import_is_cheap_and_keys_are_stable_across_processes(tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["heavy"] == [] and report["created"] is False
     assert report["key"] == Invocation(ToyMatmul(), random_inputs(seed=5), {"scale": 0.5, "mode": ("a", None)}).cache_key
+    assert report["sharding"] == "mesh(data=2)spec('data',)"
+    assert report["plain"] == Invocation(ToyMatmul(), (jnp.ones((4, 8)), jnp.ones((8, 2)))).cache_key
+    assert report["sharded"] == report["plain"].replace("float32[4,8]", "float32[4,8]@mesh(data=2)spec('data',)")
+
+
+def test_a_kernel_can_ask_for_sharding_in_its_keys():
+    class Sharded(ToyMatmul):
+        key_includes_sharding = True
+
+    assert Invocation(Sharded(), random_inputs()).include_sharding
+    assert Executor(ConfigSelectorChain()).invocation(Sharded(), *random_inputs()).include_sharding
+    assert not Invocation(ToyMatmul(), random_inputs()).include_sharding

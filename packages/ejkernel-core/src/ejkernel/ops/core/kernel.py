@@ -59,11 +59,14 @@ class Kernel(Generic[Cfg, Out]):
       into the cache key by value).
     * ``array_argnames``: keyword arguments that are dynamic even when they are plain Python values
       (kept out of the key by value, traced through the custom VJP).
+    * ``key_includes_sharding``: put the layout of arrays spread over several devices into the cache key
+      (for kernels whose best config depends on it; tracers carry no layout and are keyed by shape).
     """
 
     version: ClassVar[str] = "1"
     static_argnames: ClassVar[tuple[str, ...]] = ()
     array_argnames: ClassVar[tuple[str, ...]] = ()
+    key_includes_sharding: ClassVar[bool] = False
 
     def __init__(self, name: str):
         if not isinstance(name, str) or not name.strip():
@@ -122,7 +125,7 @@ class Invocation(Generic[Cfg, Out]):
         kwargs: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         *,
-        include_sharding: bool = False,
+        include_sharding: bool | None = None,
         device: Any = None,
     ):
         name = getattr(kernel, "name", None)
@@ -137,7 +140,7 @@ class Invocation(Generic[Cfg, Out]):
         self.args = args
         self.kwargs = dict(kwargs) if kwargs is not None else {}
         self.metadata = dict(metadata) if metadata is not None else {}
-        self.include_sharding = include_sharding
+        self.include_sharding = kernel.key_includes_sharding if include_sharding is None else include_sharding
         self.device = device
         self._signature: str | None = None
         self._key: str | None = None
@@ -170,7 +173,8 @@ class Invocation(Generic[Cfg, Out]):
         """The executor's constructor: takes ownership of ``kwargs``, skips checks done by the caller."""
         inv = cls.__new__(cls)
         inv.kernel, inv.args, inv.kwargs, inv.metadata = kernel, args, kwargs, {}
-        inv.include_sharding, inv.device, inv._signature, inv._key = False, None, None, None
+        inv.include_sharding, inv.device = kernel.key_includes_sharding, None
+        inv._signature = inv._key = None
         return inv
 
     @property
