@@ -142,7 +142,10 @@ def register_cache_cli(subparsers: Any) -> argparse.ArgumentParser:
     cache = subparsers.add_parser(
         "cache",
         help="inspect, clear, export and import the persistent config cache",
-        description=__doc__.split("\n\n")[1],
+        description=(
+            "Inspect and move the persistent config cache: path, list, clear, export (e.g. to ship a tuned "
+            "cache to a cluster, or --shipped for a backend plugin) and import."
+        ),
     )
     cache.add_argument(
         "--path", default=None, help="cache directory or .json file (default: $EJKERNEL_CACHE_DIR, XDG cache dir)"

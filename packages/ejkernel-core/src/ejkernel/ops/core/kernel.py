@@ -191,7 +191,7 @@ class Invocation(Generic[Cfg, Out]):
     def signature(self) -> str:
         """The abstract call: shapes/dtypes of arrays, values of static arguments. Device-independent."""
         if self._signature is None:
-            static, dynamic = set(self.kernel.static_argnames), set(self.kernel.array_argnames)
+            static, dynamic = self.kernel.static_argnames, self.kernel.array_argnames  # short tuples
             sharding = self.include_sharding
             positional = ",".join([_describe(arg, sharding) for arg in self.args])
             named = []
