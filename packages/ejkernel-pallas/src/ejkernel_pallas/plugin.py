@@ -18,6 +18,8 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("flash_attention", "tpu"): _FLASH,
     ("flash_attention", "gpu"): _FLASH,
     ("flash_attention", "cpu"): _FLASH,
+    ("grouped_matmul", "tpu"): "ejkernel_pallas.grouped_matmul:grouped_matmul",
+    ("grouped_matmul", "cpu"): "ejkernel_pallas.grouped_matmul:grouped_matmul",
 }
 
 __all__ = ["DISTRIBUTION", "IMPLEMENTATIONS", "INTERPRET_ENV", "NAME", "check_usable", "interpret_requested"]

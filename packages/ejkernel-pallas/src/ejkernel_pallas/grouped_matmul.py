@@ -1,0 +1,318 @@
+"""Grouped (MoE) matmul for TPU in Pallas (Mosaic TPU), forward and backward; docs/ops/grouped_matmul.md.
+
+Rows of ``lhs`` come in consecutive groups; a row tile may straddle group boundaries. The grid walks a
+list of *visits* -- (row tile, group) pairs, ordered by group then tile, so row tiles come in
+non-decreasing order -- built from ``group_sizes`` outside the kernel and handed to it through scalar
+prefetch. A tile visited by several groups accumulates their masked products in VMEM and is written
+once, when the next visit moves to another tile. The visit count has a static bound (row tiles + groups
+- 1); unused trailing visits repeat the last real one and do nothing.
+
+Backward: ``d_lhs`` is the same kernel with the weights transposed; ``d_rhs`` is a transposed grouped
+matmul (``lhs[rows of g]^T @ d_out[rows of g]``) over the same visits, one output block per group.
+Rows no computed group owns are handled outside the kernels (``existing_out`` or zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ejkernel.errors import UnsupportedFeature
+
+from ejkernel_pallas.interpret import NEED_DEVICE_MESSAGE, interpret_mode, tpu_interpret_argument
+from ejkernel_pallas.tpu_tiling import check_block, round_up, sublane_multiple
+
+# ---------------------------------------------------------------------------------------------------
+# Tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmTiles:
+    block_m: int
+    block_k: int
+    block_n: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GmmTiles.{name} must be a positive int, got {value!r}")
+
+
+def _lane_block(size: int, want: int | None, cap: int) -> int:
+    """A lane-dim block: the whole (padded-to-8) dim when small, else a multiple of 128."""
+    if want is not None:
+        return want
+    return round_up(size, 8) if size <= cap else cap
+
+
+def choose_tiles(cfg, m: int, k: int, n: int, dtype) -> GmmTiles:
+    get = lambda name: getattr(cfg, name, None) if cfg is not None else None  # noqa: E731
+    rows = sublane_multiple(dtype)
+    block_m = get("block_m") or min(512, round_up(m, rows))
+    return GmmTiles(block_m=block_m, block_k=_lane_block(k, get("block_k"), 512), block_n=_lane_block(n, get("block_n"), 512))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Visit metadata (plain XLA on int32; works with traced group sizes)
+
+
+def _visits(group_sizes, group_offset, num_groups: int, block_m: int, num_tiles: int):
+    """(visit_group, visit_tile, visit_valid, group_start, group_end) for the computed groups."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends_all = jnp.cumsum(sizes)
+    offset = jnp.zeros((), jnp.int32) if group_offset is None else group_offset.reshape(()).astype(jnp.int32)
+    local = offset + jnp.arange(num_groups, dtype=jnp.int32)
+    end = ends_all[local]
+    start = end - sizes[local]
+    nonempty = end > start
+    first_tile = start // block_m
+    last_tile = jnp.maximum(end - 1, 0) // block_m
+    count = jnp.where(nonempty, last_tile - first_tile + 1, 0)
+    cum = jnp.cumsum(count)
+    total = cum[-1]
+    max_visits = num_tiles + num_groups - 1
+    v = jnp.minimum(jnp.arange(max_visits, dtype=jnp.int32), jnp.maximum(total - 1, 0))
+    group = jnp.minimum(jnp.searchsorted(cum, v, side="right").astype(jnp.int32), num_groups - 1)
+    tile = first_tile[group] + v - (cum[group] - count[group])
+    valid = (jnp.arange(max_visits) < total).astype(jnp.int32)
+    tile = jnp.clip(tile, 0, num_tiles - 1)
+    return group, tile, valid, start, end
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _gmm_kernel(group_ref, tile_ref, valid_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *,
+                block_m, transpose_rhs, precision, num_visits):
+    v, kk = pl.program_id(1), pl.program_id(2)
+    tile = tile_ref[v]
+    first_of_tile = jnp.logical_or(v == 0, tile_ref[jnp.maximum(v - 1, 0)] != tile)
+    last_of_tile = jnp.logical_or(v == num_visits - 1, tile_ref[jnp.minimum(v + 1, num_visits - 1)] != tile)
+
+    @pl.when(jnp.logical_and(kk == 0, first_of_tile))
+    def _zero():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(valid_ref[v] == 1)
+    def _accumulate():
+        g = group_ref[v]
+        rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+        owned = (rows >= start_ref[g]) & (rows < end_ref[g])
+        lhs = lhs_ref[...]
+        lhs = jnp.where(owned, lhs, jnp.zeros_like(lhs))
+        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+        acc_ref[...] += jax.lax.dot_general(lhs, rhs_ref[...], dims, precision=precision, preferred_element_type=jnp.float32)
+
+    @pl.when(jnp.logical_and(kk == pl.num_programs(2) - 1, last_of_tile))
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def _tgmm_kernel(group_ref, tile_ref, valid_ref, start_ref, end_ref, lhs_ref, dout_ref, out_ref, acc_ref, *,
+                 block_m, precision, num_visits):
+    v = pl.program_id(2)
+    g = group_ref[v]
+    first_of_group = jnp.logical_or(v == 0, group_ref[jnp.maximum(v - 1, 0)] != g)
+    last_of_group = jnp.logical_or(v == num_visits - 1, group_ref[jnp.minimum(v + 1, num_visits - 1)] != g)
+
+    @pl.when(first_of_group)
+    def _zero():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(valid_ref[v] == 1)
+    def _accumulate():
+        rows = tile_ref[v] * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+        owned = (rows >= start_ref[g]) & (rows < end_ref[g])
+        lhs = lhs_ref[...]
+        lhs = jnp.where(owned, lhs, jnp.zeros_like(lhs))
+        acc_ref[...] += jax.lax.dot_general(
+            lhs, dout_ref[...], (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+
+    @pl.when(last_of_group)
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def _pad2(x, rows: int, cols: int):
+    return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+
+
+def _gmm(lhs, rhs, meta, *, tiles: GmmTiles, transpose_rhs: bool, out_dtype, precision, interpret):
+    """Computed rows of ``lhs @ W[group]``; other rows zero or unspecified (masked by the caller)."""
+    m, k = lhs.shape
+    groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bk, bn = tiles.block_m, tiles.block_k, tiles.block_n
+    m_pad, k_pad, n_pad = round_up(m, bm), round_up(k, bk), round_up(n, bn)
+    lhs_p = _pad2(lhs, m_pad, k_pad)
+    rhs_p = jnp.pad(rhs, ((0, 0), (0, n_pad - n), (0, k_pad - k)) if transpose_rhs else ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+    num_visits = meta[0].shape[0]
+    lhs_spec = pl.BlockSpec((bm, bk), lambda ni, v, kk, grp, tile, *_: (tile[v], kk))
+    if transpose_rhs:
+        rhs_spec = pl.BlockSpec((None, bn, bk), lambda ni, v, kk, grp, *_: (grp[v], ni, kk))
+    else:
+        rhs_spec = pl.BlockSpec((None, bk, bn), lambda ni, v, kk, grp, *_: (grp[v], kk, ni))
+    out_spec = pl.BlockSpec((bm, bn), lambda ni, v, kk, grp, tile, *_: (tile[v], ni))
+    check_block("grouped_matmul[lhs]", lhs_spec.block_shape, lhs_p.shape, lhs.dtype)
+    check_block("grouped_matmul[rhs]", rhs_spec.block_shape, rhs_p.shape, rhs.dtype)
+    check_block("grouped_matmul[out]", out_spec.block_shape, (m_pad, n_pad), out_dtype)
+    out = pl.pallas_call(
+        functools.partial(_gmm_kernel, block_m=bm, transpose_rhs=transpose_rhs, precision=precision, num_visits=num_visits),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(n_pad // bn, num_visits, k_pad // bk),
+            in_specs=[lhs_spec, rhs_spec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="ejkernel_tpu_gmm",
+    )(*meta, lhs_p, rhs_p)
+    del groups
+    return out[:m, :n]
+
+
+def _tgmm(lhs, d_out, meta, num_groups: int, *, tiles: GmmTiles, out_dtype, precision, interpret):
+    """``[G, K, N]``: per computed group, ``lhs[rows]^T @ d_out[rows]`` (empty groups: unspecified)."""
+    m, k = lhs.shape
+    n = d_out.shape[1]
+    bm, bk, bn = tiles.block_m, tiles.block_k, tiles.block_n
+    m_pad, k_pad, n_pad = round_up(m, bm), round_up(k, bk), round_up(n, bn)
+    lhs_p = _pad2(lhs, m_pad, k_pad)
+    dout_p = _pad2(d_out, m_pad, n_pad)
+    num_visits = meta[0].shape[0]
+    lhs_spec = pl.BlockSpec((bm, bk), lambda kk, ni, v, grp, tile, *_: (tile[v], kk))
+    dout_spec = pl.BlockSpec((bm, bn), lambda kk, ni, v, grp, tile, *_: (tile[v], ni))
+    out_spec = pl.BlockSpec((None, bk, bn), lambda kk, ni, v, grp, *_: (grp[v], kk, ni))
+    check_block("grouped_matmul[tgmm lhs]", lhs_spec.block_shape, lhs_p.shape, lhs.dtype)
+    check_block("grouped_matmul[tgmm d_out]", dout_spec.block_shape, dout_p.shape, d_out.dtype)
+    check_block("grouped_matmul[d_rhs]", out_spec.block_shape, (num_groups, k_pad, n_pad), out_dtype)
+    out = pl.pallas_call(
+        functools.partial(_tgmm_kernel, block_m=bm, precision=precision, num_visits=num_visits),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(k_pad // bk, n_pad // bn, num_visits),
+            in_specs=[lhs_spec, dout_spec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((num_groups, k_pad, n_pad), out_dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="ejkernel_tpu_tgmm",
+    )(*meta, lhs_p, dout_p)
+    return out[:, :k, :n]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Custom VJP
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    tiles: GmmTiles
+    transpose_rhs: bool
+    out_dtype: object
+    precision: object
+    interpret: object
+
+
+def _row_mask(m: int, start, end):
+    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+    return jnp.any((rows >= start[None, :]) & (rows < end[None, :]), axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grouped(st: _Static, lhs, rhs, existing_out, meta):
+    return _grouped_fwd(st, lhs, rhs, existing_out, meta)[0]
+
+
+def _grouped_fwd(st: _Static, lhs, rhs, existing_out, meta):
+    out = _gmm(lhs, rhs, meta, tiles=st.tiles, transpose_rhs=st.transpose_rhs, out_dtype=st.out_dtype,
+               precision=st.precision, interpret=st.interpret)
+    computed = _row_mask(lhs.shape[0], meta[3], meta[4])[:, None]
+    fill = jnp.zeros_like(out) if existing_out is None else existing_out.astype(out.dtype)
+    return jnp.where(computed, out, fill), (lhs, rhs, existing_out, meta)
+
+
+def _grouped_bwd(st: _Static, residuals, d_out):
+    lhs, rhs, existing_out, meta = residuals
+    computed = _row_mask(lhs.shape[0], meta[3], meta[4])[:, None]
+    d_comp = jnp.where(computed, d_out, jnp.zeros_like(d_out))
+    # d_lhs = d_out @ W^T: the same kernel with the weights read the other way round.
+    d_tiles = dataclasses.replace(st.tiles, block_k=_lane_block(d_out.shape[1], None, 512),
+                                  block_n=_lane_block(lhs.shape[1], None, 512))
+    d_lhs = _gmm(d_comp.astype(lhs.dtype), rhs, meta, tiles=d_tiles, transpose_rhs=not st.transpose_rhs,
+                 out_dtype=jnp.float32, precision=st.precision, interpret=st.interpret)
+    d_lhs = jnp.where(computed, d_lhs, 0.0).astype(lhs.dtype)
+    groups = rhs.shape[0]
+    k = lhs.shape[1]
+    n = d_out.shape[1]
+    w_tiles = GmmTiles(block_m=st.tiles.block_m, block_k=_lane_block(k, None, 512), block_n=_lane_block(n, None, 512))
+    d_w = _tgmm(lhs, d_comp.astype(lhs.dtype), meta, groups, tiles=w_tiles, out_dtype=jnp.float32,
+                precision=st.precision, interpret=st.interpret)
+    nonempty = (meta[4] > meta[3])[:, None, None]
+    d_w = jnp.where(nonempty, d_w, 0.0)
+    d_rhs = (jnp.swapaxes(d_w, 1, 2) if st.transpose_rhs else d_w).astype(rhs.dtype)
+    d_existing = None
+    if existing_out is not None:
+        d_existing = jnp.where(computed, jnp.zeros_like(d_out), d_out).astype(existing_out.dtype)
+    return d_lhs, d_rhs, d_existing, tuple(None for _ in meta)
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public entry (canonical signature)
+
+
+def _interpret_or_refuse():
+    mode = interpret_mode()
+    if mode is not None:
+        return tpu_interpret_argument(mode if mode != "gpu" else "generic")
+    if jax.default_backend() == "tpu":
+        return False
+    raise UnsupportedFeature(NEED_DEVICE_MESSAGE)
+
+
+def _check_dtype(lhs):
+    if lhs.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise UnsupportedFeature(f"pallas grouped_matmul: dtype {lhs.dtype} is not supported")
+
+
+def check_supported(lhs, rhs, group_sizes, group_offset=None, existing_out=None, **_):
+    if jax.default_backend() not in ("tpu", "cpu"):
+        raise UnsupportedFeature("pallas grouped_matmul is a TPU kernel (no GPU version); use platform='xla' or 'triton'")
+    _interpret_or_refuse()
+    _check_dtype(lhs)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, group_offset=None, existing_out=None, *, preferred_element_type=jnp.float32,
+                   transpose_rhs: bool = False, precision=None, cfg=None, interpret=None):
+    """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
+    _check_dtype(lhs)
+    if interpret is None:
+        interpret = _interpret_or_refuse()
+    m, k = lhs.shape
+    groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tiles = choose_tiles(cfg, m, k, n, lhs.dtype)
+    num_tiles = round_up(m, tiles.block_m) // tiles.block_m
+    meta = _visits(group_sizes, group_offset, groups, tiles.block_m, num_tiles)
+    st = _Static(tiles=tiles, transpose_rhs=bool(transpose_rhs), out_dtype=jnp.dtype(preferred_element_type or jnp.float32),
+                 precision=precision, interpret=interpret)
+    return _grouped(st, lhs, rhs, existing_out, meta)
+
+
+grouped_matmul.check_supported = check_supported
