@@ -31,6 +31,9 @@ _EXPORTS: dict[str, str] = {
     "MultiHeadLatentAttention": "ejkernel.modules.operations.multi_head_latent_attention",
     "FlashMLA": "ejkernel.modules.operations.multi_head_latent_attention",
     "MultiHeadLatentAttentionConfig": "ejkernel.modules.operations.multi_head_latent_attention",
+    "blocksparse_attention": "ejkernel.modules.operations.blocksparse_attention",
+    "BlockSparseAttention": "ejkernel.modules.operations.blocksparse_attention",
+    "BlockSparseAttentionConfig": "ejkernel.modules.operations.blocksparse_attention",
 }
 
 __all__ = sorted(_EXPORTS)

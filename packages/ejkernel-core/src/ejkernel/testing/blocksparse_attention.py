@@ -1,0 +1,169 @@
+"""Reference and conformance suite of ``blocksparse_attention`` (semantics: the module docstring of
+``ejkernel.modules.operations.blocksparse_attention``). Subclass :class:`BlockSparseAttentionConformance`
+and set ``platform``; every gradient is required.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel.testing._attention_reference import reference_flash_attention
+from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
+from ejkernel.testing.page_attention import DTYPES, check_against_reference, forward_and_vjp, random_array
+
+
+def reference_blocksparse_attention(
+    query,
+    key,
+    value,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    softmax_aux=None,
+    *,
+    block_mask=None,
+    block_size=128,
+    causal=True,
+    sliding_window=None,
+    logits_soft_cap=None,
+    softmax_scale=None,
+):
+    """The block mask expanded to a token mask, then dense flash-attention reference (concrete masks)."""
+    batch, q_len, num_heads, _ = query.shape
+    kv_len = key.shape[1]
+    q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else block_size
+    mask = None
+    if block_mask is not None:
+        blocks = np.asarray(block_mask, bool)
+        mask = blocks.repeat(q_block, axis=2).repeat(kv_block, axis=3)[:, :, :q_len, :kv_len]
+        mask = np.broadcast_to(mask, (batch, mask.shape[1], q_len, kv_len))
+    return reference_flash_attention(
+        query,
+        key,
+        value,
+        attention_mask=mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        softmax_aux=softmax_aux,
+    )
+
+
+def random_block_mask(seed, batch, heads, q_len, kv_len, q_block, kv_block, density=0.5):
+    """Random blocks on (about ``density``), the diagonal blocks always on; one mask row all off."""
+    rng = np.random.default_rng(seed)
+    nq, nk = math.ceil(q_len / q_block), math.ceil(kv_len / kv_block)
+    mask = rng.random((batch, heads, nq, nk)) < density
+    for i in range(nq):
+        mask[:, :, i, min(nk - 1, (i * q_block + kv_len - q_len) // kv_block if kv_len >= q_len else i)] = True
+    mask[:, :, nq // 2, :] = False  # whole rows masked: zeros out, finite gradients
+    return jnp.asarray(mask)
+
+
+# (batch, q_len, kv_len, num_heads, num_kv_heads, head_dim, v_head_dim, block_size, mask heads)
+CASES = {
+    "gqa_per_head": (2, 33, 33, 4, 2, 32, 32, (8, 8), 4),
+    "rect_shared": (1, 17, 45, 2, 1, 16, 24, (4, 16), 1),
+    "mha_odd": (1, 127, 127, 2, 2, 64, 64, (32, 16), 2),
+}
+
+
+class BlockSparseAttentionConformance:
+    """Test base: subclass and set ``platform``."""
+
+    platform: ClassVar[str]
+    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+
+    def call(self, query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, **kw):
+        from ejkernel.modules import blocksparse_attention
+
+        return blocksparse_attention(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, platform=self.platform, **kw)
+
+    def make_inputs(self, seed, case, dtype, *, scale=1.0):
+        batch, q_len, kv_len, heads, kv_heads, head_dim, v_dim, block, mask_heads = case
+        inputs = dict(
+            query=random_array(seed * 5, (batch, q_len, heads, head_dim), dtype, scale),
+            key=random_array(seed * 5 + 1, (batch, kv_len, kv_heads, head_dim), dtype),
+            value=random_array(seed * 5 + 2, (batch, kv_len, kv_heads, v_dim), dtype),
+        )
+        static = dict(block_size=block, block_mask=random_block_mask(seed, batch, mask_heads, q_len, kv_len, *block))
+        return inputs, static
+
+    def check(self, inputs, static, dtype):
+        wrt = tuple(n for n in ("query", "key", "value", "softmax_aux") if inputs.get(n) is not None)
+        check_against_reference(
+            lambda **kw: self.call(**kw, **static),
+            lambda **kw: reference_blocksparse_attention(**kw, **static),
+            inputs,
+            wrt,
+            dtype=dtype,
+            tolerances=self.tolerances,
+        )
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_forward_and_gradients(self, dtype):
+        inputs, static = self.make_inputs(1, CASES["gqa_per_head"], dtype)
+        self.check(inputs, static, dtype)
+
+    @pytest.mark.parametrize("case", ["rect_shared", "mha_odd"])
+    def test_shapes_non_causal(self, case):
+        inputs, static = self.make_inputs(2, CASES[case], "float32")
+        self.check(inputs, {**static, "causal": False}, "float32")
+
+    def test_window_soft_cap_sinks_and_segments(self):
+        inputs, static = self.make_inputs(3, CASES["gqa_per_head"], "float32", scale=3.0)
+        segments = jnp.asarray(np.repeat(np.array([[0] * 10 + [1] * 23, [0] * 33]), 1, axis=0), jnp.int32)
+        inputs.update(softmax_aux=random_array(33, (4, 2)), q_segment_ids=segments, kv_segment_ids=segments)
+        static.update(sliding_window=(7, 2), logits_soft_cap=5.0, softmax_scale=0.3)
+        self.check(inputs, static, "float32")
+
+    def test_large_logits(self):
+        inputs, static = self.make_inputs(4, CASES["rect_shared"], "float32", scale=40.0)
+        self.check(inputs, static, "float32")
+
+    def test_fully_masked_rows_are_zero(self):
+        inputs, static = self.make_inputs(5, CASES["gqa_per_head"], "float32")
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw, **static), inputs, ("query", "key", "value"), 5)
+        q_block = static["block_size"][0]
+        row = (static["block_mask"].shape[2] // 2) * q_block
+        np.testing.assert_array_equal(np.asarray(out[:, row : row + q_block]), 0.0)
+        for name, grad in grads.items():
+            assert_finite(grad, f"d {name}")
+        np.testing.assert_array_equal(np.asarray(grads["query"][:, row : row + q_block]), 0.0)
+
+    def test_dense_default_and_vmap(self):
+        inputs, static = self.make_inputs(6, CASES["rect_shared"], "float32")
+        dense = self.call(**inputs, block_size=static["block_size"])
+        assert_close(dense, reference_flash_attention(**inputs, causal=True), dtype="float32")
+        stacked = jnp.stack([inputs["query"], -inputs["query"]])
+        batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "query": q}, **static)))(stacked)
+        expected = reference_blocksparse_attention(**{**inputs, "query": stacked[1]}, **static)
+        assert_close(batched[1], expected, dtype="float32")
+
+    def test_bad_inputs(self):
+        inputs, static = self.make_inputs(7, CASES["gqa_per_head"], "float32")
+
+        def call(**changes):
+            return self.call(**{**inputs, **static, **changes})
+
+        with pytest.raises((ValueError, TypeError), match="key"):
+            call(key=inputs["key"][:, :, :, :8])
+        with pytest.raises(ValueError, match="block_mask"):
+            call(block_mask=static["block_mask"][:, :, :2])
+        with pytest.raises((ValueError, TypeError), match="block_mask"):
+            call(block_mask=static["block_mask"].astype(jnp.int32))
+        with pytest.raises(ValueError, match="block_size"):
+            call(block_size=0)
+        with pytest.raises(ValueError, match="sliding_window"):
+            call(sliding_window=(-2, 1))
+        with pytest.raises(ValueError, match="value"):
+            call(value=inputs["value"].astype(jnp.bfloat16))
