@@ -174,8 +174,13 @@ class KernelRegistry:
         platform: Platform | Literal["triton", "pallas", "cuda", "cute", "xla"],
         backend: BackendLike,
         priority: int = 0,
+        *,
+        plugin: str | None = None,
     ) -> Callable[[F], F]:
-        """Decorator registering ``func`` as an implementation of ``algorithm``; returns ``func``."""
+        """Decorator registering ``func`` as an implementation of ``algorithm``; returns ``func``.
+
+        ``plugin`` names the backend plugin registering it (so its availability is checked at dispatch).
+        """
         algorithm_key = _check_algorithm(algorithm)
         platform_value = _as_platform(platform)
         if platform_value is None:
@@ -188,7 +193,7 @@ class KernelRegistry:
         def decorator(func: F) -> F:
             if not callable(func):
                 raise TypeError(f"register({algorithm!r}) decorates callables, got {func!r}")
-            self._add(KernelSpec(platform_value, backend_value, algorithm_key, func, priority))
+            self._add(KernelSpec(platform_value, backend_value, algorithm_key, func, priority, plugin))
             return func
 
         return decorator

@@ -99,6 +99,11 @@ def _install_hint(algorithm: str) -> str:
     )
 
 
+def _elsewhere_reason(spec: KernelSpec, backend: Backend) -> str:
+    """Why an implementation registered for other hardware does not run here (the plugin's reason first)."""
+    return _unusable_reason(spec) or f"it targets {spec.backend.value}, and jax runs on {backend.value} here"
+
+
 def resolve(algorithm: str, platform: str | Platform | None, args: tuple, kwargs: dict) -> Resolution:
     """Pick the implementation of ``algorithm`` for this call (see the module docstring)."""
     requested = _as_platform(platform)
@@ -106,13 +111,12 @@ def resolve(algorithm: str, platform: str | Platform | None, args: tuple, kwargs
     candidates = _candidates(algorithm, requested, backend)
     if requested is not None:
         if not candidates:
-            everywhere = kernel_registry.find(algorithm, requested, None)
-            if everywhere:
-                targets = ", ".join(sorted({s.backend.value for s in everywhere}))
+            elsewhere = kernel_registry.find(algorithm, requested, None)
+            if elsewhere:
                 raise KernelNotFoundError(
-                    f"{algorithm}: platform={requested.value!r} is registered for {targets}, but this machine "
-                    f"runs jax on {backend.value}. Use platform='auto' to let ejkernel pick what runs here."
-                    + _install_hint(algorithm)
+                    f"{algorithm}: platform={requested.value!r} cannot run here: "
+                    f"{_elsewhere_reason(elsewhere[0], backend)}. Use platform='auto' to let ejkernel pick what "
+                    "runs here." + _install_hint(algorithm)
                 )
             kernel_registry.get(algorithm, requested, backend)  # raises with the registry's full explanation
         spec = candidates[0]
@@ -131,21 +135,29 @@ def resolve(algorithm: str, platform: str | Platform | None, args: tuple, kwargs
     for spec in candidates:
         reason = _unusable_reason(spec) or _unsupported_reason(spec, args, kwargs)
         if reason is None:
+            # Better-ranked kernels for other hardware (a GPU backend on a CPU-only machine) are passed
+            # over too: say so, so a user wondering why the fast path did not run finds the reason.
+            candidate_set = set(map(id, candidates))
+            skipped.extend(
+                (_spec_label(other), _elsewhere_reason(other, backend))
+                for other in kernel_registry.list_implementations(algorithm)
+                if id(other) not in candidate_set and other.priority > spec.priority
+                and (requested is None or other.platform == requested)
+            )
+            skipped = list(dict.fromkeys(skipped))  # one line per backend and reason
             for skipped_platform, why in skipped:
                 _log_fallback(algorithm, skipped_platform, spec.platform.value, why)
             return Resolution(spec, tuple(skipped))
         skipped.append((_spec_label(spec), reason))
-    if not candidates:
-        registered = kernel_registry.list_implementations(algorithm)
-        if not registered:
-            kernel_registry.get(algorithm)  # raises: nothing registered at all, with the known algorithms
-        listing = ", ".join(f"{s.platform.value}/{s.backend.value}" for s in registered)
-        raise KernelNotFoundError(
-            f"{algorithm}: no implementation targets {backend.value} (registered: {listing})."
-            + _install_hint(algorithm)
-        )
-    details = "; ".join(f"{name}: {why}" for name, why in skipped)
-    raise KernelNotFoundError(f"{algorithm}: no implementation can take this call here ({details})." + _install_hint(algorithm))
+    registered = kernel_registry.list_implementations(algorithm)
+    if not registered:
+        kernel_registry.get(algorithm)  # raises: nothing registered at all, with the known algorithms
+    elsewhere = [s for s in registered if s not in candidates]
+    skipped.extend((_spec_label(s), _elsewhere_reason(s, backend)) for s in elsewhere)
+    details = "; ".join(f"{name}: {why}" for name, why in dict.fromkeys(skipped))
+    raise KernelNotFoundError(
+        f"{algorithm}: no implementation can take this call here ({details})." + _install_hint(algorithm)
+    )
 
 
 _logged: set[tuple[str, str, str]] = set()

@@ -1,0 +1,116 @@
+"""Platform resolution: auto picks the best usable implementation that accepts the call and logs what
+it passed over; an explicit platform is honoured or refused with a clear error, never replaced."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import jax
+import pytest
+
+from ejkernel import BackendInfo, UnsupportedFeature, hookimpl
+from ejkernel.errors import KernelNotFoundError
+from ejkernel.modules.operations._dispatch import resolve
+from ejkernel.plugins import host
+
+ALGORITHM = "dispatch_probe"
+
+
+def _backend(name: str, platform: str, target: str, priority: int, unusable: str | None = None, refuse=None):
+    def implementation(x, *, cfg=None, **options):
+        return name
+
+    if refuse is not None:
+
+        def check_supported(x, **options):
+            if refuse(options):
+                raise UnsupportedFeature(f"{name} refuses {options}")
+
+        implementation.check_supported = check_supported
+    module = types.SimpleNamespace(__name__=name)
+    module.ejkernel_backend_info = hookimpl(
+        lambda: BackendInfo(name=name, distribution=f"dist-{name}", version="1", platforms=(platform,),
+                            targets=(target,), check_usable=lambda: unusable)
+    )
+
+    def register(registry, plugin):
+        registry.register(ALGORITHM, platform, target, priority=priority, plugin=plugin)(implementation)
+
+    module.ejkernel_register_kernels = hookimpl(register)
+    return module
+
+
+@pytest.fixture
+def probe_backends():
+    """Three backends for ALGORITHM on the process-wide host; removed afterwards."""
+    plugins_host = host()
+    names = []
+
+    def add(*args, **kwargs):
+        plugin = _backend(*args, **kwargs)
+        plugins_host.load_plugin(plugin, name=plugin.__name__)
+        names.append(plugin.__name__)
+
+    yield add
+    for name in names:
+        plugins_host.registry.unregister_plugin(name)
+        plugins_host.manager.unregister(name=name)
+        plugins_host.backends.pop(name, None)
+
+
+def _x():
+    return jax.numpy.ones((2,))
+
+
+def test_auto_falls_back_past_unusable_and_refusing_backends_and_logs_why(probe_backends, caplog):
+    probe_backends("gpu_fast", "triton", "gpu", 30, unusable="no GPU visible")
+    probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: options.get("causal"))
+    probe_backends("cpu_plain", "xla", "any", 0)
+    with caplog.at_level(logging.INFO, logger="ejkernel.dispatch"):
+        plain = resolve(ALGORITHM, "auto", (_x(),), {"causal": False})
+        causal = resolve(ALGORITHM, "auto", (_x(),), {"causal": True})
+    assert plain.implementation(_x()) == "cpu_picky"
+    assert [name for name, _ in plain.skipped] == ["triton (gpu_fast)"]
+    assert causal.implementation(_x()) == "cpu_plain"
+    assert dict(causal.skipped) == {
+        "pallas (cpu_picky)": "cpu_picky refuses {'causal': True}",
+        "triton (gpu_fast)": "no GPU visible",
+    }
+    assert "using pallas instead of triton (gpu_fast): no GPU visible" in caplog.text
+    assert "using xla instead of pallas (cpu_picky): cpu_picky refuses" in caplog.text
+    assert "passed over: pallas (cpu_picky)" in causal.describe()
+
+
+def test_explicit_platform_is_never_replaced(probe_backends):
+    probe_backends("gpu_fast", "triton", "gpu", 30, unusable="no GPU visible")
+    probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: options.get("causal"))
+    probe_backends("cpu_plain", "xla", "any", 0)
+    with pytest.raises(KernelNotFoundError, match="platform='triton' cannot run here: no GPU visible"):
+        resolve(ALGORITHM, "triton", (_x(),), {})
+    with pytest.raises(UnsupportedFeature, match="platform='pallas' cannot take this call: cpu_picky refuses"):
+        resolve(ALGORITHM, "pallas", (_x(),), {"causal": True})
+    assert resolve(ALGORITHM, "pallas", (_x(),), {"causal": False}).implementation(_x()) == "cpu_picky"
+    with pytest.raises(KernelNotFoundError, match="platform='cuda'"):
+        resolve(ALGORITHM, "cuda", (_x(),), {})
+
+
+def test_nothing_can_take_the_call_lists_every_reason(probe_backends):
+    probe_backends("gpu_fast", "triton", "gpu", 30, unusable="no GPU visible")
+    probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: True)
+    with pytest.raises(KernelNotFoundError) as info:
+        resolve(ALGORITHM, "auto", (_x(),), {})
+    message = str(info.value)
+    assert "pallas (cpu_picky): cpu_picky refuses" in message and "triton (gpu_fast): no GPU visible" in message
+
+
+def test_flash_attention_on_cpu_runs_xla_and_names_the_gpu_backends_it_passed_over():
+    from ejkernel.modules import FlashAttention
+
+    q = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
+    resolution = FlashAttention().explain(q, q, q, causal=True)
+    assert resolution.platform == "xla"
+    passed_over = dict(resolution.skipped)
+    assert "no GPU visible" in passed_over["triton (triton)"]
+    with pytest.raises(KernelNotFoundError, match="platform='triton' cannot run here: no GPU visible"):
+        FlashAttention().explain(q, q, q, platform="triton")
