@@ -46,9 +46,12 @@ def test_user_label_in_lowered_and_compiled():
     assert labels_to_configs(find_labels_in_lowered(lowered)) == {}
 
 
-def test_no_stamp_by_default():
+def test_no_stamp_by_default_or_with_none(monkeypatch):
     ex, kernel = executor(), ToyMatmul()
     lowered = jax.jit(lambda x, w: ex(kernel, x, w)).lower(*random_inputs())
+    assert find_labels_in_lowered(lowered) == []
+    monkeypatch.setenv("EJKERNEL_OPS_STAMP", "none")
+    lowered = jax.jit(lambda x, w: ex(kernel, x, w, scale=2.0)).lower(*random_inputs())
     assert find_labels_in_lowered(lowered) == []
 
 

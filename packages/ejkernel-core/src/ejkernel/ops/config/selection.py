@@ -122,11 +122,20 @@ def effective_policy(base: AutotunePolicy) -> AutotunePolicy:
     from_env = env_allows_autotune()
     if from_env is None and not overrides:
         return base
-    changes: dict[str, Any] = {}
-    if from_env is not None:
-        changes["allow_autotune"] = from_env
-    changes.update(overrides)
-    return dataclasses.replace(base, **changes)
+    memo_key = (base, from_env, tuple(sorted(overrides.items())))
+    policy = _effective.get(memo_key)
+    if policy is None:  # dataclasses.replace validates and costs microseconds: once per combination
+        changes: dict[str, Any] = {}
+        if from_env is not None:
+            changes["allow_autotune"] = from_env
+        changes.update(overrides)
+        policy = dataclasses.replace(base, **changes)
+        if len(_effective) < 256:
+            _effective[memo_key] = policy
+    return policy
+
+
+_effective: dict[tuple, AutotunePolicy] = {}
 
 
 class Selection(NamedTuple):
