@@ -24,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ejkernel.errors import UnsupportedFeature
 
-from ejkernel_pallas.interpret import NEED_DEVICE_MESSAGE, interpret_mode, tpu_interpret_argument
+from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_tiling import check_block, round_up, sublane_multiple
 
 # ---------------------------------------------------------------------------------------------------
@@ -277,13 +277,6 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 # Public entry (canonical signature)
 
 
-def _interpret_or_refuse():
-    mode = interpret_mode()
-    if mode is not None:
-        return tpu_interpret_argument(mode if mode != "gpu" else "generic")
-    if jax.default_backend() == "tpu":
-        return False
-    raise UnsupportedFeature(NEED_DEVICE_MESSAGE)
 
 
 def _check_dtype(lhs):
@@ -294,7 +287,7 @@ def _check_dtype(lhs):
 def check_supported(lhs, rhs, group_sizes, group_offset=None, existing_out=None, **_):
     if jax.default_backend() not in ("tpu", "cpu"):
         raise UnsupportedFeature("pallas grouped_matmul is a TPU kernel (no GPU version); use platform='xla' or 'triton'")
-    _interpret_or_refuse()
+    tpu_interpret_or_refuse()
     _check_dtype(lhs)
 
 
@@ -303,7 +296,7 @@ def grouped_matmul(lhs, rhs, group_sizes, group_offset=None, existing_out=None, 
     """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
     _check_dtype(lhs)
     if interpret is None:
-        interpret = _interpret_or_refuse()
+        interpret = tpu_interpret_or_refuse()
     m, k = lhs.shape
     groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]

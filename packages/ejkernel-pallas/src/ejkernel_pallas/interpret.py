@@ -45,3 +45,18 @@ def tpu_interpret_argument(mode: str | None):
     from jax.experimental.pallas import tpu as pltpu
 
     return pltpu.InterpretParams(detect_races=(mode == "races"))
+
+
+def tpu_interpret_or_refuse():
+    """``interpret=`` for a TPU-only kernel called without one: from the env var, False on a TPU, else
+    ``UnsupportedFeature`` with :data:`NEED_DEVICE_MESSAGE`."""
+    import jax
+
+    from ejkernel.errors import UnsupportedFeature
+
+    mode = interpret_mode()
+    if mode is not None:
+        return tpu_interpret_argument("generic" if mode == "gpu" else mode)
+    if jax.default_backend() == "tpu":
+        return False
+    raise UnsupportedFeature(NEED_DEVICE_MESSAGE)

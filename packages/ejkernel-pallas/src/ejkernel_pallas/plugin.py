@@ -20,6 +20,8 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("flash_attention", "cpu"): _FLASH,
     ("grouped_matmul", "tpu"): "ejkernel_pallas.grouped_matmul:grouped_matmul",
     ("grouped_matmul", "cpu"): "ejkernel_pallas.grouped_matmul:grouped_matmul",
+    ("page_attention", "tpu"): "ejkernel_pallas.page_attention:page_attention",
+    ("page_attention", "cpu"): "ejkernel_pallas.page_attention:page_attention",
 }
 
 __all__ = ["DISTRIBUTION", "IMPLEMENTATIONS", "INTERPRET_ENV", "NAME", "check_usable", "interpret_requested"]

@@ -1,0 +1,154 @@
+"""Decode attention over a paged KV cache, TPU (Mosaic) kernel in Pallas; docs/ops/page_attention.md.
+
+Grid (sequence, kv head, logical page). The block table and the effective lengths are scalar-prefetched,
+so each step's key/value block is the sequence's physical page, fetched by the pipeline. Pages past a
+sequence's last used page re-point at that last page (the same block index, so no new DMA is issued) and
+their step is skipped; block-table entries there may hold anything. All query heads of a GQA group are
+one (group, head_dim) tile, so each page is read once per kv head. Forward only (an inference op).
+
+TPU tiling: the query tile is (group, head_dim) and the page tile (page_size, head_dim): both span whole
+array dims, so any sizes lower; page_size a multiple of 8 (16 for bf16) and head_dim a multiple of 128
+avoid padded vregs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ejkernel.errors import UnsupportedFeature
+
+from ejkernel_pallas.interpret import tpu_interpret_or_refuse
+from ejkernel_pallas.tpu_tiling import check_block
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    scale: float
+    soft_cap: float | None
+    page_size: int
+    num_pages: int  # grid extent over logical pages
+    interpret: object
+
+
+def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, m_ref, l_ref, acc_ref, *, st: _Static):
+    seq, page = pl.program_id(0), pl.program_id(2)
+    length = lengths_ref[seq]
+
+    @pl.when(page == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(page * st.page_size < length)
+    def _step():
+        q = q_ref[...]
+        k = k_ref[...]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * st.scale
+        if st.soft_cap is not None:
+            s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+        cols = page * st.page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(cols < length, s, -jnp.inf)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))  # finite: column 0 of this page is visible
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_prev - m_new)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
+        m_ref[...] = m_new
+        v = v_ref[...]
+        acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(page == pl.num_programs(2) - 1)
+    def _finish():
+        l = l_ref[...]
+        out_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(out_ref.dtype)
+
+
+def _page_index(seq, kv_head, page, lengths, tables, *, page_size: int, num_blocks: int):
+    used = jnp.maximum((lengths[seq] + page_size - 1) // page_size, 1)
+    physical = tables[seq, jnp.minimum(page, used - 1)]
+    return jnp.clip(physical, 0, num_blocks - 1), kv_head, 0, 0
+
+
+def _forward(st: _Static, query, key_cache, value_cache, lengths, block_tables):
+    num_seqs, heads, dim = query.shape
+    num_blocks, kv_heads, page_size, _ = key_cache.shape
+    group = heads // kv_heads
+    q = query.reshape(num_seqs, kv_heads, group, dim)
+    kv_index = functools.partial(_page_index, page_size=page_size, num_blocks=num_blocks)
+    q_spec = pl.BlockSpec((None, None, group, dim), lambda s, h, p, *_: (s, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, None, page_size, dim), kv_index)
+    check_block("page_attention[query]", q_spec.block_shape, q.shape, q.dtype)
+    check_block("page_attention[key_cache]", kv_spec.block_shape, key_cache.shape, key_cache.dtype)
+    out = pl.pallas_call(
+        functools.partial(_kernel, st=st),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(num_seqs, kv_heads, st.num_pages),
+            in_specs=[q_spec, kv_spec, kv_spec],
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM((group, 1), jnp.float32),
+                pltpu.VMEM((group, 1), jnp.float32),
+                pltpu.VMEM((group, dim), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q.shape, query.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=st.interpret,
+        name="ejkernel_tpu_page_attention",
+    )(lengths, block_tables, q, key_cache, value_cache)
+    return out.reshape(num_seqs, heads, dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st, query, key_cache, value_cache, lengths, block_tables):
+    return _forward(st, query, key_cache, value_cache, lengths, block_tables)
+
+
+def _attend_fwd(st, *args):
+    return _forward(st, *args), None
+
+
+def _attend_bwd(st, residuals, d_out):
+    raise UnsupportedFeature(
+        "pallas page_attention is forward-only (an inference kernel); for gradients use platform='xla'"
+    )
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+
+
+def check_supported(query, key_cache, value_cache, context_lens, block_tables, **_):
+    if jax.default_backend() not in ("tpu", "cpu"):
+        raise UnsupportedFeature("pallas page_attention is a TPU kernel; on GPUs use platform='triton' or 'xla'")
+    tpu_interpret_or_refuse()
+    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise UnsupportedFeature(f"pallas page_attention: dtype {query.dtype} is not supported")
+
+
+def page_attention(query, key_cache, value_cache, context_lens, block_tables, *, attn_scale: float,
+                   max_context_len: int, attn_logits_soft_cap=None, cfg=None, interpret=None):
+    """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
+    if interpret is None:
+        interpret = tpu_interpret_or_refuse()
+    page_size = key_cache.shape[2]
+    max_blocks = block_tables.shape[1]
+    num_pages = max(1, min(max_blocks, -(-int(max_context_len) // page_size)))
+    lengths = jnp.minimum(context_lens.astype(jnp.int32), int(max_context_len))
+    st = _Static(scale=float(attn_scale), soft_cap=None if attn_logits_soft_cap is None else float(attn_logits_soft_cap),
+                 page_size=page_size, num_pages=num_pages, interpret=interpret)
+    return _attend(st, query, key_cache, value_cache, lengths, block_tables.astype(jnp.int32))
+
+
+page_attention.check_supported = check_supported

@@ -1,0 +1,33 @@
+"""TPU paged decode attention in interpret mode: the shared conformance suite, and Mosaic lowering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import abstract_device
+
+from ejkernel.testing.page_attention import PageAttentionConformance
+from ejkernel_pallas.page_attention import page_attention
+
+
+class TestPallasPageAttentionConformance(PageAttentionConformance):
+    platform = "pallas"
+    supports_gradients = False  # an inference kernel: a gradient raises UnsupportedFeature
+
+    @pytest.fixture(autouse=True)
+    def _interpret_mode(self, pallas_interpret):
+        yield
+
+
+def test_lowers_for_tpu():
+    query = jax.ShapeDtypeStruct((8, 16, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((64, 4, 16, 128), jnp.bfloat16)
+    lens = jax.ShapeDtypeStruct((8,), jnp.int32)
+    tables = jax.ShapeDtypeStruct((8, 8), jnp.int32)
+    fn = lambda q, k, v, lens, tables: page_attention(  # noqa: E731
+        q, k, v, lens, tables, attn_scale=0.1, max_context_len=128, attn_logits_soft_cap=30.0, interpret=False
+    )
+    with abstract_device("TPU v5 lite", "tpu"):
+        text = jax.jit(fn).trace(query, cache, cache, lens, tables).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1
