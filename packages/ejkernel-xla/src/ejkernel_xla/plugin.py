@@ -16,6 +16,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:ragged_decode_attention",
     "multi_head_latent_attention": "ejkernel_xla.multi_head_latent_attention:multi_head_latent_attention",
     "blocksparse_attention": "ejkernel_xla.blocksparse_attention:blocksparse_attention",
+    "native_sparse_attention": "ejkernel_xla.native_sparse_attention:native_sparse_attention",
 }
 
 

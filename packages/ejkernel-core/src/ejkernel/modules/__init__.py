@@ -34,6 +34,9 @@ _EXPORTS: dict[str, str] = {
     "blocksparse_attention": "ejkernel.modules.operations.blocksparse_attention",
     "BlockSparseAttention": "ejkernel.modules.operations.blocksparse_attention",
     "BlockSparseAttentionConfig": "ejkernel.modules.operations.blocksparse_attention",
+    "native_sparse_attention": "ejkernel.modules.operations.native_sparse_attention",
+    "NativeSparseAttention": "ejkernel.modules.operations.native_sparse_attention",
+    "NativeSparseAttentionConfig": "ejkernel.modules.operations.native_sparse_attention",
 }
 
 __all__ = sorted(_EXPORTS)
