@@ -266,6 +266,20 @@ def main(argv=None) -> int:
 
     rows: list[dict] = []
     numerics: list[dict] = []
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every measurement: a run cut short still leaves its numbers
+        document = dict(
+            device=device_kind, date=now.isoformat(timespec="seconds"), versions=versions(),
+            setup=dict(tokens=args.tokens, hidden=args.hidden, dtype=str(dtype), warmup=args.warmup, reps=args.reps,
+                       calls=args.calls, input_sets=args.sets,
+                       timing="median of reps; each rep = mean of back-to-back calls ended by block_until_ready",
+                       flops="fwd 4*B*H*S^2*D (x0.5 causal); fwd+bwd 3.5x fwd"),
+            implementations=names, results=rows, numerics=numerics,
+        )
+        (out_dir / f"{stem}.json").write_text(json.dumps(document, indent=1))
+
     key = jax.random.key(0)
     error_seqs = {int(s) for s in args.errors.split(",") if s}
     for d in (int(x) for x in args.head_dims.split(",")):
@@ -295,22 +309,13 @@ def main(argv=None) -> int:
                         except Exception as exc:  # noqa: BLE001
                             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                         rows.append(row)
+                        save()
                         shown = f"{row['tflops']:7.1f} TFLOP/s {row['ms']:8.3f} ms" if "tflops" in row else row["error"]
                         print(f"D={d:3d} S={seq:5d} B={batch:2d} {'causal' if causal else 'full  '} {mode:7s} "
                               f"{impl.name:18s} {shown}", flush=True)
             del inputs
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    document = dict(
-        device=device_kind, date=now.isoformat(timespec="seconds"), versions=versions(),
-        setup=dict(tokens=args.tokens, hidden=args.hidden, dtype=str(dtype), warmup=args.warmup, reps=args.reps,
-                   calls=args.calls, input_sets=args.sets,
-                   timing="median of reps; each rep = mean of back-to-back calls ended by block_until_ready",
-                   flops="fwd 4*B*H*S^2*D (x0.5 causal); fwd+bwd 3.5x fwd"),
-        implementations=names, results=rows, numerics=numerics,
-    )
-    (out_dir / f"{stem}.json").write_text(json.dumps(document, indent=1))
+    save()
     try:
         plot(rows, names, out_dir / f"{stem}.png", f"flash attention, {dtype}, {args.tokens} tokens, hidden "
              f"{args.hidden} — {device_kind}, {now:%Y-%m-%d} (jax {jax.__version__})")

@@ -3,8 +3,9 @@
 For each head dim and causal flag: time the forward for every forward candidate of
 `ejkernel_triton.flash_attention.tuning_space`, then forward+backward for every backward candidate with
 the best forward fixed. Writes `<out>/triton_flash_tuned.json`: {device_kind: {"d<D>-<causal|full>":
-{tuning fields..., "fwd_ms", "fwd_bwd_ms"}}} -- the table the plugin ships
-(`ejkernel_triton/tuned/flash_attention.json`) -- and prints every timing.
+{tuning fields..., "measured": {...}}}} -- the format the plugin ships
+(`ejkernel_triton/tuned/flash_attention.json`; a missing "-causal" entry falls back to "-full") -- and
+prints every timing. `--causal "d64=no;d128=no,yes"` picks the causal flags per head dim.
 """
 
 from __future__ import annotations
@@ -37,12 +38,22 @@ def _time(fn, argsets, reps=5, calls=4):
     return float(np.median(samples)) * 1e3
 
 
+def causal_flags(spec: str, head_dim: int) -> list[bool]:
+    """'no,yes' for every head dim, or per head dim: 'd64=no;d128=no,yes' ('*=' for the rest)."""
+    table = {}
+    for part in spec.split(";"):
+        name, _, value = part.rpartition("=")
+        table[name or "*"] = value
+    return [c == "yes" for c in table.get(f"d{head_dim}", table.get("*", "no,yes")).split(",")]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--causal", default="no,yes", help="per head dim: 'no,yes'; 'd64=no' style overrides")
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     kind = jax.devices()[0].device_kind
@@ -54,7 +65,7 @@ def main(argv=None):
             ks = jax.random.split(jax.random.key(i), 4)
             argsets.append(tuple(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in ks))
         space = tuning_space(d, d, jnp.bfloat16)
-        for causal in (False, True):
+        for causal in causal_flags(args.causal, d):
             def fwd_fn(t):
                 return jax.jit(lambda q, k, v, do: flash_attention(q, k, v, causal=causal, cfg=tuning_to_cfg(t)))
 
@@ -90,7 +101,7 @@ def main(argv=None):
                 if ms < best_bwd_ms:
                     best, best_bwd_ms = t, ms
             entry = dataclasses.asdict(best)
-            entry.update(fwd_ms=round(best_ms, 4), fwd_bwd_ms=round(best_bwd_ms, 4), seq=s, batch=b, heads=h)
+            entry["measured"] = dict(fwd_ms=round(best_ms, 4), fwd_bwd_ms=round(best_bwd_ms, 4), seq=s, batch=b, heads=h)
             table[f"d{d}-{'causal' if causal else 'full'}"] = entry
             print("BEST", d, causal, entry, flush=True)
     out = Path(args.out) / "triton_flash_tuned.json"

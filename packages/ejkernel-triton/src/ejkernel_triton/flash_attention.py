@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -70,29 +72,72 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)}")
 
 
-def heuristic_tuning(head_dim: int, head_dim_v: int, dtype, device_kind: str = "") -> Tuning:
-    """Default blocks per head dim and dtype; shared-memory budget of Hopper (228 KB per SM)."""
-    del device_kind  # H100 and H200 share the SM; other kinds get the same safe defaults.
+TUNED_FILE_ENV = "EJKERNEL_TRITON_TUNED_FILE"
+"""Path of a tuned table (the format of tuned/flash_attention.json, shipped with the package and read
+through ejkernel_triton.plugin.tuned_entries) to use instead; its first device's entries apply to any GPU."""
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_table(path: str) -> dict[str, dict[str, dict[str, int]]]:
+    """{device kind: {"d<head dim>-<full|causal>": Tuning fields}} from `path`."""
+    return json.loads(Path(path).read_text())
+
+
+def _tuned_entry(device_kind: str, head_dim: int, causal: bool) -> Tuning | None:
+    if not device_kind:
+        return None
+    override = os.environ.get(TUNED_FILE_ENV)
+    if override:
+        table = tuned_table(override)
+        entries = table.get(device_kind) or next(iter(table.values()), None)
+    else:
+        from ejkernel_triton.plugin import tuned_entries
+
+        entries = tuned_entries(device_kind)
+    if not entries:
+        return None
+    bucket = next((b for b in (64, 128, 256) if head_dim <= b), None)
+    entry = entries.get(f"d{bucket}-{'causal' if causal else 'full'}") or entries.get(f"d{bucket}-full")
+    if entry is None:
+        return None
+    return Tuning(**{f.name: int(entry[f.name]) for f in dataclasses.fields(Tuning)})
+
+
+def _device_kind() -> str:
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return ""
+    return device.device_kind if device.platform == "gpu" else ""
+
+
+def heuristic_tuning(head_dim: int, head_dim_v: int, dtype, device_kind: str | None = None,
+                     causal: bool = False) -> Tuning:
+    """Tuned blocks for this device kind when shipped (H100/H200), else defaults sized for Hopper's
+    228 KB of shared memory per SM."""
     d = max(head_dim, head_dim_v)
     if jnp.dtype(dtype) == jnp.float32:
         # IEEE fp32 dots run on CUDA cores: small tiles keep registers and shared memory in bounds.
         return Tuning(32, 32, 4, 2, 32, 32, 32, 32, 4, 1)
+    tuned = _tuned_entry(_device_kind() if device_kind is None else device_kind, d, causal)
+    if tuned is not None:
+        return tuned
     if d <= 64:
-        return Tuning(128, 64, 4, 3, 64, 128, 128, 64, 4, 2)
+        return Tuning(128, 64, 4, 3, 64, 64, 64, 64, 4, 2)
     if d <= 128:
-        return Tuning(128, 64, 8, 3, 64, 128, 128, 64, 8, 2)
+        return Tuning(128, 64, 8, 3, 64, 64, 64, 64, 4, 2)
     return Tuning(64, 64, 4, 2, 32, 64, 64, 32, 4, 1)
 
 
 def tuning_space(head_dim: int, head_dim_v: int, dtype) -> list[Tuning]:
     """A pruned autotuning space: block pairs that fit shared memory at this head dim."""
-    base = heuristic_tuning(head_dim, head_dim_v, dtype)
+    base = heuristic_tuning(head_dim, head_dim_v, dtype, device_kind="")
     if jnp.dtype(dtype) == jnp.float32:
         return [base]
     d = max(head_dim, head_dim_v)
     if d <= 128:
-        fwd = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
-        bwd = [(64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 8, 2), (64, 64, 64, 64, 4, 2)]
+        fwd = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
+        bwd = [(64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 2)]
     else:
         fwd = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)]
         bwd = [(32, 64, 64, 32, 4, 1), (32, 32, 32, 32, 4, 1)]
@@ -921,8 +966,8 @@ def check_supported(query, key, value, bias=None, *, attention_mask=None, q_segm
         raise UnsupportedFeature("triton flash_attention: softmax_aux must be [H] or [H, K]")
 
 
-def _tuning_from_cfg(cfg, query, value) -> Tuning:
-    base = heuristic_tuning(query.shape[-1], value.shape[-1], query.dtype)
+def _tuning_from_cfg(cfg, query, value, causal: bool = False) -> Tuning:
+    base = heuristic_tuning(query.shape[-1], value.shape[-1], query.dtype, causal=causal)
     fwd = getattr(cfg, "fwd_params", None)
     bwd = getattr(cfg, "bwd_params", None)
     pick = lambda obj, name, default: default if obj is None or getattr(obj, name, None) is None \
@@ -974,7 +1019,8 @@ def _invocation_qv(inv):
 
 def heuristic_cfg(inv):
     query, value = _invocation_qv(inv)
-    return tuning_to_cfg(heuristic_tuning(query.shape[-1], value.shape[-1], query.dtype))
+    causal = bool((getattr(inv, "kwargs", {}) or {}).get("causal", False))
+    return tuning_to_cfg(heuristic_tuning(query.shape[-1], value.shape[-1], query.dtype, causal=causal))
 
 
 def config_space(inv):
@@ -1015,7 +1061,7 @@ def flash_attention(query, key, value, bias=None, *, attention_mask=None, q_segm
             raise ValueError(f"softmax_aux has {aux.shape[0]} heads, query has {query.shape[2]}")
     st = _Static(
         softmax_scale=float(softmax_scale), causal=bool(causal), window_left=left, window_right=right,
-        softcap=float(logits_soft_cap or 0.0), tuning=_tuning_from_cfg(cfg, query, value),
+        softcap=float(logits_soft_cap or 0.0), tuning=_tuning_from_cfg(cfg, query, value, bool(causal)),
         interpret=_interpret_requested())
     out = _attention(query, key, value, as_i32(q_segment_ids), as_i32(kv_segment_ids), as_i32(cum_seqlens_q),
                      as_i32(cum_seqlens_k), aux, st)
