@@ -74,7 +74,8 @@ class Tuning:
 
 TUNED_FILE_ENV = "EJKERNEL_TRITON_TUNED_FILE"
 """Path of a tuned table (the format of tuned/flash_attention.json, shipped with the package and read
-through ejkernel_triton.plugin.tuned_entries) to use instead; its first device's entries apply to any GPU."""
+through ejkernel_triton.plugin.tuned_entries) whose entries override the shipped ones (its first device's
+entries apply to any GPU kind it does not name)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,14 +87,13 @@ def tuned_table(path: str) -> dict[str, dict[str, dict[str, int]]]:
 def _tuned_entry(device_kind: str, head_dim: int, causal: bool) -> Tuning | None:
     if not device_kind:
         return None
-    override = os.environ.get(TUNED_FILE_ENV)
-    if override:
-        table = tuned_table(override)
-        entries = table.get(device_kind) or next(iter(table.values()), None)
-    else:
-        from ejkernel_triton.plugin import tuned_entries
+    from ejkernel_triton.plugin import tuned_entries
 
-        entries = tuned_entries(device_kind)
+    entries = dict(tuned_entries(device_kind) or {})
+    override = os.environ.get(TUNED_FILE_ENV)
+    if override and os.path.exists(override):
+        table = tuned_table(override)
+        entries.update(table.get(device_kind) or next(iter(table.values()), {}))
     if not entries:
         return None
     bucket = next((b for b in (64, 128, 256) if head_dim <= b), None)
