@@ -308,6 +308,43 @@ def _describe(value: Any, include_sharding: bool = False) -> str:
 _SCALARS = frozenset({type(None), bool, int, float, str})
 
 
+def call_identity(kernel: Kernel, args: tuple, kwargs: dict) -> tuple | None:
+    """A hashable stand-in for a simple call's cache key, or None when the call is not simple.
+
+    Simple: every argument is an array of a type already seen or a plain scalar, and the kernel declares
+    no static/array keywords and no sharding keys. Two calls with equal identities have equal cache keys
+    (arrays contribute dtype and shape, scalars their type and value), so the executor can memoize the
+    key's text, whose construction is most of the per-call cost. Keyword order is part of the identity:
+    a different order only costs a separate memo entry.
+    """
+    if kernel.static_argnames or kernel.array_argnames or kernel.key_includes_sharding:
+        return None
+    parts: list[Any] = [kernel]
+    add = parts.append
+    for value in args:
+        kind = type(value)
+        if kind in _array_types:
+            add(value.dtype)
+            add(value.shape)
+        elif kind in _SCALARS and not (kind is float and value == 0.0):  # 0.0 == -0.0, reprs differ
+            add(kind)
+            add(value)
+        else:
+            return None
+    for name, value in kwargs.items():
+        add(name)
+        kind = type(value)
+        if kind in _array_types:
+            add(value.dtype)
+            add(value.shape)
+        elif kind in _SCALARS and not (kind is float and value == 0.0):
+            add(kind)
+            add(value)
+        else:
+            return None
+    return tuple(parts)
+
+
 def _pytree_leaves(value: Any) -> list | None:
     """The leaves of ``value`` if it is a pytree node holding an array; else None."""
     import jax

@@ -30,9 +30,11 @@ def platform_of(kernel: Kernel, kwargs: dict, cfg: Any, device: Any = None) -> s
 
 def run_kernel(kernel: Kernel, args: tuple, kwargs: dict, cfg: Any, *, inv: Any = None) -> Any:
     """``kernel.run_<platform>(*args, cfg=cfg, **kwargs)`` (else ``run``), with VJP wiring and stamp."""
+    mode = stamp_mode()
+    if mode is None and _is_plain(type(kernel)):  # only run(), no custom VJP: nothing to decide
+        return kernel.run(*args, cfg=cfg, **kwargs)
     platform = platform_of(kernel, kwargs, cfg)
     method = getattr(kernel, f"run_{platform}", None) or kernel.run
-    mode = stamp_mode()
     if mode is None:
         return _call(kernel, method, args, kwargs, cfg)
     import jax
@@ -42,6 +44,21 @@ def run_kernel(kernel: Kernel, args: tuple, kwargs: dict, cfg: Any, *, inv: Any 
     scope = stamp_name(kernel.name, platform, cfg, mode, cache_key=cache_key, invocation=abstract)
     with jax.named_scope(scope):
         return _call(kernel, method, args, kwargs, cfg)
+
+
+_plain: dict[type, bool] = {}
+
+
+def _is_plain(kernel_type: type) -> bool:
+    """True for kernel classes with neither ``run_<platform>`` methods nor a custom VJP."""
+    try:
+        return _plain[kernel_type]
+    except KeyError:
+        plain = _vjp_form(kernel_type) is None and not any(
+            name.startswith("run_") and callable(getattr(kernel_type, name, None)) for name in dir(kernel_type)
+        )
+        _plain[kernel_type] = plain
+        return plain
 
 
 def _vjp_form(kernel_type: type) -> str | None:

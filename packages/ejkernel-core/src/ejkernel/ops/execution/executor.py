@@ -10,7 +10,7 @@ import threading
 from typing import Any, Generic, Protocol, runtime_checkable
 
 from ejkernel.ops.config.selection import ConfigSelectorChain
-from ejkernel.ops.core.kernel import Invocation, Kernel
+from ejkernel.ops.core.kernel import Invocation, Kernel, call_identity
 from ejkernel.ops.core.types import Cfg, Out
 from ejkernel.ops.execution.dispatch import run_kernel
 from ejkernel.ops.registry import record_invocation, recording_enabled
@@ -40,10 +40,12 @@ class Executor(Generic[Cfg, Out]):
         if not callable(getattr(chooser, "choose", None)):
             raise TypeError(f"Executor needs a chooser with a choose(invocation) method, got {type(chooser).__name__}")
         self.chooser = chooser
+        self._keys: dict[tuple, tuple[str, str]] = {}  # call identity -> (signature, cache key)
 
     def __call__(self, kernel: Kernel[Cfg, Out], *args: Any, cfg: Cfg | None = None, **kwargs: Any) -> Out:
         if getattr(type(kernel), "prepare", None) is _BASE_PREPARE and isinstance(kernel, Kernel):
-            inv = Invocation._of_call(kernel, args, kwargs)  # the common fast path: nothing to normalize
+            # The common fast path: nothing to normalize; with cfg= the key is built only if needed.
+            inv = self._invocation(kernel, args, kwargs) if cfg is None else Invocation._of_call(kernel, args, kwargs)
         else:
             inv = self.invocation(kernel, *args, **kwargs)
         if cfg is None:
@@ -61,7 +63,23 @@ class Executor(Generic[Cfg, Out]):
             if not (isinstance(prepared, tuple) and len(prepared) == 2):
                 raise TypeError(f"{type(kernel).__qualname__}.prepare must return (args, kwargs), got {prepared!r}")
             args, kwargs = tuple(prepared[0]), dict(prepared[1])
-        return Invocation._of_call(kernel, args, kwargs)
+        return self._invocation(kernel, args, kwargs)
+
+    def _invocation(self, kernel: Kernel, args: tuple, kwargs: dict) -> Invocation:
+        identity = call_identity(kernel, args, kwargs)
+        if identity is None:
+            return Invocation._of_call(kernel, args, kwargs)
+        try:
+            known = self._keys.get(identity)
+        except TypeError:  # an unhashable scalar subclass value
+            return Invocation._of_call(kernel, args, kwargs)
+        inv = Invocation._of_call(kernel, args, kwargs)
+        if known is not None:
+            inv._signature, inv._key = known
+            return inv
+        if len(self._keys) < _MAX_MEMOIZED_KEYS:
+            self._keys[identity] = (inv.signature, inv.cache_key)
+        return inv
 
     def choose(self, kernel: Kernel[Cfg, Out], *args: Any, **kwargs: Any) -> Cfg:
         """The config this executor would use for ``kernel(*args, **kwargs)`` (nothing runs)."""
@@ -72,6 +90,7 @@ class Executor(Generic[Cfg, Out]):
 
 
 _BASE_PREPARE = Kernel.prepare
+_MAX_MEMOIZED_KEYS = 4096
 _default: Executor | None = None
 _default_lock = threading.Lock()
 
