@@ -181,3 +181,21 @@ print(json.dumps({
 """
     result = json.loads(third_party_env.run("-c", code).stdout.strip().splitlines()[-1])
     assert result == {"top": "example", "plain_calls": 1, "causal_calls": 0, "new_algorithm": 2.0, "finite": True}
+
+
+def test_declared_backend_registers_plain_and_per_backend_keys():
+    from ejkernel.plugins.declare import DeclaredBackend
+
+    declared = DeclaredBackend(
+        name="declared", distribution="dist-declared", platform="pallas", targets=("tpu", "gpu"),
+        implementations={"everywhere": "json:dumps", ("tpu_only", "tpu"): "json:loads"}, priority=7,
+        check_usable=lambda: "no TPU or GPU visible",
+    )
+    info_hook, register_hook = declared.hooks()
+    module = types.SimpleNamespace(ejkernel_backend_info=info_hook, ejkernel_register_kernels=register_hook)
+    host = PluginHost(KernelRegistry())
+    backend = host.load_plugin(module, name="declared")
+    assert backend.status == "unavailable: no TPU or GPU visible" and backend.implementations == 3
+    assert {(s.algorithm, s.backend.value, s.priority) for a in ("everywhere", "tpu_only")
+            for s in host.registry.list_implementations(a)} == {
+        ("everywhere", "tpu", 7), ("everywhere", "gpu", 7), ("tpu_only", "tpu", 7)}
