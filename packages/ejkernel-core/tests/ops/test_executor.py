@@ -356,3 +356,17 @@ def test_default_executor_autotunes_and_persists_when_the_env_says_so(monkeypatc
     (entry,) = stored.values()
     assert entry["kernel"] == "toy_matmul@1" and entry["config"]["wrong"] is False
     assert get_default_executor().chooser.select(Invocation(kernel, (x, w))).source == "cache"
+
+
+def test_memoized_keys_equal_freshly_built_keys():
+    kernel, executor = ToyMatmul(), Executor(make_chain())
+    x, w = random_inputs()
+    variants = [
+        ((x, w), {"scale": 0.0}), ((x, w), {"scale": -0.0}), ((x, w), {"scale": 1}), ((x, w), {"scale": True}),
+        ((x, w), {"scale": 1.0}), ((x.astype(jnp.float16), w), {"scale": 1.0}), ((x[:8], w), {"scale": 1.0}),
+        ((x, w), {"scale": float("nan")}), ((x, w), {"scale": "a", "extra": None}), ((x, w), {"extra": None, "scale": "a"}),
+    ]
+    for _ in range(2):  # the second pass is served from the memo
+        keys = [executor.invocation(kernel, *args, **kwargs).cache_key for args, kwargs in variants]
+        assert keys == [Invocation(kernel, args, kwargs).cache_key for args, kwargs in variants]
+    assert len(set(keys)) == len(variants) - 1  # keyword order does not matter

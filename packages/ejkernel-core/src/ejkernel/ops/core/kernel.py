@@ -360,7 +360,7 @@ _static_texts: dict[tuple, str] = {}
 
 def _describe_static(value: Any) -> str:
     kind = type(value)
-    if kind in _SCALARS:
+    if kind in _SCALARS and not (kind is float and value == 0.0):  # 0.0 == -0.0 would share a text
         try:
             return _static_texts[(kind, value)]
         except KeyError:
@@ -368,6 +368,8 @@ def _describe_static(value: Any) -> str:
             if len(_static_texts) < 4096:
                 _static_texts[(kind, value)] = text
             return text
+    if kind in _SCALARS:
+        return _scalar_text(value)
     return _object_text(value)
 
 
