@@ -22,6 +22,8 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("grouped_matmul", "cpu"): "ejkernel_pallas.grouped_matmul:grouped_matmul",
     ("page_attention", "tpu"): "ejkernel_pallas.page_attention:page_attention",
     ("page_attention", "cpu"): "ejkernel_pallas.page_attention:page_attention",
+    ("ragged_page_attention", "tpu"): "ejkernel_pallas.ragged_page_attention:ragged_page_attention",
+    ("ragged_page_attention", "cpu"): "ejkernel_pallas.ragged_page_attention:ragged_page_attention",
 }
 
 __all__ = ["DISTRIBUTION", "IMPLEMENTATIONS", "INTERPRET_ENV", "NAME", "check_usable", "interpret_requested"]

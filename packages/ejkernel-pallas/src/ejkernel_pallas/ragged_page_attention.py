@@ -1,0 +1,240 @@
+"""Ragged (packed prefill + decode) attention over a paged KV cache, TPU kernel in Pallas;
+docs/ops/ragged_page_attention.md.
+
+Packed query rows are cut into tiles of ``block_q`` rows; a tile may hold rows of several sequences. The
+grid walks *visits* -- (query tile, sequence) pairs ordered by sequence, so tiles come in non-decreasing
+order -- and, inside a visit, the sequence's logical pages (block table scalar-prefetched; pages past the
+last used one re-point at it, so no DMA is issued, and are skipped). Consecutive visits of one tile share
+the online-softmax state in VMEM (rows of other sequences are fully masked and keep theirs) and the tile
+is written once, when the next visit moves on. Sinks seed the softmax state.
+
+K and V stay interleaved in ``kv_pages``: viewed as ``[pages, page_size, 2 * kv_heads * head_dim]``, the
+key of kv head ``k`` is lane block ``2k`` and its value lane block ``2k + 1`` -- a (page_size, head_dim)
+tile, which on a TPU needs ``head_dim % 128 == 0`` (checked when compiling for a TPU; interpret mode takes
+any head dim). Forward only (an inference op): a gradient raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ejkernel.errors import UnsupportedFeature
+
+from ejkernel_pallas.interpret import tpu_interpret_or_refuse
+from ejkernel_pallas.tpu_tiling import LANES, check_block, round_up, sublane_multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    scale: float
+    soft_cap: float | None
+    window: int | None
+    block_q: int
+    page_size: int
+    pages_per_seq: int
+    groups: int
+    num_sinks: int
+    num_visits: int
+    interpret: object
+
+
+def _visits(query_start_loc, num_seqs, block_q: int, num_tiles: int, max_num_seqs: int):
+    starts = query_start_loc.astype(jnp.int32)
+    seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
+    active = seq_ids < num_seqs.reshape(()).astype(jnp.int32)
+    begin, end = starts[:-1], starts[1:]
+    nonempty = active & (end > begin)
+    first = begin // block_q
+    last = jnp.maximum(end - 1, 0) // block_q
+    count = jnp.where(nonempty, last - first + 1, 0)
+    cum = jnp.cumsum(count)
+    total = cum[-1]
+    max_visits = num_tiles + max_num_seqs - 1
+    v = jnp.minimum(jnp.arange(max_visits, dtype=jnp.int32), jnp.maximum(total - 1, 0))
+    seq = jnp.minimum(jnp.searchsorted(cum, v, side="right").astype(jnp.int32), max_num_seqs - 1)
+    tile = jnp.clip(first[seq] + v - (cum[seq] - count[seq]), 0, num_tiles - 1)
+    valid = (jnp.arange(max_visits) < total).astype(jnp.int32)
+    return seq, tile, valid
+
+
+def _kernel(seq_ref, tile_ref, valid_ref, starts_ref, lens_ref, tables_ref, *refs, st: _Static):
+    if st.num_sinks:
+        q_ref, k_ref, v_ref, sinks_ref, out_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        q_ref, k_ref, v_ref, out_ref, m_ref, l_ref, acc_ref = refs
+    v_id, page = pl.program_id(1), pl.program_id(2)
+    last_visit = st.num_visits - 1
+    tile = tile_ref[v_id]
+    first_of_tile = jnp.logical_or(v_id == 0, tile_ref[jnp.maximum(v_id - 1, 0)] != tile)
+    last_of_tile = jnp.logical_or(v_id == last_visit, tile_ref[jnp.minimum(v_id + 1, last_visit)] != tile)
+    seq = seq_ref[v_id]
+    kv_len = lens_ref[seq]
+
+    @pl.when(jnp.logical_and(page == 0, first_of_tile))
+    def _init():
+        if st.num_sinks:
+            sinks = sinks_ref[...].astype(jnp.float32)
+            m0 = jnp.max(sinks, axis=-1, keepdims=True)
+            m_ref[...] = jnp.broadcast_to(m0, m_ref.shape)
+            l_ref[...] = jnp.broadcast_to(jnp.sum(jnp.exp(sinks - m0), axis=-1, keepdims=True), l_ref.shape)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(jnp.logical_and(valid_ref[v_id] == 1, page * st.page_size < kv_len))
+    def _step():
+        q_begin, q_end = starts_ref[seq], starts_ref[seq + 1]
+        rows = tile * st.block_q + jax.lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)
+        position = kv_len - (q_end - q_begin) + rows - q_begin
+        cols = page * st.page_size + jax.lax.broadcasted_iota(jnp.int32, (1, st.page_size), 1)
+        mask = (rows >= q_begin) & (rows < q_end) & (cols < kv_len) & (cols <= position)
+        if st.window is not None:
+            mask &= position - cols < st.window
+        q = q_ref[...]
+        s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * st.scale
+        if st.soft_cap is not None:
+            s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+        s = jnp.where(mask, s, -jnp.inf)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m_prev - m_safe)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
+        m_ref[...] = m_new
+        v = v_ref[...]
+        acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(jnp.logical_and(page == pl.num_programs(2) - 1, last_of_tile))
+    def _finish():
+        l = l_ref[...]
+        out_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(out_ref.dtype)
+
+
+def _forward(st: _Static, queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux):
+    total, heads, dim = queries.shape
+    num_pages, page_size, two_kv_heads, _ = kv_pages.shape
+    max_num_seqs = context_lens.shape[0]
+    t_pad = round_up(max(total, 1), st.block_q)
+    q = jnp.pad(jnp.swapaxes(queries, 0, 1), ((0, 0), (0, t_pad - total), (0, 0)))  # [H, T, D]
+    kv = kv_pages.reshape(num_pages, page_size, two_kv_heads * dim)
+    seq, tile, valid = _visits(query_start_loc, num_seqs, st.block_q, t_pad // st.block_q, max_num_seqs)
+    lens = context_lens.astype(jnp.int32)
+    g = st.groups
+
+    def kv_index(lane_offset):
+        def index(h, v, page, seq_r, tile_r, valid_r, starts_r, lens_r, tables_r):
+            s = seq_r[v]
+            used = jnp.maximum((lens_r[s] + page_size - 1) // page_size, 1)
+            physical = jnp.clip(tables_r[s, jnp.minimum(page, used - 1)], 0, num_pages - 1)
+            return physical, 0, 2 * (h // g) + lane_offset
+
+        return index
+
+    q_spec = pl.BlockSpec((None, st.block_q, dim), lambda h, v, page, seq_r, tile_r, *_: (h, tile_r[v], 0))
+    k_spec = pl.BlockSpec((None, page_size, dim), kv_index(0))
+    v_spec = pl.BlockSpec((None, page_size, dim), kv_index(1))
+    in_specs = [q_spec, k_spec, v_spec]
+    inputs = [q, kv, kv]
+    if st.num_sinks:
+        in_specs.append(pl.BlockSpec((None, 1, st.num_sinks), lambda h, *_: (h, 0, 0)))
+        inputs.append(softmax_aux.reshape(heads, 1, -1))
+    if st.interpret is False:  # Mosaic needs lane-dense (page_size, head_dim) tiles of the interleaved cache
+        check_block("ragged_page_attention[queries]", q_spec.block_shape, q.shape, q.dtype)
+        check_block("ragged_page_attention[kv_pages]", k_spec.block_shape, kv.shape, kv.dtype)
+    out = pl.pallas_call(
+        functools.partial(_kernel, st=st),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(heads, st.num_visits, st.pages_per_seq),
+            in_specs=in_specs,
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM((st.block_q, 1), jnp.float32),
+                pltpu.VMEM((st.block_q, 1), jnp.float32),
+                pltpu.VMEM((st.block_q, dim), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q.shape, queries.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=st.interpret,
+        name="ejkernel_tpu_ragged_page_attention",
+    )(seq, tile, valid, query_start_loc.astype(jnp.int32), lens, block_tables.astype(jnp.int32), *inputs)
+    out = jnp.swapaxes(out[:, :total], 0, 1)
+    live = jnp.arange(total) < query_start_loc[num_seqs.reshape(()).astype(jnp.int32)]
+    return jnp.where(live[:, None, None], out, jnp.zeros_like(out))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st, *args):
+    return _forward(st, *args)
+
+
+def _attend_fwd(st, *args):
+    return _forward(st, *args), None
+
+
+def _attend_bwd(st, residuals, d_out):
+    raise UnsupportedFeature(
+        "pallas ragged_page_attention is forward-only (an inference kernel); for gradients use platform='xla'"
+    )
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def check_supported(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, **_):
+    if jax.default_backend() not in ("tpu", "cpu"):
+        raise UnsupportedFeature("pallas ragged_page_attention is a TPU kernel; on GPUs use platform='triton' or 'xla'")
+    interpret = tpu_interpret_or_refuse()
+    if queries.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise UnsupportedFeature(f"pallas ragged_page_attention: dtype {queries.dtype} is not supported")
+    if interpret is False and queries.shape[-1] % LANES:
+        raise UnsupportedFeature(
+            f"pallas ragged_page_attention on TPU needs head_dim % {LANES} == 0 (got {queries.shape[-1]}): "
+            "K and V are lane blocks of the interleaved cache"
+        )
+
+
+def ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, *,
+                          softmax_scale: float, logits_soft_cap=None, sliding_window=None, cfg=None, interpret=None):
+    """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
+    if interpret is None:
+        interpret = tpu_interpret_or_refuse()
+    total, heads, _ = queries.shape
+    num_pages, page_size, two_kv_heads, _ = kv_pages.shape
+    rows = sublane_multiple(queries.dtype)
+    wanted = getattr(cfg, "num_queries_per_block", None) if cfg is not None else None
+    block_q = wanted or min(128, round_up(max(total, 1), rows))
+    num_tiles = round_up(max(total, 1), block_q) // block_q
+    sinks = None
+    num_sinks = 0
+    if softmax_aux is not None:
+        sinks = softmax_aux.reshape(heads, -1).astype(jnp.float32)
+        num_sinks = sinks.shape[1]
+    st = _Static(
+        scale=float(softmax_scale),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        window=None if sliding_window is None else int(sliding_window),
+        block_q=block_q,
+        page_size=page_size,
+        pages_per_seq=block_tables.shape[1],
+        groups=heads // (two_kv_heads // 2),
+        num_sinks=num_sinks,
+        num_visits=num_tiles + context_lens.shape[0] - 1,
+        interpret=interpret,
+    )
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
+    return _attend(st, queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks)
+
+
+ragged_page_attention.check_supported = check_supported

@@ -1,0 +1,35 @@
+"""TPU ragged paged attention in interpret mode: the shared conformance suite, and Mosaic lowering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import abstract_device
+
+from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformance
+from ejkernel_pallas.ragged_page_attention import ragged_page_attention
+
+
+class TestPallasRaggedPageAttentionConformance(RaggedPageAttentionConformance):
+    platform = "pallas"
+    supports_gradients = False  # an inference kernel: a gradient raises UnsupportedFeature
+
+    @pytest.fixture(autouse=True)
+    def _interpret_mode(self, pallas_interpret):
+        yield
+
+
+def test_lowers_for_tpu():
+    queries = jax.ShapeDtypeStruct((256, 8, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((64, 16, 4, 128), jnp.bfloat16)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    tables = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    starts = jax.ShapeDtypeStruct((5,), jnp.int32)
+    count = jax.ShapeDtypeStruct((1,), jnp.int32)
+    fn = lambda *a: ragged_page_attention(  # noqa: E731
+        *a, softmax_aux=jnp.zeros((8,)), softmax_scale=0.1, logits_soft_cap=30.0, sliding_window=64, interpret=False
+    )
+    with abstract_device("TPU v5 lite", "tpu"):
+        text = jax.jit(fn).trace(queries, pages, lens, tables, starts, count).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1
