@@ -236,6 +236,32 @@ def plot(rows: list[dict], impls: list[str], path: Path, title: str) -> None:
 # ---- main --------------------------------------------------------------------------------------------
 
 
+def print_report(doc: dict) -> None:
+    setup = doc["setup"]
+    print(f"## {doc['device']}, {doc['date'][:10]}, TFLOP/s ({setup['dtype']}, {setup['tokens']} tokens, "
+          f"hidden {setup['hidden']})")
+    print(markdown_table(doc["results"], doc["implementations"]))
+    if doc.get("numerics"):
+        print()
+        print("## relative L2 error vs float32 XLA (out / dq / dk / dv)")
+        for n in doc["numerics"]:
+            if "error" in n:
+                print(f"D={n['head_dim']} S={n['seq']} causal={n['causal']} {n['impl']}: {n['error'][:100]}")
+            else:
+                print(f"D={n['head_dim']} S={n['seq']} causal={n['causal']} {n['impl']:18s} "
+                      f"{n['out']:.2e} {n['dq']:.2e} {n['dk']:.2e} {n['dv']:.2e}")
+
+
+def replot(path: Path) -> int:
+    doc = json.loads(path.read_text())
+    plot(doc["results"], doc["implementations"], path.with_suffix(".png"),
+         f"flash attention, {doc['setup']['dtype']}, {doc['setup']['tokens']} tokens, hidden {doc['setup']['hidden']}"
+         f" — {doc['device']}, {doc['date'][:10]} (jax {doc['versions'].get('jax')}, triton "
+         f"{doc['versions'].get('triton')}, jax-triton {doc['versions'].get('jax-triton')})")
+    print_report(doc)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", default="1024,2048,4096,8192,16384")
@@ -253,7 +279,10 @@ def main(argv=None) -> int:
     p.add_argument("--errors", default="2048", help="seq lengths at which to measure numerics ('' for none)")
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--name", default="", help="result file stem (default <device>-<date>)")
+    p.add_argument("--replot", default="", help="only redraw the PNG and reprint the tables of a result JSON")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot))
 
     device = jax.devices()[0]
     device_kind = getattr(device, "device_kind", device.platform)
@@ -317,22 +346,14 @@ def main(argv=None) -> int:
 
     save()
     try:
-        plot(rows, names, out_dir / f"{stem}.png", f"flash attention, {dtype}, {args.tokens} tokens, hidden "
-             f"{args.hidden} — {device_kind}, {now:%Y-%m-%d} (jax {jax.__version__})")
+        replot_title = json.loads((out_dir / f"{stem}.json").read_text())
+        plot(rows, names, out_dir / f"{stem}.png",
+             f"flash attention, {dtype}, {args.tokens} tokens, hidden {args.hidden} — {device_kind}, {now:%Y-%m-%d}"
+             f" (jax {jax.__version__}, triton {replot_title['versions'].get('triton')})")
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     print()
-    print(f"## {device_kind}, {now:%Y-%m-%d}, TFLOP/s (bf16, {args.tokens} tokens, hidden {args.hidden})")
-    print(markdown_table(rows, names))
-    if numerics:
-        print()
-        print("## relative L2 error vs float32 XLA (out / dq / dk / dv)")
-        for n in numerics:
-            if "error" in n:
-                print(f"D={n['head_dim']} S={n['seq']} causal={n['causal']} {n['impl']}: {n['error']}")
-            else:
-                print(f"D={n['head_dim']} S={n['seq']} causal={n['causal']} {n['impl']:18s} "
-                      f"{n['out']:.2e} {n['dq']:.2e} {n['dk']:.2e} {n['dv']:.2e}")
+    print_report(json.loads((out_dir / f"{stem}.json").read_text()))
     return 0
 
 

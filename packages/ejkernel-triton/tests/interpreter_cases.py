@@ -30,7 +30,7 @@ def _rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if not np.all(np.isfinite(a)):
         return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))  # a zero reference needs exact zeros
 
 
 def _segments(rng, batch, length, num):
@@ -95,6 +95,8 @@ CASES = {
     "segments_unmatched_causal": dict(seed=4, sq=33, skv=33, causal=True, segments=True, unmatched_segment=True),
     "varlen_causal_padding": dict(seed=5, b=1, sq=40, skv=44, causal=True, varlen=([0, 5, 20, 33], [0, 7, 20, 37])),
     "fp16_mqa_headdim40": dict(seed=6, sq=35, skv=35, h=3, hkv=1, d=40, dv=24, dtype=jnp.float16, causal=True),
+    # Every row sees one key: the exact dq and dk are 0, and must come out exactly 0 (delta's dot order).
+    "diagonal_window_exact_zero": dict(seed=8, sq=45, skv=61, h=2, hkv=2, sliding_window=(0, 0)),
     "vmap_fold": dict(seed=7, b=1, sq=21, skv=21, causal=True, vmap=True),
 }
 

@@ -645,6 +645,37 @@ def _dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
+@triton.jit
+def _delta_kernel(
+    O, DO, CuQ, SEQ_Q,
+    Delta,
+    NUM_HEADS: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """delta_i = <dO_i, O_i> through the same IEEE dot the backward kernels use for dP (float32 only).
+
+    Taken as the diagonal of dO Oᵀ, delta is summed in the order dP_ij = <dO_i, V_j> is, so a row that sees
+    a single key (O_i == V_j bitwise) gets dP_ij - delta_i == 0 exactly, as the exact gradient is."""
+    seq_idx = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start, q_len, _, _ = _sequence_bounds(CuQ, CuQ, seq_idx, SEQ_Q, SEQ_Q, IS_VARLEN)
+    m0 = tl.program_id(0) * BLOCK_Q
+    if m0 >= q_len:
+        return
+    batch = 0 if IS_VARLEN else seq_idx.to(tl.int64)
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = m0 + offs_q
+    ptrs = (batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
+            + rows[:, None] * stride_os + offs_dv[None, :])
+    mask = (rows[:, None] < q_len) & (offs_dv[None, :] < DV)
+    o = tl.load(O + ptrs, mask=mask, other=0.0)
+    do = tl.load(DO + ptrs, mask=mask, other=0.0)
+    gram = tl.dot(do, tl.trans(o), input_precision="ieee")
+    delta = tl.sum(tl.where(offs_q[:, None] == offs_q[None, :], gram, 0.0), 1)
+    tl.store(Delta + (batch * NUM_HEADS + head) * SEQ_Q + q_start + rows, delta, mask=rows < q_len)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Launching: jax-triton on a GPU; Triton's interpreter on the host (TRITON_INTERPRET=1; tests, fp32/fp16)
 # ----------------------------------------------------------------------------------------------------
@@ -831,7 +862,22 @@ def _fwd_call(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, st: _Static):
         REVERSE_BLOCKS=st.causal and not varlen)
 
 
-def _bwd_call(q, k, v, do, lse, delta, q_seg, kv_seg, cu_q, cu_k, st: _Static):
+def _delta(out, do, cu_q, st: _Static):
+    """delta_i = <dO_i, O_i> in float32, [B, H, Sq]."""
+    if out.dtype != jnp.float32:  # one cheap pass, left to XLA
+        return jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+    b, sq, h, dv = out.shape
+    block_q = 32
+    varlen = cu_q is not None
+    (delta,) = _launch(
+        _delta_kernel, (out, do, cu_q if varlen else _dummy(), sq), (jax.ShapeDtypeStruct((b, h, sq), jnp.float32),),
+        (triton.cdiv(sq, block_q), _num_sequences(out, cu_q), h), num_warps=4, num_stages=1,
+        zeroed_outputs=(0,) if varlen else (), interpret=st.interpret, NUM_HEADS=h, stride_os=h * dv,
+        stride_oh=dv, DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_Q=block_q, IS_VARLEN=varlen)
+    return delta
+
+
+def _bwd_call(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, st: _Static):
     b, sq, h, _ = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     t = st.tuning
@@ -839,6 +885,7 @@ def _bwd_call(q, k, v, do, lse, delta, q_seg, kv_seg, cu_q, cu_k, st: _Static):
     has_seg = q_seg is not None
     meta = _common_meta(q, k, v, st, has_seg, varlen)
     n_seq = _num_sequences(q, cu_q)
+    delta = _delta(out, do, cu_q, st)
     args = (q, k, v, do, lse, delta, q_seg if has_seg else _dummy(), kv_seg if has_seg else _dummy(),
             cu_q if varlen else _dummy(), cu_k if varlen else _dummy(),
             np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, skv)
@@ -853,7 +900,7 @@ def _bwd_call(q, k, v, do, lse, delta, q_seg, kv_seg, cu_q, cu_k, st: _Static):
         (triton.cdiv(sq, t.dq_block_q), n_seq, h), num_warps=t.bwd_num_warps,
         num_stages=t.bwd_num_stages, zeroed_outputs=zeroed(1), interpret=st.interpret, **meta,
         BLOCK_Q=t.dq_block_q, BLOCK_KV=t.dq_block_kv, REVERSE_BLOCKS=st.causal and not varlen)
-    return dq, dk, dv
+    return dq, dk, dv, delta
 
 
 def _fold_batch_rule(call, batch_like: int, num_out: int):
@@ -897,10 +944,10 @@ def _batched_calls(st: _Static):
     fwd.def_vmap(_fold_batch_rule(fwd, 5, 2))
 
     @jax.custom_batching.custom_vmap
-    def bwd(q, k, v, do, lse, delta, q_seg, kv_seg, cu_q, cu_k):
-        return tuple(_bwd_call(q, k, v, do, lse, delta, q_seg, kv_seg, cu_q, cu_k, st))
+    def bwd(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k):
+        return tuple(_bwd_call(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, st))
 
-    bwd.def_vmap(_fold_batch_rule(bwd, 8, 3))
+    bwd.def_vmap(_fold_batch_rule(bwd, 8, 4))
     return fwd, bwd
 
 
@@ -919,9 +966,8 @@ def _attention_bwd(st: _Static, res, d_out):
     q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, out, lse = res
     _, bwd = _batched_calls(st)
     d_out = d_out.astype(q.dtype)
-    # delta_i = <dO_i, O_i> = sum_j P_ij dP_ij: one cheap pass, left to XLA.
-    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    dq, dk, dv = bwd(q, k, v, d_out, lse, delta, q_seg, kv_seg, cu_q, cu_k)
+    # delta_i = <dO_i, O_i> = sum_j P_ij dP_ij comes back with the gradients (the sinks' need it).
+    dq, dk, dv, delta = bwd(q, k, v, d_out, lse, out, q_seg, kv_seg, cu_q, cu_k)
     d_aux = None
     if aux is not None:
         # d aux[h, s] = -sum_i P_sink[i, s] * delta_i, with P_sink = exp(aux - lse) (lse in log2 units).
