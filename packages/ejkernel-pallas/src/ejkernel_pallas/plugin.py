@@ -24,6 +24,8 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("page_attention", "cpu"): "ejkernel_pallas.page_attention:page_attention",
     ("ragged_page_attention", "tpu"): "ejkernel_pallas.ragged_page_attention:ragged_page_attention",
     ("ragged_page_attention", "cpu"): "ejkernel_pallas.ragged_page_attention:ragged_page_attention",
+    ("ring_attention", "tpu"): "ejkernel_pallas.ring_attention:ring_attention",
+    ("ring_attention", "cpu"): "ejkernel_pallas.ring_attention:ring_attention",
 }
 
 __all__ = ["DISTRIBUTION", "IMPLEMENTATIONS", "INTERPRET_ENV", "NAME", "check_usable", "interpret_requested"]

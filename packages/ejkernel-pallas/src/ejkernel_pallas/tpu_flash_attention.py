@@ -108,6 +108,7 @@ class _Static:
     num_sinks: int  # 0 = no sinks
     blocks: TpuFlashBlocks
     interpret: object  # False, or pltpu.InterpretParams
+    block_outputs: bool = False  # ring inner block: f32 outputs, lse -inf for rows that see nothing
 
 
 def _pad_axis(x, axis: int, length: int, value=0):
@@ -278,7 +279,8 @@ def _fwd_kernel(*refs, st: _Static, names):
         safe_l = jnp.where(has_mass, l, 1.0)
         r["out"][...] = jnp.where(has_mass, acc_ref[...] / safe_l, 0.0).astype(r["out"].dtype)
         # Rows with no mass never produce probabilities in the backward (they are masked everywhere).
-        r["lse_out"][...] = jnp.where(has_mass, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l), 0.0)
+        empty_lse = -jnp.inf if st.block_outputs else 0.0
+        r["lse_out"][...] = jnp.where(has_mass, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l), empty_lse)
 
 
 def _forward(st: _Static, arrays: dict):
@@ -292,7 +294,7 @@ def _forward(st: _Static, arrays: dict):
     _check_tiling(st, arrays, names, in_specs)
     out_specs = _specs(st, ["o", "lse"], coords, block_q, block_kv, d, dv)
     out_shape = [
-        jax.ShapeDtypeStruct((batch, heads, sq_pad, dv), q.dtype),
+        jax.ShapeDtypeStruct((batch, heads, sq_pad, dv), jnp.float32 if st.block_outputs else q.dtype),
         jax.ShapeDtypeStruct((batch, heads, sq_pad, 1), jnp.float32),
     ]
     kernel = functools.partial(
@@ -422,7 +424,10 @@ def _backward(st: _Static, arrays: dict):
         grid=(batch, kv_heads, skv_pad // bkv, g, sq_pad // bq),
         in_specs=in_specs,
         out_specs=kv_out,
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct(k.shape, jnp.float32 if st.block_outputs else k.dtype),
+            jax.ShapeDtypeStruct(v.shape, jnp.float32 if st.block_outputs else v.dtype),
+        ],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, dv), jnp.float32)],
         compiler_params=_compiler_params(3, 2),
         interpret=st.interpret,
@@ -434,7 +439,7 @@ def _backward(st: _Static, arrays: dict):
     coords = lambda b, h, qi, ki: (b, h, qi, ki)  # noqa: E731
     in_specs = _specs(st, names, coords, bq, bkv, d, dv)
     _check_tiling(st, arrays, names, in_specs)
-    out_names, out_shape = ["q"], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_names, out_shape = ["q"], [jax.ShapeDtypeStruct(q.shape, jnp.float32 if st.block_outputs else q.dtype)]
     if st.bias_shape is not None:
         out_names.append("dbias")
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, sq_pad, skv_pad), jnp.float32))
@@ -628,6 +633,67 @@ def flash_attention(
     )
     out = _attention(st, arrays)
     return jnp.swapaxes(out[:, :, :sq], 1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring-attention inner block (docs/ops/ring_attention.md): global positions come in as traced starts
+
+
+def _block_arrays(query, key, value, q_segment_ids, kv_segment_ids, q_start, kv_start, q_len: int, kv_len: int, blocks):
+    batch, sq, _, _ = query.shape
+    skv = key.shape[1]
+    sq_pad = round_up(sq, math.lcm(blocks.fwd_q, blocks.dkv_q, blocks.dq_q))
+    skv_pad = round_up(skv, math.lcm(blocks.fwd_kv, blocks.dkv_kv, blocks.dq_kv))
+    q_pos = q_start + jnp.arange(sq_pad, dtype=jnp.int32) + (kv_len - q_len)
+    kv_pos = kv_start + jnp.arange(skv_pad, dtype=jnp.int32)
+    arrays = {
+        "q": _pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
+        "k": _pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
+        "v": _pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
+        "q_pos": jnp.broadcast_to(q_pos[None, :, None], (batch, sq_pad, 1)),
+        "kv_pos": jnp.broadcast_to(kv_pos[None, None, :], (batch, 1, skv_pad)),
+    }
+    if q_segment_ids is not None:
+        arrays["q_seg"] = _pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_pad)[:, :, None]
+        arrays["kv_seg"] = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, skv_pad)[:, None, :]
+    return arrays
+
+
+def block_static(query, key, value, *, has_segments: bool, softmax_scale, causal, sliding_window, logits_soft_cap,
+                 cfg=None, interpret=False) -> _Static:
+    """The static description of a ring block (positions as arrays, f32 outputs)."""
+    sq, heads = query.shape[1], query.shape[2]
+    skv, kv_heads = key.shape[1], key.shape[2]
+    blocks = choose_blocks(cfg, sq, skv, sublane_multiple(query.dtype))
+    return _Static(
+        scale=float(softmax_scale), causal=bool(causal),
+        window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), dropout_prob=0.0, sq=sq, skv=skv,
+        q_offset=0, groups=heads // kv_heads, varlen=True, has_segments=has_segments, bias_shape=None,
+        mask_heads=None, num_sinks=0, blocks=blocks, interpret=interpret, block_outputs=True,
+    )
+
+
+def block_forward(st: _Static, query, key, value, q_segment_ids, kv_segment_ids, *, q_start, kv_start, q_len, kv_len):
+    """(o [B, Sq, H, Dv] f32 normalized within the block, lse [B, H, Sq] f32, -inf where nothing is seen)."""
+    arrays = _block_arrays(query, key, value, q_segment_ids, kv_segment_ids, q_start, kv_start, q_len, kv_len, st.blocks)
+    out, lse = _forward(st, arrays)
+    sq = query.shape[1]
+    return jnp.swapaxes(out[:, :, :sq], 1, 2), lse[:, :, :sq, 0]
+
+
+def block_backward(st: _Static, query, key, value, q_segment_ids, kv_segment_ids, d_out, lse, delta, *, q_start,
+                   kv_start, q_len, kv_len):
+    """(dq_part [B, Sq, H, D], dk [B, Skv, Hkv, D], dv [B, Skv, Hkv, Dv]) in f32, from the final lse/delta."""
+    arrays = _block_arrays(query, key, value, q_segment_ids, kv_segment_ids, q_start, kv_start, q_len, kv_len, st.blocks)
+    sq, skv = query.shape[1], key.shape[1]
+    sq_pad = arrays["q"].shape[2]
+    finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing are masked everywhere
+    arrays["do"] = _pad_axis(jnp.swapaxes(d_out, 1, 2), 2, sq_pad)
+    arrays["lse"] = _pad_axis(finite_lse, 2, sq_pad)[..., None]
+    arrays["delta"] = _pad_axis(delta, 2, sq_pad)[..., None]
+    dq, dk, dv, _ = _backward(st, arrays)
+    return jnp.swapaxes(dq[:, :, :sq], 1, 2), jnp.swapaxes(dk[:, :, :skv], 1, 2), jnp.swapaxes(dv[:, :, :skv], 1, 2)
 
 
 def heuristic_blocks(sq: int, skv: int, dtype=jnp.bfloat16) -> TpuFlashBlocks:

@@ -1,0 +1,156 @@
+"""Ring attention with the TPU flash kernels as the inner block; docs/ops/ring_attention.md.
+
+Each device keeps its query shard; key/value shards (and, in the backward, their gradient accumulators)
+move one step around the ring per iteration with ``ppermute``. Every step runs the Pallas block kernels
+of ``tpu_flash_attention`` with the global positions of the two shards (traced starts), and the per-step
+(output, log-sum-exp) pairs are merged by the log-sum-exp rule; sinks enter once, at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ejkernel.errors import UnsupportedFeature
+
+from ejkernel_pallas import tpu_flash_attention as tpu
+from ejkernel_pallas.interpret import tpu_interpret_or_refuse
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingStatic:
+    block: object  # tpu._Static
+    axis_name: str | None
+
+
+def _ring_position(axis_name):
+    if axis_name is None:
+        return 1, jnp.zeros((), jnp.int32)
+    return lax.axis_size(axis_name), lax.axis_index(axis_name).astype(jnp.int32)
+
+
+def _varying(axis_name, tree):
+    """Fresh zeros are device-invariant; shard_map's type checks want loop carries marked as varying."""
+    if axis_name is None:
+        return tree
+    return jax.tree.map(lambda x: lax.pcast(x, axis_name, to="varying"), tree)
+
+
+def _rotate(axis_name, size, tree):
+    if axis_name is None or size == 1:
+        return tree
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w_a = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
+    w_b = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)
+    to_rows = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731  [B, H, S] -> [B, S, H, 1]
+    return o_a * to_rows(w_a) + o_b * to_rows(w_b), lse
+
+
+def _forward(rs: _RingStatic, q, k, v, q_seg, kv_seg, aux):
+    size, rank = _ring_position(rs.axis_name)
+    sq, skv = q.shape[1], k.shape[1]
+    q_len, kv_len = size * sq, size * skv
+    batch, _, heads, _ = q.shape
+    o, lse = _varying(rs.axis_name, (
+        jnp.zeros((batch, sq, heads, v.shape[3]), jnp.float32), jnp.full((batch, heads, sq), -jnp.inf, jnp.float32)
+    ))
+
+    def step(s, carry):
+        o, lse, k_cur, v_cur, seg_cur = carry
+        src = (rank - s) % size
+        o_b, lse_b = tpu.block_forward(rs.block, q, k_cur, v_cur, q_seg, seg_cur, q_start=rank * sq,
+                                       kv_start=src * skv, q_len=q_len, kv_len=kv_len)
+        o, lse = _merge(o, lse, o_b, lse_b)
+        k_cur, v_cur, seg_cur = _rotate(rs.axis_name, size, (k_cur, v_cur, seg_cur))
+        return o, lse, k_cur, v_cur, seg_cur
+
+    o, lse, *_ = lax.fori_loop(0, size, step, (o, lse, k, v, kv_seg))
+    if aux is not None:
+        sink_lse = jax.nn.logsumexp(aux.astype(jnp.float32), axis=-1)[None, :, None]  # [1, H, 1]
+        lse_final = jnp.logaddexp(lse, sink_lse)
+        o = o * jnp.swapaxes(jnp.exp(jnp.where(jnp.isfinite(lse), lse, -jnp.inf) - lse_final), 1, 2)[..., None]
+        lse = lse_final
+    return o.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(rs, q, k, v, q_seg, kv_seg, aux):
+    return _forward(rs, q, k, v, q_seg, kv_seg, aux)[0]
+
+
+def _ring_fwd(rs, q, k, v, q_seg, kv_seg, aux):
+    out, lse = _forward(rs, q, k, v, q_seg, kv_seg, aux)
+    return out, (q, k, v, q_seg, kv_seg, aux, out, lse)
+
+
+def _ring_bwd(rs, residuals, d_out):
+    q, k, v, q_seg, kv_seg, aux, out, lse = residuals
+    size, rank = _ring_position(rs.axis_name)
+    sq, skv = q.shape[1], k.shape[1]
+    q_len, kv_len = size * sq, size * skv
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+    def step(s, carry):
+        dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
+        src = (rank - s) % size
+        dq_b, dk_b, dv_b = tpu.block_backward(rs.block, q, k_cur, v_cur, q_seg, seg_cur, d_out, lse, delta,
+                                              q_start=rank * sq, kv_start=src * skv, q_len=q_len, kv_len=kv_len)
+        dq = dq + dq_b
+        k_cur, v_cur, seg_cur, dk_cur, dv_cur = _rotate(
+            rs.axis_name, size, (k_cur, v_cur, seg_cur, dk_cur + dk_b, dv_cur + dv_b)
+        )
+        return dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur
+
+    zeros = _varying(rs.axis_name, (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+                                    jnp.zeros(v.shape, jnp.float32)))
+    init = (zeros[0], k, v, kv_seg, zeros[1], zeros[2])
+    dq, _, _, _, dk, dv = lax.fori_loop(0, size, step, init)
+    d_aux = None
+    if aux is not None:
+        finite = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+        p_sink = jnp.exp(aux.astype(jnp.float32)[None, :, None, :] - finite[..., None])  # [B, H, Sq, K]
+        d_aux = -jnp.sum(p_sink * delta[..., None], axis=(0, 2))
+        if rs.axis_name is not None:
+            d_aux = lax.psum(d_aux, rs.axis_name)
+        d_aux = d_aux.astype(aux.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_aux
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def check_supported(query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, **_):
+    if jax.default_backend() not in ("tpu", "cpu"):
+        raise UnsupportedFeature("pallas ring_attention uses the TPU block kernels; on GPUs use platform='xla'")
+    tpu_interpret_or_refuse()
+    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise UnsupportedFeature(f"pallas ring_attention: dtype {query.dtype} is not supported")
+
+
+def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *, softmax_scale: float,
+                   causal: bool, sliding_window=None, logits_soft_cap=None, axis_name=None, cfg=None, interpret=None):
+    """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
+    if interpret is None:
+        interpret = tpu_interpret_or_refuse()
+    block = tpu.block_static(
+        query, key, value, has_segments=q_segment_ids is not None, softmax_scale=softmax_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, cfg=cfg, interpret=interpret,
+    )
+    aux = None
+    if softmax_aux is not None:
+        aux = softmax_aux.reshape(query.shape[2], -1)
+    out = _ring(_RingStatic(block=block, axis_name=axis_name), query, key, value, q_segment_ids, kv_segment_ids, aux)
+    return out
+
+
+ring_attention.check_supported = check_supported
