@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
-from ejkernel.testing.page_attention import DTYPES, check_against_reference, forward_and_vjp, masked_softmax_attention, random_array
+from ejkernel.testing.numerics import Tolerance, assert_close
+from ejkernel.testing.page_attention import DTYPES, check_against_reference, masked_softmax_attention, random_array
 
 
 def _dense_branch(query, keys, values, visible, scale):
@@ -147,7 +147,7 @@ class NativeSparseAttentionConformance:
 
     def check(self, inputs, static, dtype):
         wrt = tuple(n for n in ("query", "key", "value", "g_cmp", "g_slc", "g_swa") if inputs.get(n) is not None)
-        check_against_reference(
+        return check_against_reference(
             lambda **kw: self.call(**kw, **static),
             lambda **kw: reference_native_sparse_attention(**kw, **static),
             inputs,
@@ -171,10 +171,8 @@ class NativeSparseAttentionConformance:
     def test_varlen(self):
         inputs, static = self.make_inputs(4, CASES["mha_odd"], "float32", gates=("g_cmp", "g_swa"), indices=False)
         cu = jnp.asarray([0, 17, 18, 45], jnp.int32)  # tokens 45..49 are padding
-        self.check(inputs, {**static, "window_size": 9, "cu_seqlens": cu}, "float32")
-        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw, **static, window_size=9, cu_seqlens=cu), inputs, ("query",), 4)
+        out = self.check(inputs, {**static, "window_size": 9, "cu_seqlens": cu}, "float32")
         np.testing.assert_array_equal(np.asarray(out[:, 45:]), 0.0)
-        assert_finite(grads["query"], "d query")
 
     def test_large_logits(self):
         self.check(*self.make_inputs(5, CASES["mha_odd"], "float32", scale=30.0), "float32")

@@ -105,13 +105,11 @@ class RaggedDecodeAttentionConformance:
     def test_forward_and_gradients(self, dtype):
         self.check(self.make_inputs(1, CASES["gqa"], dtype), dtype)
 
-    @pytest.mark.parametrize("case", ["mha_odd", "mqa"])
-    def test_head_layouts(self, case):
-        self.check(self.make_inputs(2, CASES[case], "float32"), "float32")
+    def test_odd_head_dim_long_buffer(self):
+        self.check(self.make_inputs(2, CASES["mha_odd"], "float32"), "float32")
 
-    @pytest.mark.parametrize("num_sinks", [0, 2])
-    def test_window_soft_cap_and_sinks(self, num_sinks):
-        inputs = self.make_inputs(3, CASES["mha_odd"], "float32", scale=3.0, num_sinks=num_sinks)
+    def test_window_soft_cap_and_sinks(self):
+        inputs = self.make_inputs(3, CASES["mha_odd"], "float32", scale=3.0, num_sinks=2)
         self.check(inputs, "float32", sliding_window=(20, 0), logit_soft_cap=4.0, softmax_scale=0.3)
 
     def test_large_logits(self):

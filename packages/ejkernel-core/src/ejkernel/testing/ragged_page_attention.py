@@ -131,9 +131,8 @@ class RaggedPageAttentionConformance:
     def test_batch_mixes(self, case):
         self.check(self.make_inputs(2, CASES[case], "float32"), "float32")
 
-    @pytest.mark.parametrize("num_sinks", [0, 3])
-    def test_window_soft_cap_and_sinks(self, num_sinks):
-        inputs = self.make_inputs(3, CASES["mixed_gqa"], "float32", scale=3.0, num_sinks=num_sinks)
+    def test_window_soft_cap_and_sinks(self):
+        inputs = self.make_inputs(3, CASES["mixed_gqa"], "float32", scale=3.0, num_sinks=3)
         self.check(inputs, "float32", sliding_window=6, logits_soft_cap=4.0, softmax_scale=0.4)
 
     def test_large_logits(self):
