@@ -17,6 +17,8 @@ IMPLEMENTATIONS: dict[str, str] = {
     "multi_head_latent_attention": "ejkernel_xla.multi_head_latent_attention:multi_head_latent_attention",
     "blocksparse_attention": "ejkernel_xla.blocksparse_attention:blocksparse_attention",
     "native_sparse_attention": "ejkernel_xla.native_sparse_attention:native_sparse_attention",
+    "grouped_matmul": "ejkernel_xla.grouped_matmul:grouped_matmul",
+    "mean_pooling": "ejkernel_xla.mean_pooling:mean_pooling",
 }
 
 

@@ -37,6 +37,12 @@ _EXPORTS: dict[str, str] = {
     "native_sparse_attention": "ejkernel.modules.operations.native_sparse_attention",
     "NativeSparseAttention": "ejkernel.modules.operations.native_sparse_attention",
     "NativeSparseAttentionConfig": "ejkernel.modules.operations.native_sparse_attention",
+    "grouped_matmul": "ejkernel.modules.operations.grouped_matmul",
+    "GroupedMatmul": "ejkernel.modules.operations.grouped_matmul",
+    "GroupedMatmulConfig": "ejkernel.modules.operations.grouped_matmul",
+    "mean_pooling": "ejkernel.modules.operations.mean_pooling",
+    "MeanPooling": "ejkernel.modules.operations.mean_pooling",
+    "MeanPoolingConfig": "ejkernel.modules.operations.mean_pooling",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,87 @@
+"""``mean_pooling``: the mean over the sequence axis, per sequence (fixed length or packed varlen).
+
+Canonical call every backend receives (validated and normalized here)::
+
+    mean_pooling(x, cu_seqlens, *, chunk_size: int, cfg)
+
+- Fixed length (``cu_seqlens is None``): ``x`` ``[batch, seq, *features]`` -> ``[batch, *features]``,
+  ``out[b] = mean_t x[b, t]``.
+- Varlen: ``x`` ``[total_tokens, *features]`` (sequences packed one after another) and ``cu_seqlens``
+  int32 ``[N + 1]`` (0, non-decreasing, last entry <= total_tokens) -> ``[N, *features]``,
+  ``out[n] = mean of x[cu_seqlens[n] : cu_seqlens[n + 1]]``. An empty sequence gives zeros; tokens past
+  ``cu_seqlens[-1]`` are ignored.
+- Sums in float32; output in ``x``'s dtype. ``chunk_size`` is a tiling hint (accepted for the
+  original library's signature); it never changes the result.
+
+Gradient: ``x`` (``dx[t] = dout[seq(t)] / len(seq(t))``, zero for ignored tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jaxtyping import Float, Int
+
+from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._validation import (
+    FLOAT_DTYPES,
+    check_array,
+    check_cum_seqlens,
+    check_positive_int,
+    describe,
+    typechecked,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanPoolingConfig:
+    """Tiling knobs (None: the backend's heuristic); none of them changes the result."""
+
+    block_dim: int | None = None
+    platform: str = "auto"
+    backend: str = "any"
+
+
+class MeanPooling(RegistryOperation):
+    """Sequence mean pooling (see the module docstring)."""
+
+    algorithm = "mean_pooling"
+    config_type = MeanPoolingConfig
+
+    def validate(self, x, cu_seqlens=None, *, chunk_size=32):
+        check_positive_int("chunk_size", chunk_size)
+        if cu_seqlens is None:
+            check_array("x", x, dtypes=FLOAT_DTYPES, what="[batch, seq, *features]")
+            if x.ndim < 2:
+                raise ValueError(f"x must have rank >= 2 ([batch, seq, *features]), got {describe(x)}")
+        else:
+            check_array("x", x, dtypes=FLOAT_DTYPES, what="[total_tokens, *features] (packed, with cu_seqlens)")
+            if x.ndim < 1:
+                raise ValueError(f"x must have rank >= 1 ([total_tokens, *features]) with cu_seqlens, got {describe(x)}")
+            check_cum_seqlens("cu_seqlens", cu_seqlens, x.shape[0], "total_tokens of x")
+            cu_seqlens = cu_seqlens.astype("int32")
+        return (x, cu_seqlens), dict(chunk_size=int(chunk_size))
+
+
+@typechecked
+def mean_pooling(
+    x: Float[jax.Array, "..."],
+    chunk_size: int = 32,
+    cu_seqlens: Int[jax.Array, "num_seqs_plus_one"] | None = None,
+    *,
+    platform: str = "auto",
+    cfg: MeanPoolingConfig | None = None,
+) -> Float[jax.Array, "..."]:
+    """Mean of each sequence over its tokens.
+
+    Args:
+        x: ``[batch, seq, *features]``, or ``[total_tokens, *features]`` with ``cu_seqlens``.
+        chunk_size: tiling hint of the original library; does not change the result.
+        cu_seqlens: int ``[num_seqs + 1]`` boundaries of the packed sequences.
+        platform: ``"auto"`` or a backend name; cfg: a :class:`MeanPoolingConfig`.
+
+    Returns:
+        ``[batch, *features]`` (or ``[num_seqs, *features]``) in ``x``'s dtype; empty sequences give zeros.
+    """
+    return execute(MeanPooling(), x, cu_seqlens, chunk_size=chunk_size, platform=platform, cfg=cfg)
