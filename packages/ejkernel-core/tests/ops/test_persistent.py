@@ -141,3 +141,18 @@ def test_unserializable_config_is_kept_in_memory_with_a_warning(tmp_path):
     with pytest.warns(CacheWarning, match="cannot be stored"):
         assert cache.put("k", odd) is False
     assert cache.get("k") is odd and not cache.path.exists()
+
+
+def test_a_corrupt_default_cache_never_breaks_a_kernel_call(tmp_path):
+    import numpy as np
+    from ops_toy_kernels import ToyMatmul, random_inputs
+
+    path = tmp_path / "ejkernel-cache" / "configs.json"  # the conftest points EJKERNEL_CACHE_DIR here
+    path.parent.mkdir()
+    path.write_bytes(b'{"schema": 1, "entries": {"truncated')
+    x, w = random_inputs()
+    with pytest.warns(CacheWarning, match="unreadable") as record:
+        out = ToyMatmul()(x, w)
+        ToyMatmul()(x, w)
+    assert len(record) == 1
+    np.testing.assert_allclose(out, np.asarray(x) @ np.asarray(w), rtol=1e-5)
