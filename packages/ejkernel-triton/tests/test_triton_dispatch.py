@@ -88,3 +88,20 @@ def test_explicit_triton_platform_on_cpu_is_a_clear_error():
     q, k, v = _real_qkv()
     with pytest.raises(Exception, match="(?i)triton.*(gpu|usable)|(gpu|usable).*triton"):
         flash_attention(q, k, v, platform="triton")
+
+
+def test_shipped_configs_for_hopper_only():
+    import jax.numpy as jnp
+
+    from ejkernel_triton.flash_attention import heuristic_tuning
+
+    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        table = plugin.ejkernel_shipped_configs("flash_attention", "triton", kind)
+        assert set(table) == {"*"} and table["*"].fwd_params is None  # blocks come from the tuned table
+        tuned = heuristic_tuning(128, 128, jnp.bfloat16, device_kind=kind, causal=False)
+        entry = plugin.tuned_entries(kind)["d128-full"]
+        assert (tuned.fwd_block_q, tuned.dkv_block_kv) == (entry["fwd_block_q"], entry["dkv_block_kv"])
+        # head dims without an entry keep the shared-memory-safe defaults
+        assert heuristic_tuning(256, 256, jnp.bfloat16, device_kind=kind).fwd_block_q == 64
+    assert plugin.ejkernel_shipped_configs("flash_attention", "triton", "NVIDIA A100-SXM4-80GB") is None
+    assert plugin.ejkernel_shipped_configs("page_attention", "triton", "NVIDIA H200") is None
