@@ -43,6 +43,16 @@ _EXPORTS: dict[str, str] = {
     "mean_pooling": "ejkernel.modules.operations.mean_pooling",
     "MeanPooling": "ejkernel.modules.operations.mean_pooling",
     "MeanPoolingConfig": "ejkernel.modules.operations.mean_pooling",
+    "recurrent_attention": "ejkernel.modules.operations.recurrent",
+    "recurrent": "ejkernel.modules.operations.recurrent",
+    "RecurrentAttention": "ejkernel.modules.operations.recurrent",
+    "RecurrentConfig": "ejkernel.modules.operations.recurrent",
+    "gla_attention": "ejkernel.modules.operations.gla",
+    "GLAttention": "ejkernel.modules.operations.gla",
+    "GLAConfig": "ejkernel.modules.operations.gla",
+    "lightning_attention": "ejkernel.modules.operations.lightning_attention",
+    "LightningAttention": "ejkernel.modules.operations.lightning_attention",
+    "LightningAttentionConfig": "ejkernel.modules.operations.lightning_attention",
 }
 
 __all__ = sorted(_EXPORTS)
