@@ -14,7 +14,6 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 
 from ejkernel.ops import AutotunePolicy, ConfigCache, ConfigSelectorChain, Executor, Kernel
 
@@ -75,9 +74,15 @@ def main() -> None:
             samples[name].append(_per_call_us(fn, options.calls))
     best = {name: min(values) for name, values in samples.items()}
     direct = best["direct kernel.run"]
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; min over {options.rounds} rounds of {options.calls} calls")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; min over {options.rounds} rounds of {options.calls} calls"
+    )
     for name, value in best.items():
-        overhead = f"   overhead {value - direct:6.1f} us" if name not in ("direct kernel.run", "calibration: sum(range(100))") else ""
+        overhead = (
+            f"   overhead {value - direct:6.1f} us"
+            if name not in ("direct kernel.run", "calibration: sum(range(100))")
+            else ""
+        )
         print(f"{name:32s} {value:8.1f} us/call{overhead}")
 
 

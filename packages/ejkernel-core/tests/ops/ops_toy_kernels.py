@@ -51,8 +51,13 @@ class ToyMatmul(Kernel[ToyConfig, jax.Array]):
     def config_space(self, inv):
         if self.space is not None:
             return self.space
-        return (ToyConfig(block=4), ToyConfig(block=16), ToyConfig(wrong=True), ToyConfig(fail="compile"),
-                ToyConfig(block=32, fail="run"))
+        return (
+            ToyConfig(block=4),
+            ToyConfig(block=16),
+            ToyConfig(wrong=True),
+            ToyConfig(fail="compile"),
+            ToyConfig(block=32, fail="run"),
+        )
 
 
 class SpecVjpKernel(Kernel[ToyConfig, jax.Array]):

@@ -54,10 +54,34 @@ def test_export_import_and_clear(capsys, filled, tmp_path):
 
     status, out = cli(capsys, "--path", filled, "export", "-", "--shipped", "--kernel", "flash")
     table = json.loads(out)["shipped"]
-    assert table == {"flash": {"NVIDIA H100": {"(float32[2,3]){}": json.loads(
-        json.dumps({"__type__": "ejkernel.ops.utils.datacarrier:FwdParams", **{f: None for f in (
-            "blocksize_m", "blocksize_k", "blocksize_n", "kv_blocksize", "blocksize_heads", "blocksize_keys",
-            "num_key_splits", "num_warps", "num_stages")}, "q_blocksize": 64}))}}}
+    assert table == {
+        "flash": {
+            "NVIDIA H100": {
+                "(float32[2,3]){}": json.loads(
+                    json.dumps(
+                        {
+                            "__type__": "ejkernel.ops.utils.datacarrier:FwdParams",
+                            **{
+                                f: None
+                                for f in (
+                                    "blocksize_m",
+                                    "blocksize_k",
+                                    "blocksize_n",
+                                    "kv_blocksize",
+                                    "blocksize_heads",
+                                    "blocksize_keys",
+                                    "num_key_splits",
+                                    "num_warps",
+                                    "num_stages",
+                                )
+                            },
+                            "q_blocksize": 64,
+                        }
+                    )
+                )
+            }
+        }
+    }
 
     assert "removed 1 entry" in cli(capsys, "--path", filled, "clear", "--kernel", "other")[1]
     assert PersistentCache(filled).keys() == [KEY_A]
@@ -87,7 +111,9 @@ def test_register_on_a_foreign_parser_and_help(capsys):
 def test_standalone_module(filled):
     result = subprocess.run(
         [sys.executable, "-m", "ejkernel.ops.cli", "cache", "--path", str(filled), "list"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "2 entries" in result.stdout

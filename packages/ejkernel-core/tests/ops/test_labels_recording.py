@@ -11,7 +11,6 @@ from ejkernel.ops import (
     ConfigCache,
     ConfigSelectorChain,
     Executor,
-    Invocation,
     PersistentCache,
     Tuner,
     autotune_recorded,

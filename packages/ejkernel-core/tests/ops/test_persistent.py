@@ -56,7 +56,9 @@ def test_nested_config_round_trips_on_disk(tmp_path):
     assert PersistentCache(tmp_path).get("k") == cfg
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"", b'{"schema": 1, "entr', b"[1, 2]", b'{"schema": 99, "entries": {}}'])
+@pytest.mark.parametrize(
+    "content", [b"{not json", b"", b'{"schema": 1, "entr', b"[1, 2]", b'{"schema": 99, "entries": {}}']
+)
 def test_corrupt_file_warns_once_is_set_aside_and_rewritten(tmp_path, content):
     path = tmp_path / "configs.json"
     path.write_bytes(content)
@@ -121,8 +123,9 @@ def test_concurrent_processes_writing_different_keys_lose_nothing(tmp_path):
     script.write_text(_WRITER)
     workers, count = 4, 12
     processes = [
-        subprocess.Popen([sys.executable, str(script), str(w), str(count), str(tmp_path / "shared")],
-                         stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, str(script), str(w), str(count), str(tmp_path / "shared")], stderr=subprocess.PIPE
+        )
         for w in range(workers)
     ]
     for process in processes:

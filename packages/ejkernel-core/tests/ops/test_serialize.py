@@ -65,11 +65,25 @@ def test_stable_json_is_deterministic_and_order_independent():
 
 def test_params_are_frozen_hashable_and_complete():
     assert [f.name for f in dataclasses.fields(FwdParams)] == [
-        "blocksize_m", "blocksize_k", "blocksize_n", "q_blocksize", "kv_blocksize", "blocksize_heads",
-        "blocksize_keys", "num_key_splits", "num_warps", "num_stages",
+        "blocksize_m",
+        "blocksize_k",
+        "blocksize_n",
+        "q_blocksize",
+        "kv_blocksize",
+        "blocksize_heads",
+        "blocksize_keys",
+        "num_key_splits",
+        "num_warps",
+        "num_stages",
     ]
     assert [f.name for f in dataclasses.fields(BwdParams)] == [
-        "blocksize_m", "blocksize_k", "blocksize_n", "q_blocksize", "kv_blocksize", "num_warps", "num_stages",
+        "blocksize_m",
+        "blocksize_k",
+        "blocksize_n",
+        "q_blocksize",
+        "kv_blocksize",
+        "num_warps",
+        "num_stages",
     ]
     assert all(getattr(FwdParams(), f.name) is None for f in dataclasses.fields(FwdParams))
     assert {FwdParams(q_blocksize=128), FwdParams(q_blocksize=128)} == {FwdParams(q_blocksize=128)}

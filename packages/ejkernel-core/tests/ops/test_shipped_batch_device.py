@@ -165,7 +165,9 @@ def test_import_is_cheap_and_keys_are_stable_across_processes(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["heavy"] == [] and report["created"] is False
-    assert report["key"] == Invocation(ToyMatmul(), random_inputs(seed=5), {"scale": 0.5, "mode": ("a", None)}).cache_key
+    assert (
+        report["key"] == Invocation(ToyMatmul(), random_inputs(seed=5), {"scale": 0.5, "mode": ("a", None)}).cache_key
+    )
     assert report["sharding"] == "mesh(data=2)spec('data',)"
     assert report["plain"] == Invocation(ToyMatmul(), (jnp.ones((4, 8)), jnp.ones((8, 2)))).cache_key
     assert report["sharded"] == report["plain"].replace("float32[4,8]", "float32[4,8]@mesh(data=2)spec('data',)")

@@ -1,3 +1,4 @@
+# ruff: noqa: E402, F811, B018, F841  -- the spec examples are kept verbatim
 """The examples of the ops-framework and datacarrier spec pages, run unchanged.
 
 Each test holds one example verbatim (between the ``# ---- example`` markers), preceded by the minimal

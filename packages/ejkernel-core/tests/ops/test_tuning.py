@@ -95,7 +95,9 @@ def test_tuning_inputs_are_fresh_random_concrete_values():
 
 def test_autotune_under_jit_stores_the_winner_and_traces_once():
     kernel = ToyMatmul(space=(ToyConfig(block=4), ToyConfig(wrong=True)))
-    chain = ConfigSelectorChain(cache=ConfigCache(), policy=AutotunePolicy(allow_autotune=True), tuner=FAST, shipped=False)
+    chain = ConfigSelectorChain(
+        cache=ConfigCache(), policy=AutotunePolicy(allow_autotune=True), tuner=FAST, shipped=False
+    )
     executor = Executor(chain)
     x, w = random_inputs()
     out = jax.jit(lambda x, w: executor(kernel, x, w))(x, w)
@@ -143,6 +145,8 @@ def test_bfloat16_candidates_are_compared_as_floats_and_get_gradients():
     vjp_kernel = SpecVjpKernel()
     a = jnp.asarray(np.random.default_rng(0).standard_normal(8), jnp.bfloat16)
     grads = jax.grad(lambda a: jnp.sum(vjp_kernel(a, a * 2).astype(jnp.float32)))(a)
-    assert grads.dtype == jnp.bfloat16 and np.allclose(np.asarray(grads, np.float32), np.asarray(a * 4, np.float32), rtol=2e-2)
+    assert grads.dtype == jnp.bfloat16 and np.allclose(
+        np.asarray(grads, np.float32), np.asarray(a * 4, np.float32), rtol=2e-2
+    )
     rejected = by_cfg(FAST.tune(Invocation(vjp_kernel, (a, a)), vjp_kernel.config_space(None)))
     assert rejected[ToyConfig(block=4, wrong=True)].status == "rejected"

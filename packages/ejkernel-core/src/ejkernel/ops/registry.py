@@ -61,9 +61,7 @@ def clear_invocations() -> None:
         _recorded.clear()
 
 
-def autotune_recorded(
-    invocations: Iterable[Any] | None = None, *, executor: Executor | None = None
-) -> dict[str, Any]:
+def autotune_recorded(invocations: Iterable[Any] | None = None, *, executor: Executor | None = None) -> dict[str, Any]:
     """Autotune each invocation (default: every recorded one) and store the winners in ``executor``'s caches.
 
     Items may be :class:`Invocation`s or HLO labels (``OpLabel``) of hash stamps made in this process.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -63,7 +64,7 @@ class AutotunePolicy:
 
 
 _policy_overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
-    "ejkernel_ops_policy_overrides", default={}
+    "ejkernel_ops_policy_overrides", default=types.MappingProxyType({})
 )
 _POLICY_FIELDS = frozenset(field.name for field in dataclasses.fields(AutotunePolicy))
 

@@ -24,14 +24,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Generic
+from typing import Any, ClassVar, Generic
 
 from ejkernel.ops.core.types import Cfg, Out
 from ejkernel.ops.utils.fingerprint import device_fingerprint, get_device_platform
 from ejkernel.ops.utils.serialize import stable_json
-
-if TYPE_CHECKING:
-    import jax
 
 __all__ = ["Invocation", "Kernel", "is_array_like", "is_inexact"]
 
@@ -164,9 +161,7 @@ class Invocation(Generic[Cfg, Out]):
     def static_kwargs(self) -> dict[str, Any]:
         """Keyword arguments that are static: not arrays (or declared static by the kernel)."""
         static, dynamic = set(self.kernel.static_argnames), set(self.kernel.array_argnames)
-        return {
-            k: v for k, v in self.kwargs.items() if k in static or (k not in dynamic and not _has_array_leaf(v))
-        }
+        return {k: v for k, v in self.kwargs.items() if k in static or (k not in dynamic and not _has_array_leaf(v))}
 
     @classmethod
     def _of_call(cls, kernel: Kernel, args: tuple, kwargs: dict) -> Invocation:

@@ -45,7 +45,13 @@ def vmap_with_config(
 
 
 def pmap_with_config(
-    kernel: Kernel, axis_name: Any = None, in_axes: Any = 0, out_axes: Any = 0, *, executor: Any = None, **pmap_kwargs: Any
+    kernel: Kernel,
+    axis_name: Any = None,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    *,
+    executor: Any = None,
+    **pmap_kwargs: Any,
 ) -> Callable:
     """``jax.pmap`` of ``kernel`` over its positional arguments (leading axis = devices).
 

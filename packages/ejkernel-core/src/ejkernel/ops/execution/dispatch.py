@@ -105,7 +105,7 @@ class CallSplit:
         self._kwarg_defs = [treedef for _, treedef in kwarg_parts]
         self.mask: list[bool] = [is_array_like(leaf) for leaf in arg_leaves]
         self.leaves: list[Any] = list(arg_leaves)
-        for name, (leaves, _) in zip(self.kwarg_names, kwarg_parts):
+        for name, (leaves, _) in zip(self.kwarg_names, kwarg_parts, strict=True):
             if name in static_names:
                 self.mask.extend(False for _ in leaves)
             elif name in array_names:
@@ -117,14 +117,14 @@ class CallSplit:
 
     @property
     def dynamic(self) -> list[Any]:
-        return [leaf for leaf, dynamic in zip(self.leaves, self.mask) if dynamic]
+        return [leaf for leaf, dynamic in zip(self.leaves, self.mask, strict=True) if dynamic]
 
     def rebuild(self, dynamic: list | tuple) -> tuple[tuple, dict]:
         values = iter(dynamic)
-        leaves = [next(values) if is_dynamic else leaf for leaf, is_dynamic in zip(self.leaves, self.mask)]
+        leaves = [next(values) if is_dynamic else leaf for leaf, is_dynamic in zip(self.leaves, self.mask, strict=True)]
         args = self._args_def.unflatten(leaves[: self.num_arg_leaves])
         kwargs, offset = {}, self.num_arg_leaves
-        for name, treedef in zip(self.kwarg_names, self._kwarg_defs):
+        for name, treedef in zip(self.kwarg_names, self._kwarg_defs, strict=True):
             kwargs[name] = treedef.unflatten(leaves[offset : offset + treedef.num_leaves])
             offset += treedef.num_leaves
         return tuple(args), kwargs
@@ -132,7 +132,7 @@ class CallSplit:
     def static_kwargs(self) -> dict[str, Any]:
         """Keyword arguments without a dynamic leaf."""
         kwargs, offset = {}, self.num_arg_leaves
-        for name, treedef in zip(self.kwarg_names, self._kwarg_defs):
+        for name, treedef in zip(self.kwarg_names, self._kwarg_defs, strict=True):
             part = slice(offset, offset + treedef.num_leaves)
             if not any(self.mask[part]):
                 kwargs[name] = treedef.unflatten(self.leaves[part])
@@ -148,14 +148,14 @@ class CallSplit:
                 + (f" of length {len(grads)}" if isinstance(grads, (tuple, list)) else "")
             )
         per_leaf: list[Any] = []
-        for grad, treedef in zip(grads, self.arg_defs):
+        for grad, treedef in zip(grads, self.arg_defs, strict=True):
             if grad is None:
                 per_leaf.extend([None] * treedef.num_leaves)
             else:
                 per_leaf.extend(treedef.flatten_up_to(grad))
         per_leaf.extend([None] * (len(self.leaves) - self.num_arg_leaves))  # keyword arrays: no gradient
         cotangents = []
-        for leaf, is_dynamic, grad in zip(self.leaves, self.mask, per_leaf):
+        for leaf, is_dynamic, grad in zip(self.leaves, self.mask, per_leaf, strict=True):
             if not is_dynamic:
                 continue
             dtype = getattr(leaf, "dtype", None)

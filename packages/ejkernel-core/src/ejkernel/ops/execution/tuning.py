@@ -197,7 +197,7 @@ def _mismatch(kernel: Kernel, got: Any, want: Any, what: str) -> str | None:
     want_leaves, want_def = jax.tree_util.tree_flatten(want)
     if got_def != want_def:
         return f"{what} structure {got_def} differs from the reference's {want_def}"
-    for index, (a, b) in enumerate(zip(got_leaves, want_leaves)):
+    for index, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
         a, b = np.asarray(a), np.asarray(b)
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"{what}[{index}] is {a.dtype}{list(a.shape)}, the reference's is {b.dtype}{list(b.shape)}"
@@ -296,7 +296,14 @@ class Tuner:
         valid = [r for r in results if r.status == "ok"]
         best = min(valid, key=lambda r: r.time_ms) if valid else None
         if best is not None:
-            _log(logging.INFO, "%s: best %r (%.4f ms) of %d candidates", kernel.name, best.cfg, best.time_ms, len(results))
+            _log(
+                logging.INFO,
+                "%s: best %r (%.4f ms) of %d candidates",
+                kernel.name,
+                best.cfg,
+                best.time_ms,
+                len(results),
+            )
         return TuneResult(best.cfg if best else None, best.time_ms if best else None, tuple(results))
 
     def _run_all(self, inv: Invocation, configs: list, policy: AutotunePolicy) -> list[CandidateResult]:

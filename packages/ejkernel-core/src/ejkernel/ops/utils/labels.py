@@ -85,7 +85,9 @@ def _config_payload(cfg: Any) -> Any:
         return {"__repr__": repr(cfg)}
 
 
-def stamp_name(kernel: str, platform: str, cfg: Any, mode: str, *, cache_key: str | None = None, invocation=None) -> str:
+def stamp_name(
+    kernel: str, platform: str, cfg: Any, mode: str, *, cache_key: str | None = None, invocation=None
+) -> str:
     """The scope name stamping one kernel call (see the module docstring)."""
     if mode == "json":
         payload = json.dumps({"cfg": _config_payload(cfg), "key": cache_key}, sort_keys=True, separators=(",", ":"))
