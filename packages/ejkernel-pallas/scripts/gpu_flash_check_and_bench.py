@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from reference import flash_attention_reference  # noqa: E402
+from pallas_reference import flash_attention_reference  # noqa: E402
 
 from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams  # noqa: E402
 from ejkernel_pallas import gpu_flash_attention as gpu  # noqa: E402

@@ -18,3 +18,4 @@ def pallas_interpret(monkeypatch):
     yield
     if backend is not None:
         backend._usable = None
+

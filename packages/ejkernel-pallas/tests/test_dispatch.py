@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import normal, rel_err
-from reference import flash_attention_reference
+from pallas_test_helpers import normal, rel_err
+from pallas_reference import flash_attention_reference
 
 from ejkernel import UnsupportedFeature
 from ejkernel_pallas import plugin

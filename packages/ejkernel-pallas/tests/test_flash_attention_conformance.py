@@ -7,13 +7,24 @@ GPU kernels are covered by ``test_gpu_flash_attention.py`` here and by the suite
 from __future__ import annotations
 
 import pytest
+from pallas_test_helpers import interpret_conformance
 
 from ejkernel.testing.flash_attention import FlashAttentionConformance
 
 
+@interpret_conformance
 class TestPallasTpuFlashAttentionConformance(FlashAttentionConformance):
     platform = "pallas"
 
     @pytest.fixture(autouse=True)
     def _interpret_mode(self, pallas_interpret):
         yield
+
+
+@pytest.mark.gpu
+class TestPallasGpuFlashAttentionConformance(FlashAttentionConformance):
+    """On an NVIDIA GPU (``pytest -m gpu`` on the device): the Triton-lowered kernels. Bias, boolean mask
+    and dropout are refused with UnsupportedFeature and reported as skips naming the reason."""
+
+    platform = "pallas"
+    allow_unsupported = True

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import abstract_device, blocks, normal, out_and_grads, rel_err
-from reference import flash_attention_reference
+from pallas_test_helpers import abstract_device, blocks, normal, out_and_grads, rel_err
+from pallas_reference import flash_attention_reference
 
 from ejkernel import UnsupportedFeature
 from ejkernel_pallas import gpu_flash_attention as gpu

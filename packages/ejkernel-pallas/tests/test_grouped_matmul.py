@@ -7,7 +7,7 @@ import types
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import abstract_device, normal, out_and_grads, rel_err
+from pallas_test_helpers import abstract_device, interpret_conformance, normal, out_and_grads, rel_err
 
 from ejkernel.testing.grouped_matmul import GroupedMatmulConformance, reference_grouped_matmul
 from ejkernel_pallas.grouped_matmul import grouped_matmul
@@ -52,6 +52,7 @@ def test_lowers_for_tpu():
     assert text.count("tpu_custom_call") == 3  # gmm, d_lhs gmm, tgmm
 
 
+@interpret_conformance
 class TestPallasGroupedMatmulConformance(GroupedMatmulConformance):
     """The shared suite through ``ejkernel.modules.grouped_matmul(platform="pallas")`` in interpret mode."""
 

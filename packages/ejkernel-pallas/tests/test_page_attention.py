@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import abstract_device
+from pallas_test_helpers import abstract_device, interpret_conformance
 
 from ejkernel.testing.page_attention import PageAttentionConformance
 from ejkernel_pallas.page_attention import page_attention
 
 
+@interpret_conformance
 class TestPallasPageAttentionConformance(PageAttentionConformance):
     platform = "pallas"
     supports_gradients = False  # an inference kernel: a gradient raises UnsupportedFeature

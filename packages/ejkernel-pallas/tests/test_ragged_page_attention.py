@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import abstract_device
+from pallas_test_helpers import abstract_device, interpret_conformance
 
 from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformance
 from ejkernel_pallas.ragged_page_attention import ragged_page_attention
 
 
+@interpret_conformance
 class TestPallasRaggedPageAttentionConformance(RaggedPageAttentionConformance):
     platform = "pallas"
     supports_gradients = False  # an inference kernel: a gradient raises UnsupportedFeature

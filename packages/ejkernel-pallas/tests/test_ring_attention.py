@@ -4,10 +4,12 @@ subprocess, one device in process)."""
 from __future__ import annotations
 
 import pytest
+from pallas_test_helpers import interpret_conformance
 
 from ejkernel.testing.ring_attention import RingAttentionConformance
 
 
+@interpret_conformance
 class TestPallasRingAttentionConformance(RingAttentionConformance):
     platform = "pallas"
 

@@ -7,9 +7,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import abstract_device, blocks, normal, out_and_grads, rel_err
+from pallas_test_helpers import abstract_device, blocks, normal, out_and_grads, rel_err
 from jax.experimental.pallas import tpu as pltpu
-from reference import flash_attention_reference
+from pallas_reference import flash_attention_reference
 
 from ejkernel_pallas import tpu_flash_attention as tpu
 from ejkernel_pallas.tpu_tiling import TpuTilingError, check_block, sublane_multiple

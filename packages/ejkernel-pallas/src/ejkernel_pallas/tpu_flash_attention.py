@@ -111,6 +111,11 @@ class _Static:
     block_outputs: bool = False  # ring inner block: f32 outputs, lse -inf for rows that see nothing
 
 
+def _struct(shape, dtype, like):
+    """An output ShapeDtypeStruct that varies over the same shard_map axes as ``like`` (check_vma)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
 def _pad_axis(x, axis: int, length: int, value=0):
     extra = length - x.shape[axis]
     if extra == 0:
@@ -294,8 +299,8 @@ def _forward(st: _Static, arrays: dict):
     _check_tiling(st, arrays, names, in_specs)
     out_specs = _specs(st, ["o", "lse"], coords, block_q, block_kv, d, dv)
     out_shape = [
-        jax.ShapeDtypeStruct((batch, heads, sq_pad, dv), jnp.float32 if st.block_outputs else q.dtype),
-        jax.ShapeDtypeStruct((batch, heads, sq_pad, 1), jnp.float32),
+        _struct((batch, heads, sq_pad, dv), jnp.float32 if st.block_outputs else q.dtype, q),
+        _struct((batch, heads, sq_pad, 1), jnp.float32, q),
     ]
     kernel = functools.partial(
         _fwd_kernel, st=st, names=names + ["out", "lse_out", "m_scratch", "l_scratch", "acc_scratch"]
@@ -425,8 +430,8 @@ def _backward(st: _Static, arrays: dict):
         in_specs=in_specs,
         out_specs=kv_out,
         out_shape=[
-            jax.ShapeDtypeStruct(k.shape, jnp.float32 if st.block_outputs else k.dtype),
-            jax.ShapeDtypeStruct(v.shape, jnp.float32 if st.block_outputs else v.dtype),
+            _struct(k.shape, jnp.float32 if st.block_outputs else k.dtype, q),
+            _struct(v.shape, jnp.float32 if st.block_outputs else v.dtype, q),
         ],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, dv), jnp.float32)],
         compiler_params=_compiler_params(3, 2),
@@ -439,10 +444,10 @@ def _backward(st: _Static, arrays: dict):
     coords = lambda b, h, qi, ki: (b, h, qi, ki)  # noqa: E731
     in_specs = _specs(st, names, coords, bq, bkv, d, dv)
     _check_tiling(st, arrays, names, in_specs)
-    out_names, out_shape = ["q"], [jax.ShapeDtypeStruct(q.shape, jnp.float32 if st.block_outputs else q.dtype)]
+    out_names, out_shape = ["q"], [_struct(q.shape, jnp.float32 if st.block_outputs else q.dtype, q)]
     if st.bias_shape is not None:
         out_names.append("dbias")
-        out_shape.append(jax.ShapeDtypeStruct((batch, heads, sq_pad, skv_pad), jnp.float32))
+        out_shape.append(_struct((batch, heads, sq_pad, skv_pad), jnp.float32, q))
     outs = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, names=names + ["dq_out", "dbias_out"][: len(out_names)] + ["dq_scratch"]),
         grid=(batch, heads, sq_pad // bq, skv_pad // bkv),

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax._src.mesh import AbstractDevice, AbstractMesh
 
 from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
@@ -55,3 +57,14 @@ def out_and_grads(fn, argnums):
 
     grad = jax.grad(loss, argnums=argnums, has_aux=True)
     return jax.jit(lambda *args: grad(*args)[::-1])
+
+
+CONFORMANCE_ENV = "EJKERNEL_PALLAS_CONFORMANCE"
+
+# The shared conformance suites run every kernel through Pallas' interpreter on CPU: ~10-15 minutes on 2
+# cores, over the CI budget. CI runs this package's own focused tests (every feature, multi-block tilings,
+# Mosaic/Triton lowering); the full suites run with EJKERNEL_PALLAS_CONFORMANCE=1 (and on the device).
+interpret_conformance = pytest.mark.skipif(
+    os.environ.get(CONFORMANCE_ENV, "") in ("", "0"),
+    reason=f"shared conformance suites in interpret mode take ~10 min on CPU: set {CONFORMANCE_ENV}=1",
+)
