@@ -377,3 +377,21 @@ def test_memoized_keys_equal_freshly_built_keys():
         keys = [executor.invocation(kernel, *args, **kwargs).cache_key for args, kwargs in variants]
         assert keys == [Invocation(kernel, args, kwargs).cache_key for args, kwargs in variants]
     assert len(set(keys)) == len(variants) - 1  # keyword order does not matter
+
+
+def test_settled_heuristics_yield_to_new_persistent_entries_and_to_autotuning(tmp_path):
+    kernel = ToyMatmul(space=(ToyConfig(block=4),))
+    chain = make_chain(tmp_path, policy=AutotunePolicy(allow_autotune=False))
+    executor = Executor(chain)
+    x, w = random_inputs()
+    key = executor.invocation(kernel, x, w).cache_key
+    for _ in range(2):
+        assert executor.choose(kernel, x, w) == ToyConfig(block=8)  # heuristic, then the settled fast path
+    chain.persistent.put(key, ToyConfig(block=2))
+    chain.cache.clear()
+    assert executor.choose(kernel, x, w) == ToyConfig(block=2)  # the disk entry wins again
+    chain.cache.clear()
+    chain.persistent.clear()
+    assert executor.choose(kernel, x, w) == ToyConfig(block=8)
+    with policy_override(autotune=True):
+        assert chain.select(executor.invocation(kernel, x, w)).source == "autotune"

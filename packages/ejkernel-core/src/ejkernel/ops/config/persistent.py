@@ -92,6 +92,8 @@ class PersistentCache:
         self._decoded: dict[str, Any] = {}
         self._lock = threading.RLock()
         self._warned: set[str] = set()
+        self.generation = 0
+        """Bumped whenever the entries this object serves may have changed (writes, reloads)."""
 
     # ---- reading ------------------------------------------------------------------------------
     def _entries(self) -> dict[str, dict]:
@@ -167,6 +169,7 @@ class PersistentCache:
         with self._lock:
             self._raw = None
             self._decoded.clear()
+            self.generation += 1
 
     # ---- writing ------------------------------------------------------------------------------
     def put(self, key: Any, cfg: Any) -> bool:
@@ -179,6 +182,7 @@ class PersistentCache:
         except TypeError as exc:
             self._warn(f"config {cfg!r} cannot be stored in {self.path} ({exc}); keeping it in memory only")
             self._decoded[key] = cfg
+            self.generation += 1
             return False
         entry = {
             "kernel": key.split("|", 1)[0],
@@ -224,6 +228,7 @@ class PersistentCache:
     def _update(self, change) -> bool:
         """Lock, re-read, apply ``change`` to the entries, write atomically. False (warned) on I/O errors."""
         with self._lock:
+            self.generation += 1
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with _file_lock(self.path.with_name(self.path.name + ".lock")):

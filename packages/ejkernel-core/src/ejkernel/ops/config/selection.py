@@ -148,6 +148,7 @@ class Selection(NamedTuple):
 
 
 _MISS = object()
+_MAX_SETTLED = 1 << 16
 ShippedProvider = Callable[["Invocation"], Any]
 
 
@@ -197,6 +198,7 @@ class ConfigSelectorChain:
         self._heuristics: dict[str, Any] = {}
         self._shipped_found: dict[str, Any] = {}
         self._untunable: set[str] = set()
+        self._settled: dict[str, tuple[Any, int]] = {}  # key -> (heuristic, persistent generation)
 
     def choose(self, inv: Invocation) -> Any:
         """The config for ``inv`` (see :meth:`select`)."""
@@ -205,7 +207,19 @@ class ConfigSelectorChain:
             cfg = self.cache._entries.get(key)  # the per-call fast path: a memory-cache hit
             if cfg is not None:
                 return cfg
+            # The steady state of the heuristics policy: nothing on disk or shipped for this key (unless
+            # the persistent cache changed since) and autotuning still not allowed.
+            settled = self._settled.get(key)
+            if (
+                settled is not None
+                and settled[1] == self._persistent_generation()
+                and not effective_policy(self.policy).allow_autotune
+            ):
+                return settled[0]
         return self._select(inv)[0]
+
+    def _persistent_generation(self) -> int:
+        return -1 if self.persistent is None else self.persistent.generation
 
     def select(self, inv: Invocation) -> Selection:
         """The config for ``inv`` and which level provided it."""
@@ -236,6 +250,8 @@ class ConfigSelectorChain:
             tuned = self._autotune(inv, heuristic, policy)
             if tuned is not None:
                 return tuned, "autotune"
+        elif not policy.allow_autotune and len(self._settled) < _MAX_SETTLED:
+            self._settled[key] = (heuristic, self._persistent_generation())
         return heuristic, "heuristic"
 
     def heuristic(self, inv: Invocation) -> Any:
