@@ -492,6 +492,47 @@ def flash_attention_blockwise(
     return _flash(blocks, params, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed)
 
 
+def dense_attention(
+    query,
+    key,
+    value,
+    *,
+    params: AttentionParams,
+    bias=None,
+    softmax_aux=None,
+    attention_mask=None,
+    q_tokens: Tokens,
+    kv_tokens: Tokens,
+    dropout_seed=None,
+) -> tuple[jax.Array, jax.Array]:
+    """The same semantics on the whole [B, H, Sq, Skv] logits at once (plain autodiff; memory O(S²)).
+
+    Returns ``(out [B, Sq, H, Dv]`` in query's dtype, ``weights [B, H, Sq, Skv]`` float32: the softmax
+    probabilities before dropout``)``. Used by the dense operations (``scaled_dot_product_attention``,
+    ``attention``), which trade memory for one fused XLA computation.
+    """
+    batch, q_len, num_heads, _ = query.shape
+    num_kv_heads = key.shape[2]
+    s, _ = _logits(query, key, bias, params)
+    visible = _grouped(visibility(q_tokens, kv_tokens, params, attention_mask), num_kv_heads)
+    sinks = sink_lse(softmax_aux, batch, num_heads, q_len)  # [B, H, Sq]
+    sinks = _grouped(sinks, num_kv_heads)[..., None]
+    # the row max only stabilises exp and cancels: no gradient through it
+    m = lax.stop_gradient(jnp.maximum(jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True), sinks))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(visible, jnp.exp(jnp.where(visible, s, 0.0) - m), 0.0)
+    denominator = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sinks - m)
+    weights = e / jnp.where(denominator > 0, denominator, 1.0)
+    p = weights
+    if params.dropout_prob > 0.0:
+        seed = jnp.asarray(dropout_seed).astype(jnp.uint32)
+        keep = _grouped(_dropout_keep(q_tokens, kv_tokens, seed, batch, num_heads, params), num_kv_heads)
+        p = jnp.where(keep, weights / (1.0 - params.dropout_prob), 0.0)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(value.dtype), value, preferred_element_type=jnp.float32)
+    out = out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(query.dtype)
+    return out, _ungrouped(weights)
+
+
 def default_block_sizes(q_len: int, kv_len: int, head_dim: int, q_block=None, kv_block=None, bwd_q=None, bwd_kv=None) -> BlockSizes:
     """Blocks of 512 queries x 512 keys (smaller for wide heads), never larger than the sequence."""
     base = 512 if head_dim <= 128 else 256
@@ -507,6 +548,7 @@ __all__ = [
     "backward_block",
     "combine",
     "default_block_sizes",
+    "dense_attention",
     "flash_attention_blockwise",
     "forward_block",
     "key_tokens",

@@ -11,8 +11,13 @@ or 256 for head_dim > 128, capped at the sequence lengths).
 
 from __future__ import annotations
 
+import functools
+
+import jax
+
 from ejkernel_xla._blockwise import (
     AttentionParams,
+    BlockSizes,
     default_block_sizes,
     flash_attention_blockwise,
     key_tokens,
@@ -31,6 +36,43 @@ def _block_sizes(cfg, q_len: int, kv_len: int, head_dim: int):
         kv_block=getattr(fwd, "kv_blocksize", None),
         bwd_q=getattr(bwd, "q_blocksize", None),
         bwd_kv=getattr(bwd, "kv_blocksize", None),
+    )
+
+
+def attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob) -> AttentionParams:
+    return AttentionParams(
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        sliding_window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        dropout_prob=float(dropout_prob),
+    )
+
+
+# One compiled program per (shapes, static arguments): eager lax.scan would re-trace its body per call.
+@functools.partial(jax.jit, static_argnames=("params", "blocks"))
+def _flash_jit(
+    query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, cum_seqlens_q, cum_seqlens_k,
+    softmax_aux, dropout_seed, *, params: AttentionParams, blocks: BlockSizes,
+):
+    batch, q_len = query.shape[:2]
+    kv_len = key.shape[1]
+    q_tokens = query_tokens(
+        batch, q_len, kv_len, segment_ids=q_segment_ids, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k
+    )
+    kv_tokens = key_tokens(batch, kv_len, segment_ids=kv_segment_ids, cum_seqlens_k=cum_seqlens_k)
+    return flash_attention_blockwise(
+        query,
+        key,
+        value,
+        params=params,
+        blocks=blocks,
+        bias=bias,
+        softmax_aux=softmax_aux,
+        attention_mask=attention_mask,
+        q_tokens=q_tokens,
+        kv_tokens=kv_tokens,
+        dropout_seed=dropout_seed,
     )
 
 
@@ -55,29 +97,9 @@ def flash_attention(
     cfg=None,
 ):
     """Canonical ``flash_attention`` (arguments already normalized by core); see the module docstring."""
-    batch, q_len, _, head_dim = query.shape
-    kv_len = key.shape[1]
-    params = AttentionParams(
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        sliding_window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        dropout_prob=float(dropout_prob),
-    )
-    q_tokens = query_tokens(
-        batch, q_len, kv_len, segment_ids=q_segment_ids, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k
-    )
-    kv_tokens = key_tokens(batch, kv_len, segment_ids=kv_segment_ids, cum_seqlens_k=cum_seqlens_k)
-    return flash_attention_blockwise(
-        query,
-        key,
-        value,
-        params=params,
-        blocks=_block_sizes(cfg, q_len, kv_len, head_dim),
-        bias=bias,
-        softmax_aux=softmax_aux,
-        attention_mask=attention_mask,
-        q_tokens=q_tokens,
-        kv_tokens=kv_tokens,
-        dropout_seed=dropout_seed,
+    params = attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob)
+    blocks = _block_sizes(cfg, query.shape[1], key.shape[1], query.shape[3])
+    return _flash_jit(
+        query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, cum_seqlens_q, cum_seqlens_k,
+        softmax_aux, None if params.dropout_prob == 0.0 else dropout_seed, params=params, blocks=blocks,
     )

@@ -11,6 +11,8 @@ DISTRIBUTION = "ejkernel-xla"
 # algorithm -> "module:function" inside this package. Every operation runs on every machine here.
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_xla.flash_attention:flash_attention",
+    "scaled_dot_product_attention": "ejkernel_xla.scaled_dot_product_attention:scaled_dot_product_attention",
+    "attention": "ejkernel_xla.attention:attention",
     "page_attention": "ejkernel_xla.page_attention:page_attention",
     "ragged_page_attention": "ejkernel_xla.ragged_page_attention:ragged_page_attention",
     "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:ragged_decode_attention",

@@ -164,3 +164,85 @@ def reference_flash_attention(
     value_per_q_head = jnp.repeat(value, num_heads // num_kv_heads, axis=2)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, value_per_q_head)
     return (out, weights) if return_weights else out
+
+
+def reference_flash_attention_numpy(
+    query,
+    key,
+    value,
+    bias=None,
+    *,
+    d_out=None,
+    attention_mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    softmax_scale=None,
+    causal: bool = False,
+    sliding_window=None,
+    logits_soft_cap=None,
+    dropout_prob: float = 0.0,
+    dropout_seed=None,
+    cum_seqlens_q=None,
+    cum_seqlens_k=None,
+    softmax_aux=None,
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """The same reference in plain float64 numpy (nothing to compile, so suites stay fast), with the
+    textbook softmax-attention gradients for cotangent ``d_out``. Returns ``(out, weights, grads)``;
+    ``grads`` has query/key/value and bias/softmax_aux when given (empty without ``d_out``). The
+    suites check it against ``jax.vjp`` of :func:`reference_flash_attention` (the autodiff form)."""
+    f64 = lambda x: None if x is None else np.asarray(jnp.asarray(x).astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, np.float64)  # noqa: E731
+    q, k, v, b, aux = f64(query), f64(key), f64(value), f64(bias), f64(softmax_aux)
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    visible = reference_visibility(
+        batch, num_heads, q_len, kv_len, causal=causal, sliding_window=sliding_window,
+        attention_mask=attention_mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k,
+    )
+    k_rep = np.repeat(k, group, axis=2)  # query head h reads kv head h // group
+    v_rep = np.repeat(v, group, axis=2)
+    raw = np.einsum("bqhd,bkhd->bhqk", q, k_rep) * scale
+    capped = None
+    s = raw
+    if logits_soft_cap is not None:
+        capped = np.tanh(raw / logits_soft_cap)
+        s = logits_soft_cap * capped
+    if b is not None:
+        s = s + b
+    sinks = np.zeros((num_heads, 0)) if aux is None else (aux if aux.ndim == 2 else aux[:, None])
+    sinks_b = np.broadcast_to(sinks[None, :, None, :], (batch, num_heads, q_len, sinks.shape[1]))
+    m = np.maximum(np.max(np.where(visible, s, -np.inf), axis=-1), np.max(sinks_b, axis=-1, initial=-np.inf))
+    m = np.where(np.isfinite(m), m, 0.0)[..., None]
+    e = np.where(visible, np.exp(np.where(visible, s, 0.0) - m), 0.0)
+    e_sinks = np.exp(sinks_b - m)
+    denominator = e.sum(-1, keepdims=True) + e_sinks.sum(-1, keepdims=True)
+    denominator = np.where(denominator > 0, denominator, 1.0)
+    weights, sink_weights = e / denominator, e_sinks / denominator
+    keep_scaled = np.ones_like(weights)
+    if dropout_prob > 0.0:
+        seed = 0 if dropout_seed is None else int(dropout_seed)
+        keep = np.asarray(reference_dropout_keep(batch, num_heads, q_len, kv_len, seed, dropout_prob))
+        keep_scaled = keep / (1.0 - dropout_prob)
+    p_dropped = weights * keep_scaled
+    out = np.einsum("bhqk,bkhd->bqhd", p_dropped, v_rep)
+    grads: dict[str, np.ndarray] = {}
+    if d_out is None:
+        return out, weights, grads
+    do = f64(d_out)
+    dv_rep = np.einsum("bhqk,bqhd->bkhd", p_dropped, do)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, v_rep) * keep_scaled
+    delta = np.sum(weights * dp, axis=-1, keepdims=True)  # = rowsum(d_out * out)
+    ds = weights * (dp - delta)  # gradient of the logits after bias (sinks have no value: dp = 0)
+    if b is not None:
+        grads["bias"] = ds.sum(axis=tuple(a for a in (0, 1) if b.shape[a] == 1), keepdims=True)
+    if aux is not None:
+        d_sinks = -np.einsum("bhqk,bhq->hk", sink_weights, delta[..., 0])
+        grads["softmax_aux"] = d_sinks.reshape(aux.shape)
+    d_raw = ds if capped is None else ds * (1.0 - capped**2)
+    grads["query"] = np.einsum("bhqk,bkhd->bqhd", d_raw, k_rep) * scale
+    dk_rep = np.einsum("bhqk,bqhd->bkhd", d_raw, q) * scale
+    grads["key"] = dk_rep.reshape(batch, kv_len, num_kv_heads, group, head_dim).sum(3)
+    grads["value"] = dv_rep.reshape(batch, kv_len, num_kv_heads, group, -1).sum(3)
+    return out, weights, grads

@@ -1,0 +1,111 @@
+"""Reference and conformance suite of ``attention`` (``docs/ops/attention.md``): dense attention that
+returns ``(out, weights)``.
+
+Subclass :class:`AttentionConformance` and set ``platform`` (see ``ejkernel.testing.flash_attention``
+for the class attributes). Both outputs and their gradients are checked against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel.testing.flash_attention import (
+    DTYPE_IDS,
+    DTYPES,
+    AttentionSuiteBase,
+    attention_inputs,
+    reference_flash_attention,
+)
+
+__all__ = ["AttentionConformance", "reference_attention"]
+
+
+def reference_attention(
+    query, key, value, bias=None, softmax_aux=None, *, attention_mask=None, softmax_scale=None,
+    logits_soft_cap=None, dropout_prob=0.0, dropout_seed=None, causal=False, sliding_window=None,
+):
+    """Dense reference ``(out, weights)`` (float64 inside ``jax.enable_x64(True)``)."""
+    return reference_flash_attention(
+        query, key, value, bias, attention_mask=attention_mask, softmax_scale=softmax_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, dropout_prob=dropout_prob,
+        dropout_seed=dropout_seed, softmax_aux=softmax_aux, return_weights=True,
+    )
+
+
+class AttentionConformance(AttentionSuiteBase):
+    """Conformance tests of ``attention`` for the backend named by ``platform``."""
+
+    output_index = 0  # which of (out, weights) run_and_compare checks
+
+    def operation(self, **kwargs):
+        from ejkernel.modules import attention
+
+        return attention(**kwargs, platform=self.platform, cfg=self.cfg)[self.output_index]
+
+    def reference(self, **kwargs):
+        return reference_attention(**kwargs)[self.output_index]
+
+    @pytest.mark.parametrize("output_index", [0, 1], ids=["out", "weights"])
+    @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+    def test_dtypes(self, dtype, output_index):
+        self.output_index = output_index
+        inputs = attention_inputs(40, batch=2, q_len=21, kv_len=27, num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype)
+        self.run_and_compare(inputs, causal=True)
+
+    @pytest.mark.parametrize("output_index", [0, 1], ids=["out", "weights"])
+    def test_every_feature(self, output_index):
+        self.output_index = output_index
+        inputs = attention_inputs(41, batch=2, q_len=17, kv_len=23, num_heads=4, num_kv_heads=1, head_dim=32,
+                                  bias_shape=(2, 1, 17, 23), num_sinks=2)
+        mask = np.random.default_rng(41).random((2, 1, 17, 23)) > 0.3
+        mask[:, :, 4] = False  # a row that sees nothing
+        inputs["attention_mask"] = jnp.asarray(mask)
+        out, _ = self.run_and_compare(
+            inputs, causal=True, sliding_window=(8, 1), logits_soft_cap=6.0, dropout_prob=0.25, dropout_seed=9
+        )
+        np.testing.assert_array_equal(np.asarray(out[:, 4] if output_index == 0 else out[:, :, 4]), 0.0)
+
+    @pytest.mark.parametrize("q_len,kv_len", [(1, 1), (17, 127), (127, 17)], ids=lambda v: str(v))
+    def test_lengths(self, q_len, kv_len):
+        inputs = attention_inputs(42, batch=1, q_len=q_len, kv_len=kv_len, num_heads=2, head_dim=32)
+        self.run_and_compare(inputs, causal=True)
+
+    def test_weights_rows_sum_to_one_and_deterministic_flag(self):
+        from ejkernel.modules import attention
+
+        inputs = attention_inputs(43, batch=1, q_len=12, num_heads=2, head_dim=32)
+        with self.maybe_unsupported():
+            out, weights = attention(**inputs, causal=True, platform=self.platform, cfg=self.cfg)
+            deterministic, _ = attention(**inputs, causal=True, dropout_prob=0.5, deterministic=True,
+                                         platform=self.platform, cfg=self.cfg)
+            dropped, _ = attention(**inputs, causal=True, dropout_prob=0.5, platform=self.platform, cfg=self.cfg)
+        np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(deterministic))
+        assert not np.array_equal(np.asarray(out), np.asarray(dropped))
+
+    def test_jit(self):
+        inputs = attention_inputs(44, batch=1, q_len=10, num_heads=2, head_dim=16)
+        with self.maybe_unsupported():
+            eager = self.operation(**inputs, causal=True)
+            jitted = jax.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
+                inputs["query"], inputs["key"], inputs["value"]
+            )
+        np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize(
+        "mutate,argument",
+        [
+            (lambda x: dict(x, key=x["key"][:, :, :3], value=x["value"][:, :, :3]), "key"),
+            (lambda x: dict(x, dropout_prob=1.5), "dropout_prob"),
+            (lambda x: dict(x, logits_soft_cap=0.0), "logits_soft_cap"),
+            (lambda x: dict(x, value=x["value"].astype(jnp.bfloat16)), "value"),
+        ],
+        ids=["kv-heads", "dropout", "soft-cap", "dtype-mix"],
+    )
+    def test_bad_inputs_raise_value_error(self, mutate, argument):
+        inputs = mutate(attention_inputs(45, batch=2, q_len=16, num_heads=4, head_dim=32))
+        with pytest.raises(ValueError, match=argument):
+            self.operation(**inputs)
