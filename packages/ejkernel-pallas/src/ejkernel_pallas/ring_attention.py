@@ -142,6 +142,12 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None, s
     """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
     if interpret is None:
         interpret = tpu_interpret_or_refuse()
+    if interpret is True and axis_name is not None:
+        # Pallas' generic interpreter evaluates kernel bodies under shard_map's varying-axes checks and
+        # trips on them (jax 0.11: "mul requires varying manual axes to match"); the TPU interpreter does not.
+        from jax.experimental.pallas import tpu as pltpu
+
+        interpret = pltpu.InterpretParams()
     block = tpu.block_static(
         query, key, value, has_segments=q_segment_ids is not None, softmax_scale=softmax_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, cfg=cfg, interpret=interpret,
