@@ -37,7 +37,7 @@ def _segments(rng, batch, length, num):
     return jnp.asarray(np.sort(rng.integers(0, num, (batch, length)), axis=1), jnp.int32)
 
 
-def case(name, *, seed, b=1, sq=37, skv=37, h=2, hkv=1, d=32, dv=None, dtype=jnp.float32, sinks=0,
+def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp.float32, sinks=0,
          segments=False, unmatched_segment=False, varlen=None, vmap=False, **kw):
     rng = np.random.default_rng(seed)
     dv = dv or d
@@ -91,12 +91,12 @@ def case(name, *, seed, b=1, sq=37, skv=37, h=2, hkv=1, d=32, dv=None, dtype=jnp
 CASES = {
     "gqa_cross_lengths": dict(seed=1, sq=37, skv=45, h=4, hkv=2),
     "causal_softcap": dict(seed=2, sq=45, skv=37, causal=True, logits_soft_cap=2.0),
-    "window_sinks": dict(seed=3, sq=40, skv=40, sliding_window=(5, 3), sinks=2),
+    "window_sinks": dict(seed=3, sq=40, skv=40, h=2, sliding_window=(5, 3), sinks=2),
     "segments_unmatched_causal": dict(seed=4, sq=33, skv=33, causal=True, segments=True, unmatched_segment=True),
     "varlen_causal_padding": dict(seed=5, b=1, sq=40, skv=44, causal=True, varlen=([0, 5, 20, 33], [0, 7, 20, 37])),
     "fp16_mqa_headdim40": dict(seed=6, sq=35, skv=35, h=3, hkv=1, d=40, dv=24, dtype=jnp.float16, causal=True),
     # Every row sees one key: the exact dq and dk are 0, and must come out exactly 0 (delta's dot order).
-    "diagonal_window_exact_zero": dict(seed=8, sq=45, skv=61, h=2, hkv=2, sliding_window=(0, 0)),
+    "diagonal_window_exact_zero": dict(seed=8, sq=45, skv=61, sliding_window=(0, 0)),
     "vmap_fold": dict(seed=7, b=1, sq=21, skv=21, causal=True, vmap=True),
 }
 

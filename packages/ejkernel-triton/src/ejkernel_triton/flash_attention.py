@@ -1,9 +1,10 @@
 """Flash attention (forward and backward) as Triton kernels called through jax-triton.
 
-Reads top to bottom: tuning parameters, the Triton kernels (forward, dK/dV, dQ), the launch helpers
-(jax-triton on a GPU, Triton's interpreter on the CPU for tests), the custom VJP and vmap rules, the
-public entry point with its ``check_supported`` / ``heuristic_cfg`` / ``config_space`` attributes, a
-small float32 reference and a micro-benchmark.
+Reads top to bottom: tuning parameters (shipped per-device tables, heuristics, autotuning space), the
+Triton kernels (forward, dK/dV, dQ, and float32's delta), the launch helpers (jax-triton on a GPU, Triton's
+interpreter on the CPU for tests), the custom VJP and vmap rules, the public entry point with its
+``check_supported`` / ``heuristic_cfg`` / ``config_space`` attributes, a small dense reference and a
+micro-benchmark.
 
 Semantics are those of docs/flash_attention.md. Layout stays ``[batch, seq, heads, dim]`` throughout:
 kernels address q/k/v through strides, so nothing is transposed or copied, and grouped-query attention
@@ -169,6 +170,9 @@ def _sequence_bounds(cu_q, cu_k, seq_idx, SEQ_Q, SEQ_KV, IS_VARLEN: tl.constexpr
         q_len = tl.load(cu_q + seq_idx + 1) - q_start
         k_start = tl.load(cu_k + seq_idx)
         k_len = tl.load(cu_k + seq_idx + 1) - k_start
+        # Element offsets start * heads * dim overflow int32 past ~2**31 / (H * D) packed tokens.
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
     else:
         q_start = 0
         q_len = SEQ_Q
@@ -1040,19 +1044,9 @@ def tuning_to_cfg(t: Tuning):
                     num_stages=t.fwd_num_stages)
     bwd = BwdParams(q_blocksize=t.dkv_block_q, kv_blocksize=t.dkv_block_kv, blocksize_m=t.dq_block_q,
                     blocksize_n=t.dq_block_kv, num_warps=t.bwd_num_warps, num_stages=t.bwd_num_stages)
-    try:
-        from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
-    except ImportError:  # core's operation module not there: a plain carrier with the same fields
-        return _PlainConfig(fwd_params=fwd, bwd_params=bwd)
+    from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
+
     return FlashAttentionConfig(fwd_params=fwd, bwd_params=bwd, platform="triton")
-
-
-@dataclasses.dataclass(frozen=True)
-class _PlainConfig:
-    fwd_params: Any = None
-    bwd_params: Any = None
-    platform: str = "triton"
-    backend: str = "any"
 
 
 def _invocation_qv(inv):
