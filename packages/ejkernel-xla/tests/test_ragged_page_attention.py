@@ -6,6 +6,7 @@ import jax
 
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
 from ejkernel.testing.numerics import assert_close
+from ejkernel.testing.page_attention import run_jitted
 from ejkernel.testing.ragged_page_attention import (
     CASES,
     RaggedPageAttentionConformance,
@@ -18,7 +19,7 @@ class TestXlaRaggedPageAttention(RaggedPageAttentionConformance):
 
     def test_block_sizes_agree(self):
         inputs = self.make_inputs(11, CASES["mixed_gqa"], "float32", num_sinks=0)
-        expected = reference_ragged_page_attention(**inputs, sliding_window=9)
+        expected = run_jitted(reference_ragged_page_attention, **inputs, sliding_window=9)
         cfg = RaggedPageAttentionConfig(num_kv_pages_per_block=2, num_queries_per_block=5)
         out = jax.jit(lambda **kw: self.call(**kw, sliding_window=9, cfg=cfg))(**inputs)
         assert_close(out, expected, dtype="float32")

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from ejkernel.testing._attention_reference import reference_flash_attention
+from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
 from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
-from ejkernel.testing.page_attention import DTYPES, check_against_reference, forward_and_vjp, random_array
+from ejkernel.testing.page_attention import BadInputChecks, DTYPES, check_against_reference, forward_and_vjp, random_array, run_jitted
 
 
 def reference_blocksparse_attention(
@@ -77,9 +78,11 @@ CASES = {
 }
 
 
-class BlockSparseAttentionConformance:
+class BlockSparseAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform``."""
 
+    operation_type: ClassVar[type] = BlockSparseAttention
+    operation_arguments: ClassVar[tuple[str, ...]] = ('query', 'key', 'value', 'q_segment_ids', 'kv_segment_ids', 'softmax_aux', 'block_mask')
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
@@ -142,28 +145,22 @@ class BlockSparseAttentionConformance:
 
     def test_dense_default_and_vmap(self):
         inputs, static = self.make_inputs(6, CASES["rect_shared"], "float32")
-        dense = self.call(**inputs, block_size=static["block_size"])
-        assert_close(dense, reference_flash_attention(**inputs, causal=True), dtype="float32")
+        dense = run_jitted(self.call, **inputs, block_size=static["block_size"])
+        assert_close(dense, run_jitted(reference_flash_attention, **inputs, causal=True), dtype="float32")
         stacked = jnp.stack([inputs["query"], -inputs["query"]])
         batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "query": q}, **static)))(stacked)
-        expected = reference_blocksparse_attention(**{**inputs, "query": stacked[1]}, **static)
+        expected = run_jitted(reference_blocksparse_attention, **{**inputs, "query": stacked[1]}, **static)
         assert_close(batched[1], expected, dtype="float32")
 
     def test_bad_inputs(self):
         inputs, static = self.make_inputs(7, CASES["gqa_per_head"], "float32")
 
-        def call(**changes):
-            return self.call(**{**inputs, **static, **changes})
+        def call(match, **changes):
+            self.assert_rejected(match, **{**inputs, **static, **changes})
 
-        with pytest.raises((ValueError, TypeError), match="key"):
-            call(key=inputs["key"][:, :, :, :8])
-        with pytest.raises(ValueError, match="block_mask"):
-            call(block_mask=static["block_mask"][:, :, :2])
-        with pytest.raises((ValueError, TypeError), match="block_mask"):
-            call(block_mask=static["block_mask"].astype(jnp.int32))
-        with pytest.raises(ValueError, match="block_size"):
-            call(block_size=0)
-        with pytest.raises(ValueError, match="sliding_window"):
-            call(sliding_window=(-2, 1))
-        with pytest.raises(ValueError, match="value"):
-            call(value=inputs["value"].astype(jnp.bfloat16))
+        call("key", key=inputs["key"][:, :, :, :8])
+        call("block_mask", block_mask=static["block_mask"][:, :, :2])
+        call("block_mask", block_mask=static["block_mask"].astype(jnp.int32))
+        call("block_size", block_size=0)
+        call("sliding_window", sliding_window=(-2, 1))
+        call("value", value=inputs["value"].astype(jnp.bfloat16))

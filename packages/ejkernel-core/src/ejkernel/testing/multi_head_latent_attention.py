@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttention
 from ejkernel.testing.numerics import Tolerance, assert_close
-from ejkernel.testing.page_attention import DTYPES, check_against_reference, masked_softmax_attention, random_array
+from ejkernel.testing.page_attention import BadInputChecks, DTYPES, check_against_reference, masked_softmax_attention, random_array, run_jitted
 
 
 def reference_multi_head_latent_attention(
@@ -55,9 +56,11 @@ CASES = {
 WRT = ("query", "key_value", "w_kc", "w_vc")
 
 
-class MultiHeadLatentAttentionConformance:
+class MultiHeadLatentAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform``."""
 
+    operation_type: ClassVar[type] = MultiHeadLatentAttention
+    operation_arguments: ClassVar[tuple[str, ...]] = ('query', 'key_value', 'w_kc', 'w_vc', 'b_q', 'b_k')
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
@@ -116,28 +119,23 @@ class MultiHeadLatentAttentionConformance:
         from ejkernel.modules import flash_mla
 
         inputs = self.make_inputs(5, CASES["no_rope_mha"], "float32")
-        expected = reference_multi_head_latent_attention(**inputs, causal=True)
+        expected = run_jitted(reference_multi_head_latent_attention, **inputs, causal=True)
         stacked = jnp.stack([inputs["query"], -inputs["query"]])
         batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "query": q}, causal=True)))(stacked)
         assert_close(batched[0], expected, dtype="float32")
-        alias = flash_mla(inputs["query"], inputs["key_value"], inputs["w_kc"], inputs["w_vc"], causal=True, platform=self.platform)
+        alias = run_jitted(flash_mla, inputs["query"], inputs["key_value"], inputs["w_kc"], inputs["w_vc"], causal=True, platform=self.platform)
         assert_close(alias, expected, dtype="float32")
 
     def test_bad_inputs(self):
         inputs = self.make_inputs(6, CASES["expanded_rope"], "float32")
 
-        def call(**changes):
-            return self.call(**{**inputs, **changes})
+        def call(match, **changes):
+            self.assert_rejected(match, **{**inputs, **changes})
 
-        with pytest.raises((ValueError, TypeError), match="query"):
-            call(query=inputs["query"][0])
-        with pytest.raises((ValueError, TypeError), match="w_kc"):
-            call(w_kc=inputs["w_kc"][:-1])
-        with pytest.raises(ValueError, match="w_kc"):  # 3 kv heads do not divide 4
-            call(w_kc=inputs["w_kc"][:, :1].repeat(3, 1), w_vc=inputs["w_vc"][:, :1].repeat(3, 1))
-        with pytest.raises(ValueError, match="w_vc"):
-            call(w_vc=inputs["w_vc"].astype(jnp.bfloat16))
-        with pytest.raises(ValueError, match="b_q"):
-            call(b_k=None)
-        with pytest.raises(ValueError, match="cu_seqlens"):
-            self.call(**inputs, cu_seqlens=jnp.asarray([0, 5, 3], jnp.int32))
+        call("query", query=inputs["query"][0])
+        call("w_kc", w_kc=inputs["w_kc"][:-1])
+        # 3 kv heads do not divide 4
+        call("w_kc", w_kc=inputs["w_kc"][:, :1].repeat(3, 1), w_vc=inputs["w_vc"][:, :1].repeat(3, 1))
+        call("w_vc", w_vc=inputs["w_vc"].astype(jnp.bfloat16))
+        call("b_q", b_k=None)
+        self.assert_rejected("cu_seqlens", **inputs, cu_seqlens=jnp.asarray([0, 5, 3], jnp.int32))

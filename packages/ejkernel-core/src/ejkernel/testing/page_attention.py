@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ejkernel.modules.operations.page_attention import PageAttention
 from ejkernel.testing.numerics import (
     Tolerance,
     assert_close,
@@ -97,6 +98,12 @@ def assert_gradient_refused(fn: Callable[..., jax.Array], inputs: Mapping[str, A
         forward_and_vjp(fn, inputs, wrt, 0)
 
 
+def run_jitted(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as one compiled computation with every input a closed-over constant (eager
+    dispatch would compile every primitive separately; constants keep value checks working)."""
+    return jax.jit(lambda: fn(*args, **kwargs))()
+
+
 def random_array(seed: int, shape: Sequence[int], dtype: Any = jnp.float32, scale: float = 1.0) -> jax.Array:
     """Standard normal (times ``scale``) from numpy, rounded to ``dtype``; no exact zeros. (numpy, not
     ``jax.random``: XLA compiles the threefry sampler anew for every shape, seconds each on CI.)"""
@@ -159,6 +166,25 @@ def soft_cap(logits, cap):
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
+class BadInputChecks:
+    """Mixin of the suites: ``assert_rejected(match, **call)`` checks that a bad call is refused with a
+    ``ValueError`` naming ``match`` by the operation itself (through the executor, so before anything
+    compiles), and by the public function (whose type annotations may speak first: ``TypeError``)."""
+
+    platform: ClassVar[str]
+    operation_type: ClassVar[type]
+    operation_arguments: ClassVar[tuple[str, ...]]
+
+    def assert_rejected(self, match: str, **call: Any) -> None:
+        from ejkernel.ops import get_default_executor
+
+        positional = [call.pop(name, None) for name in self.operation_arguments]
+        with pytest.raises(ValueError, match=match):
+            get_default_executor()(self.operation_type(), *positional, platform=self.platform, **call)
+        with pytest.raises((ValueError, TypeError), match=match):
+            self.call(**dict(zip(self.operation_arguments, positional)), **call)
+
+
 # ---- the reference ---------------------------------------------------------------------------------
 
 
@@ -201,9 +227,11 @@ SHAPES = {
 }
 
 
-class PageAttentionConformance:
+class PageAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform`` (see the module docstring)."""
 
+    operation_type: ClassVar[type] = PageAttention
+    operation_arguments: ClassVar[tuple[str, ...]] = ('query', 'key_cache', 'value_cache', 'context_lens', 'block_tables')
     platform: ClassVar[str]
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
@@ -264,25 +292,21 @@ class PageAttentionConformance:
     def test_jit_and_vmap(self):
         inputs = self.make_inputs(6, SHAPES["gqa4_odd"], "float32")
         jitted = jax.jit(lambda **kw: self.call(**kw))(**inputs)
-        assert_close(jitted, reference_page_attention(**inputs), dtype="float32")
+        assert_close(jitted, run_jitted(reference_page_attention, **inputs), dtype="float32")
         # vmap over a stack of query sets sharing one cache
         queries = jnp.stack([inputs["query"], inputs["query"][::-1] * 0.5])
         batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "query": q})))(queries)
-        expected = jax.vmap(lambda q: reference_page_attention(**{**inputs, "query": q}))(queries)
+        expected = run_jitted(jax.vmap(lambda q: reference_page_attention(**{**inputs, "query": q})), queries)
         assert_close(batched, expected, dtype="float32")
 
     def test_bad_inputs(self):
         inputs = self.make_inputs(7, SHAPES["gqa4_odd"], "float32")
-        with pytest.raises((ValueError, TypeError), match="query"):
-            self.call(**{**inputs, "query": inputs["query"][0]})
-        with pytest.raises(ValueError, match="key_cache"):  # 3 kv heads do not divide 8
-            self.call(**{**inputs, "key_cache": inputs["key_cache"][:, :1].repeat(3, 1),
-                         "value_cache": inputs["value_cache"][:, :1].repeat(3, 1)})
-        with pytest.raises((ValueError, TypeError), match="value_cache"):
-            self.call(**{**inputs, "value_cache": inputs["value_cache"].astype(jnp.bfloat16)})
-        with pytest.raises((ValueError, TypeError), match="context_lens"):
-            self.call(**{**inputs, "context_lens": inputs["context_lens"][:2]})
-        with pytest.raises(ValueError, match="context_lens"):
-            self.call(**{**inputs, "context_lens": inputs["context_lens"].at[0].set(-1)})
-        with pytest.raises(ValueError, match="block_tables"):  # a page that is read is out of range
-            self.call(**{**inputs, "block_tables": inputs["block_tables"].at[1, 0].set(10_000)})
+        self.assert_rejected("query", **{**inputs, "query": inputs["query"][0]})
+        # 3 kv heads do not divide 8
+        three_kv_heads = {k: inputs[k][:, :1].repeat(3, 1) for k in ("key_cache", "value_cache")}
+        self.assert_rejected("key_cache", **{**inputs, **three_kv_heads})
+        self.assert_rejected("value_cache", **{**inputs, "value_cache": inputs["value_cache"].astype(jnp.bfloat16)})
+        self.assert_rejected("context_lens", **{**inputs, "context_lens": inputs["context_lens"][:2]})
+        self.assert_rejected("context_lens", **{**inputs, "context_lens": inputs["context_lens"].at[0].set(-1)})
+        # a page that is read is out of range
+        self.assert_rejected("block_tables", **{**inputs, "block_tables": inputs["block_tables"].at[1, 0].set(10_000)})

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention
 from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
 from ejkernel.testing.page_attention import (
+    BadInputChecks,
     DTYPES,
     assert_gradient_refused,
     check_against_reference,
@@ -24,6 +26,7 @@ from ejkernel.testing.page_attention import (
     masked_softmax_attention,
     random_array,
     random_block_tables,
+    run_jitted,
     sinks_for,
     soft_cap,
 )
@@ -79,9 +82,11 @@ CASES = {
 }
 
 
-class RaggedPageAttentionConformance:
+class RaggedPageAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform``."""
 
+    operation_type: ClassVar[type] = RaggedPageAttention
+    operation_arguments: ClassVar[tuple[str, ...]] = ('queries', 'kv_pages', 'context_lens', 'block_tables', 'query_start_loc', 'num_seqs', 'softmax_aux')
     platform: ClassVar[str]
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
@@ -150,37 +155,31 @@ class RaggedPageAttentionConformance:
 
     def test_num_seqs_as_int_jit_and_vmap(self):
         inputs = self.make_inputs(6, CASES["mixed_gqa"], "float32")
-        expected = reference_ragged_page_attention(**inputs)
-        as_int = self.call(**{**inputs, "num_seqs": int(inputs["num_seqs"][0])})
+        expected = run_jitted(reference_ragged_page_attention, **inputs)
+        as_int = run_jitted(self.call, **{**inputs, "num_seqs": int(inputs["num_seqs"][0])})
         assert_close(as_int, expected, dtype="float32")
         stacked = jnp.stack([inputs["queries"], -inputs["queries"]])
         batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "queries": q})))(stacked)
-        assert_close(batched[1], reference_ragged_page_attention(**{**inputs, "queries": stacked[1]}), dtype="float32")
+        assert_close(batched[1], run_jitted(reference_ragged_page_attention, **{**inputs, "queries": stacked[1]}), dtype="float32")
         assert_close(batched[0], expected, dtype="float32")
 
     def test_bad_inputs(self):
         inputs = self.make_inputs(7, CASES["mixed_gqa"], "float32")
 
-        def call(**changes):
-            return self.call(**{**inputs, **changes})
+        def call(match, **changes):
+            self.assert_rejected(match, **{**inputs, **changes})
 
-        with pytest.raises((ValueError, TypeError), match="queries"):
-            call(queries=inputs["queries"][0])
-        with pytest.raises(ValueError, match="kv_pages"):  # odd combined head count
-            call(kv_pages=inputs["kv_pages"][:, :, :3])
-        with pytest.raises(ValueError, match="kv_pages"):  # 3 kv heads do not divide 4
-            call(kv_pages=jnp.concatenate([inputs["kv_pages"]] * 3, axis=2)[:, :, :6])
-        with pytest.raises(ValueError, match="kv_pages"):
-            call(kv_pages=inputs["kv_pages"].astype(jnp.float16))
-        with pytest.raises(ValueError, match="query_start_loc"):  # not monotone
-            call(query_start_loc=inputs["query_start_loc"].at[2].set(0))
-        with pytest.raises(ValueError, match="query_start_loc"):  # more queries than cached tokens
-            call(context_lens=inputs["context_lens"].at[1].set(2))
-        with pytest.raises(ValueError, match="num_seqs"):
-            call(num_seqs=99)
-        with pytest.raises((ValueError, TypeError), match="softmax_aux"):
-            call(softmax_aux=jnp.ones((3,), jnp.float32))
-        with pytest.raises(ValueError, match="sliding_window"):
-            self.call(**inputs, sliding_window=0)
-        with pytest.raises(ValueError, match="block_tables"):
-            call(block_tables=inputs["block_tables"].at[0, 0].set(-5))
+        call("queries", queries=inputs["queries"][0])
+        # odd combined head count
+        call("kv_pages", kv_pages=inputs["kv_pages"][:, :, :3])
+        # 3 kv heads do not divide 4
+        call("kv_pages", kv_pages=jnp.concatenate([inputs["kv_pages"]] * 3, axis=2)[:, :, :6])
+        call("kv_pages", kv_pages=inputs["kv_pages"].astype(jnp.float16))
+        # not monotone
+        call("query_start_loc", query_start_loc=inputs["query_start_loc"].at[2].set(0))
+        # more queries than cached tokens
+        call("query_start_loc", context_lens=inputs["context_lens"].at[1].set(2))
+        call("num_seqs", num_seqs=99)
+        call("softmax_aux", softmax_aux=jnp.ones((3,), jnp.float32))
+        self.assert_rejected("sliding_window", **inputs, sliding_window=0)
+        call("block_tables", block_tables=inputs["block_tables"].at[0, 0].set(-5))
