@@ -24,6 +24,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "recurrent": "ejkernel_xla.recurrent:recurrent",
     "gla": "ejkernel_xla.gla:gla",
     "lightning_attention": "ejkernel_xla.lightning_attention:lightning_attention",
+    "ring_attention": "ejkernel_xla.ring_attention:ring_attention",
 }
 
 

@@ -59,6 +59,9 @@ _EXPORTS: dict[str, str] = {
     "lightning_attention": "ejkernel.modules.operations.lightning_attention",
     "LightningAttention": "ejkernel.modules.operations.lightning_attention",
     "LightningAttentionConfig": "ejkernel.modules.operations.lightning_attention",
+    "ring_attention": "ejkernel.modules.operations.ring_attention",
+    "RingAttention": "ejkernel.modules.operations.ring_attention",
+    "RingAttentionConfig": "ejkernel.modules.operations.ring_attention",
 }
 
 __all__ = sorted(_EXPORTS)

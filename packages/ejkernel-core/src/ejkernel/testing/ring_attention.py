@@ -1,0 +1,193 @@
+"""Conformance suite of ``ring_attention`` (``docs/ops/ring_attention.md``).
+
+Its reference is single-device ``ejkernel.modules.flash_attention`` on the global arrays (itself checked
+against a float64 dense reference by its own suite): on an 8-device CPU mesh the ring result and every
+gradient must match it. jax fixes its device count when it initializes, so the multi-device cases run
+in a fresh interpreter (``python -m ejkernel.testing.ring_attention --platform NAME``) started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``; the in-process tests cover the one-device case
+and the argument checks.
+
+A backend's test module subclasses :class:`RingAttentionConformance` and sets ``platform``::
+
+    class TestXlaRingAttention(RingAttentionConformance):
+        platform = "xla"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.testing.numerics import Tolerance, assert_close
+from ejkernel.testing.page_attention import random_array
+
+DEVICES = 8
+AXIS = "sp"
+
+# name -> (batch, local q_len, local kv_len, heads, kv_heads, head_dim, dtype, options)
+CASES: dict[str, tuple] = {
+    "causal_gqa_sinks_bf16": (1, 4, 4, 4, 2, 16, "bfloat16", dict(causal=True, softmax_aux=True)),
+    "full_softcap_sinks": (2, 3, 3, 2, 2, 8, "float32", dict(softmax_aux=True, logits_soft_cap=5.0)),
+    "window_segments_q_ne_kv": (1, 3, 4, 2, 1, 8, "float32", dict(causal=True, sliding_window=(6, 0), segments=True)),
+}
+
+
+def case_inputs(name: str, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Global (unsharded) arrays and static options of a case."""
+    batch, q_loc, kv_loc, heads, kv_heads, head_dim, dtype, options = CASES[name]
+    q_len, kv_len = DEVICES * q_loc, DEVICES * kv_loc
+    arrays = dict(
+        query=random_array(seed * 10 + 0, (batch, q_len, heads, head_dim), dtype),
+        key=random_array(seed * 10 + 1, (batch, kv_len, kv_heads, head_dim), dtype),
+        value=random_array(seed * 10 + 2, (batch, kv_len, kv_heads, head_dim), dtype),
+    )
+    options = dict(options)
+    if options.pop("softmax_aux", False):
+        arrays["softmax_aux"] = random_array(seed * 10 + 3, (heads,), dtype)
+    if options.pop("segments", False):  # a few segments per row whose boundaries cross device shards
+        q_ids = np.minimum(np.arange(q_len) * 3 // q_len, 2)
+        kv_ids = np.minimum(np.arange(kv_len) * 3 // kv_len, 2)
+        arrays["q_segment_ids"] = jnp.asarray(np.broadcast_to(q_ids, (batch, q_len)), jnp.int32)
+        arrays["kv_segment_ids"] = jnp.asarray(np.broadcast_to(kv_ids, (batch, kv_len)), jnp.int32)
+    return arrays, options
+
+
+def run_case(name: str, platform: str, tolerances: Mapping[str, Tolerance] | None = None) -> str:
+    """Ring attention on a DEVICES-device mesh vs flash_attention on one device: output and gradients."""
+    from jax.sharding import PartitionSpec as P
+
+    from ejkernel.modules import flash_attention, ring_attention
+
+    arrays, options = case_inputs(name)
+    dtype = arrays["query"].dtype
+    names = list(arrays)
+    mesh = jax.make_mesh((DEVICES,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = {"query": P(None, AXIS), "key": P(None, AXIS), "value": P(None, AXIS), "q_segment_ids": P(None, AXIS),
+            "kv_segment_ids": P(None, AXIS), "softmax_aux": P()}
+
+    def ring(*values):
+        def local(*shards):
+            return ring_attention(**dict(zip(names, shards)), **options, axis_name=AXIS, platform=platform)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec[n] for n in names), out_specs=P(None, AXIS))(*values)
+
+    def flash(*values):
+        return flash_attention(**dict(zip(names, values)), **options, platform="xla")
+
+    diff = [i for i, n in enumerate(names) if jnp.issubdtype(arrays[n].dtype, jnp.floating)]
+
+    def forward_backward(fn):
+        @jax.jit
+        def run(values, cotangent):
+            def partial(*d):
+                full = list(values)
+                for i, x in zip(diff, d):
+                    full[i] = x
+                return fn(*full)
+
+            out, vjp = jax.vjp(partial, *(values[i] for i in diff))
+            return out, vjp(cotangent)
+
+        return run
+
+    values = tuple(arrays[n] for n in names)
+    shape = jax.eval_shape(flash, *values)
+    cotangent = random_array(99, shape.shape, shape.dtype)
+    out, grads = forward_backward(ring)(values, cotangent)
+    want, want_grads = forward_backward(flash)(values, cotangent)
+    report = [f"{name}: output {assert_close(out, want, dtype=dtype, tolerances=tolerances, scale=2.0):.1e}"]
+    for i, g, w in zip(diff, grads, want_grads):
+        error = assert_close(g, w, dtype=dtype, gradient=True, tolerances=tolerances, scale=2.0, name=f"d{names[i]}")
+        report.append(f"d{names[i]} {error:.1e}")
+    return ", ".join(report)
+
+
+def run_in_subprocess(platform: str, cases: list[str], timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """Run ``cases`` in a fresh interpreter with DEVICES host devices (see the module docstring)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    command = [sys.executable, "-m", "ejkernel.testing.ring_attention", "--platform", platform, *cases]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class RingAttentionConformance:
+    """Test base: subclass and set ``platform`` (see the module docstring)."""
+
+    platform: ClassVar[str]
+    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+
+    def call(self, *args, **kwargs):
+        from ejkernel.modules import ring_attention
+
+        return ring_attention(*args, **kwargs, platform=self.platform)
+
+    def test_matches_flash_attention_on_8_devices(self):
+        result = run_in_subprocess(self.platform, sorted(CASES))
+        assert result.returncode == 0, f"ring attention on {DEVICES} devices failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+        assert result.stdout.count("OK ") == len(CASES), result.stdout
+
+    def test_one_device_is_flash_attention(self):
+        from ejkernel.modules import flash_attention
+
+        arrays, options = case_inputs("window_segments_q_ne_kv", seed=3)
+        arrays["softmax_aux"] = random_array(4, (arrays["query"].shape[2], 2))
+        fn = jax.jit(jax.value_and_grad(lambda q, k, aux, f: jnp.sum(f(q, k, aux) ** 2), argnums=(0, 1, 2)), static_argnums=3)
+        rest = {k: v for k, v in arrays.items() if k not in ("query", "key", "softmax_aux")}
+        ring = lambda q, k, aux: self.call(q, k, **rest, softmax_aux=aux, **options)  # noqa: E731
+        flash = lambda q, k, aux: flash_attention(q, k, **rest, softmax_aux=aux, **options, platform="xla")  # noqa: E731
+        got, want = fn(arrays["query"], arrays["key"], arrays["softmax_aux"], ring), fn(
+            arrays["query"], arrays["key"], arrays["softmax_aux"], flash
+        )
+        assert_close(got[0], want[0], dtype=jnp.float32)
+        for name, g, w in zip(("dquery", "dkey", "dsoftmax_aux"), got[1], want[1]):
+            assert_close(g, w, dtype=jnp.float32, gradient=True, name=name)
+
+    def test_bad_inputs_raise_value_errors(self):
+        import pytest
+
+        arrays, _ = case_inputs("full_softcap_sinks")
+        q, k, v = arrays["query"], arrays["key"], arrays["value"]
+        cases = [
+            ((q[0], k, v), {}, "query"),
+            ((q, k[..., :4], v), {}, "key"),
+            ((q, k, v.astype(jnp.bfloat16)), {}, "value"),
+            ((q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2)), {}, "kv heads"),
+            ((q, k, v), {"sliding_window": (-1, 2)}, "sliding_window"),
+            ((q, k, v), {"logits_soft_cap": -1.0}, "logits_soft_cap"),
+            ((q, k, v), {"axis_name": 3}, "axis_name"),
+            ((q, k, v, jnp.zeros((q.shape[0], q.shape[1] + 1), jnp.int32)), {}, "segment_ids"),
+        ]
+        for args, kwargs, match in cases:
+            with pytest.raises((ValueError, TypeError), match=match):
+                self.call(*args, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--platform", default="xla")
+    parser.add_argument("cases", nargs="*", default=sorted(CASES))
+    args = parser.parse_args(argv)
+    if jax.device_count() < DEVICES:
+        print(f"needs {DEVICES} devices, jax sees {jax.device_count()} (set XLA_FLAGS)", file=sys.stderr)
+        return 2
+    failed = 0
+    for name in args.cases:
+        try:
+            print("OK", run_case(name, args.platform), flush=True)
+        except Exception as exc:  # report every case, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
