@@ -104,6 +104,9 @@ class _Static:
     num_sinks: int  # padded count (power of two), 0 = none
     tuning: GpuFlashTuning
     interpret: bool
+    # float32: delta_i = <dO_i, O_i> is recomputed in-kernel with the same dot as dP_ij = <dO_i, V_j>, so
+    # a row that sees one key gets dS = P * (dP - delta) == 0 exactly (its true gradient), not rounding noise.
+    exact_delta: bool = False
 
     @property
     def statically_masked(self) -> bool:
@@ -224,6 +227,14 @@ def _dot_tn(a, b):
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
 
 
+def _row_dot(a, b):
+    """Row-wise <a_i, b_i> through the same tiled dot as the (rows, cols) products."""
+    products = _dot_nt(a, b)
+    rows = lax.broadcasted_iota(jnp.int32, products.shape, 0)
+    cols = lax.broadcasted_iota(jnp.int32, products.shape, 1)
+    return jnp.sum(jnp.where(rows == cols, products, 0.0), axis=1)
+
+
 def _optional(r, name, index=...):
     return r[name][index] if name in r else None
 
@@ -326,7 +337,8 @@ def _dkv_kernel(*refs, st: _Static, names):
         )
         dv = dv + _dot_tn(p.astype(do.dtype), do)
         dp = _dot_nt(do, v)
-        ds = p * (dp - r["delta"][rows][:, None])
+        delta = _row_dot(do, r["o"][rows, :]) if st.exact_delta else r["delta"][rows]
+        ds = p * (dp - delta[:, None])
         if cap_grad is not None:
             ds = ds * cap_grad
         dk = dk + _dot_tn(ds.astype(q.dtype), q)
@@ -343,7 +355,8 @@ def _dq_kernel(*refs, st: _Static, names):
     block_q, block_kv = st.tuning.dq_q, st.tuning.dq_kv
     qi = pl.program_id(0)
     num_kv = r["k"].shape[0] // block_kv
-    q, do, lse, delta = r["q"][...], r["do"][...], r["lse"][...], r["delta"][...]
+    q, do, lse = r["q"][...], r["do"][...], r["lse"][...]
+    delta = _row_dot(do, r["o"][...]) if st.exact_delta else r["delta"][...]
     q_rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     q_pos, q_seg = _optional(r, "q_pos"), _optional(r, "q_seg")
 
@@ -382,6 +395,7 @@ def _spec_table(st: _Static, bq: int, whole_q: int, whole_kv: int, d: int, dv: i
         "q": pl.BlockSpec((None, q_rows, None, d), q_index),
         "do": pl.BlockSpec((None, q_rows, None, dv), q_index),
         "out": pl.BlockSpec((None, q_rows, None, dv), q_index),
+        "o": pl.BlockSpec((None, q_rows, None, dv), q_index),
         "k": pl.BlockSpec((None, kv_rows, None, d), kv_index),
         "v": pl.BlockSpec((None, kv_rows, None, dv), kv_index),
         # dK/dV are produced per query head and summed over the GQA group outside.
@@ -430,7 +444,9 @@ def _backward(st: _Static, arrays: dict, out, lse, d_out):
     t = st.tuning
     delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
     inputs = {**arrays, "do": d_out, "lse": lse, "delta": delta}
-    names = [n for n in ("q", "k", "v", "do", "lse", "delta", *_META) if n in inputs]
+    if st.exact_delta:
+        inputs["o"] = out
+    names = [n for n in ("q", "k", "v", "do", "o", "lse", "delta", *_META) if n in inputs]
     params = pltriton.CompilerParams(num_warps=t.bwd_warps, num_stages=t.bwd_stages)
 
     table = _spec_table(st, t.dkv_q, sq_pad, skv_pad, d, dv, q_whole=True, kv_whole=False, bkv=t.dkv_kv)
@@ -576,6 +592,7 @@ def flash_attention(
         num_sinks=num_sinks,
         tuning=tuning,
         interpret=bool(interpret),
+        exact_delta=query.dtype == jnp.float32,
     )
     out = _attention(st, arrays)
     return out[:, :sq, :, :dv]
