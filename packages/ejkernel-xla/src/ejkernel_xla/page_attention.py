@@ -4,8 +4,9 @@ serving operations share (``attend_over_blocks``).
 Decode is memory-bound, so the loop reads each needed KV page once per query row: a ``lax.scan`` over
 blocks of pages gathers only that block (never the whole gathered cache), folds it into an online
 softmax in float32, and GQA is handled by grouping query heads per kv head instead of repeating KV.
-The scan body is rematerialized under autodiff, so the backward pass stores one small carry per step
-rather than every gathered block.
+A step whose block no row can see (past every context length, before every window) is skipped with
+``lax.cond`` (a select under ``vmap``). The scan body is rematerialized under autodiff, so the backward
+pass stores one small carry per step rather than every gathered block.
 """
 
 from __future__ import annotations
@@ -46,15 +47,13 @@ def attend_over_blocks(
     rows, kv_heads, group, _ = query.shape
     q = query.astype(jnp.float32) * softmax_scale
 
-    @jax.checkpoint
-    def step(carry, i):
+    def fold_in(carry, i, visible):
         row_max, row_sum, acc = carry
         keys, values = load_block(i)
         logits = jnp.einsum("rkgd,rtkd->rkgt", q, keys.astype(jnp.float32))
         if logits_soft_cap is not None:
             logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-        visible = visible_block(i)[:, None, None, :]
-        logits = jnp.where(visible, logits, -jnp.inf)
+        logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
         new_max = jnp.maximum(row_max, logits.max(axis=-1))
         # -inf - -inf is NaN: rows that have seen nothing yet keep a finite reference point.
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -62,7 +61,13 @@ def attend_over_blocks(
         rescale = jnp.exp(row_max - safe_max)
         row_sum = row_sum * rescale + probs.sum(axis=-1)
         acc = acc * rescale[..., None] + jnp.einsum("rkgt,rtkd->rkgd", probs, values.astype(jnp.float32))
-        return (new_max, row_sum, acc), None
+        return new_max, row_sum, acc
+
+    @jax.checkpoint
+    def step(carry, i):
+        visible = visible_block(i)
+        # a block no row can see (past every context, before every window) is neither read nor computed
+        return jax.lax.cond(visible.any(), lambda: fold_in(carry, i, visible), lambda: carry), None
 
     value_dim = jax.eval_shape(load_block, jnp.int32(0))[1].shape[-1]
     init = (
