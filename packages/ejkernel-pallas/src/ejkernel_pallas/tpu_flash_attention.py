@@ -109,6 +109,9 @@ class _Static:
     blocks: TpuFlashBlocks
     interpret: object  # False, or pltpu.InterpretParams
     block_outputs: bool = False  # ring inner block: f32 outputs, lse -inf for rows that see nothing
+    # float32: delta_i = <dO_i, O_i> is recomputed in-kernel with the same dot as dP_ij = <dO_i, V_j>, so a
+    # row that sees one key gets dS = P * (dP - delta) == 0 exactly (its true gradient), not rounding noise.
+    exact_delta: bool = False
 
 
 def _struct(shape, dtype, like):
@@ -340,7 +343,15 @@ def _probabilities_and_dlogits(st: _Static, r, b, h, qi, ki, block_q, block_kv):
         inv_keep = 1.0 / (1.0 - st.dropout_prob)
         p_dropped = jnp.where(keep, p * inv_keep, 0.0)
         dp = jnp.where(keep, dp * inv_keep, 0.0)
-    ds = p * (dp - r["delta"][...])  # gradient of the final logits (what the bias receives)
+    if st.exact_delta:
+        products = jax.lax.dot_general(do, r["o"][...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        diagonal = jax.lax.broadcasted_iota(jnp.int32, products.shape, 0) == jax.lax.broadcasted_iota(
+            jnp.int32, products.shape, 1
+        )
+        delta = jnp.sum(jnp.where(diagonal, products, 0.0), axis=1, keepdims=True)
+    else:
+        delta = r["delta"][...]
+    ds = p * (dp - delta)  # gradient of the final logits (what the bias receives)
     ds_raw = ds
     if st.soft_cap is not None:
         ds_raw = ds * (1.0 - jnp.square(capped / st.soft_cap))
@@ -408,7 +419,7 @@ def _dq_kernel(*refs, st: _Static, names):
         r["dq_out"][...] = dq_acc[...].astype(r["dq_out"].dtype)
 
 
-_BWD_INPUTS = ("q", "k", "v", "bias", "mask", "q_pos", "kv_pos", "q_seg", "kv_seg", "seed", "do", "lse", "delta")
+_BWD_INPUTS = ("q", "k", "v", "bias", "mask", "q_pos", "kv_pos", "q_seg", "kv_seg", "seed", "do", "o", "lse", "delta")
 
 
 def _backward(st: _Static, arrays: dict):
@@ -483,6 +494,8 @@ def _attention_bwd(st: _Static, residuals, d_out):
     arrays, out, lse = residuals
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     bwd_arrays = {**arrays, "do": d_out, "lse": lse, "delta": delta}
+    if st.exact_delta:
+        bwd_arrays["o"] = out
     bwd_arrays.pop("sinks", None)
     dq, dk, dv, dbias = _backward(st, bwd_arrays)
     grads = {}
@@ -635,6 +648,7 @@ def flash_attention(
         num_sinks=num_sinks,
         blocks=blocks,
         interpret=interpret,
+        exact_delta=query.dtype == jnp.float32,
     )
     out = _attention(st, arrays)
     return jnp.swapaxes(out[:, :, :sq], 1, 2)
