@@ -19,7 +19,7 @@ def test_list_backends_shows_the_four_first_party_backends_honestly(capsys):
     assert set(rows) >= {"xla", "triton", "pallas", "cuda"}
     assert rows["xla"]["status"] == "ok" and rows["xla"]["implementations"] >= 1
     # this suite runs with JAX_PLATFORMS=cpu: GPU backends must say why they cannot run
-    assert rows["triton"]["status"] == "unavailable: no GPU visible"
+    assert rows["triton"]["status"].startswith("unavailable: no GPU visible")
     assert rows["cuda"]["status"] == "unavailable: no GPU visible"
     assert rows["pallas"]["status"].startswith("unavailable: no TPU or GPU visible")
     for row in rows.values():

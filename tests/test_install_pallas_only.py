@@ -59,7 +59,6 @@ def test_interpret_mode_runs_the_kernel(pallas_only):
     assert float(printed.split()[-1]) < 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason="core dispatch: 'nothing registered' errors carry no install hint yet")
 def test_missing_operation_names_the_distribution_that_provides_it(pallas_only):
     code = (
         "import jax\nfrom ejkernel.modules import mean_pooling\n"

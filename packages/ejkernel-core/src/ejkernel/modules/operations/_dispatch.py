@@ -151,7 +151,9 @@ def resolve(algorithm: str, platform: str | Platform | None, args: tuple, kwargs
         skipped.append((_spec_label(spec), reason))
     registered = kernel_registry.list_implementations(algorithm)
     if not registered:
-        kernel_registry.get(algorithm)  # raises: nothing registered at all, with the known algorithms
+        raise KernelNotFoundError(
+            kernel_registry._not_found_message(algorithm, None, None) + _install_hint(algorithm)
+        )
     elsewhere = [s for s in registered if s not in candidates]
     skipped.extend((_spec_label(s), _elsewhere_reason(s, backend)) for s in elsewhere)
     details = "; ".join(f"{name}: {why}" for name, why in dict.fromkeys(skipped))
