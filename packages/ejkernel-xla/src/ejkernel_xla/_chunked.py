@@ -10,8 +10,10 @@ the chunk start (or since the sequence start, when a packed sequence starts insi
 
 - intra-chunk: ``o_t += sum_{s<=t, same sequence} <q_t, k_s exp(A_t - A_s)> v_s exp(B_t - B_s)``;
   with scalar decays (one per token and head) this is ``(Q K^T * decay mask) V``, two matmuls; with
-  per-dimension decays the pairwise factor ``exp(A_t - A_s)`` (never positive exponents for decays) is
-  formed explicitly over the ``C x C x K`` chunk tile, so nothing overflows however strong the gates;
+  per-dimension key decays, pairs across sub-chunks of 16 tokens are matmuls of queries and keys decayed
+  to the sub-chunk start (exponents never positive for decays, so nothing overflows however strong the
+  gates) and pairs inside a sub-chunk use the exact pairwise factor; with value-dimension decays too,
+  the pairwise factors span the chunk (a small one);
 - inter-chunk: ``o_t += (q_t exp(A_t))^T S_in exp(B_t)`` with ``S_in`` the state entering the chunk,
   passed along by a ``lax.scan`` over chunks:
   ``S_out = exp(A_C) S_in exp(B_C) + sum_s (k_s exp(A_C - A_s)) (v_s exp(B_C - B_s))^T``.
@@ -97,14 +99,54 @@ def _cumulative(log_decay, layout: _Layout, chunk):
     return inclusive - jnp.take_along_axis(exclusive, first, axis=3)
 
 
-def _intra_chunk(q, k, v, a, b, same, scalar_decay):
+SUB_CHUNK = 16
+"""With per-dimension decays, pairs inside one sub-chunk of this many tokens use the exact pairwise factor;
+pairs across sub-chunks are a matmul (see ``_vector_decay_scores``)."""
+
+
+def _vector_decay_scores(q, k, a, seq, mask):
+    """``<q_t, k_s exp(A_t - A_s)>`` for every pair of each chunk, per-dimension decays ([B,H,N,C,C]).
+
+    Across sub-chunks the decay is split at the first token ``r`` of the query's sub-chunk:
+    ``exp(A_t - A_r) * exp(A_r - A_s)`` (both exponents <= 0 for decays, so nothing overflows) and the
+    sum over K becomes a matmul. Inside a sub-chunk the factor is formed pairwise. Factors are only
+    formed within one sequence (``seq``), so packed sequences never mix.
+    """
+    *lead, chunk, dk = q.shape
+    sub = SUB_CHUNK if chunk % SUB_CHUNK == 0 else chunk
+    n = chunk // sub
+    q_sub, a_sub = q.reshape(*lead, n, sub, dk), a.reshape(*lead, n, sub, dk)
+    seq_sub = seq.reshape(-1, n, sub)  # [N, n, c]
+    a_ref, seq_ref = a_sub[..., :1, :], seq_sub[..., :1]  # the first token of every sub-chunk
+    with_ref = (seq_sub == seq_ref)[None, None, ..., None]
+    q_scaled = q_sub * jnp.exp(jnp.where(with_ref, a_sub - a_ref, 0.0))
+    # keys before the sub-chunk start, decayed up to it: [B, H, N, n(query sub-chunk), C, K]
+    before = (jnp.arange(chunk)[None, :] < (jnp.arange(n) * sub)[:, None])[None]  # [1, n, C]
+    usable = (before & (seq[:, None, :] == seq_ref))[None, None, ..., None]  # [1, 1, N, n, C, 1]
+    k_decay = jnp.exp(jnp.where(usable, a_ref - a[..., None, :, :], 0.0))
+    k_scaled = jnp.where(usable, k[..., None, :, :] * k_decay, 0.0)
+    across = jnp.einsum("bhnitk,bhnisk->bhnits", q_scaled, k_scaled).reshape(*lead, chunk, chunk)
+    # pairs inside one sub-chunk
+    inner_mask = mask.reshape(*mask.shape[:-2], n, sub, n, sub)
+    inner_mask = jnp.diagonal(inner_mask, axis1=-4, axis2=-2)  # [..., c, c, n]
+    inner_mask = jnp.moveaxis(inner_mask, -1, -3)[..., None]  # [..., n, c, c, 1]
+    diff = jnp.where(inner_mask, a_sub[..., :, None, :] - a_sub[..., None, :, :], 0.0)
+    inner = jnp.einsum("bhnitk,bhnisk,bhnitsk->bhnits", q_sub, k.reshape(q_sub.shape),
+                       jnp.where(inner_mask, jnp.exp(diff), 0.0))
+    inner = inner[..., :, :, None, :] * jnp.eye(n, dtype=inner.dtype)[:, None, :, None]  # block diagonal
+    return jnp.where(mask, across + inner.reshape(*lead, chunk, chunk), 0.0)
+
+
+def _intra_chunk(q, k, v, a, b, same, seq, scalar_decay):
     """Outputs of the pairs inside each chunk. q/k [B,H,N,C,K], v [B,H,N,C,V], a [.., K|1], b [.., V]|None,
-    ``same`` bool [N, C(t), C(s)]: s <= t, same sequence, s valid."""
+    ``same`` bool [N, C(t), C(s)]: s <= t, same sequence, s valid; ``seq`` int [N, C] sequence ids."""
     mask = same[None, None]
     if scalar_decay:
         decay = jnp.exp(jnp.where(mask, a[..., :, None, 0] - a[..., None, :, 0], 0.0))  # [B,H,N,C,C]
         scores = jnp.einsum("bhntk,bhnsk->bhnts", q, k) * jnp.where(mask, decay, 0.0)
-    else:
+    elif b is None:
+        scores = _vector_decay_scores(q, k, a, seq, mask)
+    else:  # value-dimension decays too: exact pairwise factors over the chunk (keep the chunk small)
         diff = jnp.where(mask[..., None], a[..., :, None, :] - a[..., None, :, :], 0.0)  # [B,H,N,C,C,K]
         pair = jnp.where(mask[..., None], jnp.exp(diff), 0.0)
         scores = jnp.einsum("bhntk,bhnsk,bhntsk->bhnts", q, k, pair)
@@ -152,7 +194,9 @@ def chunked_linear_attention(
     """
     batch, total, heads, dk = q.shape
     dv = v.shape[-1]
-    chunk = max(1, min(int(chunk_size), total))
+    chunk = int(chunk_size)
+    # short inputs: one chunk, rounded up to whole sub-chunks when the chunk is made of them
+    chunk = min(chunk, -(-total // SUB_CHUNK) * SUB_CHUNK if chunk % SUB_CHUNK == 0 else total)
     padded = -(-total // chunk) * chunk
     num_chunks = padded // chunk
     varlen = cu_seqlens is not None
@@ -184,7 +228,7 @@ def chunked_linear_attention(
     same = causal[None] & (seq[:, :, None] == seq[:, None, :]) & ok[:, None, :]
 
     intra = jax.checkpoint(functools.partial(_intra_chunk, scalar_decay=scalar_decay))
-    o = intra(qc, kc, vc, ac, bc, same)
+    o = intra(qc, kc, vc, ac, bc, same, seq)
 
     # Per-chunk summaries: what the chunk adds to the state of its last token's sequence, and the decay.
     last = (slice(None),) * 3 + (slice(chunk - 1, chunk),)

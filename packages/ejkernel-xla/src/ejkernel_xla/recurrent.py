@@ -6,10 +6,10 @@ import jax.numpy as jnp
 
 from ejkernel_xla._chunked import chunked_linear_attention
 
-SCALAR_DECAY_CHUNK = 64
-"""Default chunk with scalar (per token and head) decays: the intra-chunk part is two plain matmuls."""
-VECTOR_DECAY_CHUNK = 16
-"""Default chunk with per-dimension decays: the pairwise decay tile is chunk x chunk x head_dim."""
+MATMUL_CHUNK = 64
+"""Default chunk when the intra-chunk part is matmuls (scalar or key-dimension decays)."""
+PAIRWISE_CHUNK = 16
+"""Default chunk with value-dimension decays: their pairwise factor tile is chunk x chunk x value_dim."""
 
 
 def linear_attention(query, key, value, log_decay_k, log_decay_v, initial_state, cu_seqlens, *, softmax_scale, reverse, cfg):
@@ -20,8 +20,7 @@ def linear_attention(query, key, value, log_decay_k, log_decay_v, initial_state,
         value = jnp.repeat(value, group, axis=2)
     chunk = getattr(cfg, "chunk_size", None)
     if chunk is None:
-        scalar = (log_decay_k is None or log_decay_k.shape[-1] == 1) and log_decay_v is None
-        chunk = SCALAR_DECAY_CHUNK if scalar else VECTOR_DECAY_CHUNK
+        chunk = MATMUL_CHUNK if log_decay_v is None else PAIRWISE_CHUNK
     out, final = chunked_linear_attention(
         query, key, value, log_decay_k, log_decay_v, initial_state, cu_seqlens,
         scale=softmax_scale, reverse=reverse, chunk_size=chunk,

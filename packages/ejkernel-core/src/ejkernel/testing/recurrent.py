@@ -217,7 +217,7 @@ class RecurrentConformance:
     def test_strong_gates_stay_finite(self):
         inputs = self.make_inputs(6, "gqa_odd", "float32", gates=())
         inputs["g"] = log_sigmoid_gate(60, (1, 37, 4, 8), strength=8.0) * 40.0
-        self.check(inputs, "float32", cfg=self.config(16))
+        self.check(inputs, "float32", cfg=self.config(32))
 
     def test_jit_grad_and_traced_cu_seqlens(self):
         inputs = self.make_inputs(7, "varlen", "float32", gates=("g",), initial_state=True)
@@ -235,6 +235,16 @@ class RecurrentConformance:
             np.testing.assert_allclose(value, want_value, rtol=1e-4)
             for got, want in zip(grads, want_grads):
                 assert_close(got, want, dtype=jnp.float32, gradient=True)
+
+    def test_vmap_matches_per_example_calls(self):
+        items = [self.make_inputs(seed, "mha_17", "float32", gates=("g",)) for seed in (10, 11)]
+        names = ("query", "key", "value", "g")
+        stacked = [jnp.stack([item[n] for item in items]) for n in names]
+        batched = jax.jit(jax.vmap(lambda *xs: self.call(**dict(zip(names, xs)))))(*stacked)
+        single = jax.jit(lambda kwargs: self.call(**kwargs))
+        for i, item in enumerate(items):
+            for got, want, name in zip(batched, single(item), ("output", "final_state")):
+                assert_close(got[i], want, dtype=jnp.float32, name=name)
 
     def test_chunked_state_continues_across_calls(self):
         """Two halves with the first's final state as the second's initial state == one call."""
