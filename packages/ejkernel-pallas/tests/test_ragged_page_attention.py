@@ -34,3 +34,17 @@ def test_lowers_for_tpu():
     with abstract_device("TPU v5 lite", "tpu"):
         text = jax.jit(fn).trace(queries, pages, lens, tables, starts, count).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1
+
+
+def test_interpret_numerics_mixed_batch_with_sinks_and_window():
+    """CI-sized numerics (the full suite is gated): prefill + decode rows sharing a query tile, an inactive
+    slot, padding rows, GQA, window, soft cap and sinks."""
+    from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformance, reference_ragged_page_attention
+
+    case = (4, 2, 16, 8, [(5, 9), (1, 20), (7, 7)], 1, 3)
+    inputs = RaggedPageAttentionConformance().make_inputs(2, case, "float32", num_sinks=2)
+    kw = dict(softmax_scale=0.25, logits_soft_cap=6.0, sliding_window=6)
+    out = jax.jit(lambda **a: ragged_page_attention(**a, **kw, interpret=True))(**inputs)
+    want = reference_ragged_page_attention(**inputs, **kw)
+    assert float(jnp.max(jnp.abs(out - want))) < 1e-5
+    assert float(jnp.max(jnp.abs(out[13:]))) == 0.0  # padding rows
