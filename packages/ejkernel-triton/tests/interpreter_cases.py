@@ -97,6 +97,9 @@ CASES = {
     "fp16_mqa_headdim40": dict(seed=6, sq=35, skv=35, h=3, hkv=1, d=40, dv=24, dtype=jnp.float16, causal=True),
     # Every row sees one key: the exact dq and dk are 0, and must come out exactly 0 (delta's dot order).
     "diagonal_window_exact_zero": dict(seed=8, sq=45, skv=61, sliding_window=(0, 0)),
+    "dropout_gqa_causal": dict(seed=9, sq=37, skv=41, h=2, hkv=1, causal=True, dropout_prob=0.3, dropout_seed=2**33 + 5),
+    "dropout_varlen_high_p": dict(seed=10, sq=40, skv=40, varlen=([0, 9, 30], [0, 12, 30]), dropout_prob=0.6,
+                                  dropout_seed=11),
     "vmap_fold": dict(seed=7, b=1, sq=21, skv=21, causal=True, vmap=True),
 }
 

@@ -32,7 +32,7 @@ def test_plugin_unusable_without_gpu():
     [
         (dict(bias=jax.ShapeDtypeStruct((1, 4, 128, 128), jnp.float32)), "bias"),
         (dict(attention_mask=jax.ShapeDtypeStruct((1, 1, 128, 128), jnp.bool_)), "attention_mask"),
-        (dict(dropout_prob=0.1, dropout_seed=0), "dropout"),
+        (dict(dropout_prob=1.0, dropout_seed=0), "dropout_prob"),
     ],
 )
 def test_refuses_unimplemented_features(kwargs, needle):

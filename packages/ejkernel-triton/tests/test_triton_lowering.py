@@ -54,7 +54,7 @@ def test_fwd_bwd_compile_for_sm90(dtype, d, kw):
 
 
 def test_all_features_compile_for_sm90():
-    """Varlen + segments + sinks + GQA + non-power-of-two head dim, bf16, D=96."""
+    """Varlen + segments + sinks + dropout + GQA + non-power-of-two head dim, bf16, D=96."""
     dtype, d = jnp.bfloat16, 96
     q, k, v = _spec((1, 300, 4, d), dtype), _spec((1, 300, 1, d), dtype), _spec((1, 300, 1, d), dtype)
     cu = jnp.array([0, 100, 250, 290], jnp.int32)
@@ -62,7 +62,7 @@ def test_all_features_compile_for_sm90():
 
     def loss(q, k, v, aux):
         out = fa.flash_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu, q_segment_ids=seg,
-                                 kv_segment_ids=seg, softmax_aux=aux)
+                                 kv_segment_ids=seg, softmax_aux=aux, dropout_prob=0.1, dropout_seed=3)
         return out.astype(jnp.float32).sum()
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, _spec((4, 2), jnp.float32)).lower(

@@ -12,9 +12,10 @@ reads kv head ``h // group`` directly (no repeated kv). The backward pass writes
 that own one kv block and loop over every query head of its group, so no atomics are needed.
 
 Supported in forward and backward: causal, sliding window, logits soft cap, GQA/MQA, segment ids,
-varlen (``cum_seqlens``), attention sinks (``softmax_aux``), any sequence length, head_dim <= 256,
-bf16/fp16/fp32 (fp32 with IEEE dots). Refused with :class:`ejkernel.UnsupportedFeature` (the dispatcher
-then falls back to XLA): ``bias``, ``attention_mask``, dropout.
+varlen (``cum_seqlens``), attention sinks (``softmax_aux``), dropout (the index hash of
+``ejkernel.ops.utils.dropout``, recomputed bit for bit in every kernel), any sequence length, head_dim
+<= 256, bf16/fp16/fp32 (fp32 with IEEE dots). Refused with :class:`ejkernel.UnsupportedFeature` (the
+dispatcher then falls back to XLA): ``bias``, ``attention_mask``.
 """
 
 from __future__ import annotations
@@ -281,6 +282,33 @@ def _visible(rows, cols, q_len, k_len, k_seg_ptr, q_seg, CAUSAL: tl.constexpr,
 
 
 @triton.jit
+def _fmix32(x):
+    """murmur3's finalizer on uint32 (ejkernel.ops.utils.dropout, bit for bit)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _dropout_head_hash(Seed, batch, head):
+    """The row hash's prefix shared by one (batch, head): fmix(fmix(fmix(seed ^ golden) ^ batch) ^ head)."""
+    seed = tl.load(Seed)
+    x = _fmix32(seed ^ 0x9E3779B9)
+    x = _fmix32(x ^ batch.to(tl.uint32))
+    return _fmix32(x ^ head.to(tl.uint32))
+
+
+@triton.jit
+def _dropout_scale(head_hash, rows, cols, THRESHOLD: tl.constexpr, SCALE: tl.constexpr):
+    """keep / (1 - p) for packed query indices `rows` and key indices `cols` (they broadcast)."""
+    row_hash = _fmix32(head_hash ^ rows.to(tl.uint32))
+    elem = _fmix32(row_hash ^ (cols.to(tl.uint32) * 0x27D4EB2F))
+    return tl.where(elem >= THRESHOLD, SCALE, 0.0)
+
+
+@triton.jit
 def _scores(q, k, qk_scale, softcap, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Logits in log2 units (so that exp2 gives the softmax numerator), float32."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -294,10 +322,12 @@ def _scores(q, k, qk_scale, softcap, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: t
 @triton.jit
 def _fwd_block_loop(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, start, stop,
                     rows, offs_kv, offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap,
+                    head_hash, q_start, k_start,
                     BLOCK_KV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                     WINDOW_RIGHT: tl.constexpr, HAS_SEGMENTS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
+                    DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     for n0 in range(start, stop, BLOCK_KV):
         cols = n0 + offs_kv
         if MASKED:
@@ -326,6 +356,9 @@ def _fwd_block_loop(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq
             v = tl.load(v_ptrs + n0 * stride_v_seq, mask=offs_dv[None, :] < DV, other=0.0)
         else:
             v = tl.load(v_ptrs + n0 * stride_v_seq)
+        if DROPOUT:  # the denominator keeps every probability; only the values see the mask
+            p = p * _dropout_scale(head_hash, (q_start + rows)[:, None], (k_start + cols)[None, :],
+                                   DROP_THRESHOLD, DROP_SCALE)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -333,7 +366,7 @@ def _fwd_block_loop(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, QSeg, KSeg, CuQ, CuK, Aux, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs and scalars
+    Q, K, V, QSeg, KSeg, CuQ, CuK, Aux, Seed, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs and scalars
     O, LSE,  # outputs
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
@@ -342,7 +375,8 @@ def _fwd_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
     IS_VARLEN: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, REVERSE_BLOCKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, REVERSE_BLOCKS: tl.constexpr, DROPOUT: tl.constexpr,
+    DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr,
 ):
     seq_idx = tl.program_id(1)
     head = tl.program_id(2)
@@ -376,6 +410,8 @@ def _fwd_kernel(
     else:
         q_seg = rows
 
+    head_hash = _dropout_head_hash(Seed, seq_idx if not IS_VARLEN else 0 * seq_idx, head) if DROPOUT else 0
+
     acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=tl.float32)
     if NUM_SINKS > 0:
         # Sinks only add to the denominator: they seed the running max and sum.
@@ -393,16 +429,19 @@ def _fwd_kernel(
                                          WINDOW_RIGHT, HAS_SEGMENTS)
     acc, m_i, l_i = _fwd_block_loop(
         acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, full_lo, full_hi, rows, offs_kv, offs_d,
-        offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, BLOCK_KV, D, DV, BLOCK_D, BLOCK_DV,
-        CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, False, DOT_PRECISION)
+        offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, head_hash, q_start, k_start, BLOCK_KV, D,
+        DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, False, DOT_PRECISION,
+        DROPOUT, DROP_THRESHOLD, DROP_SCALE)
     acc, m_i, l_i = _fwd_block_loop(
         acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, lo, full_lo, rows, offs_kv, offs_d,
-        offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, BLOCK_KV, D, DV, BLOCK_D, BLOCK_DV,
-        CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION)
+        offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, head_hash, q_start, k_start, BLOCK_KV, D,
+        DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION,
+        DROPOUT, DROP_THRESHOLD, DROP_SCALE)
     acc, m_i, l_i = _fwd_block_loop(
         acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, full_hi, hi, rows, offs_kv, offs_d,
-        offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, BLOCK_KV, D, DV, BLOCK_D, BLOCK_DV,
-        CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION)
+        offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, head_hash, q_start, k_start, BLOCK_KV, D,
+        DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION,
+        DROPOUT, DROP_THRESHOLD, DROP_SCALE)
 
     # With no visible key the row's value sum is 0: output zeros, and an infinite lse makes every
     # recomputed probability of the backward pass exactly 0.
@@ -419,10 +458,12 @@ def _fwd_kernel(
 @triton.jit
 def _dkv_block_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr, start, stop,
                     cols, offs_q, offs_d, offs_dv, q_len, k_len, k_seg, stride_q_seq, stride_do_seq,
-                    qk_scale, softcap, BLOCK_Q: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                    qk_scale, softcap, head_hash, q_start, k_start,
+                    BLOCK_Q: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
                     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-                    USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     for m0 in range(start, stop, BLOCK_Q):
         rows = m0 + offs_q
         if MASKED:
@@ -456,8 +497,14 @@ def _dkv_block_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr
             if HAS_SEGMENTS:
                 ok = ok & (q_seg[None, :] == k_seg[:, None])
             pt = tl.where(ok, pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep = _dropout_scale(head_hash, (q_start + rows)[None, :], (k_start + cols)[:, None],
+                                  DROP_THRESHOLD, DROP_SCALE)
+            dv = tl.dot((pt * keep).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dpt = dpt * keep
+        else:
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if USE_SOFTCAP:
             capped = st * (0.6931471805599453 / softcap)  # back to natural units, over the cap: tanh
@@ -468,7 +515,7 @@ def _dkv_block_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr
 
 @triton.jit
 def _dkv_kernel(
-    Q, K, V, DO, LSE, Delta, QSeg, KSeg, CuQ, CuK, qk_scale, softcap, SEQ_Q, SEQ_KV,
+    Q, K, V, DO, LSE, Delta, QSeg, KSeg, CuQ, CuK, Seed, qk_scale, softcap, SEQ_Q, SEQ_KV,
     DKOut, DVOut,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
@@ -476,7 +523,8 @@ def _dkv_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
+    DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr,
 ):
     seq_idx = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -510,6 +558,7 @@ def _dkv_kernel(
     # Every query head of this kv head's group adds to the same dK/dV: no repeated kv, no atomics.
     for g in range(GROUP):
         head = kv_head * GROUP + g
+        head_hash = _dropout_head_hash(Seed, seq_idx if not IS_VARLEN else 0 * seq_idx, head) if DROPOUT else 0
         q_ptrs = (Q + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
                   + offs_q[:, None] * stride_qs + offs_d[None, :])
         do_ptrs = (DO + batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
@@ -518,18 +567,18 @@ def _dkv_kernel(
         dk, dv = _dkv_block_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_offset, Delta + row_offset, q_seg_ptr, full_lo,
             full_hi, cols, offs_q, offs_d, offs_dv, q_len, k_len, k_seg, stride_qs, stride_os, qk_scale,
-            softcap, BLOCK_Q, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-            HAS_SEGMENTS, USE_SOFTCAP, False, DOT_PRECISION)
+            softcap, head_hash, q_start, k_start, BLOCK_Q, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, False, DOT_PRECISION, DROPOUT, DROP_THRESHOLD, DROP_SCALE)
         dk, dv = _dkv_block_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_offset, Delta + row_offset, q_seg_ptr, lo,
             full_lo, cols, offs_q, offs_d, offs_dv, q_len, k_len, k_seg, stride_qs, stride_os, qk_scale,
-            softcap, BLOCK_Q, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-            HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION)
+            softcap, head_hash, q_start, k_start, BLOCK_Q, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION, DROPOUT, DROP_THRESHOLD, DROP_SCALE)
         dk, dv = _dkv_block_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_offset, Delta + row_offset, q_seg_ptr, full_hi,
             hi, cols, offs_q, offs_d, offs_dv, q_len, k_len, k_seg, stride_qs, stride_os, qk_scale,
-            softcap, BLOCK_Q, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-            HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION)
+            softcap, head_hash, q_start, k_start, BLOCK_Q, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION, DROPOUT, DROP_THRESHOLD, DROP_SCALE)
 
     dk = dk * qk_scale
     dk_ptrs = (DKOut + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
@@ -543,10 +592,12 @@ def _dkv_kernel(
 @triton.jit
 def _dq_block_loop(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, start, stop,
                    rows, offs_kv, offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap,
+                   head_hash, q_start, k_start,
                    BLOCK_KV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                    WINDOW_RIGHT: tl.constexpr, HAS_SEGMENTS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                   MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
+                   DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     for n0 in range(start, stop, BLOCK_KV):
         cols = n0 + offs_kv
         if MASKED:
@@ -570,6 +621,9 @@ def _dq_block_loop(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v
                           CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS)
             p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dp = dp * _dropout_scale(head_hash, (q_start + rows)[:, None], (k_start + cols)[None, :],
+                                     DROP_THRESHOLD, DROP_SCALE)
         ds = p * (dp - delta[:, None])
         if USE_SOFTCAP:
             capped = s * (0.6931471805599453 / softcap)
@@ -580,7 +634,7 @@ def _dq_block_loop(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, Delta, QSeg, KSeg, CuQ, CuK, qk_scale, softcap, SEQ_Q, SEQ_KV,
+    Q, K, V, DO, LSE, Delta, QSeg, KSeg, CuQ, CuK, Seed, qk_scale, softcap, SEQ_Q, SEQ_KV,
     DQ,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
@@ -589,6 +643,7 @@ def _dq_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, REVERSE_BLOCKS: tl.constexpr,
+    DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr,
 ):
     seq_idx = tl.program_id(1)
     head = tl.program_id(2)
@@ -628,21 +683,25 @@ def _dq_kernel(
     else:
         q_seg = rows
 
+    head_hash = _dropout_head_hash(Seed, seq_idx if not IS_VARLEN else 0 * seq_idx, head) if DROPOUT else 0
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     lo, hi, full_lo, full_hi = _kv_range(m0, q_len, k_len, BLOCK_Q, BLOCK_KV, CAUSAL, WINDOW_LEFT,
                                          WINDOW_RIGHT, HAS_SEGMENTS)
     dq = _dq_block_loop(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, full_lo, full_hi, rows, offs_kv,
-        offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, BLOCK_KV, D, DV, BLOCK_D,
-        BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, False, DOT_PRECISION)
+        offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, head_hash, q_start, k_start, BLOCK_KV,
+        D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, False,
+        DOT_PRECISION, DROPOUT, DROP_THRESHOLD, DROP_SCALE)
     dq = _dq_block_loop(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, lo, full_lo, rows, offs_kv,
-        offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, BLOCK_KV, D, DV, BLOCK_D,
-        BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION)
+        offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, head_hash, q_start, k_start, BLOCK_KV,
+        D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True,
+        DOT_PRECISION, DROPOUT, DROP_THRESHOLD, DROP_SCALE)
     dq = _dq_block_loop(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, full_hi, hi, rows, offs_kv,
-        offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, BLOCK_KV, D, DV, BLOCK_D,
-        BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION)
+        offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, head_hash, q_start, k_start, BLOCK_KV,
+        D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True,
+        DOT_PRECISION, DROPOUT, DROP_THRESHOLD, DROP_SCALE)
     dq = dq * qk_scale
     tl.store(DQ + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
              + rows[:, None] * stride_qs + offs_d[None, :],
@@ -819,6 +878,8 @@ class _Static:
     softcap: float  # 0.0: none
     tuning: Tuning
     interpret: bool
+    dropout_threshold: int = 0  # uint32 threshold of ejkernel.ops.utils.dropout; 0: no dropout
+    dropout_scale: float = 1.0  # 1 / (1 - dropout_prob)
 
 
 def _dummy():
@@ -836,7 +897,8 @@ def _common_meta(q, k, v, st: _Static, has_segments: bool, varlen: bool) -> dict
         D=d, DV=dv, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         CAUSAL=st.causal, WINDOW_LEFT=st.window_left, WINDOW_RIGHT=st.window_right,
         USE_SOFTCAP=st.softcap > 0, HAS_SEGMENTS=has_segments, IS_VARLEN=varlen,
-        DOT_PRECISION="ieee" if fp32 else "tf32",
+        DOT_PRECISION="ieee" if fp32 else "tf32", DROPOUT=st.dropout_threshold > 0,
+        DROP_THRESHOLD=st.dropout_threshold, DROP_SCALE=st.dropout_scale,
     )
 
 
@@ -844,7 +906,11 @@ def _num_sequences(q, cu_q) -> int:
     return cu_q.shape[0] - 1 if cu_q is not None else q.shape[0]
 
 
-def _fwd_call(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, st: _Static):
+def _seed_arg(seed):
+    return seed if seed is not None else jnp.zeros((1,), jnp.uint32)
+
+
+def _fwd_call(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: _Static):
     b, sq, h, _ = q.shape
     dv = v.shape[-1]
     t = st.tuning
@@ -856,7 +922,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, st: _Static):
     out_shapes = (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
     args = (q, k, v, q_seg if has_seg else _dummy(), kv_seg if has_seg else _dummy(),
             cu_q if varlen else _dummy(), cu_k if varlen else _dummy(),
-            aux if aux is not None else jnp.zeros((1,), jnp.float32),
+            aux if aux is not None else jnp.zeros((1,), jnp.float32), _seed_arg(seed),
             np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, k.shape[1])
     return _launch(
         _fwd_kernel, args, out_shapes, grid, num_warps=t.fwd_num_warps, num_stages=t.fwd_num_stages,
@@ -881,7 +947,7 @@ def _delta(out, do, cu_q, st: _Static):
     return delta
 
 
-def _bwd_call(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, st: _Static):
+def _bwd_call(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, seed, st: _Static):
     b, sq, h, _ = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     t = st.tuning
@@ -891,7 +957,7 @@ def _bwd_call(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, st: _Static):
     n_seq = _num_sequences(q, cu_q)
     delta = _delta(out, do, cu_q, st)
     args = (q, k, v, do, lse, delta, q_seg if has_seg else _dummy(), kv_seg if has_seg else _dummy(),
-            cu_q if varlen else _dummy(), cu_k if varlen else _dummy(),
+            cu_q if varlen else _dummy(), cu_k if varlen else _dummy(), _seed_arg(seed),
             np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, skv)
     zeroed = lambda n: tuple(range(n)) if varlen else ()  # noqa: E731  padding rows belong to no program
     dk, dv = _launch(
@@ -907,17 +973,18 @@ def _bwd_call(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, st: _Static):
     return dq, dk, dv, delta
 
 
-def _fold_batch_rule(call, batch_like: int, num_out: int):
+def _fold_batch_rule(call, batch_like: int, num_out: int, foldable: bool = True):
     """vmap rule: fold the vmapped axis into the batch axis of the first `batch_like` arguments.
 
-    The remaining arguments (cum_seqlens, sinks) must be unbatched for that; otherwise, and for varlen
-    (one packed sequence per call), the rule loops over the vmapped axis with `lax.map`.
+    The remaining arguments (cum_seqlens, sinks, seed) must be unbatched for that; otherwise, for varlen
+    (one packed sequence per call) and with dropout (its mask hashes the batch index), the rule loops over
+    the vmapped axis with `lax.map`.
     """
 
     def rule(axis_size, in_batched, *args):
         shared_batched = any(bool(x) for x in jax.tree.leaves(in_batched[batch_like:]))
         varlen = any(a is not None for a in args[batch_like:batch_like + 2])
-        if shared_batched or varlen:
+        if shared_batched or varlen or not foldable:
             bcast = [jax.tree.map(lambda a, bt: a if bt else jnp.broadcast_to(a, (axis_size, *a.shape)), x, bx)
                      if x is not None else None for x, bx in zip(args, in_batched)]
             outs = jax.lax.map(lambda xs: call(*xs), bcast)
@@ -941,44 +1008,46 @@ def _fold_batch_rule(call, batch_like: int, num_out: int):
 def _batched_calls(st: _Static):
     """The forward and backward kernel calls for `st`, each with its vmap rule."""
 
-    @jax.custom_batching.custom_vmap
-    def fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux):
-        return tuple(_fwd_call(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, st))
-
-    fwd.def_vmap(_fold_batch_rule(fwd, 5, 2))
+    foldable = st.dropout_threshold == 0
 
     @jax.custom_batching.custom_vmap
-    def bwd(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k):
-        return tuple(_bwd_call(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, st))
+    def fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed):
+        return tuple(_fwd_call(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st))
 
-    bwd.def_vmap(_fold_batch_rule(bwd, 8, 4))
+    fwd.def_vmap(_fold_batch_rule(fwd, 5, 2, foldable))
+
+    @jax.custom_batching.custom_vmap
+    def bwd(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, seed):
+        return tuple(_bwd_call(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, seed, st))
+
+    bwd.def_vmap(_fold_batch_rule(bwd, 8, 4, foldable))
     return fwd, bwd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, st: _Static):
-    return _attention_fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: _Static):
+    return _attention_fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st)[0]
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, st: _Static):
+def _attention_fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: _Static):
     fwd, _ = _batched_calls(st)
-    out, lse = fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux)
-    return out, (q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, out, lse)
+    out, lse = fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed)
+    return out, (q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse)
 
 
 def _attention_bwd(st: _Static, res, d_out):
-    q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, out, lse = res
+    q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse = res
     _, bwd = _batched_calls(st)
     d_out = d_out.astype(q.dtype)
     # delta_i = <dO_i, O_i> = sum_j P_ij dP_ij comes back with the gradients (the sinks' need it).
-    dq, dk, dv, delta = bwd(q, k, v, d_out, lse, out, q_seg, kv_seg, cu_q, cu_k)
+    dq, dk, dv, delta = bwd(q, k, v, d_out, lse, out, q_seg, kv_seg, cu_q, cu_k, seed)
     d_aux = None
     if aux is not None:
         # d aux[h, s] = -sum_i P_sink[i, s] * delta_i, with P_sink = exp(aux - lse) (lse in log2 units).
         p_sink = jnp.exp2(aux[None, :, None, :] * LOG2E - lse[..., None])
         p_sink = jnp.where(delta[..., None] == 0.0, 0.0, p_sink)
         d_aux = -jnp.einsum("bhsk,bhs->hk", p_sink, delta).astype(aux.dtype)
-    return dq, dk, dv, None, None, None, None, d_aux
+    return dq, dk, dv, None, None, None, None, d_aux, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -999,8 +1068,8 @@ def check_supported(query, key, value, bias=None, *, attention_mask=None, q_segm
     if attention_mask is not None:
         raise UnsupportedFeature("triton flash_attention: attention_mask is not implemented "
                                  "(use segment ids, causal or sliding_window, or the XLA backend)")
-    if dropout_prob:
-        raise UnsupportedFeature("triton flash_attention: dropout is not implemented (use the XLA backend)")
+    if not 0.0 <= float(dropout_prob) < 1.0:
+        raise UnsupportedFeature(f"triton flash_attention: dropout_prob {dropout_prob} outside [0, 1)")
     dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
     if len(dtypes) != 1 or next(iter(dtypes)) not in tuple(map(jnp.dtype, SUPPORTED_DTYPES)):
         raise UnsupportedFeature(f"triton flash_attention: dtypes {sorted(map(str, dtypes))} not supported; "
@@ -1073,7 +1142,7 @@ def flash_attention(query, key, value, bias=None, *, attention_mask=None, q_segm
                     logits_soft_cap=None, dropout_prob=0.0, dropout_seed=None, cum_seqlens_q=None,
                     cum_seqlens_k=None, softmax_aux=None, cfg=None):
     """Flash attention with the semantics of docs/flash_attention.md (see the module docstring)."""
-    check_supported(query, key, value, bias, attention_mask=attention_mask, dropout_prob=dropout_prob,
+    check_supported(query, key, value, bias, attention_mask=attention_mask, dropout_prob=dropout_prob or 0.0,
                     softmax_aux=softmax_aux)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(query.shape[-1])
@@ -1099,12 +1168,22 @@ def flash_attention(query, key, value, bias=None, *, attention_mask=None, q_segm
         aux = aux.reshape(query.shape[2], -1) if aux.ndim == 1 else aux
         if aux.shape[0] != query.shape[2]:
             raise ValueError(f"softmax_aux has {aux.shape[0]} heads, query has {query.shape[2]}")
+    seed = None
+    drop_threshold, drop_scale = 0, 1.0
+    if dropout_prob:
+        from ejkernel.ops.utils.dropout import threshold
+
+        drop_threshold, drop_scale = threshold(float(dropout_prob)), 1.0 / (1.0 - float(dropout_prob))
+        seed = 0 if dropout_seed is None else dropout_seed
+        # The hash takes the seed's low 32 bits, as the shared mask does (wrapping conversion).
+        seed = (jnp.uint32(seed & 0xFFFFFFFF) if isinstance(seed, int) else jnp.asarray(seed).astype(jnp.uint32))
+        seed = seed.reshape(1)
     st = _Static(
         softmax_scale=float(softmax_scale), causal=bool(causal), window_left=left, window_right=right,
         softcap=float(logits_soft_cap or 0.0), tuning=_tuning_from_cfg(cfg, query, value, bool(causal)),
-        interpret=_interpret_requested())
+        interpret=_interpret_requested(), dropout_threshold=drop_threshold, dropout_scale=drop_scale)
     out = _attention(query, key, value, as_i32(q_segment_ids), as_i32(kv_segment_ids), as_i32(cum_seqlens_q),
-                     as_i32(cum_seqlens_k), aux, st)
+                     as_i32(cum_seqlens_k), aux, seed, st)
     return out
 
 
@@ -1131,7 +1210,8 @@ def _varlen_positions(cu, total):
 
 def reference_attention(query, key, value, *, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None,
                         causal=False, sliding_window=None, logits_soft_cap=None, cum_seqlens_q=None,
-                        cum_seqlens_k=None, softmax_aux=None, dtype=jnp.float32):
+                        cum_seqlens_k=None, softmax_aux=None, dropout_prob=0.0, dropout_seed=None,
+                        dtype=jnp.float32):
     """Dense attention in `dtype` with the same semantics (tests and the micro-benchmark)."""
     q, k, v = (x.astype(dtype) for x in (query, key, value))
     b, sq, h, d = q.shape
@@ -1174,6 +1254,12 @@ def reference_attention(query, key, value, *, q_segment_ids=None, kv_segment_ids
     if softmax_aux is not None:
         denom = denom + jnp.sum(jnp.exp(aux[None, :, None, :] - m), -1, keepdims=True)
     p = e / jnp.where(denom > 0, denom, 1.0)
+    if dropout_prob:
+        from ejkernel.ops.utils.dropout import keep_mask
+
+        idx = jnp.ix_(jnp.arange(b), jnp.arange(h), jnp.arange(sq), jnp.arange(skv))
+        keep = keep_mask(0 if dropout_seed is None else dropout_seed, *idx, dropout_prob)
+        p = jnp.where(keep, p / (1.0 - dropout_prob), 0.0)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(query.dtype)
 
 
