@@ -90,16 +90,17 @@ def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp
 
 CASES = {
     "gqa_cross_lengths": dict(seed=1, sq=37, skv=45, h=4, hkv=2),
-    "causal_softcap": dict(seed=2, sq=45, skv=37, causal=True, logits_soft_cap=2.0),
     "window_sinks": dict(seed=3, sq=40, skv=40, h=2, sliding_window=(5, 3), sinks=2),
     "segments_unmatched_causal": dict(seed=4, sq=33, skv=33, causal=True, segments=True, unmatched_segment=True),
-    "varlen_causal_padding": dict(seed=5, b=1, sq=40, skv=44, causal=True, varlen=([0, 5, 20, 33], [0, 7, 20, 37])),
+    # p = 0.6: the dropout threshold is above 2**31 (unsigned compares)
+    "varlen_causal_padding_dropout": dict(seed=5, b=1, sq=40, skv=44, causal=True, varlen=([0, 5, 20, 33], [0, 7, 20, 37]),
+                                          dropout_prob=0.6, dropout_seed=11),
     "fp16_mqa_headdim40": dict(seed=6, sq=35, skv=35, h=3, hkv=1, d=40, dv=24, dtype=jnp.float16, causal=True),
     # Every row sees one key: the exact dq and dk are 0, and must come out exactly 0 (delta's dot order).
     "diagonal_window_exact_zero": dict(seed=8, sq=45, skv=61, sliding_window=(0, 0)),
-    "dropout_gqa_causal": dict(seed=9, sq=37, skv=41, h=2, hkv=1, causal=True, dropout_prob=0.3, dropout_seed=2**33 + 5),
-    "dropout_varlen_high_p": dict(seed=10, sq=40, skv=40, varlen=([0, 9, 30], [0, 12, 30]), dropout_prob=0.6,
-                                  dropout_seed=11),
+    # Sq > Skv, soft cap and dropout with a seed past 32 bits (its low 32 bits are hashed)
+    "causal_softcap_dropout_gqa": dict(seed=9, sq=45, skv=37, h=2, hkv=1, causal=True, logits_soft_cap=2.0,
+                                       dropout_prob=0.3, dropout_seed=2**33 + 5),
     "vmap_fold": dict(seed=7, b=1, sq=21, skv=21, causal=True, vmap=True),
 }
 
