@@ -17,5 +17,7 @@ class TestXlaPageAttention(PageAttentionConformance):
         inputs = self.make_inputs(11, SHAPES["gqa4_odd"], "float32")
         expected = run_jitted(reference_page_attention, **inputs)
         for pages in (3,):
-            out = jax.jit(lambda **kw: self.call(**kw, cfg=PageAttentionConfig(pages_per_compute_block=pages)))(**inputs)  # noqa: B023
+            out = jax.jit(lambda **kw: self.call(**kw, cfg=PageAttentionConfig(pages_per_compute_block=pages)))(
+                **inputs
+            )  # noqa: B023
             assert_close(out, expected, dtype=jnp.float32, name=f"pages_per_compute_block={pages}")

@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.modules.operations.native_sparse_attention import NativeSparseAttentionConfig
-from ejkernel_xla._blockwise import AttentionParams, default_block_sizes, flash_attention_blockwise, key_tokens, query_tokens
+from ejkernel_xla._blockwise import (
+    AttentionParams,
+    default_block_sizes,
+    flash_attention_blockwise,
+    key_tokens,
+    query_tokens,
+)
 
 QUERY_CHUNK = 64
 """Default query rows per step of the selected branch."""
@@ -143,7 +149,22 @@ def _window(q, k, v, softmax_scale, window_size):
     ).astype(jnp.float32)
 
 
-def _nsa_batch(q, k, v, g_cmp, g_slc, g_swa, block_indices, block_counts, *, softmax_scale, block_size, num_selected_blocks, window_size, query_chunk):
+def _nsa_batch(
+    q,
+    k,
+    v,
+    g_cmp,
+    g_slc,
+    g_swa,
+    block_indices,
+    block_counts,
+    *,
+    softmax_scale,
+    block_size,
+    num_selected_blocks,
+    window_size,
+    query_chunk,
+):
     out = 0.0
     if g_cmp is not None:
         o_cmp, probs = _compressed(q, k, v, softmax_scale, block_size)

@@ -26,7 +26,9 @@ def row_metadata(query_start_loc, context_lens, num_seqs, total_tokens):
     and whether the row belongs to an active sequence."""
     rows = jnp.arange(total_tokens, dtype=jnp.int32)
     max_num_seqs = context_lens.shape[0]
-    sequence = jnp.clip(jnp.searchsorted(query_start_loc[1:], rows, side="right"), 0, max_num_seqs - 1).astype(jnp.int32)
+    sequence = jnp.clip(jnp.searchsorted(query_start_loc[1:], rows, side="right"), 0, max_num_seqs - 1).astype(
+        jnp.int32
+    )
     start = query_start_loc[sequence]
     q_len = query_start_loc[sequence + 1] - start
     kv_len = context_lens[sequence]

@@ -17,7 +17,14 @@ import pytest
 from ejkernel.testing._attention_reference import reference_flash_attention
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
 from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
-from ejkernel.testing.page_attention import BadInputChecks, DTYPES, check_against_reference, forward_and_vjp, random_array, run_jitted
+from ejkernel.testing.page_attention import (
+    BadInputChecks,
+    DTYPES,
+    check_against_reference,
+    forward_and_vjp,
+    random_array,
+    run_jitted,
+)
 
 
 def reference_blocksparse_attention(
@@ -82,14 +89,24 @@ class BlockSparseAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = BlockSparseAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = ('query', 'key', 'value', 'q_segment_ids', 'kv_segment_ids', 'softmax_aux', 'block_mask')
+    operation_arguments: ClassVar[tuple[str, ...]] = (
+        "query",
+        "key",
+        "value",
+        "q_segment_ids",
+        "kv_segment_ids",
+        "softmax_aux",
+        "block_mask",
+    )
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
     def call(self, query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, **kw):
         from ejkernel.modules import blocksparse_attention
 
-        return blocksparse_attention(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, platform=self.platform, **kw)
+        return blocksparse_attention(
+            query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, platform=self.platform, **kw
+        )
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0):
         batch, q_len, kv_len, heads, kv_heads, head_dim, v_dim, block, mask_heads = case

@@ -15,7 +15,14 @@ import pytest
 
 from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttention
 from ejkernel.testing.numerics import Tolerance, assert_close
-from ejkernel.testing.page_attention import BadInputChecks, DTYPES, check_against_reference, masked_softmax_attention, random_array, run_jitted
+from ejkernel.testing.page_attention import (
+    BadInputChecks,
+    DTYPES,
+    check_against_reference,
+    masked_softmax_attention,
+    random_array,
+    run_jitted,
+)
 
 
 def reference_multi_head_latent_attention(
@@ -60,7 +67,7 @@ class MultiHeadLatentAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = MultiHeadLatentAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = ('query', 'key_value', 'w_kc', 'w_vc', 'b_q', 'b_k')
+    operation_arguments: ClassVar[tuple[str, ...]] = ("query", "key_value", "w_kc", "w_vc", "b_q", "b_k")
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
@@ -104,7 +111,9 @@ class MultiHeadLatentAttentionConformance(BadInputChecks):
 
     @pytest.mark.parametrize("case", ["latent_space", "no_rope_mha"])
     def test_forms_and_layouts(self, case):
-        self.check(self.make_inputs(2, CASES[case], "float32"), "float32", causal=case == "latent_space", softmax_scale=0.2)
+        self.check(
+            self.make_inputs(2, CASES[case], "float32"), "float32", causal=case == "latent_space", softmax_scale=0.2
+        )
 
     def test_varlen_causal(self):
         inputs = self.make_inputs(3, CASES["latent_space"], "float32")
@@ -123,7 +132,15 @@ class MultiHeadLatentAttentionConformance(BadInputChecks):
         stacked = jnp.stack([inputs["query"], -inputs["query"]])
         batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "query": q}, causal=True)))(stacked)
         assert_close(batched[0], expected, dtype="float32")
-        alias = run_jitted(flash_mla, inputs["query"], inputs["key_value"], inputs["w_kc"], inputs["w_vc"], causal=True, platform=self.platform)
+        alias = run_jitted(
+            flash_mla,
+            inputs["query"],
+            inputs["key_value"],
+            inputs["w_kc"],
+            inputs["w_vc"],
+            causal=True,
+            platform=self.platform,
+        )
         assert_close(alias, expected, dtype="float32")
 
     def test_bad_inputs(self):

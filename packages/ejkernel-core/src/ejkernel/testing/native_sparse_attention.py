@@ -16,7 +16,14 @@ import pytest
 
 from ejkernel.modules.operations.native_sparse_attention import NativeSparseAttention
 from ejkernel.testing.numerics import Tolerance, assert_close
-from ejkernel.testing.page_attention import BadInputChecks, DTYPES, check_against_reference, masked_softmax_attention, random_array, run_jitted
+from ejkernel.testing.page_attention import (
+    BadInputChecks,
+    DTYPES,
+    check_against_reference,
+    masked_softmax_attention,
+    random_array,
+    run_jitted,
+)
 
 
 def _dense_branch(query, keys, values, visible, scale):
@@ -25,7 +32,9 @@ def _dense_branch(query, keys, values, visible, scale):
     return masked_softmax_attention(logits, visible, values.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
-def _reference_batch(query, key, value, g_cmp, g_slc, g_swa, block_indices, block_counts, scale, block_size, num_selected, window_size):
+def _reference_batch(
+    query, key, value, g_cmp, g_slc, g_swa, block_indices, block_counts, scale, block_size, num_selected, window_size
+):
     batch, seq_len, num_heads, _ = query.shape
     group = num_heads // key.shape[2]
     bs = block_size
@@ -42,7 +51,9 @@ def _reference_batch(query, key, value, g_cmp, g_slc, g_swa, block_indices, bloc
         out = out + g_cmp[..., None] * _dense_branch(query, k_cmp, v_cmp, complete[None, None], scale)
         if block_indices is None:
             logits = scale * jnp.einsum("bihd,bchd->bhic", query, k_cmp)
-            probs = masked_softmax_attention(logits, complete[None, None], jnp.eye(num_blocks, dtype=logits.dtype)[None, None])
+            probs = masked_softmax_attention(
+                logits, complete[None, None], jnp.eye(num_blocks, dtype=logits.dtype)[None, None]
+            )
             scores = probs.reshape(batch, num_heads // group, group, seq_len, num_blocks).sum(axis=2)  # [B, Hkv, S, nb]
             scores = jnp.where(c == i // bs, jnp.inf, jnp.where(complete, scores, -jnp.inf))
             top, block_indices = jax.lax.top_k(scores, min(num_selected, num_blocks))
@@ -50,8 +61,12 @@ def _reference_batch(query, key, value, g_cmp, g_slc, g_swa, block_indices, bloc
     # selected: the set of usable blocks per (b, i, kv head), then token visibility
     idx = jnp.asarray(block_indices)
     slot = jnp.arange(idx.shape[-1])
-    usable = (slot < jnp.asarray(block_counts)[..., None]) & (idx >= 0) & (idx <= (jnp.arange(seq_len) // bs)[None, :, None, None])
-    chosen = (jax.nn.one_hot(jnp.where(usable, idx, -1), num_blocks, dtype=jnp.int32).sum(axis=-2) > 0)  # [B, S, Hkv, nb]
+    usable = (
+        (slot < jnp.asarray(block_counts)[..., None])
+        & (idx >= 0)
+        & (idx <= (jnp.arange(seq_len) // bs)[None, :, None, None])
+    )
+    chosen = jax.nn.one_hot(jnp.where(usable, idx, -1), num_blocks, dtype=jnp.int32).sum(axis=-2) > 0  # [B, S, Hkv, nb]
     chosen = jnp.repeat(chosen, group, axis=2).transpose(0, 2, 1, 3)  # [B, H, S, nb]
     selected = chosen[..., jnp.arange(seq_len) // bs] & (j <= i)[None, None]
     o_slc = _dense_branch(query, keys, values, selected, scale)
@@ -120,7 +135,16 @@ class NativeSparseAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = NativeSparseAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = ('query', 'key', 'value', 'g_cmp', 'g_slc', 'g_swa', 'block_indices', 'block_counts')
+    operation_arguments: ClassVar[tuple[str, ...]] = (
+        "query",
+        "key",
+        "value",
+        "g_cmp",
+        "g_slc",
+        "g_swa",
+        "block_indices",
+        "block_counts",
+    )
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
@@ -139,7 +163,9 @@ class NativeSparseAttentionConformance(BadInputChecks):
             value=random_array(seed * 9 + 2, (batch, seq_len, kv_heads, v_dim), dtype),
         )
         for n, name in enumerate(gates):
-            inputs[name] = jax.nn.sigmoid(random_array(seed * 9 + 3 + n, (batch, seq_len, heads), jnp.float32)).astype(dtype)
+            inputs[name] = jax.nn.sigmoid(random_array(seed * 9 + 3 + n, (batch, seq_len, heads), jnp.float32)).astype(
+                dtype
+            )
         if indices:
             inputs["block_indices"] = random_block_indices(seed, batch, seq_len, kv_heads, selected, block)
             counts = np.random.default_rng(seed).integers(1, selected + 1, (batch, seq_len, kv_heads)).astype(np.int32)

@@ -43,13 +43,13 @@ def forward_and_vjp(
 
     @jax.jit  # one compilation per check instead of one per primitive
     def forward_backward(diff, cotangent):
-        out, vjp = jax.vjp(lambda *d: fn(**fixed, **dict(zip(wrt, d))), *diff)
+        out, vjp = jax.vjp(lambda *d: fn(**fixed, **dict(zip(wrt, d, strict=True))), *diff)
         return out, (vjp(cotangent) if wrt else ())
 
     shape = jax.eval_shape(lambda: fn(**inputs))
     cotangent = random_array(cotangent_seed, shape.shape, shape.dtype)
     out, grads = forward_backward(tuple(inputs[name] for name in wrt), cotangent)
-    return out, dict(zip(wrt, grads)), cotangent
+    return out, dict(zip(wrt, grads, strict=True)), cotangent
 
 
 def reference_forward_and_vjp(
@@ -64,11 +64,11 @@ def reference_forward_and_vjp(
 
         @jax.jit
         def forward_backward(diff, cotangent):
-            out, vjp = jax.vjp(lambda *d: reference(**fixed, **dict(zip(wrt, d))), *diff)
+            out, vjp = jax.vjp(lambda *d: reference(**fixed, **dict(zip(wrt, d, strict=True))), *diff)
             return out, (vjp(cotangent.astype(out.dtype)) if wrt else ())
 
         out, grads = forward_backward(tuple(inputs64[name] for name in wrt), jnp.asarray(jax_float64(cotangent)))
-        return np.asarray(out), {name: np.asarray(g) for name, g in zip(wrt, grads)}
+        return np.asarray(out), {name: np.asarray(g) for name, g in zip(wrt, grads, strict=True)}
 
 
 def check_against_reference(
@@ -120,7 +120,9 @@ def random_lengths(seed: int, count: int, high: int, include: Sequence[int] = ()
     return lengths.astype(np.int32)
 
 
-def random_block_tables(seed: int, num_seqs: int, max_blocks: int, num_blocks: int, lengths, block_size: int) -> np.ndarray:
+def random_block_tables(
+    seed: int, num_seqs: int, max_blocks: int, num_blocks: int, lengths, block_size: int
+) -> np.ndarray:
     """Each sequence gets distinct random pages (shuffled over the cache); entries past its last used
     page are -1, which implementations must tolerate."""
     rng = np.random.default_rng(seed)
@@ -182,7 +184,7 @@ class BadInputChecks:
         with pytest.raises(ValueError, match=match):
             get_default_executor()(self.operation_type(), *positional, platform=self.platform, **call)
         with pytest.raises((ValueError, TypeError), match=match):
-            self.call(**dict(zip(self.operation_arguments, positional)), **call)
+            self.call(**dict(zip(self.operation_arguments, positional, strict=True)), **call)
 
 
 # ---- the reference ---------------------------------------------------------------------------------
@@ -231,7 +233,13 @@ class PageAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform`` (see the module docstring)."""
 
     operation_type: ClassVar[type] = PageAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = ('query', 'key_cache', 'value_cache', 'context_lens', 'block_tables')
+    operation_arguments: ClassVar[tuple[str, ...]] = (
+        "query",
+        "key_cache",
+        "value_cache",
+        "context_lens",
+        "block_tables",
+    )
     platform: ClassVar[str]
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
@@ -256,12 +264,26 @@ class PageAttentionConformance(BadInputChecks):
         wrt = ("query", "key_cache", "value_cache")
         fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
         if not self.supports_gradients:
-            check_against_reference(fn, lambda **kw: reference_page_attention(**kw, **static), inputs, (),
-                                    dtype=dtype, tolerances=self.tolerances, scale=scale)
+            check_against_reference(
+                fn,
+                lambda **kw: reference_page_attention(**kw, **static),
+                inputs,
+                (),
+                dtype=dtype,
+                tolerances=self.tolerances,
+                scale=scale,
+            )
             assert_gradient_refused(fn, inputs, wrt)
             return
-        check_against_reference(fn, lambda **kw: reference_page_attention(**kw, **static), inputs, wrt,
-                                dtype=dtype, tolerances=self.tolerances, scale=scale)
+        check_against_reference(
+            fn,
+            lambda **kw: reference_page_attention(**kw, **static),
+            inputs,
+            wrt,
+            dtype=dtype,
+            tolerances=self.tolerances,
+            scale=scale,
+        )
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):

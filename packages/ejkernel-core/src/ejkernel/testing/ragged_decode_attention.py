@@ -73,7 +73,14 @@ class RaggedDecodeAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = RaggedDecodeAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = ('query', 'key', 'value', 'sequence_start', 'sequence_end', 'softmax_aux')
+    operation_arguments: ClassVar[tuple[str, ...]] = (
+        "query",
+        "key",
+        "value",
+        "sequence_start",
+        "sequence_end",
+        "softmax_aux",
+    )
     platform: ClassVar[str]
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None

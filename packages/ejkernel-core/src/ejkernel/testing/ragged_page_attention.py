@@ -86,7 +86,15 @@ class RaggedPageAttentionConformance(BadInputChecks):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = RaggedPageAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = ('queries', 'kv_pages', 'context_lens', 'block_tables', 'query_start_loc', 'num_seqs', 'softmax_aux')
+    operation_arguments: ClassVar[tuple[str, ...]] = (
+        "queries",
+        "kv_pages",
+        "context_lens",
+        "block_tables",
+        "query_start_loc",
+        "num_seqs",
+        "softmax_aux",
+    )
     platform: ClassVar[str]
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
@@ -95,7 +103,15 @@ class RaggedPageAttentionConformance(BadInputChecks):
         from ejkernel.modules import ragged_page_attention
 
         return ragged_page_attention(
-            queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux, platform=self.platform, **kw
+            queries,
+            kv_pages,
+            context_lens,
+            block_tables,
+            query_start_loc,
+            num_seqs,
+            softmax_aux,
+            platform=self.platform,
+            **kw,
         )
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
@@ -160,7 +176,11 @@ class RaggedPageAttentionConformance(BadInputChecks):
         assert_close(as_int, expected, dtype="float32")
         stacked = jnp.stack([inputs["queries"], -inputs["queries"]])
         batched = jax.jit(jax.vmap(lambda q: self.call(**{**inputs, "queries": q})))(stacked)
-        assert_close(batched[1], run_jitted(reference_ragged_page_attention, **{**inputs, "queries": stacked[1]}), dtype="float32")
+        assert_close(
+            batched[1],
+            run_jitted(reference_ragged_page_attention, **{**inputs, "queries": stacked[1]}),
+            dtype="float32",
+        )
         assert_close(batched[0], expected, dtype="float32")
 
     def test_bad_inputs(self):

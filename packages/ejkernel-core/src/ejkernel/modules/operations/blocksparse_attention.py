@@ -92,7 +92,13 @@ class BlockSparseAttention(RegistryOperation):
         blocks = (math.ceil(q_len / q_block), math.ceil(kv_len / kv_block))
         if block_mask is None:
             block_mask = jnp.ones((1, 1, *blocks), bool)
-        check_array("block_mask", block_mask, rank=4, dtypes=(jnp.bool_,), what="[batch or 1, num_heads or 1, q_blocks, kv_blocks]")
+        check_array(
+            "block_mask",
+            block_mask,
+            rank=4,
+            dtypes=(jnp.bool_,),
+            what="[batch or 1, num_heads or 1, q_blocks, kv_blocks]",
+        )
         bm = block_mask.shape
         if bm[0] not in (1, batch) or bm[1] not in (1, num_heads) or tuple(bm[2:]) != blocks:
             raise ValueError(

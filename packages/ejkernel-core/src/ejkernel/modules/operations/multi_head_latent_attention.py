@@ -63,7 +63,9 @@ class MultiHeadLatentAttention(RegistryOperation):
     algorithm = "multi_head_latent_attention"
     config_type = MultiHeadLatentAttentionConfig
 
-    def validate(self, query, key_value, w_kc, w_vc, b_q=None, b_k=None, *, softmax_scale=None, causal=False, cu_seqlens=None):
+    def validate(
+        self, query, key_value, w_kc, w_vc, b_q=None, b_k=None, *, softmax_scale=None, causal=False, cu_seqlens=None
+    ):
         check_array("query", query, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq_len, num_heads, head_dim]")
         check_array("key_value", key_value, rank=3, dtypes=FLOAT_DTYPES, what="[batch, seq_len, kv_lora_rank]")
         check_array("w_kc", w_kc, rank=3, dtypes=FLOAT_DTYPES, what="[kv_lora_rank, num_kv_heads, head_dim]")
@@ -80,22 +82,33 @@ class MultiHeadLatentAttention(RegistryOperation):
         check_gqa("query", num_heads, "w_kc", w_kc.shape[1], w_kc)
         rope_dim = 0
         if (b_q is None) != (b_k is None):
-            raise ValueError(f"b_q and b_k come together (the RoPE parts of queries and keys), got b_q={describe(b_q)}, b_k={describe(b_k)}")
+            raise ValueError(
+                f"b_q and b_k come together (the RoPE parts of queries and keys), got b_q={describe(b_q)}, b_k={describe(b_k)}"
+            )
         if b_q is not None:
             check_array("b_k", b_k, rank=3, dtypes=FLOAT_DTYPES, what="[batch, seq_len, rope_dim]")
             check_dim("b_k", b_k, 0, batch, "batch of query")
             check_dim("b_k", b_k, 1, seq_len, "seq_len of query")
             rope_dim = b_k.shape[2]
-            check_array("b_q", b_q, dtypes=FLOAT_DTYPES, what="[batch, seq_len, rope_dim] or [batch, seq_len, num_heads, rope_dim]")
+            check_array(
+                "b_q",
+                b_q,
+                dtypes=FLOAT_DTYPES,
+                what="[batch, seq_len, rope_dim] or [batch, seq_len, num_heads, rope_dim]",
+            )
             expected = [(batch, seq_len, rope_dim), (batch, seq_len, num_heads, rope_dim)]
             if tuple(b_q.shape) not in expected:
-                raise ValueError(f"b_q must have shape {list(expected[0])} or {list(expected[1])} (from query and b_k), got {describe(b_q)}")
+                raise ValueError(
+                    f"b_q must have shape {list(expected[0])} or {list(expected[1])} (from query and b_k), got {describe(b_q)}"
+                )
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be a bool, got {causal!r}")
         if cu_seqlens is not None:
             check_cum_seqlens("cu_seqlens", cu_seqlens, seq_len, "seq_len of query")
             if batch != 1:
-                raise ValueError(f"with cu_seqlens the sequences are packed along seq_len, so batch must be 1; got query {describe(query)}")
+                raise ValueError(
+                    f"with cu_seqlens the sequences are packed along seq_len, so batch must be 1; got query {describe(query)}"
+                )
             cu_seqlens = cu_seqlens.astype("int32")
         scale = resolve_scale("softmax_scale", softmax_scale, head_dim + rope_dim)
         return (query, key_value, w_kc, w_vc, b_q, b_k), dict(softmax_scale=scale, causal=causal, cu_seqlens=cu_seqlens)
@@ -107,7 +120,9 @@ def multi_head_latent_attention(
     key_value: Float[jax.Array, "batch seq_len kv_lora_rank"],
     w_kc: Float[jax.Array, "kv_lora_rank num_kv_heads head_dim"],
     w_vc: Float[jax.Array, "kv_lora_rank num_kv_heads v_head_dim"],
-    b_q: Float[jax.Array, "batch seq_len rope_dim"] | Float[jax.Array, "batch seq_len num_heads rope_dim"] | None = None,
+    b_q: Float[jax.Array, "batch seq_len rope_dim"]
+    | Float[jax.Array, "batch seq_len num_heads rope_dim"]
+    | None = None,
     b_k: Float[jax.Array, "batch seq_len rope_dim"] | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
@@ -151,4 +166,3 @@ def multi_head_latent_attention(
 flash_mla = multi_head_latent_attention
 mla_attention = multi_head_latent_attention
 FlashMLA = MultiHeadLatentAttention
-

@@ -112,31 +112,51 @@ class NativeSparseAttention(RegistryOperation):
             )
         if block_indices is None:
             if g_cmp is None:
-                raise ValueError("block_indices is None, so the selection must come from the compressed branch: pass g_cmp (or block_indices)")
-            if is_array(block_counts) or isinstance(block_counts, bool) or not isinstance(block_counts, (int, np.integer)):
-                raise ValueError(f"without block_indices, block_counts must be an int (the number of blocks to select), got {describe(block_counts)}")
+                raise ValueError(
+                    "block_indices is None, so the selection must come from the compressed branch: pass g_cmp (or block_indices)"
+                )
+            if (
+                is_array(block_counts)
+                or isinstance(block_counts, bool)
+                or not isinstance(block_counts, (int, np.integer))
+            ):
+                raise ValueError(
+                    f"without block_indices, block_counts must be an int (the number of blocks to select), got {describe(block_counts)}"
+                )
             check_positive_int("block_counts", block_counts)
             num_selected = int(block_counts)
         else:
             what = "[batch, seq_len, num_kv_heads, num_selected_blocks]"
             check_array("block_indices", block_indices, rank=4, dtypes=INT_DTYPES, what=what)
-            for axis, size, meaning in ((0, batch, "batch"), (1, seq_len, "seq_len"), (2, num_kv_heads, "num_kv_heads of key")):
+            for axis, size, meaning in (
+                (0, batch, "batch"),
+                (1, seq_len, "seq_len"),
+                (2, num_kv_heads, "num_kv_heads of key"),
+            ):
                 check_dim("block_indices", block_indices, axis, size, meaning)
             num_selected = block_indices.shape[3]
             block_indices = block_indices.astype(jnp.int32)
         if is_array(block_counts):
             check_array("block_counts", block_counts, rank=3, dtypes=INT_DTYPES, what="[batch, seq_len, num_kv_heads]")
-            for axis, size, meaning in ((0, batch, "batch"), (1, seq_len, "seq_len"), (2, num_kv_heads, "num_kv_heads of key")):
+            for axis, size, meaning in (
+                (0, batch, "batch"),
+                (1, seq_len, "seq_len"),
+                (2, num_kv_heads, "num_kv_heads of key"),
+            ):
                 check_dim("block_counts", block_counts, axis, size, meaning)
             counts = block_counts.astype(jnp.int32)
         else:
             if isinstance(block_counts, bool) or not isinstance(block_counts, (int, np.integer)) or block_counts < 0:
-                raise ValueError(f"block_counts must be an int >= 0 or an int array [batch, seq_len, num_kv_heads], got {block_counts!r}")
+                raise ValueError(
+                    f"block_counts must be an int >= 0 or an int array [batch, seq_len, num_kv_heads], got {block_counts!r}"
+                )
             counts = jnp.full((batch, seq_len, num_kv_heads), min(int(block_counts), num_selected), jnp.int32)
         if cu_seqlens is not None:
             check_cum_seqlens("cu_seqlens", cu_seqlens, seq_len, "seq_len of query")
             if batch != 1:
-                raise ValueError(f"with cu_seqlens the sequences are packed along seq_len, so batch must be 1; got query {describe(query)}")
+                raise ValueError(
+                    f"with cu_seqlens the sequences are packed along seq_len, so batch must be 1; got query {describe(query)}"
+                )
             cu_seqlens = cu_seqlens.astype(jnp.int32)
         args = (query, key, value, g_cmp, g_slc, g_swa, block_indices, counts)
         kwargs = dict(

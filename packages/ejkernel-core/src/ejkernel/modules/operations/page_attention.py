@@ -147,8 +147,12 @@ class PageAttention(RegistryOperation):
         num_seqs, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         check_dim("key_cache", key_cache, 3, head_dim, "head_dim of query")
-        for axis, size, meaning in ((0, num_blocks, "num_blocks"), (1, num_kv_heads, "num_kv_heads"),
-                                    (2, block_size, "block_size"), (3, head_dim, "head_dim")):
+        for axis, size, meaning in (
+            (0, num_blocks, "num_blocks"),
+            (1, num_kv_heads, "num_kv_heads"),
+            (2, block_size, "block_size"),
+            (3, head_dim, "head_dim"),
+        ):
             check_dim("value_cache", value_cache, axis, size, f"{meaning} of key_cache")
         check_gqa("query", num_heads, "key_cache", num_kv_heads, key_cache)
         check_array("context_lens", context_lens, rank=1, dtypes=INT_DTYPES, what="[num_seqs]")
@@ -163,7 +167,9 @@ class PageAttention(RegistryOperation):
         check_lengths("context_lens", context_lens)
         lengths = concrete(context_lens)
         if lengths is not None:
-            check_page_indices("block_tables", block_tables, np.minimum(lengths, max_context_len), block_size, num_blocks)
+            check_page_indices(
+                "block_tables", block_tables, np.minimum(lengths, max_context_len), block_size, num_blocks
+            )
         args = (query, key_cache, value_cache, context_lens.astype("int32"), block_tables.astype("int32"))
         kwargs = dict(
             attn_scale=resolve_scale("attn_scale", attn_scale, head_dim),
@@ -211,7 +217,9 @@ def page_attention(
         ``[num_seqs, num_heads, head_dim]`` in ``query``'s dtype.
     """
     del mask_value  # masked keys are excluded exactly; see the module docstring
-    if cfg is None and (num_splits or pages_per_compute_block is not None or megacore_mode is not None or not inline_seq_dim):
+    if cfg is None and (
+        num_splits or pages_per_compute_block is not None or megacore_mode is not None or not inline_seq_dim
+    ):
         cfg = PageAttentionConfig(
             pages_per_compute_block=pages_per_compute_block,
             num_splits=num_splits or None,

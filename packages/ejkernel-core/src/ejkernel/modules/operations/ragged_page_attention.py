@@ -97,7 +97,9 @@ def normalize_num_seqs(value: Any, max_num_seqs: int) -> jax.Array:
     else:
         raise ValueError(f"num_seqs must be an int or an int array [1], got {value!r}")
     if count is not None and not 0 <= int(count.reshape(-1)[0]) <= max_num_seqs:
-        raise ValueError(f"num_seqs must be in [0, {max_num_seqs}] (max_num_seqs = len(context_lens)), got {int(count.reshape(-1)[0])}")
+        raise ValueError(
+            f"num_seqs must be in [0, {max_num_seqs}] (max_num_seqs = len(context_lens)), got {int(count.reshape(-1)[0])}"
+        )
     return array
 
 
@@ -129,7 +131,9 @@ class RaggedPageAttention(RegistryOperation):
         sliding_window=None,
     ):
         check_array("queries", queries, rank=3, dtypes=FLOAT_DTYPES, what="[total_tokens, num_q_heads, head_dim]")
-        check_array("kv_pages", kv_pages, rank=4, dtypes=FLOAT_DTYPES, what="[num_pages, page_size, 2 * num_kv_heads, head_dim]")
+        check_array(
+            "kv_pages", kv_pages, rank=4, dtypes=FLOAT_DTYPES, what="[num_pages, page_size, 2 * num_kv_heads, head_dim]"
+        )
         check_same_dtype("queries", queries, kv_pages=kv_pages)
         total_tokens, num_heads, head_dim = queries.shape
         num_pages, page_size, combined_heads, _ = kv_pages.shape
