@@ -136,3 +136,22 @@ def test_memory_grows_with_s_not_s_squared(backward):
     print(f"temp bytes: S=8k {temp_8k:,}  S=32k {temp_32k:,}  one naive S x S float32 matrix {naive_logits:,}")
     assert temp_32k < naive_logits / 50
     assert temp_32k <= 4.5 * temp_8k
+
+
+def test_spec_example_runs_unchanged():
+    """The project overview's usage example: no dropout_seed given, so the documented default seed 0."""
+    import warnings
+
+    from ejkernel.modules import FlashAttention, create_default_executor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        executor = create_default_executor()
+    attention = FlashAttention()
+    batch, seq_len, num_heads, head_dim = 2, 1024, 8, 64
+    key = jax.random.PRNGKey(0)
+    q = k = v = jax.random.normal(key, (batch, seq_len, num_heads, head_dim))
+    output = executor(attention, q, k, v, causal=True, dropout_prob=0.1, logits_soft_cap=30.0)
+    assert output.shape == (batch, seq_len, num_heads, head_dim)
+    again = flash_attention(q, k, v, causal=True, dropout_prob=0.1, logits_soft_cap=30.0, dropout_seed=0)
+    np.testing.assert_array_equal(np.asarray(output), np.asarray(again))

@@ -349,6 +349,20 @@ def _pair_blocks(x: jax.Array | None, nq: int, bq: int, nk: int, bk: int, kv_maj
     return jnp.transpose(x, (4, 2, 0, 1, 3, 5) if kv_major else (2, 4, 0, 1, 3, 5))
 
 
+def _scan(step, init, xs):
+    """``lax.scan``, but a single step is called directly: no while loop, so one-block calls (short
+    sequences) compile as fast as dense attention."""
+    length = jax.tree.leaves(xs)[0].shape[0]
+    if length != 1:
+        return lax.scan(step, init, xs)
+    carry, y = step(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda x: x[None], y)
+
+
+def _map(fn, xs):
+    return _scan(lambda _, x: (None, fn(x)), None, xs)[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     q: int
@@ -382,10 +396,10 @@ def _flash_forward(blocks: BlockSizes, params: AttentionParams, q, k, v, bias, a
             return combine(*carry, out_b, lse_b), None
 
         init = (jnp.zeros((*q_b.shape[:3], v.shape[-1]), jnp.float32), jnp.moveaxis(lse0, 1, 2))
-        (out_b, lse_b), _ = lax.scan(kv_step, init, (k_blocks, v_blocks, kt, bias_row, mask_row))
+        (out_b, lse_b), _ = _scan(kv_step, init, (k_blocks, v_blocks, kt, bias_row, mask_row))
         return out_b, lse_b
 
-    out, lse = lax.map(one_q_block, (q_blocks, qt, bias_b, mask_b, init_lse))
+    out, lse = _map(one_q_block, (q_blocks, qt, bias_b, mask_b, init_lse))
     out = _unblock(out)[:, :q_len].astype(q.dtype)
     lse = jnp.moveaxis(lse, 0, 2).reshape(batch, num_heads, nq * bq)[:, :, :q_len]
     return out, lse
@@ -429,13 +443,13 @@ def _flash_backward(blocks: BlockSizes, params: AttentionParams, res, d_out):
             return (dk_acc + dk, dv_acc + dv), (dq_b + dq, reduce_to_bias(ds))
 
         init = (jnp.zeros(k_b.shape, jnp.float32), jnp.zeros(v_b.shape, jnp.float32))
-        (dk_b, dv_b), (dq_all, dbias_col) = lax.scan(
+        (dk_b, dv_b), (dq_all, dbias_col) = _scan(
             q_step, init, (q_blocks, do_blocks, lse_blocks, delta_blocks, qt, bias_col, mask_col, dq_all)
         )
         return dq_all, (dk_b, dv_b, dbias_col)
 
     dq0 = jnp.zeros(q_blocks.shape, jnp.float32)
-    dq_all, (dk, dv, dbias) = lax.scan(one_kv_block, dq0, (k_blocks, v_blocks, kt, bias_b, mask_b))
+    dq_all, (dk, dv, dbias) = _scan(one_kv_block, dq0, (k_blocks, v_blocks, kt, bias_b, mask_b))
     dq = _unblock(dq_all)[:, :q_len].astype(q.dtype)
     dk = _unblock(dk)[:, :kv_len].astype(k.dtype)
     dv = _unblock(dv)[:, :kv_len].astype(v.dtype)

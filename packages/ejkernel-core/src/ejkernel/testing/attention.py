@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 
 from ejkernel.testing.flash_attention import (
-    DTYPE_IDS,
-    DTYPES,
     AttentionSuiteBase,
     attention_inputs,
     reference_flash_attention,
@@ -48,8 +46,11 @@ class AttentionConformance(AttentionSuiteBase):
     def reference(self, **kwargs):
         return reference_attention(**kwargs)[self.output_index]
 
-    @pytest.mark.parametrize("output_index", [0, 1], ids=["out", "weights"])
-    @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+    @pytest.mark.parametrize(
+        "dtype,output_index",
+        [(jnp.float32, 0), (jnp.float32, 1), (jnp.bfloat16, 0), (jnp.float16, 1)],
+        ids=["float32-out", "float32-weights", "bfloat16-out", "float16-weights"],
+    )
     def test_dtypes(self, dtype, output_index):
         self.output_index = output_index
         inputs = attention_inputs(40, batch=2, q_len=21, kv_len=27, num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype)

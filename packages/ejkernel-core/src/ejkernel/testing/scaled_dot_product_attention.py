@@ -56,7 +56,7 @@ class ScaledDotProductAttentionConformance(AttentionSuiteBase):
         inputs = attention_inputs(30, batch=2, q_len=24, num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype)
         self.run_and_compare(inputs, causal=True)
 
-    @pytest.mark.parametrize("q_len,kv_len", [(1, 1), (17, 127), (127, 17), (1, 129)], ids=lambda v: str(v))
+    @pytest.mark.parametrize("q_len,kv_len", [(1, 1), (17, 127), (1, 129)], ids=lambda v: str(v))
     def test_lengths(self, q_len, kv_len):
         inputs = attention_inputs(31, batch=1, q_len=q_len, kv_len=kv_len, num_heads=2, num_kv_heads=1, head_dim=32)
         self.run_and_compare(inputs, causal=True)
