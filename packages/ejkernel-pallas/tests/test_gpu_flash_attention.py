@@ -13,12 +13,13 @@ from ejkernel_pallas import gpu_flash_attention as gpu
 
 
 def test_interpret_mode_matches_reference_with_features():
-    """Causal + window + soft cap + sinks + GQA, Sq != Skv, small blocks so every loop range is used."""
+    """Causal + window + soft cap + sinks + dropout + GQA, Sq != Skv, small blocks so every loop range is used."""
     b, sq, skv, h, hkv, d = 1, 40, 72, 4, 2, 32
     ks = jax.random.split(jax.random.key(21), 4)
     q, k, v = normal(ks[0], (b, sq, h, d)), normal(ks[1], (b, skv, hkv, d)), normal(ks[2], (b, skv, hkv, d))
     aux = normal(ks[3], (h,))
-    kw = dict(softmax_scale=d**-0.5, causal=True, sliding_window=(20, 3), logits_soft_cap=5.0)
+    kw = dict(softmax_scale=d**-0.5, causal=True, sliding_window=(20, 3), logits_soft_cap=5.0, dropout_prob=0.2,
+              dropout_seed=2024)
     cfg = blocks(fwd_q=16, fwd_kv=16, bwd_q=16, bwd_kv=32, dq_q=32, dq_kv=16)
 
     def kernel(q, k, v, aux):
@@ -60,7 +61,7 @@ def test_lowers_for_sm90(dtype):
     def loss(q, k, v):
         out = gpu.flash_attention(
             q, k, v, softmax_scale=0.1, causal=True, sliding_window=(256, 0), logits_soft_cap=30.0,
-            softmax_aux=jnp.zeros((2, 3)),
+            softmax_aux=jnp.zeros((2, 3)), dropout_prob=0.1, dropout_seed=3,
         )
         return out.astype(jnp.float32).sum()
 
@@ -74,8 +75,6 @@ def test_refuses_what_it_does_not_implement():
     q = jax.ShapeDtypeStruct((1, 16, 1, 16), jnp.float32)
     with pytest.raises(UnsupportedFeature, match="bias"):
         gpu.check_supported(q, q, q, jax.ShapeDtypeStruct((1, 1, 16, 16), jnp.float32))
-    with pytest.raises(UnsupportedFeature, match="dropout"):
-        gpu.check_supported(q, q, q, dropout_prob=0.1)
     with pytest.raises(UnsupportedFeature, match="attention_mask"):
         gpu.check_supported(q, q, q, attention_mask=jax.ShapeDtypeStruct((1, 1, 16, 16), jnp.bool_))
 

@@ -1,8 +1,8 @@
 """Flash attention for NVIDIA GPUs in Pallas (Triton lowering), forward and backward.
 
 Semantics of docs/flash_attention.md for: causal, sliding window, soft cap, GQA/MQA, segment ids, varlen
-(packed sequences through cum_seqlens), attention sinks. Bias, attention_mask and dropout are refused with
-``UnsupportedFeature`` (the dispatcher falls back to another backend).
+(packed sequences through cum_seqlens), attention sinks, dropout (the shared index-hash mask, recomputed in
+the backward). Bias and attention_mask are refused with ``UnsupportedFeature`` (the dispatcher falls back).
 
 Arrays stay in the public [B, S, H, D] layout (blocks are strided row loads); lengths are padded to whole
 blocks and head dims to powers of two inside the wrapper. Each program owns one query block (forward, dQ)
@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ejkernel.errors import UnsupportedFeature
+from ejkernel.ops.utils import dropout as dropout_hash
 
 LOG2E = math.log2(math.e)
 
@@ -107,6 +108,7 @@ class _Static:
     # float32: delta_i = <dO_i, O_i> is recomputed in-kernel with the same dot as dP_ij = <dO_i, V_j>, so
     # a row that sees one key gets dS = P * (dP - delta) == 0 exactly (its true gradient), not rounding noise.
     exact_delta: bool = False
+    dropout_prob: float = 0.0
 
     @property
     def statically_masked(self) -> bool:
@@ -227,6 +229,15 @@ def _dot_tn(a, b):
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
 
 
+def _dropout_keep(st: _Static, r, batch, head, q_rows, kv_cols):
+    """The shared dropout mask (ejkernel.ops.utils.dropout) of a (rows, cols) block of this (batch, head).
+
+    ``batch``/``head`` are read at the kernel's top level (program ids cannot be read inside loops in
+    interpret mode)."""
+    seed = r["seed"][0]
+    return dropout_hash.keep_mask(seed, batch, head, q_rows[:, None], kv_cols[None, :], st.dropout_prob)
+
+
 def _row_dot(a, b):
     """Row-wise <a_i, b_i> through the same tiled dot as the (rows, cols) products."""
     products = _dot_nt(a, b)
@@ -246,7 +257,7 @@ def _optional(r, name, index=...):
 def _fwd_kernel(*refs, st: _Static, names):
     r = dict(zip(names, refs))
     block_q, block_kv = st.tuning.fwd_q, st.tuning.fwd_kv
-    qi = pl.program_id(0)
+    qi, batch, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_kv = r["k"].shape[0] // block_kv
     q = r["q"][...]
     q_rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
@@ -286,8 +297,13 @@ def _fwd_kernel(*refs, st: _Static, names):
             p = jnp.exp(s - m_safe[:, None])
             alpha = jnp.exp(m_prev - m_safe)
         v = r["v"][cols, :]
+        l_new = l_prev * alpha + jnp.sum(p, axis=1)
+        if st.dropout_prob > 0.0:
+            kv_cols = kj * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+            keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
+            p = jnp.where(keep, p * (1.0 / (1.0 - st.dropout_prob)), 0.0)
         acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
-        return m_new, l_prev * alpha + jnp.sum(p, axis=1), acc
+        return m_new, l_new, acc
 
     ranges = _kv_ranges(st, qi, block_q, block_kv, num_kv)
     m, l, acc = _run_ranges(body, ranges, (m_init, l_init, acc_init))
@@ -320,7 +336,7 @@ def _dkv_kernel(*refs, st: _Static, names):
     """One program per (KV block, batch, query head): dK, dV contributions of that query head."""
     r = dict(zip(names, refs))
     block_q, block_kv = st.tuning.dkv_q, st.tuning.dkv_kv
-    kj = pl.program_id(0)
+    kj, batch, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_q = r["q"].shape[0] // block_q
     k, v = r["k"][...], r["v"][...]
     kv_cols = kj * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
@@ -335,8 +351,14 @@ def _dkv_kernel(*refs, st: _Static, names):
             st, q, k, r["lse"][rows], masked, q_rows, kv_cols,
             _optional(r, "q_pos", rows), kv_pos, _optional(r, "q_seg", rows), kv_seg,
         )
-        dv = dv + _dot_tn(p.astype(do.dtype), do)
         dp = _dot_nt(do, v)
+        p_dropped = p
+        if st.dropout_prob > 0.0:
+            keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
+            scale = 1.0 / (1.0 - st.dropout_prob)
+            p_dropped = jnp.where(keep, p * scale, 0.0)
+            dp = jnp.where(keep, dp * scale, 0.0)
+        dv = dv + _dot_tn(p_dropped.astype(do.dtype), do)
         delta = _row_dot(do, r["o"][rows, :]) if st.exact_delta else r["delta"][rows]
         ds = p * (dp - delta[:, None])
         if cap_grad is not None:
@@ -353,7 +375,7 @@ def _dkv_kernel(*refs, st: _Static, names):
 def _dq_kernel(*refs, st: _Static, names):
     r = dict(zip(names, refs))
     block_q, block_kv = st.tuning.dq_q, st.tuning.dq_kv
-    qi = pl.program_id(0)
+    qi, batch, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_kv = r["k"].shape[0] // block_kv
     q, do, lse = r["q"][...], r["do"][...], r["lse"][...]
     delta = _row_dot(do, r["o"][...]) if st.exact_delta else r["delta"][...]
@@ -368,7 +390,11 @@ def _dq_kernel(*refs, st: _Static, names):
             st, q, k, lse, masked, q_rows, kv_cols, q_pos, _optional(r, "kv_pos", cols), q_seg,
             _optional(r, "kv_seg", cols),
         )
-        ds = p * (_dot_nt(do, v) - delta[:, None])
+        dp = _dot_nt(do, v)
+        if st.dropout_prob > 0.0:
+            keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
+            dp = jnp.where(keep, dp * (1.0 / (1.0 - st.dropout_prob)), 0.0)
+        ds = p * (dp - delta[:, None])
         if cap_grad is not None:
             ds = ds * cap_grad
         return dq + _dot_nn(ds.astype(k.dtype), k)
@@ -408,10 +434,11 @@ def _spec_table(st: _Static, bq: int, whole_q: int, whole_kv: int, d: int, dv: i
         "kv_pos": pl.BlockSpec((None, kv_rows), kv_vec),
         "kv_seg": pl.BlockSpec((None, kv_rows), kv_vec),
         "sinks": pl.BlockSpec((None, st.num_sinks), lambda i, b, h: (h, 0)),
+        "seed": pl.BlockSpec((1,), lambda i, b, h: (0,)),
     }
 
 
-_META = ("q_pos", "kv_pos", "q_seg", "kv_seg")
+_META = ("q_pos", "kv_pos", "q_seg", "kv_seg", "seed")
 
 
 def _forward(st: _Static, arrays: dict):
@@ -524,8 +551,6 @@ def check_supported(
         raise UnsupportedFeature("pallas GPU flash_attention: bias is not supported (use platform='triton' or 'xla')")
     if attention_mask is not None:
         raise UnsupportedFeature("pallas GPU flash_attention: attention_mask is not supported")
-    if dropout_prob:
-        raise UnsupportedFeature("pallas GPU flash_attention: dropout is not supported")
     if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise UnsupportedFeature(f"pallas GPU flash_attention: dtype {query.dtype} is not supported")
     if cum_seqlens_q is not None and q_segment_ids is not None:
@@ -573,6 +598,10 @@ def flash_attention(
     elif q_segment_ids is not None:
         arrays["q_seg"] = _pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_pad)
         arrays["kv_seg"] = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, skv_pad)
+    if dropout_prob > 0.0:
+        if dropout_seed is None:
+            raise ValueError("dropout_prob > 0 needs dropout_seed")
+        arrays["seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).astype(jnp.int32).reshape(1)
     num_sinks = 0
     if softmax_aux is not None:
         sinks = softmax_aux.reshape(heads, -1)
@@ -593,6 +622,7 @@ def flash_attention(
         tuning=tuning,
         interpret=bool(interpret),
         exact_delta=query.dtype == jnp.float32,
+        dropout_prob=float(dropout_prob),
     )
     out = _attention(st, arrays)
     return out[:, :sq, :, :dv]
