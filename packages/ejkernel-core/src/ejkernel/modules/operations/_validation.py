@@ -4,6 +4,8 @@ and says what was expected, and is raised before anything is traced or compiled.
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -98,23 +100,66 @@ def check_cum_seqlens(name: str, value: Any, total: int, total_name: str) -> Non
         )
 
 
+class ArgumentTypeError(ValueError, TypeError):
+    """An argument violates the operation's shape/dtype annotations (a ValueError like the other checks)."""
+
+
 @functools.cache
-def _typechecker() -> Callable:
+def _typechecker() -> tuple[Callable, type]:
     import beartype
     import jaxtyping
 
-    return lambda fn: jaxtyping.jaxtyped(typechecker=beartype.beartype)(fn)
+    return (lambda fn: jaxtyping.jaxtyped(typechecker=beartype.beartype)(fn)), jaxtyping.TypeCheckError
+
+
+_PARAMETER = re.compile(r"typechecking parameter '(\w+)'")
+_ACTUAL = re.compile(r"Actual value: (.*)")
+_EXPECTED = re.compile(r"Expected type: (?:<class ')?(.*?)(?:'>)?\.?$", re.M)
+_AXES = "The current values for each jaxtyping axis annotation are as follows."
+
+
+def _concise(function: str, message: str, arguments: dict[str, Any]) -> str | None:
+    """One readable sentence from jaxtyping's report: argument, its shape/dtype, what was expected."""
+    parameter = _PARAMETER.search(message)
+    expected = _EXPECTED.search(message)
+    if parameter is None or expected is None:
+        return None
+    name = parameter.group(1)
+    value = arguments.get(name, None)
+    actual = describe(value) if value is not None else (_ACTUAL.search(message) or [None, "?"])[1]
+    text = f"{function}: argument {name!r} is {actual}; expected {expected.group(1).replace('jaxtyping.', '')}"
+    if _AXES in message:
+        axes = [line.strip() for line in message.split(_AXES, 1)[1].strip().splitlines() if "=" in line]
+        if axes:
+            text += " with " + ", ".join(axes) + " (sizes taken from the arguments before it)"
+    return text
 
 
 def typechecked(fn: F) -> F:
-    """Check ``fn``'s jaxtyping/beartype annotations on every call (at trace time under jit)."""
+    """Check ``fn``'s jaxtyping/beartype annotations on every call (at trace time under jit).
+
+    A violation raises :class:`ArgumentTypeError` with one sentence naming the argument, its shape/dtype
+    and the expected annotation with the dimension sizes bound so far.
+    """
     checked = None
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal checked
+        make_checked, check_error = _typechecker()
         if checked is None:
-            checked = _typechecker()(fn)
-        return checked(*args, **kwargs)
+            checked = make_checked(fn)
+        try:
+            return checked(*args, **kwargs)
+        except check_error as error:
+            try:
+                arguments = signature.bind(*args, **kwargs).arguments
+            except TypeError:
+                arguments = {}
+            concise = _concise(fn.__name__, str(error), arguments)
+            if concise is None:
+                raise
+            raise ArgumentTypeError(concise) from None
 
     return wrapper  # type: ignore[return-value]
