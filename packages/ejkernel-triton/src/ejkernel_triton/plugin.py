@@ -5,22 +5,21 @@ from __future__ import annotations
 import json
 import os
 
-from ejkernel import BackendInfo, hookimpl
-from ejkernel.plugins.checks import distribution_version, first_reason, missing_module, no_device, version_below
+from ejkernel import hookimpl
+from ejkernel.plugins.checks import first_reason, missing_module, no_device, version_below
+from ejkernel.plugins.declare import DeclaredBackend
 
 NAME = "triton"
 DISTRIBUTION = "ejkernel-triton"
 MIN_TRITON = "3.6.0"
 MIN_JAX_TRITON = "0.3.1"
 
-# algorithm -> "module:function"; priority 10 puts these above the XLA fallback. They register for
-# "gpu" and also for "cpu": on a machine without a GPU the dispatcher then meets them, finds the backend
-# unusable (check_usable says why), logs the reason and falls back to XLA; an explicit platform="triton"
-# gets that reason as its error. With TRITON_INTERPRET=1 they run in Triton's interpreter on the CPU.
+# algorithm -> "module:function"; priority 10 puts these above the XLA fallback. They register for the
+# GPU; on a CPU-only machine the dispatcher still names them (with check_usable's reason) when it falls
+# back to XLA. With TRITON_INTERPRET=1 they also register for the CPU and run in Triton's interpreter.
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_triton.flash_attention:flash_attention",
 }
-TARGETS = ("gpu", "cpu")
 
 
 def interpret_requested() -> bool:
@@ -47,24 +46,18 @@ def check_usable() -> str | None:
     )
 
 
-@hookimpl
-def ejkernel_backend_info() -> BackendInfo:
-    return BackendInfo(
-        name=NAME,
-        distribution=DISTRIBUTION,
-        version=distribution_version(DISTRIBUTION),
-        platforms=("triton",),
-        targets=("gpu",),
-        check_usable=check_usable,
-        description="Triton kernels for NVIDIA GPUs through jax-triton",
-    )
-
-
-@hookimpl
-def ejkernel_register_kernels(registry, plugin: str) -> None:
-    for algorithm, target in IMPLEMENTATIONS.items():
-        for backend in TARGETS:
-            registry.register_lazy(algorithm, "triton", backend, target, priority=10, plugin=plugin)
+BACKEND = DeclaredBackend(
+    name=NAME,
+    distribution=DISTRIBUTION,
+    platform="triton",
+    targets=("gpu",),
+    implementations=IMPLEMENTATIONS,
+    register_for=("gpu", "cpu") if interpret_requested() else ("gpu",),
+    priority=10,
+    check_usable=check_usable,
+    description="Triton kernels for NVIDIA GPUs through jax-triton",
+)
+ejkernel_backend_info, ejkernel_register_kernels = BACKEND.hooks()
 
 
 # ---- shipped configs ---------------------------------------------------------------------------------
