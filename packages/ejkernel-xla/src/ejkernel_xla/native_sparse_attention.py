@@ -130,7 +130,11 @@ def _selected(q, k, v, block_indices, block_counts, softmax_scale, block_size, q
         out = jnp.einsum("bckgm,bckmd->bckgd", probs, values.reshape(*values.shape[:3], -1, v_dim).astype(jnp.float32))
         return out
 
-    out = jax.lax.map(one_chunk, (chunked(qg), chunked(block_indices, -1), chunked(block_counts), rows))
+    chunks = (chunked(qg), chunked(block_indices, -1), chunked(block_counts), rows)
+    if num_chunks == 1:  # no loop for short sequences
+        out = one_chunk(jax.tree.map(lambda x: x[0], chunks))[None]
+    else:
+        out = jax.lax.map(one_chunk, chunks)
     out = jnp.moveaxis(out, 0, 1).reshape(batch, num_chunks * chunk, num_heads, v_dim)
     return out[:, :seq_len]
 

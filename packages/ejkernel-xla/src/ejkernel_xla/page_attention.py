@@ -75,7 +75,10 @@ def attend_over_blocks(
         jnp.zeros((rows, kv_heads, group), jnp.float32),
         jnp.zeros((rows, kv_heads, group, value_dim), jnp.float32),
     )
-    (row_max, row_sum, acc), _ = jax.lax.scan(step, init, jnp.arange(num_steps, dtype=jnp.int32))
+    if num_steps == 1:  # no loop: short contexts compile (and run) like one dense block
+        (row_max, row_sum, acc), _ = step(init, jnp.int32(0))
+    else:
+        (row_max, row_sum, acc), _ = jax.lax.scan(step, init, jnp.arange(num_steps, dtype=jnp.int32))
     if sinks is not None:
         sink_logits = sinks.astype(jnp.float32)[None]
         new_max = jnp.maximum(row_max, sink_logits.max(axis=-1))

@@ -106,5 +106,8 @@ def ragged_page_attention(
         )
 
     blocks = (blocked(grouped), blocked(sequence), blocked(position), blocked(kv_len), blocked(active, False))
-    out = jax.lax.map(attend_row_block, blocks)
+    if num_row_blocks == 1:  # no loop for a single block of rows (decode batches, short prefills)
+        out = attend_row_block(jax.tree.map(lambda x: x[0], blocks))[None]
+    else:
+        out = jax.lax.map(attend_row_block, blocks)
     return out.reshape(padded_rows, num_heads, head_dim)[:total_tokens].astype(queries.dtype)
