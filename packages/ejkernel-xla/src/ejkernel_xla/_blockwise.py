@@ -359,6 +359,27 @@ def _scan(step, init, xs):
     return carry, jax.tree.map(lambda x: x[None], y)
 
 
+def blocks_may_meet(q: Tokens, kv: Tokens, params: AttentionParams) -> jax.Array:
+    """False only when no (query, key) pair of these blocks can be visible under the causal / window
+    rules (from position bounds; conservative, so also right for varlen's per-sequence positions)."""
+    big = jnp.int32(2**30)
+    q_lo = jnp.min(jnp.where(q.valid, q.position, big))
+    q_hi = jnp.max(jnp.where(q.valid, q.position, -big))
+    k_lo = jnp.min(jnp.where(kv.valid, kv.position, big))
+    k_hi = jnp.max(jnp.where(kv.valid, kv.position, -big))
+    meet = (q_lo <= q_hi) & (k_lo <= k_hi)
+    if params.causal:
+        meet &= k_lo <= q_hi
+    if params.sliding_window is not None:
+        left, right = params.sliding_window
+        meet &= (k_hi >= q_lo - left) & (k_lo <= q_hi + right)
+    return meet
+
+
+def _skippable(params: AttentionParams) -> bool:
+    return params.causal or params.sliding_window is not None
+
+
 def _map(fn, xs):
     return _scan(lambda _, x: (None, fn(x)), None, xs)[1]
 
@@ -385,15 +406,25 @@ def _flash_forward(blocks: BlockSizes, params: AttentionParams, q, k, v, bias, a
     kt = _blocked_tokens(pad_tokens(kv_tok, nk * bk), nk, bk)
     bias_b = _pair_blocks(bias_p, nq, bq, nk, bk, kv_major=False)
     mask_b = _pair_blocks(mask_p, nq, bq, nk, bk, kv_major=False)
-    init_lse = _seq_blocks(jnp.moveaxis(_pad_to(sink_lse(aux, batch, num_heads, q_len), 2, nq * bq, -jnp.inf), 2, 1), nq, bq)
+    sinks = _pad_to(sink_lse(aux, batch, num_heads, q_len), 2, nq * bq, -jnp.inf)
+    init_lse = _seq_blocks(jnp.moveaxis(sinks, 2, 1), nq, bq)
 
     def one_q_block(xs):
         q_b, qt_b, bias_row, mask_row, lse0 = xs
 
         def kv_step(carry, ys):
             k_b, v_b, kt_b, bias_bb, mask_bb = ys
-            out_b, lse_b = forward_block(q_b, k_b, v_b, qt_b, kt_b, params, bias=bias_bb, mask=mask_bb, dropout_seed=seed)
-            return combine(*carry, out_b, lse_b), None
+
+            def attend(carry):
+                out_b, lse_b = forward_block(
+                    q_b, k_b, v_b, qt_b, kt_b, params, bias=bias_bb, mask=mask_bb, dropout_seed=seed
+                )
+                return combine(*carry, out_b, lse_b)
+
+            if not _skippable(params):
+                return attend(carry), None
+            # blocks entirely above the causal diagonal / outside the window contribute nothing
+            return lax.cond(blocks_may_meet(qt_b, kt_b, params), attend, lambda c: c, carry), None
 
         init = (jnp.zeros((*q_b.shape[:3], v.shape[-1]), jnp.float32), jnp.moveaxis(lse0, 1, 2))
         (out_b, lse_b), _ = _scan(kv_step, init, (k_blocks, v_blocks, kt, bias_row, mask_row))
@@ -434,13 +465,22 @@ def _flash_backward(blocks: BlockSizes, params: AttentionParams, res, d_out):
         k_b, v_b, kt_b, bias_col, mask_col = xs
 
         def q_step(carry, ys):
-            dk_acc, dv_acc = carry
             q_b, do_b, lse_b, delta_b, qt_b, bias_bb, mask_bb, dq_b = ys
-            dq, dk, dv, ds = backward_block(
-                q_b, k_b, v_b, do_b, jnp.moveaxis(lse_b, 1, 2), jnp.moveaxis(delta_b, 1, 2), qt_b, kt_b, params,
-                bias=bias_bb, mask=mask_bb, dropout_seed=seed,
-            )
-            return (dk_acc + dk, dv_acc + dv), (dq_b + dq, reduce_to_bias(ds))
+
+            def attend(carry):
+                dk_acc, dv_acc = carry
+                dq, dk, dv, ds = backward_block(
+                    q_b, k_b, v_b, do_b, jnp.moveaxis(lse_b, 1, 2), jnp.moveaxis(delta_b, 1, 2), qt_b, kt_b,
+                    params, bias=bias_bb, mask=mask_bb, dropout_seed=seed,
+                )
+                return (dk_acc + dk, dv_acc + dv), (dq_b + dq, reduce_to_bias(ds))
+
+            def skip(carry):
+                return carry, (dq_b, None if bias_bb is None else jnp.zeros(bias_bb.shape, jnp.float32))
+
+            if not _skippable(params):
+                return attend(carry)
+            return lax.cond(blocks_may_meet(qt_b, kt_b, params), attend, skip, carry)
 
         init = (jnp.zeros(k_b.shape, jnp.float32), jnp.zeros(v_b.shape, jnp.float32))
         (dk_b, dv_b), (dq_all, dbias_col) = _scan(
@@ -547,7 +587,9 @@ def dense_attention(
     return out, _ungrouped(weights)
 
 
-def default_block_sizes(q_len: int, kv_len: int, head_dim: int, q_block=None, kv_block=None, bwd_q=None, bwd_kv=None) -> BlockSizes:
+def default_block_sizes(
+    q_len: int, kv_len: int, head_dim: int, q_block=None, kv_block=None, bwd_q=None, bwd_kv=None
+) -> BlockSizes:
     """Blocks of 512 queries x 512 keys (smaller for wide heads), never larger than the sequence."""
     base = 512 if head_dim <= 128 else 256
     fit = lambda n, want: max(1, min(want or base, n))  # noqa: E731
@@ -560,6 +602,7 @@ __all__ = [
     "BlockSizes",
     "Tokens",
     "backward_block",
+    "blocks_may_meet",
     "combine",
     "default_block_sizes",
     "dense_attention",

@@ -3,7 +3,9 @@
 Memory: the forward keeps one [B, H, bq, bk] logits block live at a time and saves only the output and
 the per-row log-sum-exp for the backward, which recomputes the probabilities block by block; apart from
 a bias or an explicit mask (which are S² by themselves, and whose blocks are read the same way) memory
-grows with S. Every feature of ``docs/flash_attention.md`` is implemented; nothing is refused.
+grows with S. With causal or a sliding window, block pairs that no rule lets meet are skipped
+(``lax.cond`` on position bounds). Every feature of ``docs/flash_attention.md`` is implemented; nothing is
+refused.
 
 Block sizes come from ``cfg.fwd_params.q_blocksize / kv_blocksize`` and ``cfg.bwd_params`` (None: 512,
 or 256 for head_dim > 128, capped at the sequence lengths).

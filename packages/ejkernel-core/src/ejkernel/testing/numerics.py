@@ -15,7 +15,8 @@ accumulation, the output (and, in flash kernels, the probabilities fed to the se
 the dtype. They were calibrated on attention (see ``docs/testing.md``): an XLA float32-accumulating
 blockwise kernel sits 4-50x below them (measured, unit-normal q/k/v, D=64: float32 3e-7, bfloat16 2.3e-3
 with bf16 probabilities, float16 3e-4), a kernel accumulating in bf16 sits near the bound, and a wrong
-rescale or mask lands orders of magnitude above. Gradients get a looser bound because ``dS = P * (dP - rowsum(dO * O))`` cancels.
+rescale or mask lands orders of magnitude above. Gradients get a looser bound because
+``dS = P * (dP - rowsum(dO * O))`` cancels.
 
 A GPU backend whose float32 matmuls run in TF32 does not reach the float32 bound; it either computes
 float32 in full precision (Triton: ``input_precision="ieee"``) or states so by overriding the suite's
@@ -73,7 +74,9 @@ def tolerance_for(dtype: Any, tolerances: Mapping[str, Tolerance] | None = None)
 
 
 def _as_float64(x: Any) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64) if _is_low_precision(x) else np.asarray(x, dtype=np.float64)
+    if _is_low_precision(x):
+        return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64)
+    return np.asarray(x, dtype=np.float64)
 
 
 def _is_low_precision(x: Any) -> bool:

@@ -92,7 +92,8 @@ def normalize_sliding_window(value: Any) -> tuple[int, int] | None:
         or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0 for w in pair)
     ):
         raise ValueError(
-            f"sliding_window must be None, a non-negative int or a (left, right) pair of non-negative ints, got {value!r}"
+            "sliding_window must be None, a non-negative int or a (left, right) pair of non-negative ints, "
+            f"got {value!r}"
         )
     return int(pair[0]), int(pair[1])
 
@@ -152,7 +153,10 @@ def normalize_segment_ids(q_segment_ids, kv_segment_ids, batch: int, q_len: int,
     if q_segment_ids is None and kv_segment_ids is None:
         return None, None
     if q_segment_ids is None or kv_segment_ids is None:
-        given, name = (q_segment_ids, "q_segment_ids") if q_segment_ids is not None else (kv_segment_ids, "kv_segment_ids")
+        if q_segment_ids is not None:
+            given, name = q_segment_ids, "q_segment_ids"
+        else:
+            given, name = kv_segment_ids, "kv_segment_ids"
         if q_len != kv_len:
             missing = "kv_segment_ids" if name == "q_segment_ids" else "q_segment_ids"
             raise ValueError(
@@ -193,7 +197,8 @@ def normalize_cum_seqlens(cum_seqlens_q, cum_seqlens_k, batch: int, q_len: int, 
 def check_softmax_aux(softmax_aux, num_heads: int):
     if softmax_aux is None:
         return None
-    check_array("softmax_aux", softmax_aux, dtypes=FLOAT_DTYPES, what="(sink logits [num_heads] or [num_heads, num_sinks])")
+    what = "(sink logits [num_heads] or [num_heads, num_sinks])"
+    check_array("softmax_aux", softmax_aux, dtypes=FLOAT_DTYPES, what=what)
     if softmax_aux.ndim not in (1, 2) or softmax_aux.shape[0] != num_heads:
         raise ValueError(
             f"softmax_aux must be [num_heads] or [num_heads, num_sinks] with num_heads = {num_heads}, "
