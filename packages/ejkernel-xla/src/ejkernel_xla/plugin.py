@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from ejkernel import BackendInfo, hookimpl
-from ejkernel.plugins.checks import distribution_version
-
-NAME = "xla"
-DISTRIBUTION = "ejkernel-xla"
+from ejkernel.plugins.declare import DeclaredBackend
 
 # algorithm -> "module:function" inside this package. Every operation runs on every machine here.
 IMPLEMENTATIONS: dict[str, str] = {
@@ -28,20 +24,14 @@ IMPLEMENTATIONS: dict[str, str] = {
 }
 
 
-@hookimpl
-def ejkernel_backend_info() -> BackendInfo:
-    return BackendInfo(
-        name=NAME,
-        distribution=DISTRIBUTION,
-        version=distribution_version(DISTRIBUTION),
-        platforms=("xla",),
-        targets=("cpu", "gpu", "tpu"),
-        check_usable=None,
-        description="pure JAX: blockwise, memory O(S); the fallback for every operation",
-    )
-
-
-@hookimpl
-def ejkernel_register_kernels(registry, plugin: str) -> None:
-    for algorithm, target in IMPLEMENTATIONS.items():
-        registry.register_lazy(algorithm, "xla", "any", target, priority=0, plugin=plugin)
+BACKEND = DeclaredBackend(
+    name="xla",
+    distribution="ejkernel-xla",
+    platform="xla",
+    targets=("cpu", "gpu", "tpu"),
+    implementations=IMPLEMENTATIONS,
+    register_for=("any",),
+    priority=0,
+    description="pure JAX: blockwise, memory O(S); the fallback for every operation",
+)
+ejkernel_backend_info, ejkernel_register_kernels = BACKEND.hooks()
