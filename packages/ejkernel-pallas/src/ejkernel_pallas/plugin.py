@@ -2,30 +2,29 @@
 
 from __future__ import annotations
 
-from ejkernel import BackendInfo, hookimpl
-from ejkernel.plugins.checks import distribution_version, no_device
+from ejkernel.plugins.checks import no_device
+from ejkernel.plugins.declare import DeclaredBackend
 
 from ejkernel_pallas.interpret import INTERPRET_ENV, NEED_DEVICE_MESSAGE, interpret_mode
 
 NAME = "pallas"
 DISTRIBUTION = "ejkernel-pallas"
 
-# (algorithm, backend) -> "module:function". Priority 10 puts these above the XLA fallback.
-# The "cpu" entries run the kernels in interpret mode when EJKERNEL_PALLAS_INTERPRET asks for it, and
-# otherwise refuse the call (UnsupportedFeature) with NEED_DEVICE_MESSAGE, so auto dispatch falls back.
-_FLASH = "ejkernel_pallas.flash_attention:flash_attention"
+# (algorithm, backend) -> "module:function". Priority 10 puts these above the XLA fallback. On a machine
+# with neither TPU nor GPU the dispatcher names these kernels (with check_usable's reason and how to run
+# them) when it falls back; with EJKERNEL_PALLAS_INTERPRET set they also register for the CPU and run in
+# Pallas interpret mode.
+_KERNELS = {
+    "flash_attention": ("ejkernel_pallas.flash_attention:flash_attention", ("tpu", "gpu")),
+    "grouped_matmul": ("ejkernel_pallas.grouped_matmul:grouped_matmul", ("tpu",)),
+    "page_attention": ("ejkernel_pallas.page_attention:page_attention", ("tpu",)),
+    "ragged_page_attention": ("ejkernel_pallas.ragged_page_attention:ragged_page_attention", ("tpu",)),
+    "ring_attention": ("ejkernel_pallas.ring_attention:ring_attention", ("tpu",)),
+}
 IMPLEMENTATIONS: dict[tuple[str, str], str] = {
-    ("flash_attention", "tpu"): _FLASH,
-    ("flash_attention", "gpu"): _FLASH,
-    ("flash_attention", "cpu"): _FLASH,
-    ("grouped_matmul", "tpu"): "ejkernel_pallas.grouped_matmul:grouped_matmul",
-    ("grouped_matmul", "cpu"): "ejkernel_pallas.grouped_matmul:grouped_matmul",
-    ("page_attention", "tpu"): "ejkernel_pallas.page_attention:page_attention",
-    ("page_attention", "cpu"): "ejkernel_pallas.page_attention:page_attention",
-    ("ragged_page_attention", "tpu"): "ejkernel_pallas.ragged_page_attention:ragged_page_attention",
-    ("ragged_page_attention", "cpu"): "ejkernel_pallas.ragged_page_attention:ragged_page_attention",
-    ("ring_attention", "tpu"): "ejkernel_pallas.ring_attention:ring_attention",
-    ("ring_attention", "cpu"): "ejkernel_pallas.ring_attention:ring_attention",
+    (algorithm, backend): target
+    for algorithm, (target, backends) in _KERNELS.items()
+    for backend in (*backends, *(("cpu",) if interpret_mode() is not None else ()))
 }
 
 __all__ = ["DISTRIBUTION", "IMPLEMENTATIONS", "INTERPRET_ENV", "NAME", "check_usable", "interpret_requested"]
@@ -44,20 +43,14 @@ def check_usable() -> str | None:
     return None
 
 
-@hookimpl
-def ejkernel_backend_info() -> BackendInfo:
-    return BackendInfo(
-        name=NAME,
-        distribution=DISTRIBUTION,
-        version=distribution_version(DISTRIBUTION),
-        platforms=("pallas",),
-        targets=("tpu", "gpu"),
-        check_usable=check_usable,
-        description="Pallas kernels: Mosaic TPU, and Triton/Mosaic lowering on NVIDIA GPUs",
-    )
-
-
-@hookimpl
-def ejkernel_register_kernels(registry, plugin: str) -> None:
-    for (algorithm, backend), target in IMPLEMENTATIONS.items():
-        registry.register_lazy(algorithm, "pallas", backend, target, priority=10, plugin=plugin)
+BACKEND = DeclaredBackend(
+    name=NAME,
+    distribution=DISTRIBUTION,
+    platform="pallas",
+    targets=("tpu", "gpu"),
+    implementations=IMPLEMENTATIONS,
+    priority=10,
+    check_usable=check_usable,
+    description="Pallas kernels: Mosaic TPU, and Triton/Mosaic lowering on NVIDIA GPUs",
+)
+ejkernel_backend_info, ejkernel_register_kernels = BACKEND.hooks()

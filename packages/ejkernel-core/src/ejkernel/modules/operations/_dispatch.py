@@ -167,9 +167,9 @@ _logged_lock = threading.Lock()
 
 
 def _log_fallback(algorithm: str, skipped: str, chosen: str, reason: str) -> None:
+    """INFO the first time a (kernel, reason) is passed over, DEBUG after that (no log spam per call)."""
     key = (algorithm, skipped, reason)
     with _logged_lock:
-        if key in _logged:
-            return
+        first = key not in _logged
         _logged.add(key)
-    logger.info("%s: using %s instead of %s: %s", algorithm, chosen, skipped, reason)
+    logger.log(logging.INFO if first else logging.DEBUG, "%s: using %s instead of %s: %s", algorithm, chosen, skipped, reason)
