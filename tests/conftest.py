@@ -4,6 +4,7 @@ environments that install them (really installed, entry points and all) next to 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 from support import PACKAGES, REPO, UV, Venv, run

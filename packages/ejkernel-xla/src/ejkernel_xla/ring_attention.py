@@ -11,7 +11,6 @@ Memory per device: O(local shard) plus one [B, H, bq, bk] logits block.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

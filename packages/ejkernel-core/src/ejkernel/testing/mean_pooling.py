@@ -5,7 +5,6 @@ A backend's test module subclasses :class:`MeanPoolingConformance` and sets ``pl
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import ClassVar
 

@@ -25,7 +25,6 @@ ring). Full specification, including the inner block every ring step computes: `
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 from jaxtyping import Float, Int
