@@ -2,7 +2,9 @@
 
 For each head dim and causal flag: time the forward for every forward candidate of
 `ejkernel_triton.flash_attention.tuning_space`, then forward+backward for every backward candidate with
-the best forward fixed. Writes `<out>/triton_flash_tuned.json`: {device_kind: {"d<D>-<causal|full>":
+the best forward fixed; for non-causal calls also the forward candidates of the TMA kernel
+(`tuning_space(..., tma=True)`, entry "d<D>-full-tma", forward fields only, written when it beats the
+pointer kernel's best). Writes `<out>/triton_flash_tuned.json`: {device_kind: {"d<D>-<causal|full>":
 {tuning fields..., "measured": {...}}}} -- the format the plugin ships
 (`ejkernel_triton/tuned/flash_attention.json`; a missing "-causal" entry falls back to "-full") -- and
 prints every timing. `--causal "d64=no;d128=no,yes"` picks the causal flags per head dim.
@@ -104,6 +106,23 @@ def main(argv=None):
             entry["measured"] = dict(fwd_ms=round(best_ms, 4), fwd_bwd_ms=round(best_bwd_ms, 4), seq=s, batch=b, heads=h)
             table[f"d{d}-{'causal' if causal else 'full'}"] = entry
             print("BEST", d, causal, entry, flush=True)
+            if causal:
+                continue
+            tma_best, tma_ms = None, float("inf")
+            tma_space = tuning_space(d, d, jnp.bfloat16, tma=True)
+            for f in dict.fromkeys((t.fwd_block_q, t.fwd_block_kv, t.fwd_num_warps, t.fwd_num_stages) for t in tma_space):
+                t = dataclasses.replace(best, fwd_block_q=f[0], fwd_block_kv=f[1], fwd_num_warps=f[2], fwd_num_stages=f[3])
+                try:
+                    ms = _time(fwd_fn(t), argsets)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"d={d} tma fwd {f}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                    continue
+                print(f"d={d} tma fwd {f}: {ms:.3f} ms", flush=True)
+                if ms < tma_ms:
+                    tma_best, tma_ms = f, ms
+            if tma_best is not None and tma_ms < best_ms:  # else the device keeps the pointer forward
+                table[f"d{d}-full-tma"] = dict(zip(("fwd_block_q", "fwd_block_kv", "fwd_num_warps", "fwd_num_stages"),
+                                                   tma_best), measured=dict(fwd_ms=round(tma_ms, 4), seq=s, batch=b, heads=h))
     out = Path(args.out) / "triton_flash_tuned.json"
     out.write_text(json.dumps({kind: table}, indent=1))
     print(json.dumps({kind: table}))

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
+from ejkernel_triton import flash_attention as fa  # noqa: E402
 from ejkernel_triton.flash_attention import Tuning, flash_attention, reference_attention, tuning_to_cfg  # noqa: E402
 
 SMALL_BLOCKS = tuning_to_cfg(Tuning(32, 32, 4, 1, 32, 32, 32, 32, 4, 1))
@@ -38,7 +39,15 @@ def _segments(rng, batch, length, num):
 
 
 def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp.float32, sinks=0,
-         segments=False, unmatched_segment=False, varlen=None, vmap=False, **kw):
+         segments=False, unmatched_segment=False, varlen=None, vmap=False, hopper=False, **kw):
+    """`hopper`: compile as for sm_90, where eligible calls take the TMA forward (`_fwd_tma_kernel`)."""
+    if hopper:
+        os.environ[fa.COMPUTE_CAPABILITY_ENV] = "90"
+    else:
+        os.environ.pop(fa.COMPUTE_CAPABILITY_ENV, None)
+    tma_calls = []
+    fa_tma_call = fa._fwd_tma_call
+    fa._fwd_tma_call = lambda *a: tma_calls.append(1) or fa_tma_call(*a)
     rng = np.random.default_rng(seed)
     dv = dv or d
     ks = jax.random.split(jax.random.key(seed), 5)
@@ -83,6 +92,8 @@ def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp
         d_aux=_rel(g_ours[3], g_ref[3]) if aux is not None else 0.0,
         finite=bool(all(np.all(np.isfinite(np.asarray(x, np.float64))) for x in (out_ours, *g_ours[:3]))),
     )
+    result["tma_forward"] = bool(tma_calls)
+    fa._fwd_tma_call = fa_tma_call
     if unmatched_segment:
         result["masked_rows_zero"] = bool(np.all(np.asarray(out_ours)[:, :5] == 0))
     print(json.dumps(result), flush=True)
@@ -102,6 +113,12 @@ CASES = {
     "causal_softcap_dropout_gqa": dict(seed=9, sq=45, skv=37, h=2, hkv=1, causal=True, logits_soft_cap=2.0,
                                        dropout_prob=0.3, dropout_seed=2**33 + 5),
     "vmap_fold": dict(seed=7, b=1, sq=21, skv=21, causal=True, vmap=True),
+    # The TMA + warp-specialized forward (Hopper target): GQA, Sq != Skv, soft cap, sinks; and a causal call
+    # on the same target, which must keep the pointer kernel.
+    "hopper_tma_forward": dict(seed=10, b=2, sq=64, skv=96, h=4, hkv=2, d=128, dtype=jnp.float16, logits_soft_cap=3.0,
+                               sinks=1, hopper=True),
+    "hopper_causal_pointer_forward": dict(seed=12, b=1, sq=64, skv=64, h=2, hkv=1, d=128, dtype=jnp.float16,
+                                          causal=True, hopper=True),
 }
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def _rel(a, b):
         (64, 4, 4, 1536, dict(sliding_window=(300, 20), logits_soft_cap=20.0)),
         (256, 4, 1, 777, dict(causal=True, softmax_aux=True)),
         (96, 4, 2, 640, dict()),
+        # no mask, D=128, whole blocks: the TMA + warp-specialized forward (test below checks it is taken)
+        (128, 8, 2, 1024, dict(logits_soft_cap=30.0, softmax_aux=True)),
     ],
 )
 def test_bf16_many_blocks_matches_float32_reference(d, h, hkv, seq, kw):
@@ -75,3 +77,18 @@ def test_varlen_matches_per_sequence_calls():
         s, e = int(cu[n]), int(cu[n + 1])
         alone = flash_attention(q[:, s:e], k[:, s:e], v[:, s:e], causal=True)
         assert _rel(packed[:, s:e], alone) < 1e-2
+
+
+def test_unmasked_d128_forward_takes_the_tma_kernel(monkeypatch):
+    from ejkernel_triton import flash_attention as fa
+
+    calls = []
+    original = fa._fwd_tma_call
+    monkeypatch.setattr(fa, "_fwd_tma_call", lambda *a: calls.append(1) or original(*a))
+    q = jax.random.normal(jax.random.key(0), (2, 1024, 4, 128), jnp.float32).astype(jnp.bfloat16)
+    out = fa.flash_attention(q, q, q)
+    ref = fa.reference_attention(q, q, q)
+    assert calls and _rel(out, ref) < 1e-2
+    calls.clear()
+    fa.flash_attention(q, q, q, causal=True)
+    assert not calls  # causal keeps the pointer kernel (faster there)

@@ -76,3 +76,24 @@ def test_head_dim_256_compiles_for_sm90():
     text = jax.jit(lambda q, k, v: fa.flash_attention(q, k, v)).trace(q, q, q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton_kernel_call" in text
+
+
+def test_unmasked_bf16_forward_takes_the_warp_specialized_tma_kernel():
+    """No mask, bf16, D=128, whole blocks: `_fwd_tma_kernel`, compiled with a producer warpgroup (12 warps
+    from 4 requested, setmaxnreg) and TMA descriptors in global scratch; a causal call keeps the pointer kernel."""
+    from ejkernel_triton import launch
+
+    q = _spec((2, 1024, 4, 128), jnp.bfloat16)
+    kv = _spec((2, 1024, 2, 128), jnp.bfloat16)
+    launch._COMPILED.clear()
+    text = jax.jit(lambda q, k, v: fa.flash_attention(q, k, v, logits_soft_cap=30.0)).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton_kernel_call") == 1
+    (compiled,) = launch._COMPILED.values()
+    assert compiled.name == "_fwd_tma_kernel"
+    assert compiled.num_warps == 12 and "setmaxnreg" in compiled.ptx
+    assert compiled.scratch_size > 0  # the descriptors live in per-program global scratch
+    launch._COMPILED.clear()
+    jax.jit(lambda q, k, v: fa.flash_attention(q, k, v, causal=True)).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",))
+    assert not launch._COMPILED

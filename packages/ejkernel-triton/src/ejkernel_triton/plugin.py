@@ -68,8 +68,8 @@ ejkernel_backend_info, ejkernel_register_kernels = BACKEND.hooks()
 # reads the tuned table for the call's head dim and causal flag: on a device kind with a table, no call
 # autotunes and every call gets its tuned blocks.
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "tuned", "flash_attention.json")
-# H100 and H200 share the SM (132 SMs, 228 KB shared memory per SM, same clocks); one table serves both
-# until a run on the other kind ships its own.
+# H100 and H200 share the SM (132 SMs, 228 KB shared memory per SM, same clocks): a kind without its own
+# table uses the other's.
 SAME_SM = {"NVIDIA H100": "NVIDIA H200", "NVIDIA H200": "NVIDIA H100"}
 
 

@@ -1,0 +1,166 @@
+"""Launching compiled Triton kernels from JAX with what jax-triton 0.3.1 leaves out.
+
+jax-triton compiles a kernel and hands it to jaxlib's Triton custom call, but it sizes the launch from
+the ``num_warps`` it was asked for and gives the kernel no global scratch memory. Both matter on
+Hopper: a warp-specialized loop (``tl.range(..., warp_specialize=True)``) compiles to more warps than
+requested (producer + consumer warpgroups), and device-side TMA descriptors
+(``tl.make_tensor_descriptor``) are written into per-program global scratch. jaxlib's launcher already
+allocates that scratch when told its size; this module compiles through Triton's own ``triton.compile``
+(which reports the compiled warp count and scratch size) and builds the same custom call.
+
+Interface: :func:`triton_call` takes the kernel's arguments in order (arrays, and scalars as numpy
+scalars), the output shapes (outputs follow the inputs in the kernel's parameter list, as in
+jax-triton), the grid, and constexpr keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+from typing import Any
+
+import jax
+import jax.extend as jex
+import numpy as np
+from jax._src import dispatch
+from jax.interpreters import mlir
+
+_TRITON_TYPES = {
+    np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dtype(np.float64): "fp64",
+    np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.uint32): "u32",
+    np.dtype(np.uint64): "u64", np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8",
+    np.dtype(np.int16): "i16", np.dtype(np.bool_): "i1",
+}
+
+
+def _triton_type(dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return "bf16"
+    try:
+        return _TRITON_TYPES[dtype]
+    except KeyError:
+        raise TypeError(f"no Triton type for dtype {dtype}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    name: str
+    num_warps: int  # after warp specialization: what the launch must use
+    shared: int
+    ptx: str
+    scratch_size: int
+    scratch_align: int
+
+
+_COMPILED: dict[Any, _Compiled] = {}
+
+
+def _compile(kernel, signature: tuple, constexprs: tuple, num_warps: int, num_stages: int,
+             compute_capability: int) -> _Compiled:
+    key = (kernel, signature, constexprs, num_warps, num_stages, compute_capability)
+    hit = _COMPILED.get(key)
+    if hit is not None:
+        return hit
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    sig = dict(signature)
+    sig.update({name: "constexpr" for name, _ in constexprs})
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, ty in signature if ty.startswith("*")}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=dict(constexprs), attrs=attrs)
+    # Triton's own pipeline up to PTX (jaxlib assembles PTX itself), in memory: triton.compile would
+    # also write a disk cache under ~/.triton, which a read-only home refuses.
+    target = GPUTarget("cuda", compute_capability, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    metadata: dict[str, Any] = {"target": target, **options.__dict__}
+    stages: dict[str, Any] = {}
+    backend.add_stages(stages, options, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                         context)
+    for stage in ("ttir", "ttgir", "llir", "ptx"):
+        module = stages[stage](module, metadata)
+    out = _Compiled(name=metadata["name"], num_warps=metadata["num_warps"], shared=metadata["shared"], ptx=module,
+                    scratch_size=metadata["global_scratch_size"], scratch_align=metadata["global_scratch_align"])
+    _COMPILED[key] = out
+    return out
+
+
+_call_p = jex.core.Primitive("ejkernel_triton_call")
+_call_p.multiple_results = True
+_call_p.def_impl(functools.partial(dispatch.apply_primitive, _call_p))
+
+
+@_call_p.def_abstract_eval
+def _abstract_eval(*avals, out_shapes, **_):
+    return [jax.core.ShapedArray(s.shape, s.dtype) for s in out_shapes]
+
+
+def _lowering(ctx, *arrays, **params):
+    from jax._src.lib import gpu_triton
+
+    kernel = params["kernel"]
+    slots: list[tuple[str, Any]] = [("array", a) for a in ctx.avals_in]
+    for index, value in params["scalars"]:
+        slots.insert(index, ("scalar", value))
+    slots.extend(("output", a) for a in ctx.avals_out)
+    signature = []
+    for arg_name, (kind, value) in zip(kernel.arg_names, slots):
+        dtype = value.dtype if kind != "scalar" else np.asarray(value).dtype
+        signature.append((arg_name, ("*" if kind != "scalar" else "") + _triton_type(dtype)))
+    cc = params["compute_capability"]
+    compiled = _compile(kernel, tuple(signature), params["constexprs"], params["num_warps"],
+                        params["num_stages"], cc)
+    zeroed = set(params["zeroed_outputs"])
+    kernel_params = []
+    n_out = 0
+    for (kind, value), (_, ty) in zip(slots, signature):
+        if kind == "scalar":
+            kernel_params.append(gpu_triton.create_scalar_parameter(np.asarray(value).item(), ty))
+            continue
+        zero_bytes = 0
+        if kind == "output":
+            if n_out in zeroed:
+                zero_bytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
+            n_out += 1
+        kernel_params.append(gpu_triton.create_array_parameter(zero_bytes, 16))
+    triton_kernel = gpu_triton.TritonKernel(
+        compiled.name, compiled.num_warps, 1, compiled.shared, compiled.ptx, "", cc,
+        compiled.scratch_size, compiled.scratch_align)
+    call = gpu_triton.TritonKernelCall(triton_kernel, *params["grid"], kernel_params)
+    rule = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2,
+                                backend_config=zlib.compress(call.to_proto(params["name"], b"")))
+    return rule(ctx, *arrays)
+
+
+mlir.register_lowering(_call_p, _lowering, platform="cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def device_compute_capability() -> int:
+    from jax._src.lib import gpu_triton
+
+    return int(gpu_triton.get_compute_capability(0))
+
+
+def triton_call(*args, kernel, out_shape, grid, num_warps: int = 4, num_stages: int = 3,
+                zeroed_outputs=(), compute_capability: int | None = None, **constexprs):
+    """Launch `kernel` on `args` (arrays and numpy scalars, in parameter order); returns the outputs."""
+    arrays = [a for a in args if not isinstance(a, (np.generic, int, float))]
+    scalars = tuple((i, np.asarray(a)[()] if isinstance(a, np.generic) else np.int32(a) if isinstance(a, int)
+                     else np.float32(a)) for i, a in enumerate(args) if isinstance(a, (np.generic, int, float)))
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    cc = compute_capability or device_compute_capability()
+    return _call_p.bind(
+        *arrays, kernel=kernel, scalars=scalars, out_shapes=tuple(out_shape), grid=grid,
+        num_warps=num_warps, num_stages=num_stages, constexprs=tuple(sorted(constexprs.items())),
+        zeroed_outputs=tuple(zeroed_outputs), compute_capability=cc, name=kernel.__name__)
