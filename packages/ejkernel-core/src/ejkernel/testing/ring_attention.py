@@ -164,11 +164,28 @@ class RingAttentionConformance:
             ((q, k, v), {"sliding_window": (-1, 2)}, "sliding_window"),
             ((q, k, v), {"logits_soft_cap": -1.0}, "logits_soft_cap"),
             ((q, k, v), {"axis_name": 3}, "axis_name"),
-            ((q, k, v, jnp.zeros((q.shape[0], q.shape[1] + 1), jnp.int32)), {}, "segment_ids"),
+            ((q, k, v, *[jnp.zeros((q.shape[0], q.shape[1] + 1), jnp.int32)] * 2), {}, "q_segment_ids"),
         ]
         for args, kwargs, match in cases:
             with pytest.raises((ValueError, TypeError), match=match):
                 self.call(*args, **kwargs)
+
+    def test_one_sided_segment_ids_are_refused(self):
+        """Key/value shards travel with their own segment ids: core requires both sides (no self-attention
+        fill as in flash_attention), with a ValueError naming the missing one, before anything compiles."""
+        import pytest
+
+        from ejkernel.modules.operations.ring_attention import RingAttention
+        from ejkernel.ops import get_default_executor
+
+        arrays, _ = case_inputs("full_softcap_sinks")
+        q, k, v = arrays["query"], arrays["key"], arrays["value"]
+        q_seg, kv_seg = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
+        for segments, missing in (((q_seg, None), "kv_segment_ids"), ((None, kv_seg), "q_segment_ids")):
+            with pytest.raises(ValueError, match=f"{missing} is required"):
+                get_default_executor()(RingAttention(), q, k, v, *segments, platform=self.platform)
+            with pytest.raises(ValueError, match=f"{missing} is required"):
+                self.call(q, k, v, *segments)
 
 
 def main(argv: list[str] | None = None) -> int:

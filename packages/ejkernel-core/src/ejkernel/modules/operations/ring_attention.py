@@ -30,7 +30,7 @@ import jax
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
-from ejkernel.modules.operations._validation import typechecked
+from ejkernel.modules.operations._validation import describe, typechecked
 from ejkernel.modules.operations.flash_attention import (
     check_bool,
     check_qkv,
@@ -64,6 +64,18 @@ class RingAttention(RegistryOperation):
         softmax_scale=None, causal=False, sliding_window=None, logits_soft_cap=None, axis_name=None,
     ):
         batch, q_len, num_heads, head_dim, kv_len, _ = check_qkv(query, key, value)
+        if (q_segment_ids is None) != (kv_segment_ids is None):
+            # Unlike flash_attention, no self-attention fill: the key/value shards travel around the ring
+            # and must carry their own segment ids, so both sides are required.
+            given, missing = ("q_segment_ids", "kv_segment_ids")
+            if q_segment_ids is None:
+                given, missing = missing, given
+            present = kv_segment_ids if q_segment_ids is None else q_segment_ids
+            raise ValueError(
+                f"ring_attention: {missing} is required when {given} is given (segment ids travel with their "
+                f"shards; for self-attention pass the same shard as both); got {given} {describe(present)} and "
+                f"{missing}=None"
+            )
         q_segment_ids, kv_segment_ids = normalize_segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
         softmax_aux = check_softmax_aux(softmax_aux, num_heads)
         if axis_name is not None and not isinstance(axis_name, str):
