@@ -91,7 +91,7 @@ class AttentionConformance(AttentionSuiteBase):
         inputs = attention_inputs(44, batch=1, q_len=10, num_heads=2, head_dim=16)
         with self.maybe_unsupported():
             eager = self.operation(**inputs, causal=True)
-            jitted = jax.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
+            jitted = self.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
                 inputs["query"], inputs["key"], inputs["value"]
             )
         np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)

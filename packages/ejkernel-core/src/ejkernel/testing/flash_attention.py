@@ -18,7 +18,9 @@ enough for CPU and valid everywhere.
 Class attributes a backend may set: ``platform``, ``cfg``, ``tolerances`` (e.g. TF32 on GPU),
 ``allow_unsupported`` (report calls the backend refuses with ``UnsupportedFeature`` as skips naming the
 reason, instead of failures; for partial backends), ``supports_gradients`` (False: forward-only backend,
-gradients must raise rather than be wrong).
+gradients must raise rather than be wrong), ``compiler_options`` (for every compiled check; interpret-mode
+backends use ``numerics.INTERPRET_COMPILER_OPTIONS``), ``verify_reference`` (False: leave the
+backend-independent check of the suite's own reference to the XLA suite).
 """
 
 from __future__ import annotations
@@ -45,9 +47,8 @@ from ejkernel.testing.numerics import (
     Tolerance,
     assert_close,
     assert_finite,
-    fresh_keys,
     jax_float64,
-    random_normal,
+    normal_array,
 )
 
 __all__ = [
@@ -83,16 +84,16 @@ def attention_inputs(
     kv_len = q_len if kv_len is None else kv_len
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    keys = fresh_keys(seed, 5)
+    # one numpy stream per tensor, (seed, index): independent draws, no XLA compile per shape
     inputs = {
-        "query": random_normal(keys[0], (batch, q_len, num_heads, head_dim), dtype, scale),
-        "key": random_normal(keys[1], (batch, kv_len, num_kv_heads, head_dim), dtype, scale),
-        "value": random_normal(keys[2], (batch, kv_len, num_kv_heads, v_head_dim), dtype),
+        "query": normal_array((seed, 0), (batch, q_len, num_heads, head_dim), dtype, scale),
+        "key": normal_array((seed, 1), (batch, kv_len, num_kv_heads, head_dim), dtype, scale),
+        "value": normal_array((seed, 2), (batch, kv_len, num_kv_heads, v_head_dim), dtype),
     }
     if bias_shape is not None:
-        inputs["bias"] = random_normal(keys[3], bias_shape, dtype)
+        inputs["bias"] = normal_array((seed, 3), bias_shape, dtype)
     if num_sinks is not None:
-        inputs["softmax_aux"] = random_normal(keys[4], (num_heads,) if num_sinks == 0 else (num_heads, num_sinks), dtype)
+        inputs["softmax_aux"] = normal_array((seed, 4), (num_heads,) if num_sinks == 0 else (num_heads, num_sinks), dtype)
     return inputs
 
 
@@ -104,6 +105,11 @@ class AttentionSuiteBase:
     tolerances: ClassVar[Mapping[str, Tolerance]] = TOLERANCES
     allow_unsupported: ClassVar[bool] = False
     supports_gradients: ClassVar[bool] = True
+    compiler_options: ClassVar[Mapping[str, Any] | None] = None
+    """XLA options for the compiled checks (``numerics.INTERPRET_COMPILER_OPTIONS`` for interpret-mode kernels)."""
+    verify_reference: ClassVar[bool] = True
+    """Run the suite's check of its own reference (backend-independent: one backend's suite running it is
+    enough; the XLA backend's does)."""
 
     # ---- to define in each suite ------------------------------------------------------------------
     def operation(self, **kwargs) -> jax.Array:
@@ -136,6 +142,10 @@ class AttentionSuiteBase:
             return np.asarray(ref_out), {name: np.asarray(g) for name, g in zip(wrt, ref_grad_list)}
 
     # ---- helpers ----------------------------------------------------------------------------------
+    def jit(self, fn: Callable, **kwargs: Any) -> Callable:
+        """``jax.jit`` with the suite's ``compiler_options`` (every compiled check goes through it)."""
+        return jax.jit(fn, compiler_options=dict(self.compiler_options or {}) or None, **kwargs)
+
     @contextlib.contextmanager
     def maybe_unsupported(self):
         try:
@@ -169,17 +179,16 @@ class AttentionSuiteBase:
         with self.maybe_unsupported():
             if gradients:
                 out_shape = jax.eval_shape(fn, *diff_inputs)
-                cotangent = random_normal(jax.random.key(cotangent_seed), out_shape.shape, out_shape.dtype)
+                cotangent = normal_array(cotangent_seed, out_shape.shape, out_shape.dtype)
 
-                @jax.jit  # forward and backward in one program: one compilation per check
-                def forward_backward(diff, cotangent):
+                def forward_backward(diff, cotangent):  # one program: one compilation per check
                     out, vjp = jax.vjp(fn, *diff)
                     return out, vjp(cotangent)
 
-                out, grad_list = forward_backward(diff_inputs, cotangent)
+                out, grad_list = self.jit(forward_backward)(diff_inputs, cotangent)
                 grads = dict(zip(wrt, grad_list))
             else:
-                out, grads, cotangent = jax.jit(fn)(*diff_inputs), {}, None
+                out, grads, cotangent = self.jit(fn)(*diff_inputs), {}, None
         assert out.dtype == inputs["query"].dtype, f"output dtype {out.dtype}, expected {inputs['query'].dtype}"
 
         ref_out, ref_grads = self.reference_outputs(inputs, kwargs, wrt if gradients else [], cotangent)
@@ -222,12 +231,14 @@ class FlashAttentionConformance(AttentionSuiteBase):
 
     def test_numpy_reference_matches_autodiff(self):
         """The fast numpy reference (hand-written gradients) equals autodiff of the jnp reference."""
+        if not self.verify_reference:
+            pytest.skip("backend-independent check of the suite's reference: the XLA backend's suite runs it")
         inputs = attention_inputs(99, batch=2, q_len=9, kv_len=13, num_heads=4, num_kv_heads=2, head_dim=8,
                                   bias_shape=(1, 4, 9, 13), num_sinks=2)
         inputs["attention_mask"] = jnp.asarray(np.random.default_rng(99).random((2, 1, 9, 13)) > 0.2)
         kwargs = dict(causal=True, sliding_window=(6, 1), logits_soft_cap=4.0, dropout_prob=0.3, dropout_seed=5)
         wrt = [n for n in DIFFERENTIABLE if n in inputs]
-        cotangent = random_normal(jax.random.key(98), (2, 9, 4, 8))
+        cotangent = normal_array(98, (2, 9, 4, 8))
         autodiff_out, autodiff_grads = AttentionSuiteBase.reference_outputs(self, inputs, kwargs, wrt, cotangent)
         out, grads = self.reference_outputs(inputs, kwargs, wrt, cotangent)
         np.testing.assert_allclose(out, autodiff_out, rtol=1e-10, atol=1e-12)
@@ -400,7 +411,7 @@ class FlashAttentionConformance(AttentionSuiteBase):
     def test_dropout_traced_seed(self):
         inputs = attention_inputs(20, batch=1, q_len=16, num_heads=2, head_dim=32)
         with self.maybe_unsupported():
-            jitted = jax.jit(lambda seed: self.operation(**inputs, dropout_prob=0.5, dropout_seed=seed))
+            jitted = self.jit(lambda seed: self.operation(**inputs, dropout_prob=0.5, dropout_seed=seed))
             traced = jitted(jnp.int32(11))
             static = self.operation(**inputs, dropout_prob=0.5, dropout_seed=11)
         np.testing.assert_allclose(np.asarray(traced), np.asarray(static), rtol=1e-5, atol=1e-6)
@@ -410,22 +421,24 @@ class FlashAttentionConformance(AttentionSuiteBase):
         inputs = attention_inputs(21, batch=1, q_len=37, num_heads=2, head_dim=32)
         with self.maybe_unsupported():
             eager = self.operation(**inputs, causal=True)
-            jitted = jax.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
+            jitted = self.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
                 inputs["query"], inputs["key"], inputs["value"]
             )
         np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)
 
     def test_vmap(self):
-        keys = fresh_keys(22, 3)
-        q = random_normal(keys[0], (3, 1, 19, 2, 32))
-        k = random_normal(keys[1], (3, 1, 23, 1, 32))
-        v = random_normal(keys[2], (3, 1, 23, 1, 32))
+        q = normal_array((22, 0), (3, 1, 19, 2, 32))
+        k = normal_array((22, 1), (3, 1, 23, 1, 32))
+        v = normal_array((22, 2), (3, 1, 23, 1, 32))
         with self.maybe_unsupported():
             fn = lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True)  # noqa: E731
-            mapped = jax.vmap(fn)(q, k, v)
-            looped = jnp.stack([fn(q[i], k[i], v[i]) for i in range(3)])
-            grad_mapped = jax.vmap(jax.grad(lambda q, k, v: fn(q, k, v).sum()))(q, k, v)
-            grad_looped = jnp.stack([jax.grad(lambda q: fn(q, k[i], v[i]).sum())(q[i]) for i in range(3)])
+            grad = jax.grad(lambda q, k, v: fn(q, k, v).sum())
+            # jitted (eager is test_jit_matches_eager's business): one compile per variant, not per op
+            one, one_grad = self.jit(fn), self.jit(grad)
+            mapped = self.jit(jax.vmap(fn))(q, k, v)
+            looped = jnp.stack([one(q[i], k[i], v[i]) for i in range(3)])
+            grad_mapped = self.jit(jax.vmap(grad))(q, k, v)
+            grad_looped = jnp.stack([one_grad(q[i], k[i], v[i]) for i in range(3)])
         np.testing.assert_allclose(np.asarray(mapped), np.asarray(looped), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(grad_mapped), np.asarray(grad_looped), rtol=1e-4, atol=1e-5)
 

@@ -66,6 +66,8 @@ class GroupedMatmulConformance:
 
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+    compiler_options: ClassVar[Mapping[str, Any] | None] = None
+    """XLA options for the compiled checks (``numerics.INTERPRET_COMPILER_OPTIONS`` for interpret-mode kernels)."""
 
     def call(self, *args, **kwargs):
         from ejkernel.modules import grouped_matmul
@@ -88,7 +90,9 @@ class GroupedMatmulConformance:
         wrt = ["lhs", "rhs"] + (["existing_out"] if inputs["existing_out"] is not None else [])
         fn = functools.partial(self._keyword_call, **static)
         reference = functools.partial(reference_grouped_matmul, **static)
-        return check_against_reference(fn, reference, inputs, wrt, dtype=dtype, tolerances=self.tolerances)
+        return check_against_reference(
+            fn, reference, inputs, wrt, dtype=dtype, tolerances=self.tolerances, compiler_options=self.compiler_options
+        )
 
     def _keyword_call(self, lhs, rhs, group_sizes, group_offset=None, existing_out=None, **static):
         return self.call(lhs, rhs, group_sizes, group_offset, existing_out, **static)

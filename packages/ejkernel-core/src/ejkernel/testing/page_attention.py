@@ -12,6 +12,7 @@ gradient raises instead of returning something wrong.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -27,21 +28,27 @@ from ejkernel.testing.numerics import (
     assert_finite,
     assert_tree_close,
     jax_float64,
+    normal_array,
 )
 
 # ---- shared helpers: forward + VJP against a float64 reference -------------------------------------
 
 
 def forward_and_vjp(
-    fn: Callable[..., jax.Array], inputs: Mapping[str, Any], wrt: Sequence[str], cotangent_seed: int
+    fn: Callable[..., jax.Array],
+    inputs: Mapping[str, Any],
+    wrt: Sequence[str],
+    cotangent_seed: int,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
     """``fn(**inputs)``, its VJP w.r.t. the inputs named in ``wrt`` with a fresh random cotangent, and
-    that cotangent."""
+    that cotangent. ``compiler_options`` go to ``jax.jit`` (a suite's ``compiler_options`` attribute)."""
 
     # non-differentiated inputs are closed over: they stay concrete, so value checks still run
     fixed = {k: v for k, v in inputs.items() if k not in wrt}
 
-    @jax.jit  # one compilation per check instead of one per primitive
+    # one compilation per check instead of one per primitive
+    @functools.partial(jax.jit, compiler_options=dict(compiler_options) if compiler_options else None)
     def forward_backward(diff, cotangent):
         out, vjp = jax.vjp(lambda *d: fn(**fixed, **dict(zip(wrt, d, strict=True))), *diff)
         return out, (vjp(cotangent) if wrt else ())
@@ -81,9 +88,10 @@ def check_against_reference(
     tolerances: Mapping[str, Tolerance] | None = None,
     cotangent_seed: int = 12345,
     scale: float = 1.0,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> jax.Array:
     """Forward output and every gradient in ``wrt`` within the dtype's tolerance of the reference."""
-    out, grads, cotangent = forward_and_vjp(fn, inputs, wrt, cotangent_seed)
+    out, grads, cotangent = forward_and_vjp(fn, inputs, wrt, cotangent_seed, compiler_options)
     expected, expected_grads = reference_forward_and_vjp(reference, inputs, wrt, cotangent)
     assert out.dtype == jnp.dtype(dtype), f"output dtype {out.dtype}, expected {jnp.dtype(dtype)}"
     assert_close(out, expected, dtype=dtype, tolerances=tolerances, scale=scale)
@@ -105,11 +113,9 @@ def run_jitted(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
 
 
 def random_array(seed: int, shape: Sequence[int], dtype: Any = jnp.float32, scale: float = 1.0) -> jax.Array:
-    """Standard normal (times ``scale``) from numpy, rounded to ``dtype``; no exact zeros. (numpy, not
-    ``jax.random``: XLA compiles the threefry sampler anew for every shape, seconds each on CI.)"""
-    x = np.random.default_rng(seed).standard_normal(tuple(shape)).astype(np.float32) * np.float32(scale)
-    x[x == 0] = np.float32(scale)
-    return jnp.asarray(x).astype(dtype)
+    """Standard normal (times ``scale``) from numpy, rounded to ``dtype``; no exact zeros
+    (:func:`ejkernel.testing.numerics.normal_array`)."""
+    return normal_array(seed, shape, dtype, scale)
 
 
 def random_lengths(seed: int, count: int, high: int, include: Sequence[int] = ()) -> np.ndarray:
@@ -243,6 +249,8 @@ class PageAttentionConformance(BadInputChecks):
     platform: ClassVar[str]
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+    compiler_options: ClassVar[Mapping[str, Any] | None] = None
+    """XLA options for the compiled checks (``numerics.INTERPRET_COMPILER_OPTIONS`` for interpret-mode kernels)."""
 
     def call(self, **kwargs):
         from ejkernel.modules import page_attention
@@ -272,6 +280,7 @@ class PageAttentionConformance(BadInputChecks):
                 dtype=dtype,
                 tolerances=self.tolerances,
                 scale=scale,
+                compiler_options=self.compiler_options,
             )
             assert_gradient_refused(fn, inputs, wrt)
             return
@@ -283,6 +292,7 @@ class PageAttentionConformance(BadInputChecks):
             dtype=dtype,
             tolerances=self.tolerances,
             scale=scale,
+            compiler_options=self.compiler_options,
         )
 
     @pytest.mark.parametrize("dtype", DTYPES)
@@ -304,7 +314,7 @@ class PageAttentionConformance(BadInputChecks):
         inputs = self.make_inputs(5, SHAPES["mha"], "float32")
         inputs["context_lens"] = inputs["context_lens"].at[1:].set(0)
         wrt = ("query",) if self.supports_gradients else ()
-        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5)
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5, self.compiler_options)
         np.testing.assert_array_equal(np.asarray(out[1:]), 0.0)
         assert np.abs(np.asarray(out[0])).sum() > 0
         for name, grad in grads.items():

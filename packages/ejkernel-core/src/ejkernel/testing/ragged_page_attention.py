@@ -7,7 +7,7 @@ Subclass :class:`RaggedPageAttentionConformance` and set ``platform``; forward-o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,8 @@ class RaggedPageAttentionConformance(BadInputChecks):
     platform: ClassVar[str]
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+    compiler_options: ClassVar[Mapping[str, Any] | None] = None
+    """XLA options for the compiled checks (``numerics.INTERPRET_COMPILER_OPTIONS`` for interpret-mode kernels)."""
 
     def call(self, queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, **kw):
         from ejkernel.modules import ragged_page_attention
@@ -138,11 +140,12 @@ class RaggedPageAttentionConformance(BadInputChecks):
         wrt = ("queries", "kv_pages") + (("softmax_aux",) if inputs["softmax_aux"] is not None else ())
         fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
         reference = lambda **kw: reference_ragged_page_attention(**kw, **static)  # noqa: E731
+        options = dict(dtype=dtype, tolerances=self.tolerances, compiler_options=self.compiler_options)
         if not self.supports_gradients:
-            check_against_reference(fn, reference, inputs, (), dtype=dtype, tolerances=self.tolerances)
+            check_against_reference(fn, reference, inputs, (), **options)
             assert_gradient_refused(fn, inputs, wrt)
             return
-        check_against_reference(fn, reference, inputs, wrt, dtype=dtype, tolerances=self.tolerances)
+        check_against_reference(fn, reference, inputs, wrt, **options)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):
@@ -162,7 +165,7 @@ class RaggedPageAttentionConformance(BadInputChecks):
     def test_padding_rows_are_zero(self):
         inputs = self.make_inputs(5, CASES["mixed_gqa"], "float32", num_sinks=0)
         wrt = ("queries",) if self.supports_gradients else ()
-        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5)
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5, self.compiler_options)
         used = int(inputs["query_start_loc"][int(inputs["num_seqs"][0])])
         np.testing.assert_array_equal(np.asarray(out[used:]), 0.0)
         for name, grad in grads.items():

@@ -1,11 +1,11 @@
 """Conformance suite of ``ring_attention`` (``docs/ops/ring_attention.md``).
 
 Its reference is single-device ``ejkernel.modules.flash_attention`` on the global arrays (itself checked
-against a float64 dense reference by its own suite): on an 8-device CPU mesh the ring result and every
-gradient must match it. jax fixes its device count when it initializes, so the multi-device cases run
-in a fresh interpreter (``python -m ejkernel.testing.ring_attention --platform NAME``) started with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``; the in-process tests cover the one-device case
-and the argument checks.
+against a float64 dense reference by its own suite): on a CPU mesh of ``devices`` (default 8) the ring
+result and every gradient must match it. jax fixes its device count when it initializes, so the
+multi-device cases run in a fresh interpreter (``python -m ejkernel.testing.ring_attention --platform NAME
+--devices N``) started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``; the in-process tests
+cover the one-device case and the argument checks (including segment ids given on one side only).
 
 A backend's test module subclasses :class:`RingAttentionConformance` and sets ``platform``::
 
@@ -40,10 +40,10 @@ CASES: dict[str, tuple] = {
 }
 
 
-def case_inputs(name: str, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Global (unsharded) arrays and static options of a case."""
+def case_inputs(name: str, seed: int = 0, devices: int = DEVICES) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Global (unsharded) arrays and static options of a case on a ring of ``devices``."""
     batch, q_loc, kv_loc, heads, kv_heads, head_dim, dtype, options = CASES[name]
-    q_len, kv_len = DEVICES * q_loc, DEVICES * kv_loc
+    q_len, kv_len = devices * q_loc, devices * kv_loc
     arrays = dict(
         query=random_array(seed * 10 + 0, (batch, q_len, heads, head_dim), dtype),
         key=random_array(seed * 10 + 1, (batch, kv_len, kv_heads, head_dim), dtype),
@@ -60,16 +60,20 @@ def case_inputs(name: str, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any
     return arrays, options
 
 
-def run_case(name: str, platform: str, tolerances: Mapping[str, Tolerance] | None = None) -> str:
-    """Ring attention on a DEVICES-device mesh vs flash_attention on one device: output and gradients."""
+def run_case(
+    name: str, platform: str, tolerances: Mapping[str, Tolerance] | None = None, devices: int = DEVICES
+) -> str:
+    """Ring attention on a ``devices``-device mesh vs flash_attention on one device: output and gradients."""
     from jax.sharding import PartitionSpec as P
 
     from ejkernel.modules import flash_attention, ring_attention
 
-    arrays, options = case_inputs(name)
+    arrays, options = case_inputs(name, devices=devices)
     dtype = arrays["query"].dtype
     names = list(arrays)
-    mesh = jax.make_mesh((DEVICES,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:devices]
+    )
     spec = {"query": P(None, AXIS), "key": P(None, AXIS), "value": P(None, AXIS), "q_segment_ids": P(None, AXIS),
             "kv_segment_ids": P(None, AXIS), "softmax_aux": P()}
 
@@ -110,12 +114,23 @@ def run_case(name: str, platform: str, tolerances: Mapping[str, Tolerance] | Non
     return ", ".join(report)
 
 
-def run_in_subprocess(platform: str, cases: list[str], timeout: float = 600.0) -> subprocess.CompletedProcess:
-    """Run ``cases`` in a fresh interpreter with DEVICES host devices (see the module docstring)."""
+def run_in_subprocess(
+    platform: str,
+    cases: list[str],
+    timeout: float = 600.0,
+    devices: int = DEVICES,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``cases`` in a fresh interpreter with ``devices`` host devices (see the module docstring);
+    ``compiler_options`` become XLA flags there (``--name=value``)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
+    flags = [f"--xla_force_host_platform_device_count={devices}"]
+    flags += [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (compiler_options or {}).items()]
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
-    command = [sys.executable, "-m", "ejkernel.testing.ring_attention", "--platform", platform, *cases]
+    command = [
+        sys.executable, "-m", "ejkernel.testing.ring_attention", "--platform", platform, "--devices", str(devices), *cases
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -124,15 +139,26 @@ class RingAttentionConformance:
 
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+    devices: ClassVar[int] = DEVICES
+    """Ring size of the multi-device test. A backend whose kernels run in an interpreter (a cost growing
+    with devices x ring steps) may choose fewer, down to 3: with 2, rotating the wrong way goes unnoticed."""
+    compiler_options: ClassVar[Mapping[str, Any] | None] = None
+    """XLA options for the compiled checks (``numerics.INTERPRET_COMPILER_OPTIONS`` for interpret-mode kernels)."""
 
     def call(self, *args, **kwargs):
         from ejkernel.modules import ring_attention
 
         return ring_attention(*args, **kwargs, platform=self.platform)
 
-    def test_matches_flash_attention_on_8_devices(self):
-        result = run_in_subprocess(self.platform, sorted(CASES))
-        assert result.returncode == 0, f"ring attention on {DEVICES} devices failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    def test_matches_flash_attention_on_a_ring_of_devices(self):
+        if self.devices < 3:
+            raise ValueError(f"{type(self).__name__}.devices = {self.devices}: a ring test needs at least 3 devices")
+        result = run_in_subprocess(
+            self.platform, sorted(CASES), devices=self.devices, compiler_options=self.compiler_options
+        )
+        assert result.returncode == 0, (
+            f"ring attention on {self.devices} devices failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+        )
         assert result.stdout.count("OK ") == len(CASES), result.stdout
 
     def test_one_device_is_flash_attention(self):
@@ -140,7 +166,11 @@ class RingAttentionConformance:
 
         arrays, options = case_inputs("window_segments_q_ne_kv", seed=3)
         arrays["softmax_aux"] = random_array(4, (arrays["query"].shape[2], 2))
-        fn = jax.jit(jax.value_and_grad(lambda q, k, aux, f: jnp.sum(f(q, k, aux) ** 2), argnums=(0, 1, 2)), static_argnums=3)
+        fn = jax.jit(
+            jax.value_and_grad(lambda q, k, aux, f: jnp.sum(f(q, k, aux) ** 2), argnums=(0, 1, 2)),
+            static_argnums=3,
+            compiler_options=dict(self.compiler_options or {}) or None,
+        )
         rest = {k: v for k, v in arrays.items() if k not in ("query", "key", "softmax_aux")}
         ring = lambda q, k, aux: self.call(q, k, **rest, softmax_aux=aux, **options)  # noqa: E731
         flash = lambda q, k, aux: flash_attention(q, k, **rest, softmax_aux=aux, **options, platform="xla")  # noqa: E731
@@ -191,15 +221,16 @@ class RingAttentionConformance:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--platform", default="xla")
+    parser.add_argument("--devices", type=int, default=DEVICES)
     parser.add_argument("cases", nargs="*", default=sorted(CASES))
     args = parser.parse_args(argv)
-    if jax.device_count() < DEVICES:
-        print(f"needs {DEVICES} devices, jax sees {jax.device_count()} (set XLA_FLAGS)", file=sys.stderr)
+    if jax.device_count() < args.devices:
+        print(f"needs {args.devices} devices, jax sees {jax.device_count()} (set XLA_FLAGS)", file=sys.stderr)
         return 2
     failed = 0
     for name in args.cases:
         try:
-            print("OK", run_case(name, args.platform), flush=True)
+            print("OK", run_case(name, args.platform, devices=args.devices), flush=True)
         except Exception as exc:  # report every case, then fail
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)

@@ -90,7 +90,7 @@ class ScaledDotProductAttentionConformance(AttentionSuiteBase):
         v = random_normal(keys[2], (2, 1, 11, 2, 16))
         with self.maybe_unsupported():
             fn = lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True)  # noqa: E731
-            mapped = jax.jit(jax.vmap(fn))(q, k, v)
+            mapped = self.jit(jax.vmap(fn))(q, k, v)
             looped = jnp.stack([fn(q[i], k[i], v[i]) for i in range(2)])
         np.testing.assert_allclose(np.asarray(mapped), np.asarray(looped), rtol=1e-5, atol=1e-5)
 
