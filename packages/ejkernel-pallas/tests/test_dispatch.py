@@ -26,10 +26,27 @@ def test_cpu_without_interpret_mode_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(UnsupportedFeature) as info:
         flash_attention.check_supported(q, q, q, softmax_scale=1.0, causal=False)
     message = str(info.value)
-    assert "need a TPU or GPU" in message and f"{INTERPRET_ENV}=1" in message and "ejkernel-xla" in message
+    # ejkernel-xla is installed here: the message says auto falls back to it (not "pip install" it)
+    assert "need a TPU or GPU" in message and f"{INTERPRET_ENV}=1" in message
+    assert "platform='auto' runs the installed XLA backend (ejkernel-xla)" in message and "pip install" not in message
     with pytest.raises(UnsupportedFeature, match="need a TPU or GPU"):
         flash_attention(jnp.ones((1, 8, 1, 16)), jnp.ones((1, 8, 1, 16)), jnp.ones((1, 8, 1, 16)), softmax_scale=1.0, causal=False)
     assert plugin.check_usable() is not None and "EJKERNEL_PALLAS_INTERPRET" in plugin.check_usable()
+
+
+def test_need_device_message_is_true_for_the_environment(monkeypatch):
+    """With the XLA backend loaded: auto falls back to it; without (or broken): how to install it."""
+    import ejkernel.plugins
+    from ejkernel_pallas.interpret import need_device_message, xla_backend_loaded
+
+    assert xla_backend_loaded()
+    assert "platform='xla'" in need_device_message()
+    pallas_only = {name: b for name, b in ejkernel.plugins.backends().items() if "xla" not in b.platforms}
+    monkeypatch.setattr(ejkernel.plugins, "backends", lambda: pallas_only)
+    assert not xla_backend_loaded()
+    message = need_device_message()
+    assert "pip install ejkernel-xla" in message and f"{INTERPRET_ENV}=1" in message
+    assert "installed XLA backend" not in message
 
 
 def test_interpret_env_values(monkeypatch):

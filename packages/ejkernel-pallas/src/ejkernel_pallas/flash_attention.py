@@ -11,7 +11,7 @@ import jax
 
 from ejkernel.errors import UnsupportedFeature
 
-from ejkernel_pallas.interpret import NEED_DEVICE_MESSAGE, interpret_mode, tpu_interpret_argument
+from ejkernel_pallas.interpret import interpret_mode, need_device_message, tpu_interpret_argument
 
 
 def _target() -> tuple[str, object]:
@@ -26,7 +26,7 @@ def _target() -> tuple[str, object]:
         return "tpu", False
     if platform in ("gpu", "cuda"):
         return "gpu", False
-    raise UnsupportedFeature(NEED_DEVICE_MESSAGE)
+    raise UnsupportedFeature(need_device_message())
 
 
 def check_supported(*args, **kwargs):

@@ -17,11 +17,35 @@ INTERPRET_ENV = "EJKERNEL_PALLAS_INTERPRET"
 _OFF = ("", "0", "false", "no", "off")
 _MODES = ("1", "true", "yes", "on", "tpu", "races", "gpu")
 
-NEED_DEVICE_MESSAGE = (
-    "Pallas kernels need a TPU or GPU, and jax runs on CPU here. To run them on CPU in (slow) interpret "
-    f"mode set {INTERPRET_ENV}=1 (or =gpu for the GPU kernels); to run attention natively on CPU install "
-    "ejkernel-xla (pip install ejkernel-xla)."
-)
+_NEED_DEVICE = "Pallas kernels need a TPU or GPU, and jax runs on CPU here."
+_HOW_TO_INTERPRET = f"set {INTERPRET_ENV}=1 (or =gpu for the GPU kernels) before the first call"
+
+
+def xla_backend_loaded() -> bool:
+    """True when a loaded, unbroken plugin serves platform ``xla`` (ejkernel-xla), so ``auto`` falls back to it.
+
+    Reads the plugin host's state (nothing is imported or discovered that ``import ejkernel`` did not)."""
+    try:
+        from ejkernel.plugins import backends
+
+        return any("xla" in backend.platforms and backend.error is None for backend in backends().values())
+    except Exception:  # the message must never fail
+        return False
+
+
+def need_device_message() -> str:
+    """Why a Pallas kernel cannot run here and what to do, true for this environment: with ejkernel-xla
+    loaded, ``platform="auto"`` falls back to it; without it, install it or use interpret mode."""
+    if xla_backend_loaded():
+        return (
+            f"{_NEED_DEVICE} platform='auto' runs the installed XLA backend (ejkernel-xla) instead; pass "
+            f"platform='xla' to ask for it, or, to run the Pallas kernels on CPU in (slow) interpret mode, "
+            f"{_HOW_TO_INTERPRET}."
+        )
+    return (
+        f"{_NEED_DEVICE} To run them on CPU in (slow) interpret mode {_HOW_TO_INTERPRET}; to run attention "
+        "natively on CPU install the XLA backend (pip install ejkernel-xla)."
+    )
 
 
 def interpret_mode() -> str | None:
@@ -49,7 +73,7 @@ def tpu_interpret_argument(mode: str | None):
 
 def tpu_interpret_or_refuse():
     """``interpret=`` for a TPU-only kernel called without one: from the env var, False on a TPU, else
-    ``UnsupportedFeature`` with :data:`NEED_DEVICE_MESSAGE`."""
+    ``UnsupportedFeature`` with :func:`need_device_message`."""
     import jax
 
     from ejkernel.errors import UnsupportedFeature
@@ -59,4 +83,4 @@ def tpu_interpret_or_refuse():
         return tpu_interpret_argument("generic" if mode == "gpu" else mode)
     if jax.default_backend() == "tpu":
         return False
-    raise UnsupportedFeature(NEED_DEVICE_MESSAGE)
+    raise UnsupportedFeature(need_device_message())

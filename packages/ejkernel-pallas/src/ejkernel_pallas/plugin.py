@@ -5,7 +5,7 @@ from __future__ import annotations
 from ejkernel.plugins.checks import no_device
 from ejkernel.plugins.declare import DeclaredBackend
 
-from ejkernel_pallas.interpret import INTERPRET_ENV, NEED_DEVICE_MESSAGE, interpret_mode
+from ejkernel_pallas.interpret import INTERPRET_ENV, interpret_mode, need_device_message
 
 NAME = "pallas"
 DISTRIBUTION = "ejkernel-pallas"
@@ -39,7 +39,7 @@ def check_usable() -> str | None:
         return None
     reason = no_device("tpu", "gpu")
     if reason:
-        return f"{reason}. {NEED_DEVICE_MESSAGE}"
+        return f"{reason}. {need_device_message()}"
     return None
 
 
