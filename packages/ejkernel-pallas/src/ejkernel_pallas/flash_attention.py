@@ -7,7 +7,10 @@ run only in interpret mode (see :mod:`ejkernel_pallas.interpret`), otherwise the
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import numpy as np
 
 from ejkernel.errors import UnsupportedFeature
 
@@ -29,23 +32,54 @@ def _target() -> tuple[str, object]:
     raise UnsupportedFeature(need_device_message())
 
 
-def check_supported(*args, **kwargs):
-    family, _ = _target()
+# Arguments that are arrays (or None); the rest of the canonical keywords are static (scalars, tuples).
+_ARRAY_KWARGS = (
+    "attention_mask",
+    "q_segment_ids",
+    "kv_segment_ids",
+    "cum_seqlens_q",
+    "cum_seqlens_k",
+    "softmax_aux",
+    "dropout_seed",
+)
+
+
+def _impl(family: str):
     if family == "tpu":
         from ejkernel_pallas import tpu_flash_attention as impl
     else:
         from ejkernel_pallas import gpu_flash_attention as impl
+    return impl
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(family: str, interpret, cfg, static: tuple):
+    """One ``jax.jit`` per static configuration: an eager call compiles the whole wrapper (padding, three
+    kernels, custom VJP) once per shape instead of dispatching dozens of small ops one by one; under a
+    caller's ``jit`` it is inlined."""
+    return jax.jit(functools.partial(_impl(family).flash_attention, cfg=cfg, interpret=interpret, **dict(static)))
+
+
+def check_supported(*args, **kwargs):
+    family, _ = _target()
     kwargs.pop("cfg", None)
-    impl.check_supported(*args, **kwargs)
+    _impl(family).check_supported(*args, **kwargs)
 
 
 def flash_attention(query, key, value, bias=None, *, cfg=None, **kwargs):
     family, interpret = _target()
-    if family == "tpu":
-        from ejkernel_pallas import tpu_flash_attention as impl
-    else:
-        from ejkernel_pallas import gpu_flash_attention as impl
-    return impl.flash_attention(query, key, value, bias, cfg=cfg, interpret=interpret, **kwargs)
+    arrays = {name: kwargs.pop(name) for name in _ARRAY_KWARGS if name in kwargs}
+    seed = arrays.get("dropout_seed")
+    if isinstance(seed, (int, np.integer)):
+        # the mask hashes the seed's low 32 bits (ejkernel.ops.utils.dropout): an array, not a static int,
+        # so a new seed per step does not recompile
+        arrays["dropout_seed"] = np.uint32(int(seed) & 0xFFFFFFFF)
+    static = tuple(sorted(kwargs.items()))
+    try:
+        fn = _compiled(family, interpret, cfg, static)
+    except TypeError:  # an unhashable cfg (a duck-typed stand-in): no cached jit
+        fn = functools.partial(_impl(family).flash_attention, cfg=cfg, interpret=interpret, **kwargs)
+    return fn(query, key, value, bias, **arrays)
 
 
 flash_attention.check_supported = check_supported

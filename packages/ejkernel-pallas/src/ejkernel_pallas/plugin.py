@@ -21,13 +21,28 @@ _KERNELS = {
     "ragged_page_attention": ("ejkernel_pallas.ragged_page_attention:ragged_page_attention", ("tpu",)),
     "ring_attention": ("ejkernel_pallas.ring_attention:ring_attention", ("tpu",)),
 }
-IMPLEMENTATIONS: dict[tuple[str, str], str] = {
-    (algorithm, backend): target
-    for algorithm, (target, backends) in _KERNELS.items()
-    for backend in (*backends, *(("cpu",) if interpret_mode() is not None else ()))
-}
 
-__all__ = ["DISTRIBUTION", "IMPLEMENTATIONS", "INTERPRET_ENV", "NAME", "check_usable", "interpret_requested"]
+
+def implementations(interpret: bool) -> dict[tuple[str, str], str]:
+    """(algorithm, backend) -> target: the device registrations, plus ``cpu`` ones with ``interpret``."""
+    return {
+        (algorithm, backend): target
+        for algorithm, (target, backends) in _KERNELS.items()
+        for backend in (*backends, *(("cpu",) if interpret else ()))
+    }
+
+
+IMPLEMENTATIONS: dict[tuple[str, str], str] = implementations(interpret_mode() is not None)
+
+__all__ = [
+    "DISTRIBUTION",
+    "IMPLEMENTATIONS",
+    "INTERPRET_ENV",
+    "NAME",
+    "check_usable",
+    "implementations",
+    "interpret_requested",
+]
 
 
 def interpret_requested() -> bool:
