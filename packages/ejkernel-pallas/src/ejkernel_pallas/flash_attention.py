@@ -82,4 +82,44 @@ def flash_attention(query, key, value, bias=None, *, cfg=None, **kwargs):
     return fn(query, key, value, bias, **arrays)
 
 
+def _call_facts(inv) -> tuple[int, int, int, object, bool]:
+    """(q_len, kv_len, head_dim, dtype, has_mask) of a FlashAttention invocation (validated arguments)."""
+    query, key = inv.args[0], inv.args[1]
+    return query.shape[1], key.shape[1], query.shape[3], query.dtype, inv.kwargs.get("attention_mask") is not None
+
+
+def heuristic_cfg(inv):
+    """The executor's default config for this call: TPU blocks (multiples of the (8, 128) tiles, one block
+    over short lengths, capped by head dim) or the GPU tuning measured on an H200 (fwd 128x64 w4 s2, bwd
+    64x64 w4 s2, shrunk to short lengths), for whichever family runs here."""
+    from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
+
+    sq, skv, d, dtype, has_mask = _call_facts(inv)
+    family, _ = _target()
+    if family == "tpu":
+        from ejkernel_pallas import tpu_flash_attention as tpu
+
+        return tpu.blocks_to_config(tpu.heuristic_blocks(sq, skv, dtype, d, has_mask), FlashAttentionConfig)
+    from ejkernel_pallas import gpu_flash_attention as gpu
+
+    return gpu.tuning_to_config(gpu.choose_tuning(None, sq, skv, d))
+
+
+def config_space(inv):
+    """Pruned autotuning candidates (at most 8 on TPU, 5 on GPU), the heuristic first."""
+    from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
+
+    sq, skv, d, dtype, has_mask = _call_facts(inv)
+    family, _ = _target()
+    if family == "tpu":
+        from ejkernel_pallas import tpu_flash_attention as tpu
+
+        return [tpu.blocks_to_config(b, FlashAttentionConfig) for b in tpu.config_space(sq, skv, dtype, d, has_mask)]
+    from ejkernel_pallas import gpu_flash_attention as gpu
+
+    return [gpu.tuning_to_config(t) for t in gpu.config_space(sq, skv, d)]
+
+
 flash_attention.check_supported = check_supported
+flash_attention.heuristic_cfg = heuristic_cfg
+flash_attention.config_space = config_space

@@ -65,29 +65,77 @@ def _fit(block: int, length: int) -> int:
     return max(16, min(block, pl.next_power_of_2(length)))
 
 
+# GpuFlashTuning field -> the FlashAttentionConfig field that sets it.
+CONFIG_FIELDS = {
+    "fwd_q": "fwd_params.q_blocksize",
+    "fwd_kv": "fwd_params.kv_blocksize",
+    "fwd_warps": "fwd_params.num_warps",
+    "fwd_stages": "fwd_params.num_stages",
+    "dkv_q": "bwd_params.q_blocksize",
+    "dkv_kv": "bwd_params.kv_blocksize",
+    "dq_q": "bwd_params.blocksize_m",
+    "dq_kv": "bwd_params.blocksize_n",
+    "bwd_warps": "bwd_params.num_warps",
+    "bwd_stages": "bwd_params.num_stages",
+}
+
+
 def choose_tuning(cfg, sq: int, skv: int, head_dim: int) -> GpuFlashTuning:
+    """Tuning from ``cfg`` (a FlashAttentionConfig or None) over the H200 defaults; blocks shrink to short
+    sequences. A value the kernels cannot take raises ``ValueError`` naming the config field."""
     fwd = getattr(cfg, "fwd_params", None) if cfg is not None else None
     bwd = getattr(cfg, "bwd_params", None) if cfg is not None else None
     base = GpuFlashTuning()
-
-    def get(params, name, default):
+    chosen = {}
+    for field, path in CONFIG_FIELDS.items():
+        group, name = path.split(".")
+        params = fwd if group == "fwd_params" else bwd
         value = getattr(params, name, None) if params is not None else None
-        return default if value is None else value
+        if value is None:
+            chosen[field] = getattr(base, field)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{type(cfg).__name__}.{path}={value!r}: must be a positive int")
+        if field.endswith(("_q", "_kv")) and (value & (value - 1) or value < 16):
+            raise ValueError(f"{type(cfg).__name__}.{path}={value}: Triton blocks are powers of two >= 16")
+        if field.endswith("_warps") and value & (value - 1):
+            raise ValueError(f"{type(cfg).__name__}.{path}={value}: num_warps must be a power of two")
+        chosen[field] = value
+    for field, length in (("fwd_q", sq), ("fwd_kv", skv), ("dkv_q", sq), ("dkv_kv", skv), ("dq_q", sq), ("dq_kv", skv)):
+        chosen[field] = _fit(chosen[field], length)
+    return GpuFlashTuning(**chosen)
 
-    dkv_q = get(bwd, "q_blocksize", base.dkv_q)
-    dkv_kv = get(bwd, "kv_blocksize", base.dkv_kv)
-    return GpuFlashTuning(
-        fwd_q=_fit(get(fwd, "q_blocksize", base.fwd_q), sq),
-        fwd_kv=_fit(get(fwd, "kv_blocksize", base.fwd_kv), skv),
-        fwd_warps=get(fwd, "num_warps", base.fwd_warps),
-        fwd_stages=get(fwd, "num_stages", base.fwd_stages),
-        dkv_q=_fit(dkv_q, sq),
-        dkv_kv=_fit(dkv_kv, skv),
-        dq_q=_fit(get(bwd, "blocksize_m", base.dq_q), sq),
-        dq_kv=_fit(get(bwd, "blocksize_n", base.dq_kv), skv),
-        bwd_warps=get(bwd, "num_warps", base.bwd_warps),
-        bwd_stages=get(bwd, "num_stages", base.bwd_stages),
+
+def tuning_to_config(t: GpuFlashTuning):
+    """The FlashAttentionConfig that selects ``t``."""
+    from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
+    from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
+
+    return FlashAttentionConfig(
+        fwd_params=FwdParams(
+            q_blocksize=t.fwd_q, kv_blocksize=t.fwd_kv, num_warps=t.fwd_warps, num_stages=t.fwd_stages
+        ),
+        bwd_params=BwdParams(q_blocksize=t.dkv_q, kv_blocksize=t.dkv_kv, blocksize_m=t.dq_q, blocksize_n=t.dq_kv,
+                             num_warps=t.bwd_warps, num_stages=t.bwd_stages),
+        platform="pallas",
     )
+
+
+# Autotuning candidates: the tilings of the H200 sweep (NOTES.md, runs 1-2) that came within ~30% of the
+# best, fastest first; fitted to the call's lengths (duplicates dropped).
+_SWEEP = (
+    GpuFlashTuning(),  # fwd 128x64 w4 s2, bwd 64x64 w4 s2 (the defaults)
+    GpuFlashTuning(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3),
+    GpuFlashTuning(bwd_stages=3),
+    GpuFlashTuning(fwd_q=64, fwd_kv=64, fwd_stages=3, bwd_stages=3),
+    GpuFlashTuning(dkv_q=64, dkv_kv=128, dq_q=128, dq_kv=64, bwd_warps=8),
+)
+
+
+def config_space(sq: int, skv: int, head_dim: int) -> list[GpuFlashTuning]:
+    """Pruned autotuning candidates for this call's lengths (see ``_SWEEP``)."""
+    fitted = [choose_tuning(tuning_to_config(t), sq, skv, head_dim) for t in _SWEEP]
+    return list(dict.fromkeys(fitted))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ejkernel.errors import UnsupportedFeature
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
-from ejkernel_pallas.tpu_tiling import check_block, round_up, sublane_multiple
+from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
 
 # ---------------------------------------------------------------------------------------------------
 # Tuning
@@ -52,10 +52,54 @@ def _lane_block(size: int, want: int | None, cap: int) -> int:
 
 
 def choose_tiles(cfg, m: int, k: int, n: int, dtype) -> GmmTiles:
-    get = lambda name: getattr(cfg, name, None) if cfg is not None else None  # noqa: E731
+    """Tiles from ``cfg`` (a GroupedMatmulConfig or None) over the TPU heuristic (rows: up to 512, a multiple
+    of the dtype's sublanes; k and n: the whole dim up to 512, else 512). A tile the TPU cannot take raises
+    :class:`TpuTilingError` naming the config field, before anything is traced."""
     rows = sublane_multiple(dtype)
+    checks = {"block_m": (m, rows, "rows of the lhs/out tiles"), "block_k": (k, LANES, "lanes of the lhs tile"),
+              "block_n": (n, LANES, "lanes of the rhs/out tiles")}
+
+    def get(name):
+        value = getattr(cfg, name, None) if cfg is not None else None
+        if value is None:
+            return None
+        size, multiple, what = checks[name]
+        where = f"{type(cfg).__name__}.{name}={value!r}"
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise TpuTilingError(f"{where}: a tile size must be a positive int")
+        if value < size and value % multiple:  # value >= size: one tile over the whole (padded) dim
+            raise TpuTilingError(f"{where}: must be a multiple of {multiple} ({what}) or cover the whole dim {size}")
+        return value
+
     block_m = get("block_m") or min(512, round_up(m, rows))
     return GmmTiles(block_m=block_m, block_k=_lane_block(k, get("block_k"), 512), block_n=_lane_block(n, get("block_n"), 512))
+
+
+def _tiles_to_config(tiles: GmmTiles):
+    from ejkernel.modules.operations.grouped_matmul import GroupedMatmulConfig
+
+    return GroupedMatmulConfig(block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k, platform="pallas")
+
+
+def _invocation_dims(inv):
+    lhs, rhs = inv.args[0], inv.args[1]
+    transpose_rhs = bool(inv.kwargs.get("transpose_rhs", False))
+    return lhs.shape[0], lhs.shape[1], rhs.shape[1] if transpose_rhs else rhs.shape[2], lhs.dtype
+
+
+def heuristic_cfg(inv):
+    """The executor's default tiles for this call (see :func:`choose_tiles`)."""
+    return _tiles_to_config(choose_tiles(None, *_invocation_dims(inv)))
+
+
+def config_space(inv):
+    """Pruned autotuning candidates: the heuristic, then smaller 128-multiple tiles (at most 8)."""
+    m, k, n, dtype = _invocation_dims(inv)
+    h = choose_tiles(None, m, k, n, dtype)
+    smaller = lambda size, first: [first] + [b for b in (128, 256) if b < min(first, size)]  # noqa: E731
+    candidates = [GmmTiles(bm, bk, bn) for bm in smaller(m, h.block_m) for bn in smaller(n, h.block_n)
+                  for bk in smaller(k, h.block_k)]
+    return [_tiles_to_config(t) for t in candidates[:8]]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,3 +353,5 @@ def grouped_matmul(lhs, rhs, group_sizes, group_offset=None, existing_out=None, 
 
 
 grouped_matmul.check_supported = check_supported
+grouped_matmul.heuristic_cfg = heuristic_cfg
+grouped_matmul.config_space = config_space

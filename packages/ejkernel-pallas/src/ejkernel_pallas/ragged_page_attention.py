@@ -27,7 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ejkernel.errors import UnsupportedFeature
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
-from ejkernel_pallas.tpu_tiling import LANES, check_block, round_up, sublane_multiple
+from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +205,42 @@ def check_supported(queries, kv_pages, context_lens, block_tables, query_start_l
         )
 
 
+def choose_block_q(cfg, total: int, dtype) -> int:
+    """Query rows per tile: ``cfg.num_queries_per_block``, else up to 128 (a multiple of the dtype's
+    sublanes). A value the TPU cannot tile raises :class:`TpuTilingError` naming the config field."""
+    rows = sublane_multiple(dtype)
+    wanted = getattr(cfg, "num_queries_per_block", None) if cfg is not None else None
+    if wanted is None:
+        return min(128, round_up(max(total, 1), rows))
+    where = f"{type(cfg).__name__}.num_queries_per_block={wanted!r}"
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted <= 0:
+        raise TpuTilingError(f"{where}: must be a positive int")
+    if wanted % rows and wanted < total:
+        raise TpuTilingError(
+            f"{where}: must be a multiple of {rows} (sublanes of the query tile) or cover all {total} rows"
+        )
+    return wanted
+
+
+def heuristic_cfg(inv):
+    from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
+
+    queries = inv.args[0]
+    return RaggedPageAttentionConfig(num_queries_per_block=choose_block_q(None, queries.shape[0], queries.dtype),
+                                     platform="pallas")
+
+
+def config_space(inv):
+    """The heuristic, then smaller tiles (fewer wasted rows when prefill and decode mix)."""
+    from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
+
+    queries = inv.args[0]
+    first = choose_block_q(None, queries.shape[0], queries.dtype)
+    rows = sublane_multiple(queries.dtype)
+    sizes = [first] + [b for b in (64, 32, 16) if b < first and b % rows == 0]
+    return [RaggedPageAttentionConfig(num_queries_per_block=b, platform="pallas") for b in sizes]
+
+
 def ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, *,
                           softmax_scale: float, logits_soft_cap=None, sliding_window=None, cfg=None, interpret=None):
     """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
@@ -212,9 +248,7 @@ def ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_s
         interpret = tpu_interpret_or_refuse()
     total, heads, _ = queries.shape
     num_pages, page_size, two_kv_heads, _ = kv_pages.shape
-    rows = sublane_multiple(queries.dtype)
-    wanted = getattr(cfg, "num_queries_per_block", None) if cfg is not None else None
-    block_q = wanted or min(128, round_up(max(total, 1), rows))
+    block_q = choose_block_q(cfg, total, queries.dtype)
     num_tiles = round_up(max(total, 1), block_q) // block_q
     sinks = None
     num_sinks = 0
@@ -238,3 +272,5 @@ def ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_s
 
 
 ragged_page_attention.check_supported = check_supported
+ragged_page_attention.heuristic_cfg = heuristic_cfg
+ragged_page_attention.config_space = config_space

@@ -159,4 +159,24 @@ def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None, s
     return out
 
 
+def heuristic_cfg(inv):
+    """TPU blocks of the inner block kernels for the local shard lengths (``tpu_flash_attention``'s
+    heuristic: one block over short shards, multiples of 128 rows otherwise)."""
+    from ejkernel.modules.operations.ring_attention import RingAttentionConfig
+
+    query, key = inv.args[0], inv.args[1]
+    blocks = tpu.heuristic_blocks(query.shape[1], key.shape[1], query.dtype, query.shape[3])
+    return tpu.blocks_to_config(blocks, RingAttentionConfig)
+
+
+def config_space(inv):
+    from ejkernel.modules.operations.ring_attention import RingAttentionConfig
+
+    query, key = inv.args[0], inv.args[1]
+    return [tpu.blocks_to_config(b, RingAttentionConfig)
+            for b in tpu.config_space(query.shape[1], key.shape[1], query.dtype, query.shape[3])]
+
+
 ring_attention.check_supported = check_supported
+ring_attention.heuristic_cfg = heuristic_cfg
+ring_attention.config_space = config_space

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ejkernel.errors import UnsupportedFeature
 from ejkernel.ops.utils import dropout as dropout_hash
 
-from ejkernel_pallas.tpu_tiling import LANES, check_block, round_up, sublane_multiple
+from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
 
 # ---------------------------------------------------------------------------------------------------
 # Tuning
@@ -55,6 +55,25 @@ class TpuFlashBlocks:
 DEFAULT_FWD_BLOCK = 512
 DEFAULT_BWD_BLOCK = 256
 
+# TpuFlashBlocks field -> the FlashAttentionConfig / RingAttentionConfig field that sets it.
+CONFIG_FIELDS = {
+    "fwd_q": "fwd_params.q_blocksize",
+    "fwd_kv": "fwd_params.kv_blocksize",
+    "dkv_q": "bwd_params.q_blocksize",
+    "dkv_kv": "bwd_params.kv_blocksize",
+    "dq_q": "bwd_params.blocksize_m",
+    "dq_kv": "bwd_params.blocksize_n",
+}
+
+
+def block_caps(head_dim: int) -> tuple[int, int]:
+    """(forward, backward) row caps. A step holds double-buffered (block, D) tiles of Q, K, V (and dO, plus
+    f32 dK/dV accumulators in the backward) beside the (block_q, block_kv) f32 logits: above D = 128 the
+    tiles double, so the caps halve to keep the same VMEM footprint (an estimate; not measured on a TPU)."""
+    if head_dim <= LANES:
+        return DEFAULT_FWD_BLOCK, DEFAULT_BWD_BLOCK
+    return DEFAULT_FWD_BLOCK // 2, DEFAULT_BWD_BLOCK // 2
+
 
 def _default_block(length: int, cap: int, row_multiple: int) -> int:
     """Whole (padded) length when it fits in one block, else ``cap`` (a multiple of 128)."""
@@ -63,26 +82,81 @@ def _default_block(length: int, cap: int, row_multiple: int) -> int:
     return cap
 
 
-def choose_blocks(cfg, sq: int, skv: int, row_multiple: int) -> TpuFlashBlocks:
-    """Blocks from ``cfg`` (a FlashAttentionConfig or None), falling back to the TPU heuristic."""
+def choose_blocks(cfg, sq: int, skv: int, row_multiple: int, head_dim: int = LANES) -> TpuFlashBlocks:
+    """Blocks from ``cfg`` (a FlashAttentionConfig or None), falling back to the TPU heuristic: one block
+    over a (padded) length up to the cap of :func:`block_caps`, else blocks of the cap (multiples of 128)."""
     fwd = getattr(cfg, "fwd_params", None) if cfg is not None else None
     bwd = getattr(cfg, "bwd_params", None) if cfg is not None else None
+    fwd_cap, bwd_cap = block_caps(head_dim)
 
-    def pick(params, name, length, cap):
+    def given(params, group, name):
         value = getattr(params, name, None) if params is not None else None
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise TpuTilingError(f"{type(cfg).__name__}.{group}.{name}={value!r}: a block size must be a positive int")
+        return value
+
+    def pick(params, group, name, length, cap):
+        value = given(params, group, name)
         return value if value is not None else _default_block(length, cap, row_multiple)
 
-    dkv_q = pick(bwd, "q_blocksize", sq, DEFAULT_BWD_BLOCK)
-    dkv_kv = pick(bwd, "kv_blocksize", skv, DEFAULT_BWD_BLOCK)
-    dq_q = getattr(bwd, "blocksize_m", None) if bwd is not None else None
-    dq_kv = getattr(bwd, "blocksize_n", None) if bwd is not None else None
+    dkv_q = pick(bwd, "bwd_params", "q_blocksize", sq, bwd_cap)
+    dkv_kv = pick(bwd, "bwd_params", "kv_blocksize", skv, bwd_cap)
+    dq_q = given(bwd, "bwd_params", "blocksize_m")
+    dq_kv = given(bwd, "bwd_params", "blocksize_n")
     return TpuFlashBlocks(
-        fwd_q=pick(fwd, "q_blocksize", sq, DEFAULT_FWD_BLOCK),
-        fwd_kv=pick(fwd, "kv_blocksize", skv, DEFAULT_FWD_BLOCK),
+        fwd_q=pick(fwd, "fwd_params", "q_blocksize", sq, fwd_cap),
+        fwd_kv=pick(fwd, "fwd_params", "kv_blocksize", skv, fwd_cap),
         dkv_q=dkv_q,
         dkv_kv=dkv_kv,
         dq_q=dq_q if dq_q is not None else dkv_q,
         dq_kv=dq_kv if dq_kv is not None else dkv_kv,
+    )
+
+
+def padded_lengths(blocks: TpuFlashBlocks, sq: int, skv: int) -> tuple[int, int]:
+    """Lengths padded to whole blocks of every kernel (what the kernels see)."""
+    return (round_up(sq, math.lcm(blocks.fwd_q, blocks.dkv_q, blocks.dq_q)),
+            round_up(skv, math.lcm(blocks.fwd_kv, blocks.dkv_kv, blocks.dq_kv)))
+
+
+def validate_blocks(blocks: TpuFlashBlocks, sq: int, skv: int, *, q_rows: int, kv_rows: int, kv_lanes: bool,
+                    config: str = "FlashAttentionConfig") -> None:
+    """Refuse blocks a TPU cannot tile, naming the config field (before anything is traced).
+
+    Query-side blocks are rows of Q/O tiles and of per-query metadata: a multiple of ``q_rows``. Key-side
+    blocks are rows of K/V tiles (a multiple of ``kv_rows``) and, with ``kv_lanes`` (per-key metadata,
+    bias or mask), the lane dim of ``[.., 1, S]`` / ``[.., Sq, Skv]`` tiles: a multiple of 128. Either may
+    instead be one block over the whole padded length."""
+    sq_pad, skv_pad = padded_lengths(blocks, sq, skv)
+    for field in ("fwd_q", "dkv_q", "dq_q"):
+        value = getattr(blocks, field)
+        if value != sq_pad and value % q_rows:
+            raise TpuTilingError(
+                f"{config}.{CONFIG_FIELDS[field]}={value}: a query block must be a multiple of {q_rows} rows "
+                f"(TPU sublane tiles of the query-side arrays) or one block over the padded length {sq_pad}"
+            )
+    if kv_lanes:
+        need, why = LANES, "the lane dim of per-key metadata / bias / mask tiles"
+    else:
+        need, why = kv_rows, "sublane rows of the K/V tiles"
+    for field in ("fwd_kv", "dkv_kv", "dq_kv"):
+        value = getattr(blocks, field)
+        if value != skv_pad and value % need:
+            raise TpuTilingError(
+                f"{config}.{CONFIG_FIELDS[field]}={value}: a key/value block must be a multiple of {need} ({why}) "
+                f"or one block over the padded length {skv_pad}"
+            )
+
+
+def blocks_to_config(blocks: TpuFlashBlocks, config_type):
+    """The config (``FlashAttentionConfig`` / ``RingAttentionConfig``) that selects ``blocks``."""
+    from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
+
+    return config_type(
+        fwd_params=FwdParams(q_blocksize=blocks.fwd_q, kv_blocksize=blocks.fwd_kv),
+        bwd_params=BwdParams(q_blocksize=blocks.dkv_q, kv_blocksize=blocks.dkv_kv, blocksize_m=blocks.dq_q,
+                             blocksize_n=blocks.dq_kv),
+        platform="pallas",
     )
 
 
@@ -589,9 +663,10 @@ def flash_attention(
     varlen = cum_seqlens_q is not None
     # Rows of q-side blocks also index int8 masks (32-row tiles) and f32 metadata (8-row tiles).
     row_multiple = max(sublane_multiple(query.dtype), 32 if attention_mask is not None else 8)
-    blocks = choose_blocks(cfg, sq, skv, row_multiple)
-    sq_pad = round_up(sq, math.lcm(blocks.fwd_q, blocks.dkv_q, blocks.dq_q))
-    skv_pad = round_up(skv, math.lcm(blocks.fwd_kv, blocks.dkv_kv, blocks.dq_kv))
+    blocks = choose_blocks(cfg, sq, skv, row_multiple, d)
+    kv_lanes = any(x is not None for x in (bias, attention_mask, q_segment_ids, cum_seqlens_q))
+    validate_blocks(blocks, sq, skv, q_rows=row_multiple, kv_rows=sublane_multiple(query.dtype), kv_lanes=kv_lanes)
+    sq_pad, skv_pad = padded_lengths(blocks, sq, skv)
     arrays = {
         "q": _pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
         "k": _pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
@@ -661,8 +736,7 @@ def flash_attention(
 def _block_arrays(query, key, value, q_segment_ids, kv_segment_ids, q_start, kv_start, q_len: int, kv_len: int, blocks):
     batch, sq, _, _ = query.shape
     skv = key.shape[1]
-    sq_pad = round_up(sq, math.lcm(blocks.fwd_q, blocks.dkv_q, blocks.dq_q))
-    skv_pad = round_up(skv, math.lcm(blocks.fwd_kv, blocks.dkv_kv, blocks.dq_kv))
+    sq_pad, skv_pad = padded_lengths(blocks, sq, skv)
     q_pos = q_start + jnp.arange(sq_pad, dtype=jnp.int32) + (kv_len - q_len)
     kv_pos = kv_start + jnp.arange(skv_pad, dtype=jnp.int32)
     arrays = {
@@ -683,7 +757,10 @@ def block_static(query, key, value, *, has_segments: bool, softmax_scale, causal
     """The static description of a ring block (positions as arrays, f32 outputs)."""
     sq, heads = query.shape[1], query.shape[2]
     skv, kv_heads = key.shape[1], key.shape[2]
-    blocks = choose_blocks(cfg, sq, skv, sublane_multiple(query.dtype))
+    rows = max(sublane_multiple(query.dtype), 8)
+    blocks = choose_blocks(cfg, sq, skv, rows, query.shape[3])
+    # positions travel as [B, 1, S] per-key metadata: key blocks are lane tiles
+    validate_blocks(blocks, sq, skv, q_rows=rows, kv_rows=rows, kv_lanes=True, config="RingAttentionConfig")
     return _Static(
         scale=float(softmax_scale), causal=bool(causal),
         window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
@@ -715,15 +792,33 @@ def block_backward(st: _Static, query, key, value, q_segment_ids, kv_segment_ids
     return jnp.swapaxes(dq[:, :, :sq], 1, 2), jnp.swapaxes(dk[:, :, :skv], 1, 2), jnp.swapaxes(dv[:, :, :skv], 1, 2)
 
 
-def heuristic_blocks(sq: int, skv: int, dtype=jnp.bfloat16) -> TpuFlashBlocks:
-    """The blocks used when the config leaves them unset (exposed for tests and autotuning)."""
-    return choose_blocks(None, sq, skv, sublane_multiple(dtype))
+def heuristic_blocks(
+    sq: int, skv: int, dtype=jnp.bfloat16, head_dim: int = LANES, has_mask: bool = False
+) -> TpuFlashBlocks:
+    """The blocks the TPU heuristic picks (what ``heuristic_cfg`` hands the executor)."""
+    rows = max(sublane_multiple(dtype), 32 if has_mask else 8)
+    return choose_blocks(None, sq, skv, rows, head_dim)
 
 
-def config_space_blocks(sq: int, skv: int) -> list[tuple[int, int]]:
-    """(q, kv) block candidates that tile on TPU: multiples of 128 up to the padded lengths."""
-    sizes = [s for s in (128, 256, 512, 1024) if s <= max(LANES, round_up(max(sq, skv), LANES))]
-    return [(bq, bk) for bq in sizes for bk in sizes]
+def config_space(
+    sq: int, skv: int, dtype=jnp.bfloat16, head_dim: int = LANES, has_mask: bool = False
+) -> list[TpuFlashBlocks]:
+    """Autotuning candidates, pruned: the heuristic first, then square and 2:1 forward tiles of 128-multiples
+    up to the padded lengths (as large as the VMEM caps allow, x2), each with backward blocks half as tall
+    (the backward keeps twice the live tiles); at most 8, every one tiling on TPU."""
+    heuristic = heuristic_blocks(sq, skv, dtype, head_dim, has_mask)
+    fwd_cap, _ = block_caps(head_dim)
+    def sizes(length):
+        return [b for b in (128, 256, 512, 1024) if b <= min(2 * fwd_cap, round_up(length, LANES))]
+
+    candidates = [heuristic]
+    for bq in sizes(sq)[::-1]:
+        for bk in sizes(skv)[::-1]:
+            if max(bq, bk) <= 2 * min(bq, bk):
+                hq, hk = max(bq // 2, LANES), max(bk // 2, LANES)
+                candidates.append(TpuFlashBlocks(bq, bk, hq, hk, hq, hk))
+    unique = list(dict.fromkeys(candidates))
+    return unique[:8]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""Block sizes come from the executor's config: the Pallas heuristics (TPU / GPU), the pruned autotuning
+spaces, a config reaching the kernel's tiling, and bad blocks refused naming the config field."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ejkernel.modules import FlashAttention, flash_attention, grouped_matmul, ragged_page_attention, ring_attention
+from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
+from ejkernel.modules.operations.grouped_matmul import GroupedMatmul, GroupedMatmulConfig
+from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
+from ejkernel.modules.operations.ring_attention import RingAttention, RingAttentionConfig
+from ejkernel.ops import get_default_executor
+from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
+from ejkernel_pallas import gpu_flash_attention as gpu
+from ejkernel_pallas import tpu_flash_attention as tpu
+from ejkernel_pallas.interpret import INTERPRET_ENV
+from ejkernel_pallas.tpu_tiling import TpuTilingError
+
+
+def _qkv(seq, dtype=jnp.bfloat16, head_dim=64, heads=2, batch=1):
+    shape = (batch, seq, heads, head_dim)
+    return [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(dtype) for i in range(3)]
+
+
+def _fwd(cfg):
+    return (cfg.fwd_params.q_blocksize, cfg.fwd_params.kv_blocksize)
+
+
+def _bwd(cfg):
+    b = cfg.bwd_params
+    return (b.q_blocksize, b.kv_blocksize, b.blocksize_m, b.blocksize_n)
+
+
+def _pallas_grids(fn, *args):
+    """The grid of every pallas_call in ``fn``'s jaxpr (nested jaxprs included), in program order."""
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.append(tuple(eqn.params["grid_mapping"].grid))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+# ---- TPU (interpret mode on this machine) -----------------------------------------------------------
+
+
+def test_executor_config_is_the_tpu_heuristic(pallas_interpret):
+    """By sequence length (one block when short, 128-multiples when long) and head dim (caps halve above
+    128); rows are whole sublane tiles (16 for bf16)."""
+    executor = get_default_executor()
+    for seq, head_dim, fwd, bwd in (
+        (40, 64, (48, 48), (48, 48, 48, 48)),  # one block over the padded length
+        (1000, 64, (512, 512), (256, 256, 256, 256)),
+        (1000, 256, (256, 256), (128, 128, 128, 128)),
+    ):
+        cfg = executor.choose(FlashAttention(), *_qkv(seq, head_dim=head_dim), platform="pallas")
+        assert isinstance(cfg, FlashAttentionConfig) and cfg.platform == "pallas"
+        assert (_fwd(cfg), _bwd(cfg)) == (fwd, bwd), (seq, head_dim, cfg)
+        for block in (*fwd, *bwd):
+            assert block % 16 == 0 and (block % 128 == 0 or block >= seq)
+    q, k, v = _qkv(256)
+    ring_cfg = executor.choose(RingAttention(), q, k, v, platform="pallas")
+    assert isinstance(ring_cfg, RingAttentionConfig) and _fwd(ring_cfg) == (256, 256) and _bwd(ring_cfg) == (256,) * 4
+    lhs, rhs = jnp.ones((300, 200), jnp.bfloat16), jnp.ones((3, 200, 700), jnp.bfloat16)
+    gmm_cfg = executor.choose(GroupedMatmul(), lhs, rhs, jnp.array([100, 100, 100], jnp.int32), platform="pallas")
+    assert (gmm_cfg.block_m, gmm_cfg.block_k, gmm_cfg.block_n) == (304, 200, 512)
+
+
+def test_config_space_candidates_all_tile():
+    for seq, head_dim, segments in ((40, 64, False), (1000, 64, True), (4096, 128, True), (3000, 256, False)):
+        candidates = tpu.config_space(seq, seq, jnp.bfloat16, head_dim)
+        assert candidates[0] == tpu.heuristic_blocks(seq, seq, jnp.bfloat16, head_dim)
+        assert 1 <= len(candidates) <= 8 and len(set(candidates)) == len(candidates)
+        for blocks in candidates:
+            tpu.validate_blocks(blocks, seq, seq, q_rows=16, kv_rows=16, kv_lanes=segments)
+    gpu_space = gpu.config_space(8192, 8192, 128)
+    assert gpu_space[0] == gpu.GpuFlashTuning() and len(gpu_space) == 5
+    assert all(t.fwd_q <= 32 and t.fwd_kv <= 32 for t in gpu.config_space(20, 9, 64))  # fitted to short lengths
+
+
+def test_a_config_with_other_blocks_changes_the_tiling(pallas_interpret):
+    q, k, v = _qkv(256, dtype=jnp.float32)
+    call = lambda cfg: lambda q, k, v: flash_attention(q, k, v, causal=True, platform="pallas", cfg=cfg)  # noqa: E731
+    # the heuristic: one 256-row block -> grid (batch, heads, 1, 1)
+    assert _pallas_grids(call(None), q, k, v) == [(1, 2, 1, 1)]
+    small = FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=128, kv_blocksize=64))
+    assert _pallas_grids(call(small), q, k, v) == [(1, 2, 2, 4)]
+    # the backward kernels follow bwd_params: dK/dV grid (b, kv head, kv blocks, group, q blocks), dQ grid
+    # (b, head, q blocks, kv blocks)
+    bwd = FlashAttentionConfig(bwd_params=BwdParams(q_blocksize=64, kv_blocksize=128, blocksize_m=32, blocksize_n=256))
+    grad = lambda q, k, v: jax.grad(lambda q: call(bwd)(q, k, v).sum())(q)  # noqa: E731
+    assert _pallas_grids(grad, q, k, v) == [(1, 2, 1, 1), (1, 2, 2, 1, 4), (1, 2, 8, 1)]
+    # and the numbers do not change with the tiling
+    out = jax.jit(call(None))(q, k, v)
+    assert float(jnp.max(jnp.abs(jax.jit(call(small))(q, k, v) - out))) < 1e-5
+
+
+def test_bad_blocks_are_refused_naming_the_config_field(pallas_interpret):
+    q, k, v = _qkv(256)
+    cases = [
+        (FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=24)), {}, r"FlashAttentionConfig\.fwd_params\.q_blocksize=24: .*multiple of 16"),
+        (FlashAttentionConfig(bwd_params=BwdParams(blocksize_n=8)), {}, r"FlashAttentionConfig\.bwd_params\.blocksize_n=8: .*multiple of 16"),
+        (FlashAttentionConfig(bwd_params=BwdParams(kv_blocksize=-128)), {}, r"bwd_params\.kv_blocksize=-128: .*positive int"),
+        # per-key segment ids travel as [B, 1, S]: key blocks become lane tiles (multiples of 128)
+        (FlashAttentionConfig(fwd_params=FwdParams(kv_blocksize=64)), {"q_segment_ids": jnp.zeros((1, 256), jnp.int32)},
+         r"FlashAttentionConfig\.fwd_params\.kv_blocksize=64: .*multiple of 128"),
+    ]
+    for cfg, extra, match in cases:
+        with pytest.raises(TpuTilingError, match=match):
+            flash_attention(q, k, v, platform="pallas", cfg=cfg, **extra)
+    with pytest.raises(TpuTilingError, match=r"RingAttentionConfig\.bwd_params\.q_blocksize=100"):
+        jax.grad(lambda q: ring_attention(q, k, v, platform="pallas", cfg=RingAttentionConfig(
+            bwd_params=BwdParams(q_blocksize=100))).astype(jnp.float32).sum())(q)
+    lhs, rhs, sizes = jnp.ones((300, 200)), jnp.ones((3, 200, 700)), jnp.array([100, 100, 100], jnp.int32)
+    with pytest.raises(TpuTilingError, match=r"GroupedMatmulConfig\.block_n=200: .*multiple of 128"):
+        grouped_matmul(lhs, rhs, sizes, platform="pallas", cfg=GroupedMatmulConfig(block_n=200))
+    with pytest.raises(TpuTilingError, match=r"GroupedMatmulConfig\.block_m=12: .*multiple of 8"):
+        grouped_matmul(lhs, rhs, sizes, platform="pallas", cfg=GroupedMatmulConfig(block_m=12))
+    pages = jnp.ones((4, 8, 2, 16))
+    with pytest.raises(TpuTilingError, match=r"RaggedPageAttentionConfig\.num_queries_per_block=12"):
+        ragged_page_attention(jnp.ones((20, 2, 16)), pages, jnp.array([20], jnp.int32), jnp.array([[0, 1, 2, 3]], jnp.int32),
+                              jnp.array([0, 20], jnp.int32), 1, platform="pallas",
+                              cfg=RaggedPageAttentionConfig(num_queries_per_block=12))
+
+
+# ---- GPU (the Triton-lowered kernels; interpret mode "gpu" here) ---------------------------------------
+
+
+def test_executor_config_is_the_gpu_heuristic(pallas_interpret, monkeypatch):
+    """The H200 defaults (NOTES.md): forward 128x64, 4 warps, 2 stages; backward 64x64, 4 warps, 2 stages;
+    blocks shrink to short sequences."""
+    monkeypatch.setenv(INTERPRET_ENV, "gpu")
+    executor = get_default_executor()
+    cfg = executor.choose(FlashAttention(), *_qkv(8192, head_dim=128), platform="pallas")
+    assert cfg.fwd_params == FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=2)
+    assert cfg.bwd_params == BwdParams(q_blocksize=64, kv_blocksize=64, blocksize_m=64, blocksize_n=64, num_warps=4,
+                                       num_stages=2)
+    short = executor.choose(FlashAttention(), *_qkv(20), platform="pallas")
+    assert _fwd(short) == (32, 32) and _bwd(short) == (32, 32, 32, 32)
+
+
+def test_gpu_config_reaches_the_kernel_and_bad_values_name_the_field(pallas_interpret, monkeypatch):
+    monkeypatch.setenv(INTERPRET_ENV, "gpu")
+    q, k, v = _qkv(64, dtype=jnp.float32)
+    call = lambda cfg: lambda q, k, v: flash_attention(q, k, v, platform="pallas", cfg=cfg)  # noqa: E731
+    assert _pallas_grids(call(None), q, k, v) == [(1, 1, 2)]  # (q blocks, batch, heads): one 64-row block
+    assert _pallas_grids(call(FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=16))), q, k, v) == [(4, 1, 2)]
+    for params, match in (
+        (dict(fwd_params=FwdParams(q_blocksize=96)), r"FlashAttentionConfig\.fwd_params\.q_blocksize=96: .*powers of two"),
+        (dict(bwd_params=BwdParams(num_warps=3)), r"FlashAttentionConfig\.bwd_params\.num_warps=3: .*power of two"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            flash_attention(q, k, v, platform="pallas", cfg=FlashAttentionConfig(**params))
