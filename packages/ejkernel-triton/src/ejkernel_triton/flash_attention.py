@@ -1,10 +1,11 @@
 """Flash attention (forward and backward) as Triton kernels called through jax-triton.
 
-Reads top to bottom: tuning parameters (shipped per-device tables, heuristics, autotuning space), the
-Triton kernels (forward, dK/dV, dQ, and float32's delta), the launch helpers (jax-triton on a GPU, Triton's
-interpreter on the CPU for tests), the custom VJP and vmap rules, the public entry point with its
-``check_supported`` / ``heuristic_cfg`` / ``config_space`` attributes, a small dense reference and a
-micro-benchmark.
+Reads top to bottom: tuning parameters (shipped per-device tables, heuristics, autotuning space, and which
+forward kernel a call takes), the Triton kernels (forward, the Hopper TMA + warp-specialized forward, dK/dV,
+dQ, and float32's delta), the launch helpers (jax-triton on a GPU, `ejkernel_triton.launch` for the TMA
+kernel, Triton's interpreter on the CPU for tests), the custom VJP and vmap rules, the public entry point
+with its ``check_supported`` / ``heuristic_cfg`` / ``config_space`` attributes, a small dense reference and
+a micro-benchmark.
 
 Semantics are those of docs/flash_attention.md. Layout stays ``[batch, seq, heads, dim]`` throughout:
 kernels address q/k/v through strides, so nothing is transposed or copied, and grouped-query attention
@@ -25,6 +26,7 @@ import functools
 import json
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -408,6 +410,15 @@ def _store_rows(o_ptrs, lse_ptrs, acc, m_i, l_i, o_mask, row_mask):
 
 
 @triton.jit
+def _softcap_grad(ds, s, softcap, USE_SOFTCAP: tl.constexpr):
+    """Chain rule through the soft cap: s (log2 units) = cap * tanh(x / cap) * log2(e), so dx = ds * (1 - tanh^2)."""
+    if USE_SOFTCAP:
+        capped = s * (0.6931471805599453 / softcap)  # back to natural units, over the cap: tanh
+        ds = ds * (1.0 - capped * capped)
+    return ds
+
+
+@triton.jit
 def _fwd_block_loop(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, start, stop,
                     rows, offs_kv, offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap,
                     head_hash, q_start, k_start,
@@ -616,10 +627,7 @@ def _dkv_block_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr
             dpt = dpt * keep
         else:
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        if USE_SOFTCAP:
-            capped = st * (0.6931471805599453 / softcap)  # back to natural units, over the cap: tanh
-            dst = dst * (1.0 - capped * capped)
+        dst = _softcap_grad(pt * (dpt - delta[None, :]), st, softcap, USE_SOFTCAP)
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -735,10 +743,7 @@ def _dq_block_loop(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v
         if DROPOUT:
             dp = dp * _dropout_scale(head_hash, (q_start + rows)[:, None], (k_start + cols)[None, :],
                                      DROP_THRESHOLD, DROP_SCALE)
-        ds = p * (dp - delta[:, None])
-        if USE_SOFTCAP:
-            capped = s * (0.6931471805599453 / softcap)
-            ds = ds * (1.0 - capped * capped)
+        ds = _softcap_grad(p * (dp - delta[:, None]), s, softcap, USE_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -865,6 +870,7 @@ def _interpret_requested() -> bool:
 
 
 _INTERPRETER_PATCHED: set = set()
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def _patch_interpreter() -> None:
@@ -974,8 +980,11 @@ def _launch(kernel, args, out_shapes, grid, *, num_warps, num_stages, zeroed_out
         for i, a in zip(array_idx, arrays):
             call_args[i] = _HostTensor(np.ascontiguousarray(np.asarray(a)))
         outs = [np.zeros(s.shape, s.dtype) for s in out_shapes]
-        _INTERPRETER_PATCHED.clear()
-        kernel[grid](*call_args, *map(_HostTensor, outs), **meta)
+        # XLA may run independent callbacks (the dK/dV and dQ kernels) on two threads at once, and the
+        # interpreter patches triton.language globally per launch: one launch at a time.
+        with _INTERPRETER_LOCK:
+            _INTERPRETER_PATCHED.clear()
+            kernel[grid](*call_args, *map(_HostTensor, outs), **meta)
         return tuple(outs)
 
     return jax.pure_callback(host, tuple(out_shapes), *[args[i] for i in array_idx])
