@@ -235,14 +235,34 @@ def _sequence_bounds(cu_q, cu_k, seq_idx, SEQ_Q, SEQ_KV, IS_VARLEN: tl.constexpr
 
 
 @triton.jit
-def _split_ranges(lo, hi, full_lo, full_hi):
-    """Clamp the mask-free range [full_lo, full_hi) inside [lo, hi); empty when it does not exist."""
-    full_lo = tl.maximum(full_lo, lo)
-    full_hi = tl.minimum(full_hi, hi)
-    if full_hi <= full_lo:
+def _query_block(cu_q, cu_k, seq_idx, SEQ_Q, SEQ_KV, BLOCK_Q: tl.constexpr, IS_VARLEN: tl.constexpr,
+                 REVERSE_BLOCKS: tl.constexpr):
+    """First row of this program's query block (grid: query blocks x sequences x heads) and its sequence's
+    bounds (`_sequence_bounds`)."""
+    if REVERSE_BLOCKS:  # causal: start the long rows first, so the short ones fill the tail
+        block = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        block = tl.program_id(0)
+    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q, cu_k, seq_idx, SEQ_Q, SEQ_KV, IS_VARLEN)
+    return block * BLOCK_Q, q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _whole_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr, partial_owner, ALWAYS_MASK: tl.constexpr):
+    """Round a visible range [lo, hi) out, and its mask-free part [full_lo, full_hi) in, to whole blocks;
+    the mask-free part is clamped inside [lo, hi) and empty (at hi) when it does not exist, when masking is
+    forced, or when the program's own block runs past its sequence (`partial_owner`)."""
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(tl.maximum(lo, 0), hi) // BLOCK * BLOCK
+    full_lo = tl.maximum((tl.maximum(full_lo, 0) + BLOCK - 1) // BLOCK * BLOCK, lo)
+    full_hi = tl.minimum(tl.maximum(full_hi, 0) // BLOCK * BLOCK, hi)
+    if ALWAYS_MASK:
         full_lo = hi
         full_hi = hi
-    return full_lo, full_hi
+    if partial_owner | (full_hi <= full_lo):
+        full_lo = hi
+        full_hi = hi
+    return lo, hi, full_lo, full_hi
 
 
 @triton.jit
@@ -265,20 +285,8 @@ def _kv_range(m0, q_len, k_len, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, C
     if WINDOW_LEFT >= 0:
         lo = tl.maximum(lo, first_pos - WINDOW_LEFT)
         full_lo = tl.maximum(full_lo, last_pos - WINDOW_LEFT)
-    hi = tl.maximum(hi, 0)
-    lo = tl.minimum(lo, hi) // BLOCK_KV * BLOCK_KV
-    full_lo = (tl.maximum(full_lo, 0) + BLOCK_KV - 1) // BLOCK_KV * BLOCK_KV
-    full_hi = tl.maximum(full_hi, 0) // BLOCK_KV * BLOCK_KV
-    if ALWAYS_MASK:
-        full_lo = hi
-        full_hi = hi
-    else:
-        # Rows past the sequence's end make every block of this query block a masked one.
-        if m0 + BLOCK_Q > q_len:
-            full_lo = hi
-            full_hi = hi
-    full_lo, full_hi = _split_ranges(lo, hi, full_lo, full_hi)
-    return lo, hi, full_lo, full_hi
+    # Rows past the sequence's end make every key block of this query block a masked one.
+    return _whole_blocks(lo, hi, full_lo, full_hi, BLOCK_KV, m0 + BLOCK_Q > q_len, ALWAYS_MASK)
 
 
 @triton.jit
@@ -300,19 +308,7 @@ def _q_range(n0, q_len, k_len, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CA
     if WINDOW_LEFT >= 0:  # i + shift - left <= j
         hi = tl.minimum(hi, last_key + WINDOW_LEFT - shift + 1)
         full_hi = tl.minimum(full_hi, n0 + WINDOW_LEFT - shift + 1)
-    hi = tl.maximum(hi, 0)
-    lo = tl.minimum(tl.maximum(lo, 0), hi) // BLOCK_Q * BLOCK_Q
-    full_lo = (tl.maximum(full_lo, 0) + BLOCK_Q - 1) // BLOCK_Q * BLOCK_Q
-    full_hi = tl.maximum(full_hi, 0) // BLOCK_Q * BLOCK_Q
-    if ALWAYS_MASK:
-        full_lo = hi
-        full_hi = hi
-    else:
-        if n0 + BLOCK_KV > k_len:
-            full_lo = hi
-            full_hi = hi
-    full_lo, full_hi = _split_ranges(lo, hi, full_lo, full_hi)
-    return lo, hi, full_lo, full_hi
+    return _whole_blocks(lo, hi, full_lo, full_hi, BLOCK_Q, n0 + BLOCK_KV > k_len, ALWAYS_MASK)
 
 
 @triton.jit
@@ -472,12 +468,8 @@ def _fwd_kernel(
 ):
     seq_idx = tl.program_id(1)
     head = tl.program_id(2)
-    if REVERSE_BLOCKS:  # causal: start the long rows first, so the short ones fill the tail
-        block = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        block = tl.program_id(0)
-    q_start, q_len, k_start, k_len = _sequence_bounds(CuQ, CuK, seq_idx, SEQ_Q, SEQ_KV, IS_VARLEN)
-    m0 = block * BLOCK_Q
+    m0, q_start, q_len, k_start, k_len = _query_block(CuQ, CuK, seq_idx, SEQ_Q, SEQ_KV, BLOCK_Q, IS_VARLEN,
+                                                      REVERSE_BLOCKS)
     if m0 >= q_len:
         return
     batch = 0 if IS_VARLEN else seq_idx.to(tl.int64)  # int64: offsets of large batches overflow int32
@@ -763,12 +755,8 @@ def _dq_kernel(
 ):
     seq_idx = tl.program_id(1)
     head = tl.program_id(2)
-    if REVERSE_BLOCKS:
-        block = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        block = tl.program_id(0)
-    q_start, q_len, k_start, k_len = _sequence_bounds(CuQ, CuK, seq_idx, SEQ_Q, SEQ_KV, IS_VARLEN)
-    m0 = block * BLOCK_Q
+    m0, q_start, q_len, k_start, k_len = _query_block(CuQ, CuK, seq_idx, SEQ_Q, SEQ_KV, BLOCK_Q, IS_VARLEN,
+                                                      REVERSE_BLOCKS)
     if m0 >= q_len:
         return
     batch = 0 if IS_VARLEN else seq_idx.to(tl.int64)  # int64: offsets of large batches overflow int32
