@@ -150,7 +150,13 @@ def tma_forward_applies(head_dim: int, head_dim_v: int, dtype, *, masked: bool =
     interpreter runs it when EJKERNEL_TRITON_COMPUTE_CAPABILITY names a Hopper (the CPU tests)."""
     return (not (masked or varlen or dropout)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and head_dim == head_dim_v == 128 and target_compute_capability() >= 90)
+            and head_dim == head_dim_v == 128 and target_compute_capability() >= 90 and _launcher_available())
+
+
+def _launcher_available() -> bool:
+    from ejkernel_triton.launch import available
+
+    return available()
 
 
 def _uses_tma_forward(tuning: Tuning, seq_q: int, seq_kv: int) -> bool:

@@ -146,6 +146,17 @@ mlir.register_lowering(_call_p, _lowering, platform="cuda")
 
 
 @functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether this jaxlib's Triton custom call takes global scratch: without it, kernels with TMA
+    descriptors cannot run, and callers keep the pointer kernels."""
+    try:
+        from jax._src.lib import gpu_triton
+    except ImportError:
+        return False
+    return "global_scratch_size" in (gpu_triton.TritonKernel.__init__.__doc__ or "")
+
+
+@functools.lru_cache(maxsize=None)
 def device_compute_capability() -> int:
     from jax._src.lib import gpu_triton
 
