@@ -596,7 +596,7 @@ def check_supported(
     cum_seqlens_q=None, dropout_prob=0.0, softmax_aux=None, **_,
 ):
     if bias is not None:
-        raise UnsupportedFeature("pallas GPU flash_attention: bias is not supported (use platform='triton' or 'xla')")
+        raise UnsupportedFeature("pallas GPU flash_attention: bias is not supported (use platform='xla')")
     if attention_mask is not None:
         raise UnsupportedFeature("pallas GPU flash_attention: attention_mask is not supported")
     if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):

@@ -131,7 +131,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def check_supported(query, key_cache, value_cache, context_lens, block_tables, **_):
     if jax.default_backend() not in ("tpu", "cpu"):
-        raise UnsupportedFeature("pallas page_attention is a TPU kernel; on GPUs use platform='triton' or 'xla'")
+        raise UnsupportedFeature("pallas page_attention is a TPU kernel; on GPUs use platform='xla'")
     tpu_interpret_or_refuse()
     if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise UnsupportedFeature(f"pallas page_attention: dtype {query.dtype} is not supported")

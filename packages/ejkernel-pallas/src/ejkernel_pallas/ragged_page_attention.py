@@ -194,7 +194,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def check_supported(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, **_):
     if jax.default_backend() not in ("tpu", "cpu"):
-        raise UnsupportedFeature("pallas ragged_page_attention is a TPU kernel; on GPUs use platform='triton' or 'xla'")
+        raise UnsupportedFeature("pallas ragged_page_attention is a TPU kernel; on GPUs use platform='xla'")
     interpret = tpu_interpret_or_refuse()
     if queries.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise UnsupportedFeature(f"pallas ragged_page_attention: dtype {queries.dtype} is not supported")
