@@ -26,6 +26,10 @@ import numpy as np
 from ejkernel_triton.flash_attention import flash_attention, tuning_space, tuning_to_cfg
 
 
+FWD_FIELDS = ("fwd_block_q", "fwd_block_kv", "fwd_num_warps", "fwd_num_stages")
+BWD_FIELDS = ("dkv_block_q", "dkv_block_kv", "dq_block_q", "dq_block_kv", "bwd_num_warps", "bwd_num_stages")
+
+
 def _time(fn, argsets, reps=5, calls=4):
     for a in argsets[:2]:
         jax.block_until_ready(fn(*a))
@@ -77,52 +81,33 @@ def main(argv=None):
                     return out, pull(do)
                 return jax.jit(f)
 
-            fwd_candidates = list(dict.fromkeys((t.fwd_block_q, t.fwd_block_kv, t.fwd_num_warps, t.fwd_num_stages) for t in space))
-            best_fwd, best_ms = None, float("inf")
-            for f in fwd_candidates:
-                t = dataclasses.replace(space[0], fwd_block_q=f[0], fwd_block_kv=f[1], fwd_num_warps=f[2], fwd_num_stages=f[3])
-                try:
-                    ms = _time(fwd_fn(t), argsets)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"d={d} causal={causal} fwd {f}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
-                    continue
-                print(f"d={d} causal={causal} fwd {f}: {ms:.3f} ms", flush=True)
-                if ms < best_ms:
-                    best_fwd, best_ms = t, ms
-            bwd_candidates = list(dict.fromkeys((t.dkv_block_q, t.dkv_block_kv, t.dq_block_q, t.dq_block_kv, t.bwd_num_warps, t.bwd_num_stages) for t in space))
-            best, best_bwd_ms = best_fwd, float("inf")
-            for bw in bwd_candidates:
-                t = dataclasses.replace(best_fwd, dkv_block_q=bw[0], dkv_block_kv=bw[1], dq_block_q=bw[2], dq_block_kv=bw[3],
-                                        bwd_num_warps=bw[4], bwd_num_stages=bw[5])
-                try:
-                    ms = _time(bwd_fn(t), argsets)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"d={d} causal={causal} bwd {bw}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
-                    continue
-                print(f"d={d} causal={causal} fwd+bwd {bw}: {ms:.3f} ms", flush=True)
-                if ms < best_bwd_ms:
-                    best, best_bwd_ms = t, ms
+            def sweep(label, base, names, space, make_fn):
+                """Time `base` with each distinct value of fields `names` found in `space`: (best, its ms)."""
+                best_t, best_t_ms = base, float("inf")
+                for values in dict.fromkeys(tuple(getattr(t, n) for n in names) for t in space):
+                    t = dataclasses.replace(base, **dict(zip(names, values)))
+                    try:
+                        ms = _time(make_fn(t), argsets)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"d={d} causal={causal} {label} {values}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                        continue
+                    print(f"d={d} causal={causal} {label} {values}: {ms:.3f} ms", flush=True)
+                    if ms < best_t_ms:
+                        best_t, best_t_ms = t, ms
+                return best_t, best_t_ms
+
+            best_fwd, best_ms = sweep("fwd", space[0], FWD_FIELDS, space, fwd_fn)
+            best, best_bwd_ms = sweep("fwd+bwd", best_fwd, BWD_FIELDS, space, bwd_fn)
             entry = dataclasses.asdict(best)
             entry["measured"] = dict(fwd_ms=round(best_ms, 4), fwd_bwd_ms=round(best_bwd_ms, 4), seq=s, batch=b, heads=h)
             table[f"d{d}-{'causal' if causal else 'full'}"] = entry
             print("BEST", d, causal, entry, flush=True)
             if causal:
                 continue
-            tma_best, tma_ms = None, float("inf")
-            tma_space = tuning_space(d, d, jnp.bfloat16, tma=True)
-            for f in dict.fromkeys((t.fwd_block_q, t.fwd_block_kv, t.fwd_num_warps, t.fwd_num_stages) for t in tma_space):
-                t = dataclasses.replace(best, fwd_block_q=f[0], fwd_block_kv=f[1], fwd_num_warps=f[2], fwd_num_stages=f[3])
-                try:
-                    ms = _time(fwd_fn(t), argsets)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"d={d} tma fwd {f}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
-                    continue
-                print(f"d={d} tma fwd {f}: {ms:.3f} ms", flush=True)
-                if ms < tma_ms:
-                    tma_best, tma_ms = f, ms
-            if tma_best is not None and tma_ms < best_ms:  # else the device keeps the pointer forward
-                table[f"d{d}-full-tma"] = dict(zip(("fwd_block_q", "fwd_block_kv", "fwd_num_warps", "fwd_num_stages"),
-                                                   tma_best), measured=dict(fwd_ms=round(tma_ms, 4), seq=s, batch=b, heads=h))
+            tma_best, tma_ms = sweep("tma fwd", best, FWD_FIELDS, tuning_space(d, d, jnp.bfloat16, tma=True), fwd_fn)
+            if tma_ms < best_ms:  # else the device keeps the pointer forward
+                table[f"d{d}-full-tma"] = {n: getattr(tma_best, n) for n in FWD_FIELDS} | dict(
+                    measured=dict(fwd_ms=round(tma_ms, 4), seq=s, batch=b, heads=h))
     out = Path(args.out) / "triton_flash_tuned.json"
     out.write_text(json.dumps({kind: table}, indent=1))
     print(json.dumps({kind: table}))
