@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.modules import FlashAttentionConfig, flash_attention
-from ejkernel.ops import BwdParams, FwdParams
+from ejkernel.modules import flash_attention
+from ejkernel_xla.flash_attention import XlaFlashConfig
 from ejkernel.testing.flash_attention import (
     FlashAttentionConformance,
     attention_inputs,
@@ -20,9 +20,7 @@ from ejkernel.testing.numerics import assert_close
 from ejkernel_xla import _blockwise
 
 # Blocks smaller than the test sequences and not dividing them: every case crosses block borders.
-SMALL_BLOCKS = FlashAttentionConfig(
-    fwd_params=FwdParams(q_blocksize=16, kv_blocksize=24), bwd_params=BwdParams(q_blocksize=24, kv_blocksize=16)
-)
+SMALL_BLOCKS = XlaFlashConfig(block_q=16, block_kv=24, bwd_block_q=24, bwd_block_kv=16)
 
 
 class TestXlaFlashAttention(FlashAttentionConformance):
@@ -79,7 +77,7 @@ def test_block_sizes_do_not_change_the_result():
     inputs = attention_inputs(0, batch=1, q_len=70, kv_len=90, num_heads=2, head_dim=32)
     expected, _, _ = reference_flash_attention_numpy(**inputs, causal=True, sliding_window=(40, 3))
     for blocks in [(None, None), (16, 24), (1, 7), (70, 90), (64, 128)]:
-        cfg = FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=blocks[0], kv_blocksize=blocks[1]))
+        cfg = XlaFlashConfig(block_q=blocks[0], block_kv=blocks[1])
         out = flash_attention(**inputs, causal=True, sliding_window=(40, 3), cfg=cfg, platform="xla")
         assert_close(out, expected, dtype=jnp.float32, name=f"blocks={blocks}")
 

@@ -19,6 +19,7 @@ from ejkernel.errors import (
     UnsupportedFeature,
 )
 from ejkernel.kernels import Backend, KernelRegistry, KernelSpec, Platform, kernel_registry
+from ejkernel.modules.operations._contract import Implementation, NoConfig
 from ejkernel.plugins import BackendInfo, hookimpl
 
 try:
@@ -33,9 +34,11 @@ __all__ = [
     "BackendInfo",
     "EjkernelError",
     "EjkernelRuntimeError",
+    "Implementation",
     "KernelNotFoundError",
     "KernelRegistry",
     "KernelSpec",
+    "NoConfig",
     "Platform",
     "PluginError",
     "UnsupportedFeature",

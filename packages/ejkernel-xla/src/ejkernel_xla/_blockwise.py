@@ -19,6 +19,7 @@ so causal is ``kv.position <= q.position``), whether it exists, and its segment 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.ops.utils.dropout import keep_mask
 
 # ---- token descriptions ---------------------------------------------------------------------------
@@ -154,6 +156,24 @@ class AttentionParams:
     sliding_window: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
     dropout_prob: float = 0.0
+    precision: jax.lax.Precision | None = None
+    """Matmul precision of the call (None: JAX's default); forward and backward both run under it."""
+
+    @classmethod
+    def of(cls, call) -> AttentionParams:
+        """The static part of a canonical attention call (``FlashAttentionCall`` and its relatives)."""
+        return cls(
+            softmax_scale=call.softmax_scale,
+            causal=call.causal,
+            sliding_window=call.sliding_window,
+            logits_soft_cap=call.logits_soft_cap,
+            dropout_prob=call.dropout_prob,
+            precision=call.precision,
+        )
+
+    def matmuls(self):
+        """Context running this call's matmuls at its precision."""
+        return contextlib.nullcontext() if self.precision is None else matmul_precision(self.precision)
 
 
 # ---- per-block math -------------------------------------------------------------------------------
@@ -509,18 +529,21 @@ def _flash_backward(blocks: BlockSizes, params: AttentionParams, res, d_out):
 
 
 def _flash_fwd(blocks, params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
-    out, lse = _flash_forward(blocks, params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
+    with params.matmuls():
+        out, lse = _flash_forward(blocks, params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
     return out, (q, k, v, bias, aux, mask, q_tok, kv_tok, seed, out, lse)
 
 
 def _flash_bwd(blocks, params, res, d_out):
-    dq, dk, dv, dbias, d_aux = _flash_backward(blocks, params, res, d_out)
+    with params.matmuls():
+        dq, dk, dv, dbias, d_aux = _flash_backward(blocks, params, res, d_out)
     # mask, tokens and seed are integers/booleans: no cotangent
     return dq, dk, dv, dbias, d_aux, None, None, None, None
 
 
 def _flash_primal(blocks, params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
-    return _flash_forward(blocks, params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)[0]
+    with params.matmuls():
+        return _flash_forward(blocks, params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)[0]
 
 
 _flash = jax.custom_vjp(_flash_primal, nondiff_argnums=(0, 1))
@@ -565,6 +588,14 @@ def dense_attention(
     probabilities before dropout``)``. Used by the dense operations (``scaled_dot_product_attention``,
     ``attention``), which trade memory for one fused XLA computation.
     """
+    with params.matmuls():  # plain autodiff: the transposed matmuls keep the precision their forward recorded
+        return _dense_attention(
+            query, key, value, params=params, bias=bias, softmax_aux=softmax_aux, attention_mask=attention_mask,
+            q_tokens=q_tokens, kv_tokens=kv_tokens, dropout_seed=dropout_seed,
+        )
+
+
+def _dense_attention(query, key, value, *, params, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, dropout_seed):
     batch, q_len, num_heads, _ = query.shape
     num_kv_heads = key.shape[2]
     s, _ = _logits(query, key, bias, params)

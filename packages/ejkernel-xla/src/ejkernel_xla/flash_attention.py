@@ -6,17 +6,17 @@ a bias or an explicit mask (which are S² by themselves, and whose blocks are re
 grows with S. With causal or a sliding window, block pairs that no rule lets meet are skipped
 (``lax.cond`` on position bounds). Every feature of ``docs/flash_attention.md`` is implemented; nothing is
 refused.
-
-Block sizes come from ``cfg.fwd_params.q_blocksize / kv_blocksize`` and ``cfg.bwd_params`` (None: 512,
-or 256 for head_dim > 128, capped at the sequence lengths).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.flash_attention import FlashAttentionCall
 from ejkernel_xla._blockwise import (
     AttentionParams,
     BlockSizes,
@@ -27,28 +27,20 @@ from ejkernel_xla._blockwise import (
 )
 
 
-def _block_sizes(cfg, q_len: int, kv_len: int, head_dim: int):
-    fwd = getattr(cfg, "fwd_params", None)
-    bwd = getattr(cfg, "bwd_params", None)
-    return default_block_sizes(
-        q_len,
-        kv_len,
-        head_dim,
-        q_block=getattr(fwd, "q_blocksize", None),
-        kv_block=getattr(fwd, "kv_blocksize", None),
-        bwd_q=getattr(bwd, "q_blocksize", None),
-        bwd_kv=getattr(bwd, "kv_blocksize", None),
-    )
+@dataclasses.dataclass(frozen=True)
+class XlaFlashConfig:
+    """Block sizes of the blockwise loops (None: 512, or 256 for head_dim > 128; capped at the lengths)."""
 
+    block_q: int | None = None
+    block_kv: int | None = None
+    bwd_block_q: int | None = None
+    bwd_block_kv: int | None = None
 
-def attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob) -> AttentionParams:
-    return AttentionParams(
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        sliding_window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        dropout_prob=float(dropout_prob),
-    )
+    def blocks(self, q_len: int, kv_len: int, head_dim: int) -> BlockSizes:
+        return default_block_sizes(
+            q_len, kv_len, head_dim, q_block=self.block_q, kv_block=self.block_kv, bwd_q=self.bwd_block_q,
+            bwd_kv=self.bwd_block_kv,
+        )
 
 
 # One compiled program per (shapes, static arguments): eager lax.scan would re-trace its body per call.
@@ -78,30 +70,33 @@ def _flash_jit(
     )
 
 
-def flash_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    *,
-    attention_mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    softmax_scale: float,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed=None,
-    cum_seqlens_q=None,
-    cum_seqlens_k=None,
-    softmax_aux=None,
-    cfg=None,
-):
-    """Canonical ``flash_attention`` (arguments already normalized by core); see the module docstring."""
-    params = attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob)
-    blocks = _block_sizes(cfg, query.shape[1], key.shape[1], query.shape[3])
-    return _flash_jit(
-        query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, cum_seqlens_q, cum_seqlens_k,
-        softmax_aux, None if params.dropout_prob == 0.0 else dropout_seed, params=params, blocks=blocks,
+class XlaFlashAttention(Implementation[FlashAttentionCall, XlaFlashConfig]):
+    config_type = XlaFlashConfig
+
+    def __call__(self, call: FlashAttentionCall, config: XlaFlashConfig) -> jax.Array:
+        q_len, kv_len, head_dim = call.query.shape[1], call.key.shape[1], call.query.shape[3]
+        return _flash_jit(
+            call.query, call.key, call.value, call.bias, call.attention_mask, call.q_segment_ids,
+            call.kv_segment_ids, call.cum_seqlens_q, call.cum_seqlens_k, call.softmax_aux, call.dropout_seed,
+            params=AttentionParams.of(call), blocks=config.blocks(q_len, kv_len, head_dim),
+        )
+
+
+IMPLEMENTATION = XlaFlashAttention()
+
+
+# TODO(#18): removed once attention / MLA / ring take canonical calls (they use AttentionParams.of, XlaFlashConfig).
+def _block_sizes(cfg, q_len: int, kv_len: int, head_dim: int):
+    fwd, bwd = getattr(cfg, "fwd_params", None), getattr(cfg, "bwd_params", None)
+    return default_block_sizes(
+        q_len, kv_len, head_dim, q_block=getattr(fwd, "q_blocksize", None), kv_block=getattr(fwd, "kv_blocksize", None),
+        bwd_q=getattr(bwd, "q_blocksize", None), bwd_kv=getattr(bwd, "kv_blocksize", None),
+    )
+
+
+def attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob) -> AttentionParams:
+    return AttentionParams(
+        softmax_scale=float(softmax_scale), causal=bool(causal),
+        sliding_window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), dropout_prob=float(dropout_prob),
     )

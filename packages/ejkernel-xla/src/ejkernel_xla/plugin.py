@@ -6,7 +6,7 @@ from ejkernel.plugins.declare import DeclaredBackend
 
 # algorithm -> "module:function" inside this package. Every operation runs on every machine here.
 IMPLEMENTATIONS: dict[str, str] = {
-    "flash_attention": "ejkernel_xla.flash_attention:flash_attention",
+    "flash_attention": "ejkernel_xla.flash_attention:IMPLEMENTATION",
     "scaled_dot_product_attention": "ejkernel_xla.scaled_dot_product_attention:scaled_dot_product_attention",
     "attention": "ejkernel_xla.attention:attention",
     "page_attention": "ejkernel_xla.page_attention:page_attention",

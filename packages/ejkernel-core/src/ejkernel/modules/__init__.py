@@ -15,7 +15,7 @@ _EXPORTS: dict[str, str] = {
     # operations: "public name": "module"
     "flash_attention": "ejkernel.modules.operations.flash_attention",
     "FlashAttention": "ejkernel.modules.operations.flash_attention",
-    "FlashAttentionConfig": "ejkernel.modules.operations.flash_attention",
+    "FlashAttentionCall": "ejkernel.modules.operations.flash_attention",
     "scaled_dot_product_attention": "ejkernel.modules.operations.scaled_dot_product_attention",
     "ScaledDotProductAttention": "ejkernel.modules.operations.scaled_dot_product_attention",
     "ScaledDotProductAttentionConfig": "ejkernel.modules.operations.scaled_dot_product_attention",

@@ -1,9 +1,10 @@
 """Base class of the public operations: a :class:`~ejkernel.ops.Kernel` whose implementations live in
 the kernel registry, one per platform, contributed by backend plugins.
 
-An operation subclass states its algorithm name and validates/normalizes arguments in ``validate``; this
-class resolves the platform (``_dispatch.resolve``) in ``prepare`` -- so the executor's cache key holds the
-chosen platform -- and forwards heuristics, the autotuning space and the call to that implementation.
+An operation subclass states its algorithm name and turns the public keywords into its frozen canonical
+call in ``validate`` (see ``_contract``); this class resolves the platform (``_dispatch.resolve``) in
+``prepare`` -- so the executor's cache key holds the chosen platform -- and forwards the heuristic config,
+the autotuning candidates and the call to that implementation (an :class:`Implementation`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, ClassVar
 
 from ejkernel.errors import KernelNotFoundError
 from ejkernel.kernels._registry import KernelSpec, current_backend, kernel_registry
+from ejkernel.modules.operations._contract import is_canonical_call
 from ejkernel.modules.operations._dispatch import Resolution, _optional_attribute, resolve
 from ejkernel.ops import Kernel
 
@@ -28,19 +30,25 @@ class RegistryOperation(Kernel):
         super().__init__(name=self.algorithm)
 
     # ---- to override -----------------------------------------------------------------------
-    def validate(self, *args, **kwargs) -> tuple[tuple, dict]:
-        """Check and normalize the arguments (ValueError naming the argument); return them."""
-        return args, kwargs
+    def validate(self, *args, **kwargs) -> Any:
+        """Check and normalize the arguments (ValueError naming the argument); return the canonical call."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement validate()")
+
+    def _validated(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        validated = self.validate(*args, **kwargs)
+        if is_canonical_call(validated):
+            return (validated,), {}
+        return validated  # TODO(#18): old-style (args, kwargs) while operations migrate
 
     # ---- executor hooks --------------------------------------------------------------------
     def prepare(self, *args, platform: Any = "auto", **kwargs) -> tuple[tuple, dict]:
-        args, kwargs = self.validate(*args, **kwargs)
+        args, kwargs = self._validated(args, kwargs)
         resolution = resolve(self.algorithm, platform, args, kwargs)
         return args, {**kwargs, "platform": resolution.platform, "provider": resolution.spec.plugin or ""}
 
     def explain(self, *args, platform: Any = "auto", **kwargs) -> Resolution:
         """Which implementation would run this call here, and why better-ranked ones were passed over."""
-        args, kwargs = self.validate(*args, **kwargs)
+        args, kwargs = self._validated(args, kwargs)
         return resolve(self.algorithm, platform, args, kwargs)
 
     def spec_for(self, platform: str, provider: str = "") -> KernelSpec:
@@ -56,21 +64,57 @@ class RegistryOperation(Kernel):
         return self.spec_for(kwargs["platform"], kwargs.get("provider", "")).implementation
 
     def heuristic_cfg(self, inv) -> Any:
-        hook = _optional_attribute(self._implementation(inv.kwargs), "heuristic_cfg")
+        implementation = self._implementation(inv.kwargs)
+        if _is_contract(inv.args):
+            return implementation.heuristic_config(inv.args[0])
+        hook = _optional_attribute(implementation, "heuristic_cfg")
         if hook is not None:
             return hook(inv)
         return self.config_type() if self.config_type is not None else None
 
     def config_space(self, inv) -> list:
-        hook = _optional_attribute(self._implementation(inv.kwargs), "config_space")
+        implementation = self._implementation(inv.kwargs)
+        if _is_contract(inv.args):
+            return list(implementation.candidate_configs(inv.args[0]))
+        hook = _optional_attribute(implementation, "config_space")
         return list(hook(inv)) if hook is not None else []
 
     def run(self, *args, cfg: Any = None, platform: str, provider: str = "", **kwargs) -> Any:
-        return self.spec_for(platform, provider).implementation(*args, cfg=cfg, **kwargs)
+        implementation = self.spec_for(platform, provider).implementation
+        if _is_contract(args):
+            config_type = implementation.config_type
+            if not isinstance(cfg, config_type):
+                raise TypeError(
+                    f"{self.algorithm}: cfg must be a {config_type.__module__}.{config_type.__qualname__} for "
+                    f"platform={platform!r}, got {cfg!r}"
+                )
+            return implementation(args[0], cfg)
+        return implementation(*args, cfg=cfg, **kwargs)
 
 
-def execute(operation: RegistryOperation, *args, **kwargs) -> Any:
-    """Run ``operation`` through the process-wide default executor (what public functions call)."""
+def _is_contract(args: tuple) -> bool:
+    return len(args) == 1 and is_canonical_call(args[0])
+
+
+def execute(operation: RegistryOperation, *args, platform: Any = "auto", cfg: Any = None, **kwargs) -> Any:
+    """Run ``operation`` through the process-wide default executor (what public functions call).
+
+    A ``cfg`` is one implementation's config type: with ``platform="auto"`` it picks that implementation.
+    """
     from ejkernel.ops import get_default_executor
 
-    return get_default_executor()(operation, *args, **kwargs)
+    if cfg is not None and (platform is None or platform == "auto"):
+        platform = platform_of_config(operation.algorithm, cfg)
+    return get_default_executor()(operation, *args, platform=platform, cfg=cfg, **kwargs)
+
+
+def platform_of_config(algorithm: str, cfg: Any) -> str:
+    """The platform of the implementation of ``algorithm`` whose config type ``cfg`` is."""
+    for spec in kernel_registry.list_implementations(algorithm):
+        try:
+            config_type = _optional_attribute(spec.implementation, "config_type")
+        except Exception:  # noqa: BLE001 -- a plugin that fails to import is reported at dispatch
+            continue
+        if config_type is not None and type(cfg) is config_type:
+            return spec.platform.value
+    return "auto"  # TODO(#18): old-style shared configs carry their own platform field

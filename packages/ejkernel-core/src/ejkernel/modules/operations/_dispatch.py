@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ejkernel.errors import KernelNotFoundError, UnsupportedFeature
+from ejkernel.modules.operations._contract import is_canonical_call
 from ejkernel.kernels._registry import (
     Backend,
     KernelSpec,
@@ -64,9 +65,12 @@ def _unusable_reason(spec: KernelSpec) -> str | None:
 
 
 def _unsupported_reason(spec: KernelSpec, args: tuple, kwargs: dict) -> str | None:
-    check = _optional_attribute(spec.implementation, "check_supported")
-    if check is None:
-        return None
+    if len(args) == 1 and is_canonical_call(args[0]):
+        check, args = spec.implementation.supports, args
+    else:  # TODO(#18): old-style implementations while operations migrate
+        check = _optional_attribute(spec.implementation, "check_supported")
+        if check is None:
+            return None
     try:
         check(*args, **kwargs)
     except UnsupportedFeature as exc:

@@ -33,7 +33,7 @@ from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._validation import check_array, check_positive_int, describe, typechecked
-from ejkernel.modules.operations.flash_attention import (
+from ejkernel.modules.operations._validation import (
     check_qkv,
     check_softmax_aux,
     normalize_segment_ids,

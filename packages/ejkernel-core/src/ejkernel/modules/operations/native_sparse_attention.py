@@ -58,7 +58,7 @@ from ejkernel.modules.operations._validation import (
     is_array,
     typechecked,
 )
-from ejkernel.modules.operations.flash_attention import check_qkv
+from ejkernel.modules.operations._validation import check_qkv
 from ejkernel.modules.operations.page_attention import resolve_scale
 
 

@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._validation import describe, typechecked
-from ejkernel.modules.operations.flash_attention import (
+from ejkernel.modules.operations._validation import (
     check_bool,
     check_qkv,
     check_softmax_aux,

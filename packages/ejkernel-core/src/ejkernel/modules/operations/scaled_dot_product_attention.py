@@ -25,7 +25,7 @@ from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations.flash_attention import (
+from ejkernel.modules.operations._validation import (
     check_bias,
     check_bool,
     check_qkv,

@@ -294,6 +294,10 @@ def _describe(value: Any, include_sharding: bool = False) -> str:
         return open_ + ",".join(_describe(v, include_sharding) for v in value) + close
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return "{" + ",".join(f"{k}={_describe(value[k], include_sharding)}" for k in sorted(value)) + "}"
+    if getattr(kind, "__ejkernel_call__", False):  # an operation's canonical call: every field by name
+        return f"{kind.__qualname__}(" + ",".join(
+            f"{name}={_describe(getattr(value, name), include_sharding)}" for name in kind.__dataclass_fields__
+        ) + ")"
     leaves = _pytree_leaves(value)
     if leaves is not None:  # a registered pytree node (e.g. a dataclass of arrays)
         return f"{kind.__qualname__}(" + ",".join(_describe(v, include_sharding) for v in leaves) + ")"
