@@ -6,8 +6,8 @@ A backend's test module subclasses :class:`FlashAttentionConformance` and names 
 
     class TestMyFlashAttention(FlashAttentionConformance):
         platform = "triton"          # any registered platform name; third-party plugins too
-        cfg = None                   # optional FlashAttentionConfig used for every call (small blocks
-                                     # make short sequences span several blocks)
+        cfg = None                   # optional config of that implementation, used for every call
+                                     # (small blocks make short sequences span several blocks)
 
 Every test compares the forward output and the gradients of query, key, value (and bias / sinks when
 given) with :func:`reference_flash_attention` run in float64 on the exact (rounded) inputs, by relative
@@ -15,7 +15,7 @@ L2 error with the dtype's tolerance (``ejkernel.testing.numerics``). Inputs are 
 query/key/value/cotangent each from its own key. Nothing here is specific to a device: shapes are small
 enough for CPU and valid everywhere.
 
-Class attributes a backend may set: ``platform``, ``cfg``, ``tolerances`` (e.g. TF32 on GPU),
+Class attributes a backend may set: ``platform``, ``cfg``, ``tolerances``,
 ``allow_unsupported`` (report calls the backend refuses with ``UnsupportedFeature`` as skips naming the
 reason, instead of failures; for partial backends), ``supports_gradients`` (False: forward-only backend,
 gradients must raise rather than be wrong), ``compiler_options`` (for every compiled check; interpret-mode
