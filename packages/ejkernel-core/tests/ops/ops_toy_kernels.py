@@ -87,23 +87,20 @@ class SpecVjpKernel(Kernel[ToyConfig, jax.Array]):
         return (ToyConfig(block=4), ToyConfig(block=4, wrong=True))
 
 
-class ResidualVjpKernel(Kernel[ToyConfig, tuple]):
-    """``(sin(x) * w, x + w)`` with the forward-with-residuals form; a tuple output."""
+class TupleVjpKernel(Kernel[ToyConfig, tuple]):
+    """``(sin(x) * w, x + w)``: a tuple output, whose ``custom_vjp`` gets one cotangent per output."""
 
     def __init__(self):
-        super().__init__("toy_residual_vjp")
+        super().__init__("toy_tuple_vjp")
         self.backward_calls = 0
 
     def run(self, x, w, *, cfg):
         return jnp.sin(x) * w, x + w
 
-    def fwd_with_residuals(self, x, w, *, cfg):
-        return self.run(x, w, cfg=cfg), (x, w)
-
-    def vjp(self, residuals, cotangent, *, cfg):
+    def custom_vjp(self, primals, cfg, kwargs, cotangents):
         self.backward_calls += 1
-        x, w = residuals
-        ct_a, ct_b = cotangent
+        x, w = primals
+        ct_a, ct_b = cotangents
         return ct_a * jnp.cos(x) * w + ct_b, ct_a * jnp.sin(x) + ct_b
 
     def heuristic_cfg(self, inv):

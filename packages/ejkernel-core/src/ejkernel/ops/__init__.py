@@ -10,16 +10,23 @@ from __future__ import annotations
 
 from ejkernel.ops.config.cache import ConfigCache, overlay_cache
 from ejkernel.ops.config.persistent import CacheWarning, PersistentCache, default_cache_dir
-from ejkernel.ops.config.selection import AutotunePolicy, ConfigSelectorChain, Selection, policy_override
-from ejkernel.ops.core.kernel import Invocation, Kernel
+from ejkernel.ops.config.policy import AutotunePolicy, policy_override
+from ejkernel.ops.config.selection import ConfigSelectorChain, Selection
+from ejkernel.ops.core.invocation import Invocation, default_key_builder_with_sharding
+from ejkernel.ops.core.kernel import Kernel
 from ejkernel.ops.core.types import Cfg, Out
 from ejkernel.ops.execution.batch import pmap_with_config, vmap_with_config
-from ejkernel.ops.execution.executor import ConfigChooser, Executor, get_default_executor, set_default_executor
+from ejkernel.ops.execution.executor import (
+    ConfigChooser,
+    Executor,
+    autotune_recorded,
+    get_default_executor,
+    set_default_executor,
+)
 from ejkernel.ops.execution.tuning import Autotuner, CandidateResult, Tuner, TuneResult, autotune, benchmark
-from ejkernel.ops.registry import autotune_recorded, clear_invocations, get_invocations, record_invocation
+from ejkernel.ops.recording import clear_invocations, get_invocations, record_invocation
 from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
 from ejkernel.ops.utils.fingerprint import (
-    default_key_builder_with_sharding,
     device_fingerprint,
     device_kind,
     device_model,

@@ -9,16 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ejkernel.ops.core.invocation import require_kernel
 from ejkernel.ops.core.kernel import Kernel
+from ejkernel.ops.execution.executor import get_default_executor
 
 __all__ = ["pmap_with_config", "vmap_with_config"]
 
 
 def _runner(kernel: Kernel, executor: Any, kwargs: dict) -> Callable:
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"expected a Kernel, got {type(kernel).__name__}")
-    from ejkernel.ops.execution.executor import get_default_executor
-
+    require_kernel(kernel, "vmap_with_config/pmap_with_config")
     run = executor if executor is not None else get_default_executor()
     cfg = kwargs.pop("cfg", None)
 

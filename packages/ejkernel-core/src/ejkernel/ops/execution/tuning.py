@@ -8,8 +8,8 @@ work happens at trace time, in an eager context, and the traced program only rec
 
 Validation: the heuristic config is the reference. A candidate that fails to compile or run (including
 out of memory) is skipped with its reason logged; a candidate whose outputs -- and, for kernels with a
-custom VJP, whose gradients -- differ from the reference's beyond the dtype's tolerance is rejected,
-however fast. Kernels with a custom VJP are timed forward + backward, so the config also suits the
+``custom_vjp``, whose gradients -- differ from the reference's beyond the dtype's tolerance is rejected,
+however fast. Kernels with a ``custom_vjp`` are timed forward + backward, so the config also suits the
 backward pass. Tolerance: max |candidate - reference| / max |reference| per output, at most
 ``kernel.autotune_rtol`` if the kernel sets it, else 1e-6 (f64), 2e-3 (f32), 1e-2 (f16), 4e-2 (bf16),
 0.25 (fp8).
@@ -26,13 +26,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ejkernel.ops.core.kernel import Invocation, Kernel, is_array_like, is_inexact
+from ejkernel.errors import EjkernelRuntimeError
+from ejkernel.ops.config.policy import AutotunePolicy
+from ejkernel.ops.core.invocation import Invocation, is_array_like, is_inexact, require_kernel
+from ejkernel.ops.execution.runner import ArrayLeaves, has_custom_vjp, run_with_config
 from ejkernel.ops.utils.env import env_flag
-
-if TYPE_CHECKING:
-    from ejkernel.ops.config.selection import AutotunePolicy
 
 __all__ = ["LOG_ENV", "Autotuner", "CandidateResult", "TuneResult", "Tuner", "autotune", "benchmark", "tuning_inputs"]
 
@@ -170,13 +170,11 @@ def tuning_inputs(inv: Invocation, seed: int = 0) -> tuple[tuple, dict]:
         keep = _concrete(value) and not is_inexact(dtype)
         return value if keep else _random_array(rng, tuple(value.shape), dtype)
 
-    static = set(inv.kernel.static_argnames)
-    args = jax.tree_util.tree_map(leaf, inv.args)
-    kwargs = {k: (v if k in static else jax.tree_util.tree_map(leaf, v)) for k, v in inv.kwargs.items()}
+    args, kwargs = jax.tree_util.tree_map(leaf, (inv.args, inv.kwargs))
     return tuple(args), kwargs
 
 
-def _tolerance(kernel: Kernel, dtype: Any) -> float:
+def _tolerance(kernel: Any, dtype: Any) -> float:
     override = getattr(kernel, "autotune_rtol", None)
     if override is not None:
         return float(override)
@@ -188,7 +186,7 @@ def _tolerance(kernel: Kernel, dtype: Any) -> float:
     return _TOLERANCE.get(name, 2e-3)
 
 
-def _mismatch(kernel: Kernel, got: Any, want: Any, what: str) -> str | None:
+def _mismatch(kernel: Any, got: Any, want: Any, what: str) -> str | None:
     """Why ``got`` differs from ``want`` beyond tolerance, or None when they agree."""
     import jax
     import numpy as np
@@ -276,8 +274,6 @@ class Tuner:
         """Time ``candidates`` (plus the heuristic config, the reference) and pick the fastest valid one."""
         import jax
 
-        from ejkernel.ops.config.selection import AutotunePolicy
-
         policy = policy or AutotunePolicy()
         kernel = inv.kernel
         if heuristic is _UNSET:
@@ -307,13 +303,11 @@ class Tuner:
         return TuneResult(best.cfg if best else None, best.time_ms if best else None, tuple(results))
 
     def _run_all(self, inv: Invocation, configs: list, policy: AutotunePolicy) -> list[CandidateResult]:
-        from ejkernel.ops.execution.dispatch import CallSplit
-
         kernel = inv.kernel
         args, kwargs = tuning_inputs(inv, self.seed)
-        split = CallSplit(kernel, args, kwargs)
-        dynamic = split.dynamic
-        with_grad = kernel.has_custom_vjp
+        split = ArrayLeaves(args, kwargs)
+        dynamic = split.arrays
+        with_grad = has_custom_vjp(kernel)
         cotangent = self._cotangent(kernel, split, dynamic, configs[0]) if with_grad else None
         progress = _Progress(sys.stderr.isatty() if self.progress is None else self.progress, kernel.name, len(configs))
         start = time.perf_counter()
@@ -343,7 +337,7 @@ class Tuner:
             progress.close()
         return results
 
-    def _cotangent(self, kernel: Kernel, split, dynamic: list, cfg: Any) -> Any:
+    def _cotangent(self, kernel: Any, split: ArrayLeaves, dynamic: list, cfg: Any) -> Any:
         import jax
         import numpy as np
 
@@ -386,7 +380,7 @@ class Tuner:
         return CandidateResult(cfg, "ok", time_ms), output
 
     @staticmethod
-    def _report(kernel: Kernel, result: CandidateResult) -> None:
+    def _report(kernel: Any, result: CandidateResult) -> None:
         if result.status == "ok":
             _log(logging.INFO, "%s: %r: %.4f ms", kernel.name, result.cfg, result.time_ms)
         else:
@@ -397,12 +391,10 @@ Autotuner = Tuner
 """The spec's module listing names the tuner ``Autotuner``."""
 
 
-def _forward(kernel: Kernel, split, cfg: Any) -> Callable:
-    from ejkernel.ops.execution.dispatch import run_kernel
-
+def _forward(kernel: Any, split: ArrayLeaves, cfg: Any) -> Callable:
     def forward(dynamic):
         args, kwargs = split.rebuild(dynamic)
-        return run_kernel(kernel, args, kwargs, cfg)
+        return run_with_config(kernel, args, kwargs, cfg)
 
     return forward
 
@@ -413,7 +405,7 @@ def _short(exc: BaseException, limit: int = 300) -> str:
 
 
 def autotune(
-    kernel: Kernel,
+    kernel: Any,
     *args: Any,
     configs: Iterable[Any] | None = None,
     num_warmup: int = 3,
@@ -426,12 +418,9 @@ def autotune(
     The heuristic config is always measured too and is the reference for validation. Nothing is cached:
     store the result yourself (``ConfigCache.put``) or use :func:`ejkernel.ops.autotune_recorded`.
     """
-    from ejkernel.errors import EjkernelRuntimeError
-    from ejkernel.ops.config.selection import AutotunePolicy
-
-    if not isinstance(kernel, Kernel):
-        raise TypeError(f"autotune expects a Kernel as first argument, got {type(kernel).__name__}")
-    args, kwargs = kernel.prepare(*args, **kwargs)
+    require_kernel(kernel, "autotune")
+    if getattr(kernel, "prepare", None) is not None:
+        args, kwargs = kernel.prepare(*args, **kwargs)
     inv = Invocation(kernel, tuple(args), kwargs)
     candidates = list(configs) if configs is not None else list(kernel.config_space(inv))
     policy = AutotunePolicy(max_candidates=len(candidates) + 1, time_budget_s=float("inf"), validate=validate)

@@ -12,7 +12,6 @@ import hashlib
 from typing import Any
 
 __all__ = [
-    "default_key_builder_with_sharding",
     "device_fingerprint",
     "device_kind",
     "device_model",
@@ -128,9 +127,3 @@ def _abstract_types() -> tuple[type, ...]:
 
     return (jax.core.Tracer, jax.ShapeDtypeStruct)
 
-
-def default_key_builder_with_sharding(kernel: Any, args: tuple, kwargs: dict | None = None) -> str:
-    """The cache key of ``kernel(*args, **kwargs)`` including the sharding of every array argument."""
-    from ejkernel.ops.core.kernel import Invocation
-
-    return Invocation(kernel, tuple(args), dict(kwargs or {}), include_sharding=True).cache_key
