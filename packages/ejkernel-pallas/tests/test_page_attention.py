@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import pytest
 from pallas_test_helpers import abstract_device
 
-from ejkernel.testing.page_attention import PageAttentionConformance
+from ejkernel.modules import PageAttentionCall
 from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
+from ejkernel.testing.page_attention import PageAttentionConformance
 from ejkernel_pallas.page_attention import page_attention
 
 
@@ -27,9 +28,14 @@ def test_lowers_for_tpu():
     cache = jax.ShapeDtypeStruct((64, 4, 16, 128), jnp.bfloat16)
     lens = jax.ShapeDtypeStruct((8,), jnp.int32)
     tables = jax.ShapeDtypeStruct((8, 8), jnp.int32)
-    fn = lambda q, k, v, lens, tables: page_attention(  # noqa: E731
-        q, k, v, lens, tables, attn_scale=0.1, max_context_len=128, attn_logits_soft_cap=30.0, interpret=False
-    )
+
+    def fn(q, k, v, lens, tables):
+        call = PageAttentionCall(
+            query=q, key_cache=k, value_cache=v, context_lens=lens, block_tables=tables, attn_scale=0.1,
+            max_context_len=128, attn_logits_soft_cap=30.0,
+        )
+        return page_attention(call, interpret=False)
+
     with abstract_device("TPU v5 lite", "tpu"):
         text = jax.jit(fn).trace(query, cache, cache, lens, tables).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1

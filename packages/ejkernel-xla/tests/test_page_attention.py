@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
-from ejkernel.modules.operations.page_attention import PageAttentionConfig
-from ejkernel.testing.numerics import assert_close
-from ejkernel.testing.page_attention import SHAPES, PageAttentionConformance, reference_page_attention, run_jitted
+from ejkernel.modules import page_attention
+from ejkernel.testing.numerics import assert_close, matmul_precisions, run_jitted
+from ejkernel.testing.page_attention import SHAPES, PageAttentionConformance, reference_page_attention
+from ejkernel_xla.page_attention import XlaPageAttentionConfig
 
 
 class TestXlaPageAttention(PageAttentionConformance):
     platform = "xla"
 
-    def test_every_pages_per_compute_block_agrees(self):
-        inputs = self.make_inputs(11, SHAPES["gqa4_odd"], "float32")
-        expected = run_jitted(reference_page_attention, **inputs)
-        for pages in (3,):
-            out = jax.jit(lambda **kw: self.call(**kw, cfg=PageAttentionConfig(pages_per_compute_block=pages)))(
-                **inputs
-            )  # noqa: B023
-            assert_close(out, expected, dtype=jnp.float32, name=f"pages_per_compute_block={pages}")
+
+def test_every_block_pages_agrees():
+    """Pages per scan step (one step, several, a partial last one) do not change the result."""
+    inputs = PageAttentionConformance().make_inputs(11, SHAPES["long"], "float32")
+    expected = run_jitted(reference_page_attention, **inputs)
+    for pages in (1, 5, 64):
+        out = jax.jit(lambda **kw: page_attention(**kw, cfg=XlaPageAttentionConfig(block_pages=pages)))(**inputs)  # noqa: B023
+        assert_close(out, expected, dtype=jnp.float32, name=f"block_pages={pages}")
+
+
+@pytest.mark.parametrize("precision", [None, "default", "highest"])
+def test_matmuls_run_at_the_call_precision(precision):
+    """float32 inputs: HIGHEST unless asked otherwise, in the forward and in the gradient's matmuls."""
+    inputs = PageAttentionConformance().make_inputs(12, SHAPES["mha"], "float32")
+    expected = jax.lax.Precision.HIGHEST if precision in (None, "highest") else jax.lax.Precision.DEFAULT
+
+    def loss(query):
+        return page_attention(**{**inputs, "query": query}, precision=precision, platform="xla").sum()
+
+    found = matmul_precisions(jax.grad(loss), inputs["query"])
+    assert found and all(p == expected for p in found), found

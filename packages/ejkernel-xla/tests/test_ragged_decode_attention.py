@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from ejkernel.testing.numerics import assert_close
-from ejkernel.testing.page_attention import run_jitted
+from ejkernel.testing.numerics import run_jitted
 from ejkernel.testing.ragged_decode_attention import (
     CASES,
     RaggedDecodeAttentionConformance,

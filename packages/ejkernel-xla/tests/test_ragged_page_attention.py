@@ -6,7 +6,7 @@ import jax
 
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
 from ejkernel.testing.numerics import assert_close
-from ejkernel.testing.page_attention import run_jitted
+from ejkernel.testing.numerics import run_jitted
 from ejkernel.testing.ragged_page_attention import (
     CASES,
     RaggedPageAttentionConformance,

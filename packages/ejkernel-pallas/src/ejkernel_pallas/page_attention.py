@@ -6,6 +6,10 @@ sequence's last used page re-point at that last page (the same block index, so n
 their step is skipped; block-table entries there may hold anything. All query heads of a GQA group are
 one (group, head_dim) tile, so each page is read once per kv head. Forward only (an inference op).
 
+``IMPLEMENTATION`` (registered by ``plugin.py``) takes the validated ``PageAttentionCall``; the kernel has
+nothing to tune (``NoConfig``). Precision: float32 calls pass ``call.precision`` to both dots (Mosaic lowers
+it to the MXU's contract precision), so none is refused; 16-bit operands multiply exactly into float32.
+
 TPU tiling: the query tile is (group, head_dim) and the page tile (page_size, head_dim): both span whole
 array dims, so any sizes lower; page_size a multiple of 8 (16 for bf16) and head_dim a multiple of 128
 avoid padded vregs.
@@ -22,6 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation, NoConfig
+from ejkernel.modules.operations.page_attention import PageAttentionCall
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_tiling import check_block
@@ -34,6 +40,7 @@ class _Static:
     page_size: int
     num_pages: int  # grid extent over logical pages
     interpret: object
+    precision: jax.lax.Precision | None = None  # of the float32 dots (see the module docstring)
 
 
 def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, m_ref, l_ref, acc_ref, *, st: _Static):
@@ -50,7 +57,9 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, m_ref, l_ref,
     def _step():
         q = q_ref[...]
         k = k_ref[...]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * st.scale
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=st.precision, preferred_element_type=jnp.float32
+        ) * st.scale
         if st.soft_cap is not None:
             s = st.soft_cap * jnp.tanh(s / st.soft_cap)
         cols = page * st.page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -63,7 +72,7 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, m_ref, l_ref,
         m_ref[...] = m_new
         v = v_ref[...]
         acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=st.precision, preferred_element_type=jnp.float32
         )
 
     @pl.when(page == pl.num_programs(2) - 1)
@@ -127,28 +136,36 @@ def _attend_bwd(st, residuals, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def page_attention(call: PageAttentionCall, *, interpret=False) -> jax.Array:
+    """The TPU kernel on a validated call. ``interpret``: False (compile with Mosaic), True (Pallas' generic
+    interpreter) or a ``pltpu.InterpretParams``."""
+    page_size = call.key_cache.shape[2]
+    max_blocks = call.block_tables.shape[1]
+    num_pages = max(1, min(max_blocks, -(-call.max_context_len // page_size)))
+    st = _Static(
+        scale=call.attn_scale,
+        soft_cap=call.attn_logits_soft_cap,
+        page_size=page_size,
+        num_pages=num_pages,
+        interpret=interpret,
+        precision=call.precision if call.query.dtype == jnp.float32 else None,
+    )
+    lengths = jnp.minimum(call.context_lens, call.max_context_len)
+    return _attend(st, call.query, call.key_cache, call.value_cache, lengths, call.block_tables)
 
 
-def check_supported(query, key_cache, value_cache, context_lens, block_tables, **_):
-    if jax.default_backend() not in ("tpu", "cpu"):
-        raise UnsupportedFeature("pallas page_attention is a TPU kernel; on GPUs use platform='xla'")
-    tpu_interpret_or_refuse()
-    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise UnsupportedFeature(f"pallas page_attention: dtype {query.dtype} is not supported")
+class PallasPageAttention(Implementation[PageAttentionCall, NoConfig]):
+    """The Mosaic TPU kernel (see the module docstring); on CPU in interpret mode only."""
+
+    config_type = NoConfig
+
+    def supports(self, call: PageAttentionCall) -> None:
+        if jax.default_backend() not in ("tpu", "cpu"):
+            raise UnsupportedFeature("pallas page_attention is a TPU kernel; on GPUs use platform='xla'")
+        tpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
+
+    def __call__(self, call: PageAttentionCall, config: NoConfig) -> jax.Array:
+        return page_attention(call, interpret=tpu_interpret_or_refuse())
 
 
-def page_attention(query, key_cache, value_cache, context_lens, block_tables, *, attn_scale: float,
-                   max_context_len: int, attn_logits_soft_cap=None, cfg=None, interpret=None):
-    """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
-    if interpret is None:
-        interpret = tpu_interpret_or_refuse()
-    page_size = key_cache.shape[2]
-    max_blocks = block_tables.shape[1]
-    num_pages = max(1, min(max_blocks, -(-int(max_context_len) // page_size)))
-    lengths = jnp.minimum(context_lens.astype(jnp.int32), int(max_context_len))
-    st = _Static(scale=float(attn_scale), soft_cap=None if attn_logits_soft_cap is None else float(attn_logits_soft_cap),
-                 page_size=page_size, num_pages=num_pages, interpret=interpret)
-    return _attend(st, query, key_cache, value_cache, lengths, block_tables.astype(jnp.int32))
-
-
-page_attention.check_supported = check_supported
+IMPLEMENTATION = PallasPageAttention()

@@ -11,13 +11,16 @@ pass stores one small carry per step rather than every gathered block.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations.page_attention import PageAttentionConfig
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.modules.operations.page_attention import PageAttentionCall
 
 TOKENS_PER_STEP = 512
 """Default number of cached tokens folded in per scan step (a few pages: big enough to amortize the
@@ -103,47 +106,52 @@ def padded_tables(block_tables: jax.Array, num_pages: int, width: int) -> jax.Ar
     return jnp.clip(block_tables[:, :width], 0, num_pages - 1)
 
 
-def page_attention(
-    query,
-    key_cache,
-    value_cache,
-    context_lens,
-    block_tables,
-    *,
-    attn_scale: float,
-    max_context_len: int,
-    attn_logits_soft_cap: float | None,
-    cfg: PageAttentionConfig | None = None,
-):
-    num_seqs, num_heads, head_dim = query.shape
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    pages_needed = max(1, math.ceil(max_context_len / block_size))
-    step_pages = pages_per_step(block_size, pages_needed, cfg.pages_per_compute_block if cfg else None)
-    num_steps = math.ceil(pages_needed / step_pages)
-    tables = padded_tables(block_tables, num_blocks, num_steps * step_pages)
-    lengths = jnp.minimum(context_lens, max_context_len)
-    step_tokens = step_pages * block_size
+@dataclasses.dataclass(frozen=True)
+class XlaPageAttentionConfig:
+    """Pages gathered per scan step (None: about ``TOKENS_PER_STEP`` tokens); the result does not depend on it."""
 
-    def load_block(i):
-        pages = jax.lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)
+    block_pages: int | None = None
 
-        def gather(cache):  # [S, P, Hkv, bs, D] -> [S, P * bs, Hkv, D]
-            block = cache[pages].swapaxes(2, 3)
-            return block.reshape(num_seqs, step_tokens, num_kv_heads, block.shape[-1])
 
-        return gather(key_cache), gather(value_cache)
+class XlaPageAttention(Implementation[PageAttentionCall, XlaPageAttentionConfig]):
+    config_type = XlaPageAttentionConfig
 
-    def visible_block(i):
-        positions = i * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
-        return positions[None, :] < lengths[:, None]
+    def __call__(self, call: PageAttentionCall, config: XlaPageAttentionConfig) -> jax.Array:
+        query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
+        num_seqs, num_heads, head_dim = query.shape
+        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+        pages_needed = max(1, math.ceil(call.max_context_len / block_size))
+        step_pages = pages_per_step(block_size, pages_needed, config.block_pages)
+        num_steps = math.ceil(pages_needed / step_pages)
+        tables = padded_tables(call.block_tables, num_blocks, num_steps * step_pages)
+        lengths = jnp.minimum(call.context_lens, call.max_context_len)
+        step_tokens = step_pages * block_size
 
-    grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = attend_over_blocks(
-        grouped,
-        num_steps,
-        load_block,
-        visible_block,
-        softmax_scale=attn_scale,
-        logits_soft_cap=attn_logits_soft_cap,
-    )
-    return out.reshape(num_seqs, num_heads, -1).astype(query.dtype)
+        def load_block(i):
+            pages = jax.lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)
+
+            def gather(cache):  # [S, P, Hkv, bs, D] -> [S, P * bs, Hkv, D]
+                block = cache[pages].swapaxes(2, 3)
+                return block.reshape(num_seqs, step_tokens, num_kv_heads, block.shape[-1])
+
+            return gather(key_cache), gather(value_cache)
+
+        def visible_block(i):
+            positions = i * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
+            return positions[None, :] < lengths[:, None]
+
+        grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        # plain autodiff: the transposed matmuls keep the precision their forward recorded
+        with matmul_precision(call.precision):
+            out = attend_over_blocks(
+                grouped,
+                num_steps,
+                load_block,
+                visible_block,
+                softmax_scale=call.attn_scale,
+                logits_soft_cap=call.attn_logits_soft_cap,
+            )
+        return out.reshape(num_seqs, num_heads, -1).astype(query.dtype)
+
+
+IMPLEMENTATION = XlaPageAttention()

@@ -9,7 +9,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_xla.flash_attention:IMPLEMENTATION",
     "scaled_dot_product_attention": "ejkernel_xla.scaled_dot_product_attention:scaled_dot_product_attention",
     "attention": "ejkernel_xla.attention:attention",
-    "page_attention": "ejkernel_xla.page_attention:page_attention",
+    "page_attention": "ejkernel_xla.page_attention:IMPLEMENTATION",
     "ragged_page_attention": "ejkernel_xla.ragged_page_attention:ragged_page_attention",
     "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:ragged_decode_attention",
     "multi_head_latent_attention": "ejkernel_xla.multi_head_latent_attention:multi_head_latent_attention",

@@ -24,7 +24,7 @@ _EXPORTS: dict[str, str] = {
     "AttentionConfig": "ejkernel.modules.operations.attention",
     "page_attention": "ejkernel.modules.operations.page_attention",
     "PageAttention": "ejkernel.modules.operations.page_attention",
-    "PageAttentionConfig": "ejkernel.modules.operations.page_attention",
+    "PageAttentionCall": "ejkernel.modules.operations.page_attention",
     "ragged_page_attention": "ejkernel.modules.operations.ragged_page_attention",
     "RaggedPageAttention": "ejkernel.modules.operations.ragged_page_attention",
     "RaggedPageAttentionConfig": "ejkernel.modules.operations.ragged_page_attention",

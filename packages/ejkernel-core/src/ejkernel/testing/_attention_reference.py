@@ -246,3 +246,26 @@ def reference_flash_attention_numpy(
     grads["key"] = dk_rep.reshape(batch, kv_len, num_kv_heads, group, head_dim).sum(3)
     grads["value"] = dv_rep.reshape(batch, kv_len, num_kv_heads, group, -1).sum(3)
     return out, weights, grads
+
+
+# ---- pieces of the other operations' references (paged, ragged, MLA, sparse) ------------------------
+
+
+def masked_softmax_attention(logits, visible, values, sinks=None):
+    """Dense softmax over ``visible`` keys (``logits`` ``[..., H, Q, K]``, ``values`` ``[..., H, K, Dv]``);
+    rows without a visible key give zeros; ``sinks`` ``[H, n]`` join the denominator only."""
+    masked = jnp.where(visible, logits, -jnp.inf)
+    row_max = masked.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        row_max = jnp.maximum(row_max, sinks.max(axis=-1)[:, None, None])
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(visible, jnp.exp(masked - row_max), 0.0)
+    denominator = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator = denominator + jnp.exp(sinks[:, None, :] - row_max).sum(axis=-1, keepdims=True)
+    probs = weights / jnp.where(denominator == 0, 1.0, denominator)
+    return probs @ values
+
+
+def soft_cap(logits, cap):
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -1,4 +1,5 @@
-"""Numerics shared by every conformance suite: fresh random inputs and dtype-aware comparisons.
+"""Numerics shared by every conformance suite: fresh random inputs, dtype-aware comparisons, the
+forward + VJP check against a float64 reference, and the bad-input checks of the suites.
 
 How results are compared
 ------------------------
@@ -29,8 +30,9 @@ error divided by the error of a trusted baseline at the same dtype (both against
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,8 @@ TF32_TOLERANCE = Tolerance(forward=4e-3, gradient=8e-3)
 """For GPU backends that run float32 matmuls in TF32 (10-bit mantissa); opt-in, never the default."""
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+DTYPES = ("float32", "bfloat16", "float16")
+"""The same, by name (for ``pytest.mark.parametrize``)."""
 
 INTERPRET_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
 """``compiler_options`` for a suite whose kernels run in an interpreter on CPU (Pallas / Triton interpret
@@ -230,3 +234,131 @@ def jax_float64(tree: Any) -> Any:
         to_float64(tree),
         is_leaf=lambda x: x is None,
     )
+
+
+# ---- forward + VJP against a float64 reference -----------------------------------------------------
+
+
+def forward_and_vjp(
+    fn: Callable[..., jax.Array],
+    inputs: Mapping[str, Any],
+    wrt: Sequence[str],
+    cotangent_seed: int,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """``fn(**inputs)``, its VJP w.r.t. the inputs named in ``wrt`` with a fresh random cotangent, and
+    that cotangent. ``compiler_options`` go to ``jax.jit`` (a suite's ``compiler_options`` attribute)."""
+
+    # non-differentiated inputs are closed over: they stay concrete, so value checks still run
+    fixed = {k: v for k, v in inputs.items() if k not in wrt}
+
+    # one compilation per check instead of one per primitive
+    @functools.partial(jax.jit, compiler_options=dict(compiler_options) if compiler_options else None)
+    def forward_backward(diff, cotangent):
+        out, vjp = jax.vjp(lambda *d: fn(**fixed, **dict(zip(wrt, d, strict=True))), *diff)
+        return out, (vjp(cotangent) if wrt else ())
+
+    shape = jax.eval_shape(lambda: fn(**inputs))
+    cotangent = normal_array(cotangent_seed, shape.shape, shape.dtype)
+    out, grads = forward_backward(tuple(inputs[name] for name in wrt), cotangent)
+    return out, dict(zip(wrt, grads, strict=True)), cotangent
+
+
+def reference_forward_and_vjp(
+    reference: Callable[..., jax.Array], inputs: Mapping[str, Any], wrt: Sequence[str], cotangent: jax.Array
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The float64 reference on the exact values the kernel saw, and its VJP with the same cotangent."""
+    with jax.enable_x64(True):
+        inputs64 = jax_float64(dict(inputs))
+        inputs64 = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in inputs64.items()}
+
+        fixed = {k: v for k, v in inputs64.items() if k not in wrt}
+
+        @jax.jit
+        def forward_backward(diff, cotangent):
+            out, vjp = jax.vjp(lambda *d: reference(**fixed, **dict(zip(wrt, d, strict=True))), *diff)
+            return out, (vjp(cotangent.astype(out.dtype)) if wrt else ())
+
+        out, grads = forward_backward(tuple(inputs64[name] for name in wrt), jnp.asarray(jax_float64(cotangent)))
+        return np.asarray(out), {name: np.asarray(g) for name, g in zip(wrt, grads, strict=True)}
+
+
+def check_against_reference(
+    fn: Callable[..., jax.Array],
+    reference: Callable[..., jax.Array],
+    inputs: Mapping[str, Any],
+    wrt: Sequence[str],
+    *,
+    dtype: Any,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    cotangent_seed: int = 12345,
+    scale: float = 1.0,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> jax.Array:
+    """Forward output and every gradient in ``wrt`` within the dtype's tolerance of the reference."""
+    out, grads, cotangent = forward_and_vjp(fn, inputs, wrt, cotangent_seed, compiler_options)
+    expected, expected_grads = reference_forward_and_vjp(reference, inputs, wrt, cotangent)
+    assert out.dtype == jnp.dtype(dtype), f"output dtype {out.dtype}, expected {jnp.dtype(dtype)}"
+    assert_close(out, expected, dtype=dtype, tolerances=tolerances, scale=scale)
+    if wrt:
+        assert_tree_close(grads, expected_grads, dtype=dtype, tolerances=tolerances, scale=scale)
+    return out
+
+
+def assert_gradient_refused(fn: Callable[..., jax.Array], inputs: Mapping[str, Any], wrt: Sequence[str]) -> None:
+    """For forward-only backends: a gradient must raise, never come back wrong."""
+    import pytest
+
+    with pytest.raises(Exception):  # noqa: PT011 - any clear error is acceptable
+        forward_and_vjp(fn, inputs, wrt, 0)
+
+
+def run_jitted(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as one compiled computation with every input a closed-over constant (eager
+    dispatch would compile every primitive separately; constants keep value checks working)."""
+    return jax.jit(lambda: fn(*args, **kwargs))()
+
+
+# ---- bad inputs --------------------------------------------------------------------------------------
+
+
+class BadInputChecks:
+    """Mixin of the suites: ``assert_rejected(match, **call)`` checks that a bad call is refused with a
+    ``ValueError`` naming ``match`` by the operation itself (through the executor, so before anything
+    compiles), and by the public function (whose type annotations may speak first: ``TypeError``)."""
+
+    platform: ClassVar[str]
+    operation_type: ClassVar[type]
+    operation_arguments: ClassVar[tuple[str, ...]]
+
+    def assert_rejected(self, match: str, **call: Any) -> None:
+        import pytest
+
+        from ejkernel.ops import get_default_executor
+
+        positional = [call.pop(name, None) for name in self.operation_arguments]
+        with pytest.raises(ValueError, match=match):
+            get_default_executor()(self.operation_type(), *positional, platform=self.platform, **call)
+        with pytest.raises((ValueError, TypeError), match=match):
+            self.call(**dict(zip(self.operation_arguments, positional, strict=True)), **call)
+
+
+def matmul_precisions(fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """The :class:`jax.lax.Precision` of every matmul (``dot_general``, ``ragged_dot_general``) in
+    ``fn(*args)``'s jaxpr, nested jaxprs (scan, cond, custom VJP, ...) included; ``DEFAULT`` where none was
+    recorded. Pass a gradient function to see the backward's matmuls too."""
+
+    def walk(jaxpr) -> list[Any]:
+        found = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+                precision = eqn.params["precision"]
+                found.append(jax.lax.Precision.DEFAULT if precision is None else precision[0])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        found.extend(walk(inner))
+        return found
+
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr)

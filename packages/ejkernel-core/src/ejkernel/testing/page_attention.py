@@ -1,10 +1,11 @@
-"""Reference and conformance suite of ``page_attention`` (``docs/ops/page_attention.md``), plus the
-forward/VJP comparison helpers the other operations' suites share.
+"""Reference and conformance suite of ``page_attention`` (``docs/ops/page_attention.md``), plus the input
+helpers of the paged suites (random lengths, block tables, sinks, page gathering).
 
 A backend's test module subclasses :class:`PageAttentionConformance` and sets ``platform``::
 
     class TestXlaPageAttention(PageAttentionConformance):
         platform = "xla"
+        cfg = None      # optional config of that implementation, used for every call
 
 Forward-only backends set ``supports_gradients = False``: the gradient tests then check that taking a
 gradient raises instead of returning something wrong.
@@ -12,8 +13,7 @@ gradient raises instead of returning something wrong.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -22,100 +22,21 @@ import numpy as np
 import pytest
 
 from ejkernel.modules.operations.page_attention import PageAttention
+from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
 from ejkernel.testing.numerics import (
+    DTYPES,
+    BadInputChecks,
     Tolerance,
     assert_close,
     assert_finite,
-    assert_tree_close,
-    jax_float64,
+    assert_gradient_refused,
+    check_against_reference,
+    forward_and_vjp,
     normal_array,
+    run_jitted,
 )
 
-# ---- shared helpers: forward + VJP against a float64 reference -------------------------------------
-
-
-def forward_and_vjp(
-    fn: Callable[..., jax.Array],
-    inputs: Mapping[str, Any],
-    wrt: Sequence[str],
-    cotangent_seed: int,
-    compiler_options: Mapping[str, Any] | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
-    """``fn(**inputs)``, its VJP w.r.t. the inputs named in ``wrt`` with a fresh random cotangent, and
-    that cotangent. ``compiler_options`` go to ``jax.jit`` (a suite's ``compiler_options`` attribute)."""
-
-    # non-differentiated inputs are closed over: they stay concrete, so value checks still run
-    fixed = {k: v for k, v in inputs.items() if k not in wrt}
-
-    # one compilation per check instead of one per primitive
-    @functools.partial(jax.jit, compiler_options=dict(compiler_options) if compiler_options else None)
-    def forward_backward(diff, cotangent):
-        out, vjp = jax.vjp(lambda *d: fn(**fixed, **dict(zip(wrt, d, strict=True))), *diff)
-        return out, (vjp(cotangent) if wrt else ())
-
-    shape = jax.eval_shape(lambda: fn(**inputs))
-    cotangent = random_array(cotangent_seed, shape.shape, shape.dtype)
-    out, grads = forward_backward(tuple(inputs[name] for name in wrt), cotangent)
-    return out, dict(zip(wrt, grads, strict=True)), cotangent
-
-
-def reference_forward_and_vjp(
-    reference: Callable[..., jax.Array], inputs: Mapping[str, Any], wrt: Sequence[str], cotangent: jax.Array
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """The float64 reference on the exact values the kernel saw, and its VJP with the same cotangent."""
-    with jax.enable_x64(True):
-        inputs64 = jax_float64(dict(inputs))
-        inputs64 = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in inputs64.items()}
-
-        fixed = {k: v for k, v in inputs64.items() if k not in wrt}
-
-        @jax.jit
-        def forward_backward(diff, cotangent):
-            out, vjp = jax.vjp(lambda *d: reference(**fixed, **dict(zip(wrt, d, strict=True))), *diff)
-            return out, (vjp(cotangent.astype(out.dtype)) if wrt else ())
-
-        out, grads = forward_backward(tuple(inputs64[name] for name in wrt), jnp.asarray(jax_float64(cotangent)))
-        return np.asarray(out), {name: np.asarray(g) for name, g in zip(wrt, grads, strict=True)}
-
-
-def check_against_reference(
-    fn: Callable[..., jax.Array],
-    reference: Callable[..., jax.Array],
-    inputs: Mapping[str, Any],
-    wrt: Sequence[str],
-    *,
-    dtype: Any,
-    tolerances: Mapping[str, Tolerance] | None = None,
-    cotangent_seed: int = 12345,
-    scale: float = 1.0,
-    compiler_options: Mapping[str, Any] | None = None,
-) -> jax.Array:
-    """Forward output and every gradient in ``wrt`` within the dtype's tolerance of the reference."""
-    out, grads, cotangent = forward_and_vjp(fn, inputs, wrt, cotangent_seed, compiler_options)
-    expected, expected_grads = reference_forward_and_vjp(reference, inputs, wrt, cotangent)
-    assert out.dtype == jnp.dtype(dtype), f"output dtype {out.dtype}, expected {jnp.dtype(dtype)}"
-    assert_close(out, expected, dtype=dtype, tolerances=tolerances, scale=scale)
-    if wrt:
-        assert_tree_close(grads, expected_grads, dtype=dtype, tolerances=tolerances, scale=scale)
-    return out
-
-
-def assert_gradient_refused(fn: Callable[..., jax.Array], inputs: Mapping[str, Any], wrt: Sequence[str]) -> None:
-    """For forward-only backends: a gradient must raise, never come back wrong."""
-    with pytest.raises(Exception):  # noqa: PT011 - any clear error is acceptable
-        forward_and_vjp(fn, inputs, wrt, 0)
-
-
-def run_jitted(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` as one compiled computation with every input a closed-over constant (eager
-    dispatch would compile every primitive separately; constants keep value checks working)."""
-    return jax.jit(lambda: fn(*args, **kwargs))()
-
-
-def random_array(seed: int, shape: Sequence[int], dtype: Any = jnp.float32, scale: float = 1.0) -> jax.Array:
-    """Standard normal (times ``scale``) from numpy, rounded to ``dtype``; no exact zeros
-    (:func:`ejkernel.testing.numerics.normal_array`)."""
-    return normal_array(seed, shape, dtype, scale)
+# ---- inputs of the paged suites --------------------------------------------------------------------
 
 
 def random_lengths(seed: int, count: int, high: int, include: Sequence[int] = ()) -> np.ndarray:
@@ -140,10 +61,11 @@ def random_block_tables(
 
 
 def sinks_for(seed: int, heads: int, num_sinks: int | None) -> jax.Array | None:
+    """Sink logits: None, ``[heads]`` (``num_sinks == 0``) or ``[heads, num_sinks]``."""
     if num_sinks is None:
         return None
     shape = (heads,) if num_sinks == 0 else (heads, num_sinks)
-    return random_array(seed, shape, jnp.float32)
+    return normal_array(seed, shape, jnp.float32)
 
 
 def gather_pages(cache: jax.Array, tables: jax.Array, token_axis: int) -> jax.Array:
@@ -152,45 +74,6 @@ def gather_pages(cache: jax.Array, tables: jax.Array, token_axis: int) -> jax.Ar
     pages = cache[jnp.clip(tables, 0, cache.shape[0] - 1)]  # [S, P, ...]
     pages = jnp.moveaxis(pages, token_axis + 2, 2)  # [S, P, page_size, ...]
     return pages.reshape(pages.shape[0], -1, *pages.shape[3:])
-
-
-def masked_softmax_attention(logits, visible, values, sinks=None):
-    """Dense softmax over ``visible`` keys (``logits`` ``[..., H, Q, K]``, ``values`` ``[..., H, K, Dv]``);
-    rows without a visible key give zeros; ``sinks`` ``[H, n]`` join the denominator only."""
-    masked = jnp.where(visible, logits, -jnp.inf)
-    row_max = masked.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        row_max = jnp.maximum(row_max, sinks.max(axis=-1)[:, None, None])
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    weights = jnp.where(visible, jnp.exp(masked - row_max), 0.0)
-    denominator = weights.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denominator = denominator + jnp.exp(sinks[:, None, :] - row_max).sum(axis=-1, keepdims=True)
-    probs = weights / jnp.where(denominator == 0, 1.0, denominator)
-    return probs @ values
-
-
-def soft_cap(logits, cap):
-    return logits if cap is None else cap * jnp.tanh(logits / cap)
-
-
-class BadInputChecks:
-    """Mixin of the suites: ``assert_rejected(match, **call)`` checks that a bad call is refused with a
-    ``ValueError`` naming ``match`` by the operation itself (through the executor, so before anything
-    compiles), and by the public function (whose type annotations may speak first: ``TypeError``)."""
-
-    platform: ClassVar[str]
-    operation_type: ClassVar[type]
-    operation_arguments: ClassVar[tuple[str, ...]]
-
-    def assert_rejected(self, match: str, **call: Any) -> None:
-        from ejkernel.ops import get_default_executor
-
-        positional = [call.pop(name, None) for name in self.operation_arguments]
-        with pytest.raises(ValueError, match=match):
-            get_default_executor()(self.operation_type(), *positional, platform=self.platform, **call)
-        with pytest.raises((ValueError, TypeError), match=match):
-            self.call(**dict(zip(self.operation_arguments, positional, strict=True)), **call)
 
 
 # ---- the reference ---------------------------------------------------------------------------------
@@ -224,8 +107,6 @@ def reference_page_attention(
 
 # ---- the suite -------------------------------------------------------------------------------------
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 # (num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks, lengths to include)
 SHAPES = {
     "mha": (3, 4, 4, 32, 8, 16, 4, (17, 1, 32)),
@@ -247,6 +128,8 @@ class PageAttentionConformance(BadInputChecks):
         "block_tables",
     )
     platform: ClassVar[str]
+    cfg: ClassVar[Any] = None
+    """Config of the implementation under test used for every call (None: its heuristic)."""
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
     compiler_options: ClassVar[Mapping[str, Any] | None] = None
@@ -255,15 +138,15 @@ class PageAttentionConformance(BadInputChecks):
     def call(self, **kwargs):
         from ejkernel.modules import page_attention
 
-        return page_attention(**kwargs, platform=self.platform)
+        return page_attention(**kwargs, platform=self.platform, cfg=self.cfg)
 
     def make_inputs(self, seed, shape, dtype, *, scale=1.0):
         num_seqs, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, include = shape
         lengths = random_lengths(seed, num_seqs, max_blocks * block_size, include)
         return dict(
-            query=random_array(seed * 3, (num_seqs, heads, head_dim), dtype, scale),
-            key_cache=random_array(seed * 3 + 1, (num_blocks, kv_heads, block_size, head_dim), dtype),
-            value_cache=random_array(seed * 3 + 2, (num_blocks, kv_heads, block_size, head_dim), dtype),
+            query=normal_array(seed * 3, (num_seqs, heads, head_dim), dtype, scale),
+            key_cache=normal_array(seed * 3 + 1, (num_blocks, kv_heads, block_size, head_dim), dtype),
+            value_cache=normal_array(seed * 3 + 2, (num_blocks, kv_heads, block_size, head_dim), dtype),
             context_lens=jnp.asarray(lengths),
             block_tables=jnp.asarray(random_block_tables(seed, num_seqs, max_blocks, num_blocks, lengths, block_size)),
         )
@@ -342,3 +225,6 @@ class PageAttentionConformance(BadInputChecks):
         self.assert_rejected("context_lens", **{**inputs, "context_lens": inputs["context_lens"].at[0].set(-1)})
         # a page that is read is out of range
         self.assert_rejected("block_tables", **{**inputs, "block_tables": inputs["block_tables"].at[1, 0].set(10_000)})
+        self.assert_rejected("attn_scale", **inputs, attn_scale=float("nan"))
+        self.assert_rejected("attn_logits_soft_cap", **inputs, attn_logits_soft_cap=-1.0)
+        self.assert_rejected("precision", **inputs, precision="fastest")

@@ -16,19 +16,20 @@ import numpy as np
 import pytest
 
 from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttention
-from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
-from ejkernel.testing.page_attention import (
-    BadInputChecks,
+from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
+from ejkernel.testing.numerics import (
     DTYPES,
+    BadInputChecks,
+    Tolerance,
+    assert_close,
+    assert_finite,
     assert_gradient_refused,
     check_against_reference,
     forward_and_vjp,
-    masked_softmax_attention,
-    random_array,
+    normal_array,
     run_jitted,
-    sinks_for,
-    soft_cap,
 )
+from ejkernel.testing.page_attention import sinks_for
 
 
 def reference_ragged_decode_attention(
@@ -95,9 +96,9 @@ class RaggedDecodeAttentionConformance(BadInputChecks):
     def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
         batch, heads, kv_heads, head_dim, seq_len, ranges = case
         return dict(
-            query=random_array(seed * 4, (batch, heads, head_dim), dtype, scale),
-            key=random_array(seed * 4 + 1, (batch, seq_len, kv_heads, head_dim), dtype),
-            value=random_array(seed * 4 + 2, (batch, seq_len, kv_heads, head_dim), dtype),
+            query=normal_array(seed * 4, (batch, heads, head_dim), dtype, scale),
+            key=normal_array(seed * 4 + 1, (batch, seq_len, kv_heads, head_dim), dtype),
+            value=normal_array(seed * 4 + 2, (batch, seq_len, kv_heads, head_dim), dtype),
             sequence_start=jnp.asarray([s for s, _ in ranges], jnp.int32),
             sequence_end=jnp.asarray([e for _, e in ranges], jnp.int32),
             softmax_aux=sinks_for(seed * 4 + 3, heads, num_sinks),

@@ -15,21 +15,20 @@ import numpy as np
 import pytest
 
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention
-from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
-from ejkernel.testing.page_attention import (
-    BadInputChecks,
+from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
+from ejkernel.testing.numerics import (
     DTYPES,
+    BadInputChecks,
+    Tolerance,
+    assert_close,
+    assert_finite,
     assert_gradient_refused,
     check_against_reference,
     forward_and_vjp,
-    gather_pages,
-    masked_softmax_attention,
-    random_array,
-    random_block_tables,
+    normal_array,
     run_jitted,
-    sinks_for,
-    soft_cap,
 )
+from ejkernel.testing.page_attention import gather_pages, random_block_tables, sinks_for
 
 
 def reference_ragged_page_attention(
@@ -127,8 +126,8 @@ class RaggedPageAttentionConformance(BadInputChecks):
         tables = random_block_tables(seed, max_num_seqs, pages_per_seq, num_pages, kv_lens, page_size)
         total = int(starts[-1]) + padding
         return dict(
-            queries=random_array(seed * 5, (total, heads, head_dim), dtype, scale),
-            kv_pages=random_array(seed * 5 + 1, (num_pages, page_size, 2 * kv_heads, head_dim), dtype),
+            queries=normal_array(seed * 5, (total, heads, head_dim), dtype, scale),
+            kv_pages=normal_array(seed * 5 + 1, (num_pages, page_size, 2 * kv_heads, head_dim), dtype),
             context_lens=jnp.asarray(kv_lens),
             block_tables=jnp.asarray(tables),
             query_start_loc=jnp.asarray(starts),

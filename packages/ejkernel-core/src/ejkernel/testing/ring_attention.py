@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel.testing.numerics import Tolerance, assert_close
-from ejkernel.testing.page_attention import random_array
+from ejkernel.testing.numerics import Tolerance, assert_close, normal_array
 
 DEVICES = 8
 AXIS = "sp"
@@ -45,13 +44,13 @@ def case_inputs(name: str, seed: int = 0, devices: int = DEVICES) -> tuple[dict[
     batch, q_loc, kv_loc, heads, kv_heads, head_dim, dtype, options = CASES[name]
     q_len, kv_len = devices * q_loc, devices * kv_loc
     arrays = dict(
-        query=random_array(seed * 10 + 0, (batch, q_len, heads, head_dim), dtype),
-        key=random_array(seed * 10 + 1, (batch, kv_len, kv_heads, head_dim), dtype),
-        value=random_array(seed * 10 + 2, (batch, kv_len, kv_heads, head_dim), dtype),
+        query=normal_array(seed * 10 + 0, (batch, q_len, heads, head_dim), dtype),
+        key=normal_array(seed * 10 + 1, (batch, kv_len, kv_heads, head_dim), dtype),
+        value=normal_array(seed * 10 + 2, (batch, kv_len, kv_heads, head_dim), dtype),
     )
     options = dict(options)
     if options.pop("softmax_aux", False):
-        arrays["softmax_aux"] = random_array(seed * 10 + 3, (heads,), dtype)
+        arrays["softmax_aux"] = normal_array(seed * 10 + 3, (heads,), dtype)
     if options.pop("segments", False):  # a few segments per row whose boundaries cross device shards
         q_ids = np.minimum(np.arange(q_len) * 3 // q_len, 2)
         kv_ids = np.minimum(np.arange(kv_len) * 3 // kv_len, 2)
@@ -104,7 +103,7 @@ def run_case(
 
     values = tuple(arrays[n] for n in names)
     shape = jax.eval_shape(flash, *values)
-    cotangent = random_array(99, shape.shape, shape.dtype)
+    cotangent = normal_array(99, shape.shape, shape.dtype)
     out, grads = forward_backward(ring)(values, cotangent)
     want, want_grads = forward_backward(flash)(values, cotangent)
     report = [f"{name}: output {assert_close(out, want, dtype=dtype, tolerances=tolerances, scale=2.0):.1e}"]
@@ -165,7 +164,7 @@ class RingAttentionConformance:
         from ejkernel.modules import flash_attention
 
         arrays, options = case_inputs("window_segments_q_ne_kv", seed=3)
-        arrays["softmax_aux"] = random_array(4, (arrays["query"].shape[2], 2))
+        arrays["softmax_aux"] = normal_array(4, (arrays["query"].shape[2], 2))
         fn = jax.jit(
             jax.value_and_grad(lambda q, k, aux, f: jnp.sum(f(q, k, aux) ** 2), argnums=(0, 1, 2)),
             static_argnums=3,

@@ -58,8 +58,7 @@ from ejkernel.modules.operations._validation import (
     is_array,
     typechecked,
 )
-from ejkernel.modules.operations._validation import check_qkv
-from ejkernel.modules.operations.page_attention import resolve_scale
+from ejkernel.modules.operations._validation import check_qkv, resolve_softmax_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +159,7 @@ class NativeSparseAttention(RegistryOperation):
             cu_seqlens = cu_seqlens.astype(jnp.int32)
         args = (query, key, value, g_cmp, g_slc, g_swa, block_indices, counts)
         kwargs = dict(
-            softmax_scale=resolve_scale("softmax_scale", softmax_scale, head_dim),
+            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
             block_size=int(block_size),
             num_selected_blocks=num_selected,
             window_size=int(window_size),

@@ -1,9 +1,6 @@
 """``page_attention``: decode attention over a paged KV cache (one query token per sequence).
 
-Canonical call every backend receives (validated and normalized here)::
-
-    page_attention(query, key_cache, value_cache, context_lens, block_tables, *,
-                   attn_scale: float, max_context_len: int, attn_logits_soft_cap: float | None, cfg)
+Core validates the public call into one frozen :class:`PageAttentionCall`, all a backend sees:
 
 - ``query`` ``[num_seqs, num_heads, head_dim]``; ``key_cache``/``value_cache``
   ``[num_blocks, num_kv_heads, block_size, head_dim]`` (same dtype); ``context_lens`` int32 ``[num_seqs]``;
@@ -19,14 +16,13 @@ Gradients: an inference operation. The XLA backend is differentiable w.r.t. ``qu
 ``value_cache`` (autodiff through its blockwise loop); other backends may be forward-only.
 
 The full specification is ``docs/ops/page_attention.md``. The original library's ``num_splits``,
-``pages_per_compute_block``, ``megacore_mode`` and ``inline_seq_dim`` are tuning hints folded into the
-config; ``mask_value`` is accepted for compatibility (masked keys are always excluded exactly).
+``pages_per_compute_block``, ``megacore_mode`` and ``inline_seq_dim`` (tuning hints) and ``mask_value``
+are accepted for compatibility and change nothing: tuning goes through an implementation's ``cfg``
+(e.g. ``ejkernel_xla.page_attention.XlaPageAttentionConfig``); masked keys are always excluded exactly.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -34,67 +30,45 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_array,
     check_dim,
+    check_gqa,
     check_positive_int,
     check_same_dtype,
-    describe,
+    concrete,
+    normalize_soft_cap,
+    resolve_softmax_scale,
     typechecked,
 )
 
 DEFAULT_MASK_VALUE = -2.381976426469702e38
 
 
-@dataclasses.dataclass(frozen=True)
-class PageAttentionConfig:
-    """Tuning knobs; none of them changes the result (see ``docs/ops/page_attention.md``)."""
+@canonical_call
+class PageAttentionCall:
+    """A validated ``page_attention`` call: what every backend receives (defaults resolved, see above)."""
 
-    pages_per_compute_block: int | None = None
-    num_splits: int | None = None
-    megacore_mode: str | None = None
-    inline_seq_dim: bool = True
-    num_warps: int | None = None
-    num_stages: int | None = None
-    platform: str = "auto"
-    backend: str = "any"
+    query: Float[jax.Array, "num_seqs num_heads head_dim"] = array_field()
+    key_cache: Float[jax.Array, "num_blocks num_kv_heads block_size head_dim"] = array_field()
+    value_cache: Float[jax.Array, "num_blocks num_kv_heads block_size head_dim"] = array_field()
+    context_lens: Int[jax.Array, "num_seqs"] = array_field()
+    """int32, values >= 0 (checked when concrete)."""
+    block_tables: Int[jax.Array, "num_seqs max_blocks"] = array_field()
+    """int32; the entries that are read are page indices (checked when concrete)."""
+    attn_scale: float = 1.0
+    max_context_len: int = 1
+    """Caps every context length; at most ``max_blocks * block_size``."""
+    attn_logits_soft_cap: float | None = None
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
 
 
 # ---- checks shared by the paged operations ---------------------------------------------------------
-
-
-def check_gqa(query_heads_name: str, num_heads: int, kv_name: str, num_kv_heads: int, kv_array: Any) -> None:
-    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"{kv_name} has {num_kv_heads} kv heads, which must divide the {num_heads} heads of "
-            f"{query_heads_name} (GQA/MQA); got {describe(kv_array)}"
-        )
-
-
-def resolve_scale(name: str, value: Any, head_dim: int) -> float:
-    if value is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite float or None, got {value!r}")
-    return float(value)
-
-
-def check_soft_cap(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not value > 0:
-        raise ValueError(f"{name} must be a positive float or None, got {value!r}")
-    return float(value)
-
-
-def concrete(x: Any) -> np.ndarray | None:
-    """``x`` as numpy when its values are known now (not a tracer), else None."""
-    try:
-        return np.asarray(x)
-    except Exception:  # a tracer: values are checked where they are known
-        return None
 
 
 def check_page_indices(name: str, block_tables: Any, lengths: Any, page_size: int, num_pages: int) -> None:
@@ -125,7 +99,6 @@ class PageAttention(RegistryOperation):
     """Decode attention over a paged KV cache (see the module docstring)."""
 
     algorithm = "page_attention"
-    config_type = PageAttentionConfig
 
     def validate(
         self,
@@ -138,7 +111,8 @@ class PageAttention(RegistryOperation):
         attn_scale=None,
         max_context_len=None,
         attn_logits_soft_cap=None,
-    ):
+        precision=None,
+    ) -> PageAttentionCall:
         check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what="[num_seqs, num_heads, head_dim]")
         layout = "[num_blocks, num_kv_heads, block_size, head_dim]"
         check_array("key_cache", key_cache, rank=4, dtypes=FLOAT_DTYPES, what=layout)
@@ -170,13 +144,17 @@ class PageAttention(RegistryOperation):
             check_page_indices(
                 "block_tables", block_tables, np.minimum(lengths, max_context_len), block_size, num_blocks
             )
-        args = (query, key_cache, value_cache, context_lens.astype("int32"), block_tables.astype("int32"))
-        kwargs = dict(
-            attn_scale=resolve_scale("attn_scale", attn_scale, head_dim),
+        return PageAttentionCall(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            context_lens=context_lens.astype("int32"),
+            block_tables=block_tables.astype("int32"),
+            attn_scale=resolve_softmax_scale(attn_scale, head_dim, name="attn_scale"),
             max_context_len=max_context_len,
-            attn_logits_soft_cap=check_soft_cap("attn_logits_soft_cap", attn_logits_soft_cap),
+            attn_logits_soft_cap=normalize_soft_cap(attn_logits_soft_cap, name="attn_logits_soft_cap"),
+            precision=resolve_precision(precision, query.dtype),
         )
-        return args, kwargs
 
 
 @typechecked
@@ -194,9 +172,10 @@ def page_attention(
     pages_per_compute_block: int | None = None,
     megacore_mode: str | None = None,
     inline_seq_dim: bool = True,
+    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
     *,
-    cfg: PageAttentionConfig | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "num_seqs num_heads head_dim"]:
     """Attention of each sequence's one new query token over its paged KV cache.
 
@@ -208,24 +187,18 @@ def page_attention(
         attn_scale: logit scale (default ``1/sqrt(head_dim)``).
         max_context_len: caps every context length (default: ``max_blocks * block_size``).
         attn_logits_soft_cap: ``c * tanh(x / c)`` on the logits when given.
-        num_splits, pages_per_compute_block, megacore_mode, inline_seq_dim: tuning hints (go into ``cfg``).
-        mask_value: accepted for compatibility; masked keys are always excluded exactly.
+        num_splits, pages_per_compute_block, megacore_mode, inline_seq_dim, mask_value: accepted for
+            compatibility with the original library; no effect (tune with ``cfg``).
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
         platform: ``"auto"`` or a platform name (``"xla"``, ``"pallas"``, ...).
-        cfg: a :class:`PageAttentionConfig`, or None for the backend's heuristic.
+        cfg: one implementation's config (e.g. ``ejkernel_xla.page_attention.XlaPageAttentionConfig``); it
+            selects that implementation. None: cached, tuned or heuristic config of the chosen one.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query``'s dtype.
     """
-    del mask_value  # masked keys are excluded exactly; see the module docstring
-    if cfg is None and (
-        num_splits or pages_per_compute_block is not None or megacore_mode is not None or not inline_seq_dim
-    ):
-        cfg = PageAttentionConfig(
-            pages_per_compute_block=pages_per_compute_block,
-            num_splits=num_splits or None,
-            megacore_mode=megacore_mode,
-            inline_seq_dim=inline_seq_dim,
-        )
+    del num_splits, mask_value, pages_per_compute_block, megacore_mode, inline_seq_dim  # see the module docstring
     return execute(
         PageAttention(),
         query,
@@ -236,6 +209,7 @@ def page_attention(
         attn_scale=attn_scale,
         max_context_len=max_context_len,
         attn_logits_soft_cap=attn_logits_soft_cap,
+        precision=precision,
         platform=platform,
         cfg=cfg,
     )

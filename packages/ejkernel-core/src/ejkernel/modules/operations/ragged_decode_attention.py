@@ -40,7 +40,7 @@ from ejkernel.modules.operations._validation import (
     check_same_dtype,
     typechecked,
 )
-from ejkernel.modules.operations.page_attention import check_gqa, check_soft_cap, concrete, resolve_scale
+from ejkernel.modules.operations._validation import check_gqa, concrete, normalize_soft_cap, resolve_softmax_scale
 from ejkernel.modules.operations.ragged_page_attention import check_sinks
 
 
@@ -112,9 +112,9 @@ class RaggedDecodeAttention(RegistryOperation):
         check_sinks("softmax_aux", softmax_aux, num_heads)
         args = (query, key, value, sequence_start.astype(jnp.int32), sequence_end.astype(jnp.int32), softmax_aux)
         kwargs = dict(
-            softmax_scale=resolve_scale("softmax_scale", softmax_scale, head_dim),
+            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
             sliding_window=normalize_window("sliding_window", sliding_window),
-            logit_soft_cap=check_soft_cap("logit_soft_cap", logit_soft_cap),
+            logit_soft_cap=normalize_soft_cap(logit_soft_cap, name="logit_soft_cap"),
         )
         return args, kwargs
 

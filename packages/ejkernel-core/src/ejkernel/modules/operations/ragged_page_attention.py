@@ -49,14 +49,8 @@ from ejkernel.modules.operations._validation import (
     is_array,
     typechecked,
 )
-from ejkernel.modules.operations.page_attention import (
-    check_gqa,
-    check_lengths,
-    check_page_indices,
-    check_soft_cap,
-    concrete,
-    resolve_scale,
-)
+from ejkernel.modules.operations._validation import check_gqa, concrete, normalize_soft_cap, resolve_softmax_scale
+from ejkernel.modules.operations.page_attention import check_lengths, check_page_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +169,8 @@ class RaggedPageAttention(RegistryOperation):
             softmax_aux,
         )
         kwargs = dict(
-            softmax_scale=resolve_scale("softmax_scale", softmax_scale, head_dim),
-            logits_soft_cap=check_soft_cap("logits_soft_cap", logits_soft_cap),
+            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
+            logits_soft_cap=normalize_soft_cap(logits_soft_cap),
             sliding_window=check_window("sliding_window", sliding_window),
         )
         return args, kwargs
