@@ -1,32 +1,25 @@
 """XLA ``attention``: dense attention returning ``(out, weights)`` (``_blockwise.dense_attention``),
-differentiated by autodiff; memory O(S²) by design (the weights are part of the result)."""
+differentiated by autodiff; memory O(S²) by design (the weights are part of the result). Nothing to
+tune (``NoConfig``); every feature is implemented, nothing is refused."""
 
 from __future__ import annotations
 
-from ejkernel_xla.flash_attention import attention_params
+import jax
+
+from ejkernel.modules.operations._contract import Implementation, NoConfig
+from ejkernel.modules.operations.attention import AttentionCall
+from ejkernel_xla._blockwise import AttentionParams
 from ejkernel_xla.scaled_dot_product_attention import dense_jit
 
 
-def attention(
-    query,
-    key,
-    value,
-    bias=None,
-    softmax_aux=None,
-    *,
-    attention_mask=None,
-    softmax_scale: float,
-    logits_soft_cap: float | None = None,
-    dropout_prob: float = 0.0,
-    dropout_seed=None,
-    causal: bool = False,
-    sliding_window: tuple[int, int] | None = None,
-    cfg=None,
-):
-    """Canonical ``attention`` (arguments normalized by core): ``(out, weights)``."""
-    del cfg  # nothing to tune
-    params = attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob)
-    return dense_jit(
-        query, key, value, bias, attention_mask, None, None, softmax_aux,
-        None if params.dropout_prob == 0.0 else dropout_seed, params=params, return_weights=True,
-    )
+class XlaAttention(Implementation[AttentionCall, NoConfig]):
+    config_type = NoConfig
+
+    def __call__(self, call: AttentionCall, config: NoConfig) -> tuple[jax.Array, jax.Array]:
+        return dense_jit(
+            call.query, call.key, call.value, call.bias, call.attention_mask, None, None, call.softmax_aux,
+            call.dropout_seed, params=AttentionParams.of(call), return_weights=True,
+        )
+
+
+IMPLEMENTATION = XlaAttention()

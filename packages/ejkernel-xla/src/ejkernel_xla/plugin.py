@@ -7,8 +7,8 @@ from ejkernel.plugins.declare import DeclaredBackend
 # algorithm -> "module:function" inside this package. Every operation runs on every machine here.
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_xla.flash_attention:IMPLEMENTATION",
-    "scaled_dot_product_attention": "ejkernel_xla.scaled_dot_product_attention:scaled_dot_product_attention",
-    "attention": "ejkernel_xla.attention:attention",
+    "scaled_dot_product_attention": "ejkernel_xla.scaled_dot_product_attention:IMPLEMENTATION",
+    "attention": "ejkernel_xla.attention:IMPLEMENTATION",
     "page_attention": "ejkernel_xla.page_attention:IMPLEMENTATION",
     "ragged_page_attention": "ejkernel_xla.ragged_page_attention:ragged_page_attention",
     "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:ragged_decode_attention",

@@ -1,19 +1,16 @@
 """``attention``: dense multi-head attention that also returns the attention weights.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    attention(query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv], bias=None,
-              softmax_aux=None, *, attention_mask=None, softmax_scale: float, logits_soft_cap: float | None,
-              dropout_prob: float, dropout_seed: int | None, causal: bool,
-              sliding_window: tuple[int, int] | None, cfg)
-        -> (out [B, Sq, H, Dv] in query's dtype, weights [B, H, Sq, Skv] in query's dtype)
+Core validates the public call into one frozen :class:`AttentionCall`, all a backend sees. The
+arguments it shares with ``flash_attention`` are checked and normalized by ``FlashAttention.validate``
+(one set of rules: ``softmax_scale=None`` -> ``1/sqrt(D)``, ``sliding_window=w`` -> ``(w, w)``, a mask
+with batch 1 broadcast to ``B``, ``dropout_prob > 0`` without a seed -> seed 0, ``precision``).
 
 The semantics of ``out`` are those of ``flash_attention`` (``docs/flash_attention.md``) for these
 features: scale, soft cap, bias, GQA, bottom-right alignment, causal, ``(left, right)`` window, boolean
 mask, attention sinks ``softmax_aux`` ([H] or [H, K]; denominator only), dropout with the shared index
-hash (``dropout_prob > 0`` without a seed uses seed 0). ``weights`` are the softmax probabilities
-*before* dropout (sinks excluded, so a row sums to 1 minus the sinks' share; a row that sees no key is
-all zeros). Gradients: query, key, value, bias, softmax_aux (through ``out`` and ``weights``).
+hash. ``weights`` are the softmax probabilities *before* dropout (sinks excluded, so a row sums to 1
+minus the sinks' share; a row that sees no key is all zeros). Gradients: query, key, value, bias,
+softmax_aux (through ``out`` and ``weights``).
 
 The original library's ``deterministic=True`` switches dropout off; ``dropout_rng`` is not used (the
 dropout mask is the index hash of ``dropout_seed``, so every backend draws the same one). Memory is
@@ -23,38 +20,51 @@ O(S²): use ``flash_attention`` for long sequences. Full page: ``docs/ops/attent
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeVar
 
 import jax
 from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations._validation import (
-    check_bias,
-    check_bool,
-    check_qkv,
-    check_softmax_aux,
-    normalize_attention_mask,
-    normalize_dropout,
-    normalize_sliding_window,
-    normalize_soft_cap,
-    resolve_softmax_scale,
-)
+from ejkernel.modules.operations.flash_attention import FlashAttention, FlashAttentionCall
+
+CallT = TypeVar("CallT")
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """Nothing to tune in the dense XLA form; backends with blocks read their own fields."""
+def restricted_call(flash_call: FlashAttentionCall, call_type: type[CallT], **extra: Any) -> CallT:
+    """A ``call_type`` call from a validated ``flash_attention`` call: its fields that ``call_type`` has,
+    plus ``extra`` (for operations whose features are a subset of flash_attention's)."""
+    shared = {f.name: getattr(flash_call, f.name) for f in dataclasses.fields(call_type) if f.name not in extra}
+    return call_type(**shared, **extra)
 
-    platform: str = "auto"
-    backend: str = "any"
+
+@canonical_call
+class AttentionCall:
+    """A validated ``attention`` call: what every backend receives (defaults resolved, see above)."""
+
+    query: Float[jax.Array, "batch q_len num_heads head_dim"] = array_field()
+    key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"] = array_field()
+    value: Float[jax.Array, "batch kv_len num_kv_heads v_head_dim"] = array_field()
+    bias: Float[jax.Array, "#batch #num_heads q_len kv_len"] | None = array_field()
+    softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = array_field()
+    attention_mask: Bool[jax.Array, "batch #num_heads q_len kv_len"] | None = array_field()
+    dropout_seed: int | Int[jax.Array, ""] | None = array_field()
+    """None exactly when ``dropout_prob == 0``; a Python int or a traced integer scalar otherwise."""
+    softmax_scale: float = 1.0
+    causal: bool = False
+    sliding_window: tuple[int, int] | None = None
+    logits_soft_cap: float | None = None
+    dropout_prob: float = 0.0
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
 
 
 class Attention(RegistryOperation):
     """Dense attention returning ``(out, weights)`` (see the module docstring)."""
 
     algorithm = "attention"
-    config_type = AttentionConfig
 
     def validate(
         self,
@@ -71,20 +81,24 @@ class Attention(RegistryOperation):
         dropout_seed=None,
         causal=False,
         sliding_window=None,
-    ):
-        batch, q_len, num_heads, head_dim, kv_len, _ = check_qkv(query, key, value)
-        check_bias(bias, batch, num_heads, q_len, kv_len)
-        dropout_prob, dropout_seed = normalize_dropout(dropout_prob, dropout_seed)
-        kwargs = dict(
-            attention_mask=normalize_attention_mask(attention_mask, batch, num_heads, q_len, kv_len),
-            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
-            logits_soft_cap=normalize_soft_cap(logits_soft_cap),
+        precision=None,
+    ) -> AttentionCall:
+        flash_call = FlashAttention().validate(
+            query,
+            key,
+            value,
+            bias,
+            attention_mask=attention_mask,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
             dropout_prob=dropout_prob,
             dropout_seed=dropout_seed,
-            causal=check_bool("causal", causal),
-            sliding_window=normalize_sliding_window(sliding_window),
+            softmax_aux=softmax_aux,
+            precision=precision,
         )
-        return (query, key, value, bias, check_softmax_aux(softmax_aux, num_heads)), kwargs
+        return restricted_call(flash_call, AttentionCall)
 
 
 @typechecked
@@ -103,8 +117,9 @@ def attention(
     dropout_seed: int | Int[jax.Array, ""] | None = None,
     causal: bool = False,
     sliding_window: int | tuple[int, int] | None = None,
+    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
-    cfg: AttentionConfig | None = None,
+    cfg: Any = None,
 ) -> tuple[Float[jax.Array, "batch q_len num_heads v_head_dim"], Float[jax.Array, "batch num_heads q_len kv_len"]]:
     """Dense attention; returns ``(out, weights)`` (see the module docstring).
 
@@ -118,7 +133,11 @@ def attention(
         logits_soft_cap: ``c * tanh(s / c)`` on the scaled logits.
         dropout_prob, dropout_seed: attention dropout (index hash of the seed; default seed 0).
         causal, sliding_window: as in ``flash_attention`` (bottom-right aligned).
-        platform, cfg: backend choice and its config.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
+        platform: ``"auto"`` or a platform name.
+        cfg: one implementation's config (XLA: ``ejkernel.NoConfig()``, nothing to tune); it selects that
+            implementation. None: the chosen implementation's heuristic.
 
     Returns:
         ``out [B, Sq, H, Dv]`` and ``weights [B, H, Sq, Skv]`` (pre-dropout), both in ``query``'s dtype.
@@ -137,6 +156,7 @@ def attention(
         dropout_seed=dropout_seed,
         causal=causal,
         sliding_window=sliding_window,
+        precision=precision,
         platform=platform,
         cfg=cfg,
     )

@@ -1,11 +1,8 @@
 """``scaled_dot_product_attention``: plain softmax attention, computed densely.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    scaled_dot_product_attention(query [B, Sq, H, D], key [B, Skv, Hkv, D], value [B, Skv, Hkv, Dv],
-                                 bias=None, cum_seqlens_q=None, cum_seqlens_k=None, *,
-                                 attention_mask=None, softmax_scale: float, causal: bool,
-                                 sliding_window: tuple[int, int] | None, cfg) -> out [B, Sq, H, Dv]
+Core validates the public call into one frozen :class:`ScaledDotProductAttentionCall`, all a backend
+sees; the arguments are checked and normalized by ``FlashAttention.validate`` (the same rules as
+``flash_attention``).
 
 The semantics are exactly those of ``flash_attention`` (``docs/flash_attention.md``: float32 logits
 ``softmax_scale * <q, k> + bias``, GQA head mapping, bottom-right alignment when ``Sq != Skv``, causal,
@@ -18,37 +15,45 @@ O(S²); use it for short sequences. Gradients: query, key, value, bias. Full pag
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any, ClassVar
 
 import jax
 from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations._validation import (
-    check_bias,
-    check_bool,
-    check_qkv,
-    normalize_attention_mask,
-    normalize_cum_seqlens,
-    normalize_sliding_window,
-    resolve_softmax_scale,
-)
+from ejkernel.modules.operations.attention import restricted_call
+from ejkernel.modules.operations.flash_attention import FlashAttention
 
 
-@dataclasses.dataclass(frozen=True)
-class ScaledDotProductAttentionConfig:
-    """Nothing to tune in the dense XLA form; backends with blocks read their own fields."""
+@canonical_call
+class ScaledDotProductAttentionCall:
+    """A validated ``scaled_dot_product_attention`` call: what every backend receives (see above)."""
 
-    platform: str = "auto"
-    backend: str = "any"
+    query: Float[jax.Array, "batch q_len num_heads head_dim"] = array_field()
+    key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"] = array_field()
+    value: Float[jax.Array, "batch kv_len num_kv_heads v_head_dim"] = array_field()
+    bias: Float[jax.Array, "#batch #num_heads q_len kv_len"] | None = array_field()
+    attention_mask: Bool[jax.Array, "batch #num_heads q_len kv_len"] | None = array_field()
+    cum_seqlens_q: Int[jax.Array, "num_seqs_plus_1"] | None = array_field()
+    """int32; given together with ``cum_seqlens_k`` (then batch is 1) or not at all."""
+    cum_seqlens_k: Int[jax.Array, "num_seqs_plus_1"] | None = array_field()
+    softmax_scale: float = 1.0
+    causal: bool = False
+    sliding_window: tuple[int, int] | None = None
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
+
+    # flash_attention features this operation does not have (code shared with it reads them)
+    logits_soft_cap: ClassVar[None] = None
+    dropout_prob: ClassVar[float] = 0.0
 
 
 class ScaledDotProductAttention(RegistryOperation):
     """Dense softmax attention (see the module docstring)."""
 
     algorithm = "scaled_dot_product_attention"
-    config_type = ScaledDotProductAttentionConfig
 
     def validate(
         self,
@@ -63,17 +68,22 @@ class ScaledDotProductAttention(RegistryOperation):
         softmax_scale=None,
         causal=False,
         sliding_window=None,
-    ):
-        batch, q_len, num_heads, head_dim, kv_len, _ = check_qkv(query, key, value)
-        check_bias(bias, batch, num_heads, q_len, kv_len)
-        cum_seqlens_q, cum_seqlens_k = normalize_cum_seqlens(cum_seqlens_q, cum_seqlens_k, batch, q_len, kv_len)
-        kwargs = dict(
-            attention_mask=normalize_attention_mask(attention_mask, batch, num_heads, q_len, kv_len),
-            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
-            causal=check_bool("causal", causal),
-            sliding_window=normalize_sliding_window(sliding_window),
+        precision=None,
+    ) -> ScaledDotProductAttentionCall:
+        flash_call = FlashAttention().validate(
+            query,
+            key,
+            value,
+            bias,
+            attention_mask=attention_mask,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            cum_seqlens_q=cum_seqlens_q,
+            cum_seqlens_k=cum_seqlens_k,
+            precision=precision,
         )
-        return (query, key, value, bias, cum_seqlens_q, cum_seqlens_k), kwargs
+        return restricted_call(flash_call, ScaledDotProductAttentionCall)
 
 
 @typechecked
@@ -89,8 +99,9 @@ def scaled_dot_product_attention(
     softmax_scale: float | None = None,
     causal: bool = False,
     sliding_window: int | tuple[int, int] | None = None,
+    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
-    cfg: ScaledDotProductAttentionConfig | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "batch q_len num_heads v_head_dim"]:
     """Softmax attention over the full logits matrix (see the module docstring).
 
@@ -101,7 +112,11 @@ def scaled_dot_product_attention(
         attention_mask: bool ``[B or 1, 1 or H, Sq, Skv]``, True = may attend.
         softmax_scale: default ``1/sqrt(D)``.
         causal, sliding_window: as in ``flash_attention`` (bottom-right aligned).
-        platform, cfg: backend choice and its config.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
+        platform: ``"auto"`` or a platform name.
+        cfg: one implementation's config (XLA: ``ejkernel.NoConfig()``, nothing to tune); it selects that
+            implementation. None: the chosen implementation's heuristic.
 
     Returns:
         ``[B, Sq, H, Dv]`` in ``query``'s dtype.
@@ -118,6 +133,7 @@ def scaled_dot_product_attention(
         softmax_scale=softmax_scale,
         causal=causal,
         sliding_window=sliding_window,
+        precision=precision,
         platform=platform,
         cfg=cfg,
     )
