@@ -1,20 +1,22 @@
 """XLA ``blocksparse_attention``: the flash-attention block steps of ``_blockwise`` driven over the mask's
 blocks, with a custom VJP (memory O(S): the forward saves the output and the row log-sum-exp only).
 
-Compute blocks are the mask's blocks. A block pair the mask disables is skipped with ``lax.cond`` (real
-savings when not vmapped; under ``vmap`` the cond becomes a select and costs the dense amount).
+Compute blocks are the mask's blocks, so there is nothing to tune (``NoConfig``). A block pair the mask
+disables is skipped with ``lax.cond`` (real savings when not vmapped; under ``vmap`` the cond becomes a
+select and costs the dense amount). Matmuls run at the call's precision, forward and backward. Every
+feature is implemented; nothing is refused.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionConfig
+from ejkernel.modules.operations._contract import Implementation, NoConfig
+from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
 from ejkernel_xla._blockwise import (
     AttentionParams,
     _blocked_tokens,
@@ -121,49 +123,44 @@ def _backward(params, q_block, kv_block, residuals, d_out):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _blocksparse(params, q_block, kv_block, q, k, v, aux, block_mask, q_tok, kv_tok):
-    return _forward(params, q_block, kv_block, q, k, v, aux, block_mask, q_tok, kv_tok)[0]
-
-
 def _blocksparse_fwd(params, q_block, kv_block, q, k, v, aux, block_mask, q_tok, kv_tok):
-    out, lse = _forward(params, q_block, kv_block, q, k, v, aux, block_mask, q_tok, kv_tok)
+    with params.matmuls():
+        out, lse = _forward(params, q_block, kv_block, q, k, v, aux, block_mask, q_tok, kv_tok)
     return out, (q, k, v, aux, block_mask, q_tok, kv_tok, out, lse)
 
 
 def _blocksparse_bwd(params, q_block, kv_block, residuals, d_out):
-    dq, dk, dv, d_aux = _backward(params, q_block, kv_block, residuals, d_out)
+    with params.matmuls():  # traced outside the forward's scope
+        dq, dk, dv, d_aux = _backward(params, q_block, kv_block, residuals, d_out)
     return dq, dk, dv, d_aux, None, None, None  # the mask and token descriptions are not differentiable
 
 
+def _blocksparse_primal(params, q_block, kv_block, q, k, v, aux, block_mask, q_tok, kv_tok):
+    with params.matmuls():
+        return _forward(params, q_block, kv_block, q, k, v, aux, block_mask, q_tok, kv_tok)[0]
+
+
+_blocksparse = jax.custom_vjp(_blocksparse_primal, nondiff_argnums=(0, 1, 2))
 _blocksparse.defvjp(_blocksparse_fwd, _blocksparse_bwd)
 
 
-def blocksparse_attention(
-    query,
-    key,
-    value,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    softmax_aux=None,
-    block_mask=None,
-    *,
-    softmax_scale: float,
-    causal: bool,
-    sliding_window: tuple[int, int] | None,
-    logits_soft_cap: float | None,
-    q_block_size: int,
-    kv_block_size: int,
-    cfg: BlockSparseAttentionConfig | None = None,
-):
-    batch, q_len = query.shape[:2]
-    kv_len = key.shape[1]
-    params = AttentionParams(
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
+# One compiled program per (shapes, static fields): eager lax.scan would re-trace its body per call.
+@jax.jit
+def _blocksparse_jit(call: BlockSparseAttentionCall) -> jax.Array:
+    (batch, q_len), kv_len = call.query.shape[:2], call.key.shape[1]
+    q_tok = query_tokens(batch, q_len, kv_len, segment_ids=call.q_segment_ids)
+    kv_tok = key_tokens(batch, kv_len, segment_ids=call.kv_segment_ids)
+    return _blocksparse(
+        AttentionParams.of(call), call.q_block_size, call.kv_block_size, call.query, call.key, call.value,
+        call.softmax_aux, call.block_mask, q_tok, kv_tok,
     )
-    q_tok = query_tokens(batch, q_len, kv_len, segment_ids=q_segment_ids)
-    kv_tok = key_tokens(batch, kv_len, segment_ids=kv_segment_ids)
-    return _blocksparse(params, q_block_size, kv_block_size, query, key, value, softmax_aux, block_mask, q_tok, kv_tok)
+
+
+class XlaBlockSparseAttention(Implementation[BlockSparseAttentionCall, NoConfig]):
+    config_type = NoConfig
+
+    def __call__(self, call: BlockSparseAttentionCall, config: NoConfig) -> jax.Array:
+        return _blocksparse_jit(call)
+
+
+IMPLEMENTATION = XlaBlockSparseAttention()

@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "MultiHeadLatentAttentionConfig": "ejkernel.modules.operations.multi_head_latent_attention",
     "blocksparse_attention": "ejkernel.modules.operations.blocksparse_attention",
     "BlockSparseAttention": "ejkernel.modules.operations.blocksparse_attention",
-    "BlockSparseAttentionConfig": "ejkernel.modules.operations.blocksparse_attention",
+    "BlockSparseAttentionCall": "ejkernel.modules.operations.blocksparse_attention",
     "native_sparse_attention": "ejkernel.modules.operations.native_sparse_attention",
     "NativeSparseAttention": "ejkernel.modules.operations.native_sparse_attention",
     "NativeSparseAttentionConfig": "ejkernel.modules.operations.native_sparse_attention",

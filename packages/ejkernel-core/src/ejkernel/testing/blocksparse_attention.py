@@ -1,28 +1,31 @@
 """Reference and conformance suite of ``blocksparse_attention`` (semantics: the module docstring of
-``ejkernel.modules.operations.blocksparse_attention``). Subclass :class:`BlockSparseAttentionConformance`
-and set ``platform``; every gradient is required.
+``ejkernel.modules.operations.blocksparse_attention``). Subclass :class:`BlockSparseAttentionConformance`,
+set ``platform`` (and optionally ``cfg``, a config of the implementation under test); every gradient is
+required.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing._attention_reference import reference_flash_attention
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
-from ejkernel.testing.numerics import Tolerance, assert_close, assert_finite
-from ejkernel.testing.page_attention import (
-    BadInputChecks,
+from ejkernel.testing._attention_reference import reference_flash_attention
+from ejkernel.testing.numerics import (
     DTYPES,
+    BadInputChecks,
+    Tolerance,
+    assert_close,
+    assert_finite,
     check_against_reference,
     forward_and_vjp,
-    random_array,
+    normal_array,
     run_jitted,
 )
 
@@ -99,21 +102,24 @@ class BlockSparseAttentionConformance(BadInputChecks):
         "block_mask",
     )
     platform: ClassVar[str]
+    cfg: ClassVar[Any] = None
+    """Config of the implementation under test used for every call (None: its heuristic)."""
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
     def call(self, query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, **kw):
         from ejkernel.modules import blocksparse_attention
 
         return blocksparse_attention(
-            query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, platform=self.platform, **kw
+            query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, platform=self.platform,
+            **{"cfg": self.cfg, **kw},
         )
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0):
         batch, q_len, kv_len, heads, kv_heads, head_dim, v_dim, block, mask_heads = case
         inputs = dict(
-            query=random_array(seed * 5, (batch, q_len, heads, head_dim), dtype, scale),
-            key=random_array(seed * 5 + 1, (batch, kv_len, kv_heads, head_dim), dtype),
-            value=random_array(seed * 5 + 2, (batch, kv_len, kv_heads, v_dim), dtype),
+            query=normal_array(seed * 5, (batch, q_len, heads, head_dim), dtype, scale),
+            key=normal_array(seed * 5 + 1, (batch, kv_len, kv_heads, head_dim), dtype),
+            value=normal_array(seed * 5 + 2, (batch, kv_len, kv_heads, v_dim), dtype),
         )
         static = dict(block_size=block, block_mask=random_block_mask(seed, batch, mask_heads, q_len, kv_len, *block))
         return inputs, static
@@ -142,7 +148,7 @@ class BlockSparseAttentionConformance(BadInputChecks):
     def test_window_soft_cap_sinks_and_segments(self):
         inputs, static = self.make_inputs(3, CASES["gqa_per_head"], "float32", scale=3.0)
         segments = jnp.asarray(np.repeat(np.array([[0] * 10 + [1] * 23, [0] * 33]), 1, axis=0), jnp.int32)
-        inputs.update(softmax_aux=random_array(33, (4, 2)), q_segment_ids=segments, kv_segment_ids=segments)
+        inputs.update(softmax_aux=normal_array(33, (4, 2)), q_segment_ids=segments, kv_segment_ids=segments)
         static.update(sliding_window=(7, 2), logits_soft_cap=5.0, softmax_scale=0.3)
         self.check(inputs, static, "float32")
 

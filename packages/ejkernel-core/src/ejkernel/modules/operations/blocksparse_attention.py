@@ -1,21 +1,21 @@
 """``blocksparse_attention``: attention restricted by a block-level mask (splash-style), on top of the
 token-level rules of ``flash_attention`` (causal, sliding window, segments, soft cap, sinks).
 
-Canonical call every backend receives (validated and normalized here)::
-
-    blocksparse_attention(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, block_mask, *,
-                          softmax_scale: float, causal: bool, sliding_window: tuple[int, int] | None,
-                          logits_soft_cap: float | None, q_block_size: int, kv_block_size: int, cfg)
+Core validates the public call into one frozen :class:`BlockSparseAttentionCall`, all a backend sees.
+The arguments shared with ``flash_attention`` are checked and normalized by ``FlashAttention.validate``
+(``softmax_scale=None`` -> ``1/sqrt(head_dim)``, ``sliding_window=w`` -> ``(w, w)``, a missing segment-id
+side -> the other one, ``precision``); ``block_size`` becomes ``(q_block_size, kv_block_size)`` and
+``block_mask=None`` all True.
 
 - ``query`` ``[batch, q_len, num_heads, head_dim]``, ``key`` ``[batch, kv_len, num_kv_heads, head_dim]``,
   ``value`` ``[batch, kv_len, num_kv_heads, v_head_dim]`` (one dtype; GQA: query head ``h`` reads kv head
   ``h // (num_heads // num_kv_heads)``); segment ids int32 ``[batch, q_len]`` / ``[batch, kv_len]`` or None
   (both or neither); ``softmax_aux`` (sinks) float ``[num_heads]`` or ``[num_heads, num_sinks]`` or None.
-- ``block_mask`` bool ``[batch or 1, num_heads or 1, ceil(q_len / q_block_size), ceil(kv_len / kv_block_size)]``
-  (core turns ``None`` into all True). Key ``j`` is visible to query ``i`` when
-  ``block_mask[b, h, i // q_block_size, j // kv_block_size]`` and every rule of ``docs/flash_attention.md``
-  holds (queries aligned to the end of the keys: position ``p = i + kv_len - q_len``; causal ``j <= p``;
-  window ``(left, right)``: ``p - left <= j <= p + right``; equal segment ids).
+- ``block_mask`` bool ``[batch or 1, num_heads or 1, ceil(q_len / q_block_size), ceil(kv_len / kv_block_size)]``.
+  Key ``j`` is visible to query ``i`` when ``block_mask[b, h, i // q_block_size, j // kv_block_size]`` and
+  every rule of ``docs/flash_attention.md`` holds (queries aligned to the end of the keys: position
+  ``p = i + kv_len - q_len``; causal ``j <= p``; window ``(left, right)``: ``p - left <= j <= p + right``;
+  equal segment ids).
 - Logits ``softmax_scale * <q, k>`` in float32, then soft cap; sinks join the denominator only. Rows
   with no visible key give zeros. Output ``[batch, q_len, num_heads, v_head_dim]`` in ``query``'s dtype.
 
@@ -24,37 +24,48 @@ Gradients: ``query``, ``key``, ``value`` and ``softmax_aux`` (required of every 
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import check_array, check_positive_int, describe, typechecked
-from ejkernel.modules.operations._validation import (
-    check_qkv,
-    check_softmax_aux,
-    normalize_segment_ids,
-    normalize_sliding_window,
-    normalize_soft_cap,
-)
-from ejkernel.modules.operations.page_attention import resolve_scale
-from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
+from ejkernel.modules.operations.attention import restricted_call
+from ejkernel.modules.operations.flash_attention import FlashAttention
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSparseAttentionConfig:
-    """Launch parameters (block sizes of the compute are the mask's blocks; see the module docstring)."""
+@canonical_call
+class BlockSparseAttentionCall:
+    """A validated ``blocksparse_attention`` call: what every backend receives (see above)."""
 
-    fwd_params: FwdParams | None = None
-    bwd_params: BwdParams | None = None
-    platform: str = "auto"
-    backend: str = "any"
+    query: Float[jax.Array, "batch q_len num_heads head_dim"] = array_field()
+    key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"] = array_field()
+    value: Float[jax.Array, "batch kv_len num_kv_heads v_head_dim"] = array_field()
+    q_segment_ids: Int[jax.Array, "batch q_len"] | None = array_field()
+    """int32; given together with ``kv_segment_ids`` or not at all."""
+    kv_segment_ids: Int[jax.Array, "batch kv_len"] | None = array_field()
+    softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = array_field()
+    block_mask: Bool[jax.Array, "mask_batch mask_heads q_blocks kv_blocks"] = array_field()
+    """``[batch or 1, num_heads or 1, ceil(q_len / q_block_size), ceil(kv_len / kv_block_size)]``."""
+    softmax_scale: float = 1.0
+    causal: bool = True
+    sliding_window: tuple[int, int] | None = None
+    logits_soft_cap: float | None = None
+    q_block_size: int = 128
+    kv_block_size: int = 128
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
+
+    # a flash_attention feature this operation does not have (code shared with it reads it)
+    dropout_prob: ClassVar[float] = 0.0
 
 
-def normalize_block_size(value) -> tuple[int, int]:
+def normalize_block_size(value: Any) -> tuple[int, int]:
+    """An int ``b`` (-> ``(b, b)``) or a ``(q_block_size, kv_block_size)`` pair of positive ints."""
     pair = (value, value) if not isinstance(value, (tuple, list)) else tuple(value)
     if len(pair) != 2:
         raise ValueError(f"block_size must be an int or a (q_block_size, kv_block_size) pair, got {value!r}")
@@ -63,11 +74,22 @@ def normalize_block_size(value) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def check_block_mask(block_mask: Any, batch: int, num_heads: int, blocks: tuple[int, int], block_size: tuple[int, int]):
+    check_array(
+        "block_mask", block_mask, rank=4, dtypes=(jnp.bool_,), what="[batch or 1, num_heads or 1, q_blocks, kv_blocks]"
+    )
+    shape = block_mask.shape
+    if shape[0] not in (1, batch) or shape[1] not in (1, num_heads) or tuple(shape[2:]) != blocks:
+        raise ValueError(
+            f"block_mask must have shape [{batch} or 1, {num_heads} or 1, {blocks[0]}, {blocks[1]}] "
+            f"(ceil(q_len / {block_size[0]}), ceil(kv_len / {block_size[1]})), got {describe(block_mask)}"
+        )
+
+
 class BlockSparseAttention(RegistryOperation):
     """Block-sparse attention (see the module docstring)."""
 
     algorithm = "blocksparse_attention"
-    config_type = BlockSparseAttentionConfig
 
     def validate(
         self,
@@ -84,39 +106,30 @@ class BlockSparseAttention(RegistryOperation):
         sliding_window=None,
         logits_soft_cap=None,
         block_size=128,
-    ):
-        batch, q_len, num_heads, head_dim, kv_len, _ = check_qkv(query, key, value)
-        q_segment_ids, kv_segment_ids = normalize_segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
-        check_softmax_aux(softmax_aux, num_heads)
+        precision=None,
+    ) -> BlockSparseAttentionCall:
+        flash_call = FlashAttention().validate(
+            query,
+            key,
+            value,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            softmax_aux=softmax_aux,
+            precision=precision,
+        )
+        (batch, q_len, num_heads, _), kv_len = query.shape, key.shape[1]
         q_block, kv_block = normalize_block_size(block_size)
         blocks = (math.ceil(q_len / q_block), math.ceil(kv_len / kv_block))
         if block_mask is None:
             block_mask = jnp.ones((1, 1, *blocks), bool)
-        check_array(
-            "block_mask",
-            block_mask,
-            rank=4,
-            dtypes=(jnp.bool_,),
-            what="[batch or 1, num_heads or 1, q_blocks, kv_blocks]",
+        check_block_mask(block_mask, batch, num_heads, blocks, (q_block, kv_block))
+        return restricted_call(
+            flash_call, BlockSparseAttentionCall, block_mask=block_mask, q_block_size=q_block, kv_block_size=kv_block
         )
-        bm = block_mask.shape
-        if bm[0] not in (1, batch) or bm[1] not in (1, num_heads) or tuple(bm[2:]) != blocks:
-            raise ValueError(
-                f"block_mask must have shape [{batch} or 1, {num_heads} or 1, {blocks[0]}, {blocks[1]}] "
-                f"(ceil(q_len / {q_block}), ceil(kv_len / {kv_block})), got {describe(block_mask)}"
-            )
-        if not isinstance(causal, bool):
-            raise ValueError(f"causal must be a bool, got {causal!r}")
-        args = (query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, block_mask)
-        kwargs = dict(
-            softmax_scale=resolve_scale("softmax_scale", softmax_scale, head_dim),
-            causal=causal,
-            sliding_window=normalize_sliding_window(sliding_window),
-            logits_soft_cap=normalize_soft_cap(logits_soft_cap),
-            q_block_size=q_block,
-            kv_block_size=kv_block,
-        )
-        return args, kwargs
 
 
 @typechecked
@@ -134,8 +147,9 @@ def blocksparse_attention(
     sliding_window: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
     softmax_scale: float | None = None,
+    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
-    cfg: BlockSparseAttentionConfig | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "batch q_len num_heads v_head_dim"]:
     """Attention over the blocks that ``block_mask`` enables (see the module docstring).
 
@@ -146,8 +160,11 @@ def blocksparse_attention(
         block_mask: bool ``[batch|1, heads|1, q_blocks, kv_blocks]``; None = every block.
         block_size: the mask's block size, int or ``(q_block_size, kv_block_size)``.
         causal, sliding_window, logits_soft_cap, softmax_scale: as in ``flash_attention``.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
         platform: ``"auto"`` or a platform name.
-        cfg: a :class:`BlockSparseAttentionConfig`, or None.
+        cfg: one implementation's config (XLA: ``ejkernel.NoConfig()``: its blocks are the mask's); it
+            selects that implementation. None: the chosen implementation's heuristic.
     """
     return execute(
         BlockSparseAttention(),
@@ -163,6 +180,7 @@ def blocksparse_attention(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         block_size=block_size,
+        precision=precision,
         platform=platform,
         cfg=cfg,
     )
