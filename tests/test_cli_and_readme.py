@@ -8,7 +8,9 @@ import re
 import pytest
 from support import REPO, clean_env, run
 
+import ejkernel.cli
 from ejkernel.cli import main, support_matrix
+from ejkernel.plugins import BackendInfo, LoadedBackend, backends
 
 EJKERNEL = str(REPO / ".venv" / "bin" / "ejkernel")
 
@@ -26,11 +28,77 @@ def test_list_backends_shows_the_four_first_party_backends_honestly(capsys):
         assert row["distribution"] == f"ejkernel-{row['name']}" and row["version"]
 
 
-def test_list_backends_table_and_check_exit_code(capsys):
+def test_list_backends_table_and_check_exit_code(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     assert main(["list-backends", "--check"]) == 0
     table = capsys.readouterr().out
     assert table.splitlines()[0].split() == ["backend", "distribution", "platforms", "targets", "kernels", "status"]
     assert re.search(r"^xla\s+ejkernel-xla \S+\s+xla\s+cpu,gpu,tpu\s+\d+\s+ok$", table, re.M)
+    assert re.search(r"^triton\s+ejkernel-triton \S+\s+triton\s+gpu\s+\d+\s+unavailable$", table, re.M)
+    assert max(map(len, table.splitlines())) <= 80
+
+
+def test_list_backends_json_is_every_backend_record_unchanged(capsys):
+    assert main(["list-backends", "--json"]) == 0
+    expected = [backend.as_dict() for backend in sorted(backends().values(), key=lambda b: b.name)]
+    assert json.loads(capsys.readouterr().out) == expected
+
+
+def _fake_backend(name, distribution, status_reason=None, error=None):
+    info = BackendInfo(name=name, distribution=distribution, version="10.20.30", platforms=("xla",),
+                       targets=("cpu", "gpu", "tpu"), check_usable=lambda: status_reason)
+    return LoadedBackend(name=name, distribution=distribution, version="10.20.30", info=info, error=error,
+                         implementations=12)
+
+
+def _table_cells(text: str) -> list[list[str]]:
+    """The rows of a printed table, with each wrapped cell joined back together."""
+    lines = text.split("\n\n")[0].splitlines()
+    spans, start = [], 0
+    for dashes in lines[1].split("  "):
+        spans.append((start, start + len(dashes)))
+        start += len(dashes) + 2
+    rows: list[list[str]] = []
+    for line in lines[2:]:
+        parts = [line[a:b].strip() for a, b in spans]
+        if parts[0]:
+            rows.append(parts)
+        else:
+            rows[-1] = [old + ("" if old.endswith("-") or not new else " ") + new for old, new in zip(rows[-1], parts)]
+    return rows
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_list_backends_fits_the_terminal_long_reasons_wrap_or_go_to_verbose(capsys, monkeypatch, columns):
+    advice = "Install the driver and a runtime that matches it, then restart the process. " * 3
+    fake = {
+        "third_party": _fake_backend(
+            "third_party", "ejkernel-third-party-example-distribution",
+            status_reason="no accelerator of the kind this backend needs is visible. " + advice),
+        "broken": _fake_backend("broken", "ejkernel-broken", error="ImportError: " + "x" * 150),
+        "xla": _fake_backend("xla", "ejkernel-xla"),
+    }
+    monkeypatch.setattr(ejkernel.cli, "backends", lambda: fake)
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main(["list-backends"]) == 0
+    short = capsys.readouterr().out
+    assert main(["list-backends", "--verbose"]) == 0
+    verbose = capsys.readouterr().out
+    for text in (short, verbose):
+        assert max(map(len, text.splitlines())) <= columns
+        assert _table_cells(text) == [
+            ["broken", "ejkernel-broken 10.20.30", "xla", "cpu,gpu,tpu", "12", "error"],
+            ["third_party", "ejkernel-third-party-example-distribution 10.20.30", "xla",
+             "cpu,gpu,tpu", "12", "unavailable"],
+            ["xla", "ejkernel-xla 10.20.30", "xla", "cpu,gpu,tpu", "12", "ok"],
+        ]
+        notes = " ".join(text.split("\n\n")[1].split())
+        assert "third_party: unavailable: no accelerator of the kind this backend needs is visible." in notes
+        assert "broken: error: ImportError: " in notes and "".join(text.split()).count("x" * 150) == 1  # whole
+    assert "Install the driver" not in short and "list-backends --verbose" in short
+    assert " ".join(advice.split()) in " ".join(verbose.split()) and "--verbose" not in verbose
+    assert main(["list-backends", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [fake[name].as_dict() for name in sorted(fake)]
 
 
 def test_list_kernels_matches_the_registry(capsys):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ejkernel.ops import FwdParams, PersistentCache
-from ejkernel.ops.cli import main, register_cache_cli, split_key
+from ejkernel.cli import main, register_cache_cli, split_key
 
 KEY_A = "flash@1|kind=gpu|model=NVIDIA H100|platform=gpu|jax=0.11.2|jaxlib=0.11.2|backend=cuda|(float32[2,3]){}"
 KEY_B = "other@2|kind=cpu|model=cpu|platform=cpu|jax=0.11.2|jaxlib=0.11.2|backend=cpu|(){x=1}"
@@ -110,7 +110,7 @@ def test_register_on_a_foreign_parser_and_help(capsys):
 
 def test_standalone_module(filled):
     result = subprocess.run(
-        [sys.executable, "-m", "ejkernel.ops.cli", "cache", "--path", str(filled), "list"],
+        [sys.executable, "-m", "ejkernel.cli", "cache", "--path", str(filled), "list"],
         capture_output=True,
         text=True,
         timeout=120,
