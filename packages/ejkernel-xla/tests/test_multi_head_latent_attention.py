@@ -1,26 +1,49 @@
-"""XLA ``multi_head_latent_attention`` against the shared conformance suite, plus both XLA forms."""
+"""XLA ``multi_head_latent_attention`` against the shared conformance suite, plus both XLA forms, blocks
+smaller than the sequence, and the matmul precision of forward and backward."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import pytest
 
-from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttentionConfig
 from ejkernel.testing.multi_head_latent_attention import (
     CASES,
+    WRT,
     MultiHeadLatentAttentionConformance,
     reference_multi_head_latent_attention,
 )
-from ejkernel.testing.numerics import assert_close
-from ejkernel.testing.page_attention import run_jitted
+from ejkernel.testing.numerics import assert_close, matmul_precisions, run_jitted
+from ejkernel_xla.multi_head_latent_attention import XlaMlaConfig
+
+HIGHEST, DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
 
 
 class TestXlaMultiHeadLatentAttention(MultiHeadLatentAttentionConformance):
     platform = "xla"
 
-    def test_both_forms_agree(self):
-        inputs = self.make_inputs(11, CASES["expanded_rope"], "float32")
+    @pytest.mark.parametrize("absorb", [True, False], ids=["latent-space", "expanded"])
+    def test_both_forms_agree_across_block_borders(self, absorb):
+        inputs = self.make_inputs(11, CASES["expanded_rope"], "float32")  # seq_len 17
         expected = run_jitted(reference_multi_head_latent_attention, **inputs, causal=True)
-        for absorb in (True, False):
-            cfg = MultiHeadLatentAttentionConfig(absorb=absorb)
-            out = jax.jit(lambda **kw: self.call(**kw, causal=True, cfg=cfg))(**inputs)  # noqa: B023
-            assert_close(out, expected, dtype="float32", name=f"absorb={absorb}")
+        cfg = XlaMlaConfig(absorb=absorb, block_q=8, block_kv=5, bwd_block_q=6, bwd_block_kv=8)
+        out = run_jitted(self.call, **inputs, causal=True, cfg=cfg)
+        assert_close(out, expected, dtype="float32", name=f"absorb={absorb}")
+
+    @pytest.mark.parametrize("absorb", [True, False], ids=["latent-space", "expanded"])
+    @pytest.mark.parametrize(
+        "dtype,precision,expected",
+        [("float32", None, HIGHEST), ("float32", "default", DEFAULT), ("bfloat16", None, DEFAULT)],
+        ids=["float32", "float32-asked-default", "bfloat16"],
+    )
+    def test_matmuls_run_at_the_call_precision(self, absorb, dtype, precision, expected):
+        inputs = self.make_inputs(12, CASES["expanded_rope"], dtype)
+        cfg = XlaMlaConfig(absorb=absorb)
+        wrt = WRT + ("b_q", "b_k")
+
+        def loss(*diff):
+            out = self.call(**{**inputs, **dict(zip(wrt, diff))}, causal=True, precision=precision, cfg=cfg)
+            return out.astype(jnp.float32).sum()
+
+        precisions = matmul_precisions(jax.grad(loss, argnums=range(len(wrt))), *(inputs[n] for n in wrt))
+        assert precisions and set(precisions) == {expected}, precisions

@@ -85,15 +85,7 @@ class XlaFlashAttention(Implementation[FlashAttentionCall, XlaFlashConfig]):
 IMPLEMENTATION = XlaFlashAttention()
 
 
-# TODO(#18): removed once attention / MLA / ring take canonical calls (they use AttentionParams.of, XlaFlashConfig).
-def _block_sizes(cfg, q_len: int, kv_len: int, head_dim: int):
-    fwd, bwd = getattr(cfg, "fwd_params", None), getattr(cfg, "bwd_params", None)
-    return default_block_sizes(
-        q_len, kv_len, head_dim, q_block=getattr(fwd, "q_blocksize", None), kv_block=getattr(fwd, "kv_blocksize", None),
-        bwd_q=getattr(bwd, "q_blocksize", None), bwd_kv=getattr(bwd, "kv_blocksize", None),
-    )
-
-
+# TODO(#18): removed once ring_attention takes a canonical call (it builds AttentionParams.of(call)).
 def attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob) -> AttentionParams:
     return AttentionParams(
         softmax_scale=float(softmax_scale), causal=bool(causal),

@@ -7,16 +7,33 @@ memory O(S)) on one of two equivalent forms, whichever costs fewer FLOPs per (qu
   to the latent itself as one shared kv head, then up-project the result with ``w_vc``. No per-head
   keys/values are ever materialized.
 
-Gradients of every input flow through the blockwise kernel's VJP and the surrounding einsums.
+Gradients of every input flow through the blockwise kernel's VJP and the surrounding einsums; every
+matmul (forward and backward) runs at the call's precision. Every feature is implemented; nothing is
+refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttentionConfig
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttentionCall
 from ejkernel_xla._blockwise import AttentionParams, flash_attention_blockwise, key_tokens, query_tokens
-from ejkernel_xla.flash_attention import _block_sizes
+from ejkernel_xla.flash_attention import XlaFlashConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaMlaConfig(XlaFlashConfig):
+    """The blockwise loop's block sizes (as in ``XlaFlashConfig``) and the form: ``absorb=True`` attends in
+    the latent space (one shared kv head of width ``kv_lora_rank``), ``False`` on expanded per-head
+    keys/values, ``None`` whichever costs fewer FLOPs."""
+
+    absorb: bool | None = None
 
 
 def absorb_is_cheaper(kv_lora_rank: int, head_dim: int, v_head_dim: int) -> bool:
@@ -24,23 +41,12 @@ def absorb_is_cheaper(kv_lora_rank: int, head_dim: int, v_head_dim: int) -> bool
     return 2 * kv_lora_rank <= head_dim + v_head_dim
 
 
-def multi_head_latent_attention(
-    query,
-    key_value,
-    w_kc,
-    w_vc,
-    b_q=None,
-    b_k=None,
-    *,
-    softmax_scale: float,
-    causal: bool,
-    cu_seqlens=None,
-    cfg: MultiHeadLatentAttentionConfig | None = None,
-):
+def _mla(call: MultiHeadLatentAttentionCall, config: XlaMlaConfig) -> jax.Array:
+    query, key_value, w_kc, w_vc, b_q, b_k = call.query, call.key_value, call.w_kc, call.w_vc, call.b_q, call.b_k
     batch, seq_len, num_heads, head_dim = query.shape
     rank, num_kv_heads, v_head_dim = w_vc.shape
     group = num_heads // num_kv_heads
-    absorb = cfg.absorb if cfg is not None and cfg.absorb is not None else absorb_is_cheaper(rank, head_dim, v_head_dim)
+    absorb = config.absorb if config.absorb is not None else absorb_is_cheaper(rank, head_dim, v_head_dim)
     f32 = jnp.float32
 
     if b_q is not None and b_q.ndim == 3:
@@ -68,13 +74,31 @@ def multi_head_latent_attention(
         q,
         k,
         v,
-        params=AttentionParams(softmax_scale=float(softmax_scale), causal=bool(causal)),
-        blocks=_block_sizes(cfg, seq_len, seq_len, q.shape[-1]),
-        q_tokens=query_tokens(batch, seq_len, seq_len, cum_seqlens_q=cu_seqlens, cum_seqlens_k=cu_seqlens),
-        kv_tokens=key_tokens(batch, seq_len, cum_seqlens_k=cu_seqlens),
+        params=AttentionParams(softmax_scale=call.softmax_scale, causal=call.causal, precision=call.precision),
+        blocks=config.blocks(seq_len, seq_len, q.shape[-1]),
+        q_tokens=query_tokens(batch, seq_len, seq_len, cum_seqlens_q=call.cu_seqlens, cum_seqlens_k=call.cu_seqlens),
+        kv_tokens=key_tokens(batch, seq_len, cum_seqlens_k=call.cu_seqlens),
     )
     if absorb:
         grouped_out = out.reshape(batch, seq_len, num_kv_heads, group, rank)
         out = jnp.einsum("bskgr,rkd->bskgd", grouped_out, w_vc, preferred_element_type=f32)
         out = out.reshape(batch, seq_len, num_heads, v_head_dim)
     return out.astype(query.dtype)
+
+
+# One compiled program per (shapes, static fields, config): eager lax.scan would re-trace its body per call.
+@functools.partial(jax.jit, static_argnames="config")
+def _mla_jit(call: MultiHeadLatentAttentionCall, config: XlaMlaConfig) -> jax.Array:
+    # the projections around the blockwise kernel are plain autodiff: their transposes keep this precision
+    with matmul_precision(call.precision):
+        return _mla(call, config)
+
+
+class XlaMultiHeadLatentAttention(Implementation[MultiHeadLatentAttentionCall, XlaMlaConfig]):
+    config_type = XlaMlaConfig
+
+    def __call__(self, call: MultiHeadLatentAttentionCall, config: XlaMlaConfig) -> jax.Array:
+        return _mla_jit(call, config)
+
+
+IMPLEMENTATION = XlaMultiHeadLatentAttention()

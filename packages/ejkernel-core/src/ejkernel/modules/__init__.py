@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "mla_attention": "ejkernel.modules.operations.multi_head_latent_attention",
     "MultiHeadLatentAttention": "ejkernel.modules.operations.multi_head_latent_attention",
     "FlashMLA": "ejkernel.modules.operations.multi_head_latent_attention",
-    "MultiHeadLatentAttentionConfig": "ejkernel.modules.operations.multi_head_latent_attention",
+    "MultiHeadLatentAttentionCall": "ejkernel.modules.operations.multi_head_latent_attention",
     "blocksparse_attention": "ejkernel.modules.operations.blocksparse_attention",
     "BlockSparseAttention": "ejkernel.modules.operations.blocksparse_attention",
     "BlockSparseAttentionCall": "ejkernel.modules.operations.blocksparse_attention",

@@ -1,12 +1,13 @@
 """Reference and conformance suite of ``multi_head_latent_attention`` (semantics: the module docstring
 of ``ejkernel.modules.operations.multi_head_latent_attention``). Subclass
-:class:`MultiHeadLatentAttentionConformance` and set ``platform``; every gradient is required.
+:class:`MultiHeadLatentAttentionConformance`, set ``platform`` (and optionally ``cfg``, a config of the
+implementation under test); every gradient is required.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +15,14 @@ import numpy as np
 import pytest
 
 from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttention
-from ejkernel.testing.numerics import Tolerance, assert_close
-from ejkernel.testing.page_attention import (
-    BadInputChecks,
+from ejkernel.testing._attention_reference import masked_softmax_attention
+from ejkernel.testing.numerics import (
     DTYPES,
+    BadInputChecks,
+    Tolerance,
+    assert_close,
     check_against_reference,
-    masked_softmax_attention,
-    random_array,
+    normal_array,
     run_jitted,
 )
 
@@ -69,29 +71,33 @@ class MultiHeadLatentAttentionConformance(BadInputChecks):
     operation_type: ClassVar[type] = MultiHeadLatentAttention
     operation_arguments: ClassVar[tuple[str, ...]] = ("query", "key_value", "w_kc", "w_vc", "b_q", "b_k")
     platform: ClassVar[str]
+    cfg: ClassVar[Any] = None
+    """Config of the implementation under test used for every call (None: its heuristic)."""
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
     def call(self, query, key_value, w_kc, w_vc, b_q=None, b_k=None, **kw):
         from ejkernel.modules import multi_head_latent_attention
 
-        return multi_head_latent_attention(query, key_value, w_kc, w_vc, b_q, b_k, platform=self.platform, **kw)
+        return multi_head_latent_attention(
+            query, key_value, w_kc, w_vc, b_q, b_k, platform=self.platform, **{"cfg": self.cfg, **kw}
+        )
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0):
         batch, seq_len, heads, kv_heads, head_dim, v_head_dim, rank, rope_dim, per_head = case
         # up-projections scaled so keys/values have unit variance
         w_scale = rank**-0.5
         inputs = dict(
-            query=random_array(seed * 7, (batch, seq_len, heads, head_dim), dtype, scale),
-            key_value=random_array(seed * 7 + 1, (batch, seq_len, rank), dtype),
-            w_kc=random_array(seed * 7 + 2, (rank, kv_heads, head_dim), dtype, w_scale),
-            w_vc=random_array(seed * 7 + 3, (rank, kv_heads, v_head_dim), dtype, w_scale),
+            query=normal_array(seed * 7, (batch, seq_len, heads, head_dim), dtype, scale),
+            key_value=normal_array(seed * 7 + 1, (batch, seq_len, rank), dtype),
+            w_kc=normal_array(seed * 7 + 2, (rank, kv_heads, head_dim), dtype, w_scale),
+            w_vc=normal_array(seed * 7 + 3, (rank, kv_heads, v_head_dim), dtype, w_scale),
             b_q=None,
             b_k=None,
         )
         if rope_dim:
             q_shape = (batch, seq_len, heads, rope_dim) if per_head else (batch, seq_len, rope_dim)
-            inputs["b_q"] = random_array(seed * 7 + 4, q_shape, dtype, scale)
-            inputs["b_k"] = random_array(seed * 7 + 5, (batch, seq_len, rope_dim), dtype)
+            inputs["b_q"] = normal_array(seed * 7 + 4, q_shape, dtype, scale)
+            inputs["b_k"] = normal_array(seed * 7 + 5, (batch, seq_len, rope_dim), dtype)
         return inputs
 
     def check(self, inputs, dtype, **static):

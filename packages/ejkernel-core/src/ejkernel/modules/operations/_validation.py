@@ -315,6 +315,18 @@ def normalize_cum_seqlens(cum_seqlens_q, cum_seqlens_k, batch: int, q_len: int, 
     return cum_seqlens_q.astype(jnp.int32), cum_seqlens_k.astype(jnp.int32)
 
 
+def normalize_packed_seqlens(cu_seqlens, query, name: str = "cu_seqlens"):
+    """Offsets of sequences packed along axis 1 of ``query`` (then batch is 1): int ``[N + 1]`` -> int32."""
+    if cu_seqlens is None:
+        return None
+    check_cum_seqlens(name, cu_seqlens, query.shape[1], "seq_len of query")
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"with {name} the sequences are packed along seq_len, so batch must be 1; got query {describe(query)}"
+        )
+    return cu_seqlens.astype(jnp.int32)
+
+
 def check_softmax_aux(softmax_aux, num_heads: int, name: str = "softmax_aux"):
     """Attention-sink logits: float ``[num_heads]`` or ``[num_heads, num_sinks]`` (one row per query head)."""
     if softmax_aux is None:

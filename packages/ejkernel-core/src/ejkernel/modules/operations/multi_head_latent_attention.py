@@ -1,10 +1,8 @@
 """``multi_head_latent_attention`` (alias ``flash_mla``, ``mla_attention``): DeepSeek multi-head latent
 attention, keys and values given as a shared low-rank latent plus per-head up-projections.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    multi_head_latent_attention(query, key_value, w_kc, w_vc, b_q, b_k, *, softmax_scale: float,
-                                causal: bool, cu_seqlens, cfg)
+Core validates the public call into one frozen :class:`MultiHeadLatentAttentionCall`, all a backend
+sees (``softmax_scale=None`` -> ``1/sqrt(head_dim + rope_dim)``, ``cu_seqlens`` -> int32, ``precision``):
 
 - ``query`` ``[batch, seq_len, num_heads, head_dim]``; ``key_value`` ``[batch, seq_len, kv_lora_rank]``
   (the latent); ``w_kc`` ``[kv_lora_rank, num_kv_heads, head_dim]`` and ``w_vc``
@@ -25,47 +23,68 @@ Gradients: ``query``, ``key_value``, ``w_kc``, ``w_vc``, ``b_q`` and ``b_k`` (al
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import jax
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     FLOAT_DTYPES,
     check_array,
-    check_cum_seqlens,
+    check_bool,
     check_dim,
+    check_gqa,
     check_same_dtype,
     describe,
+    normalize_packed_seqlens,
+    resolve_softmax_scale,
     typechecked,
 )
-from ejkernel.modules.operations.page_attention import check_gqa, resolve_scale
-from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
 
 
-@dataclasses.dataclass(frozen=True)
-class MultiHeadLatentAttentionConfig:
-    """Block sizes (as in ``FlashAttentionConfig``) and, for XLA, whether to attend in the latent space
-    (``absorb=True``: one shared kv head of width ``kv_lora_rank``) or on expanded per-head keys/values
-    (``False``); ``None`` picks the cheaper one."""
+@canonical_call
+class MultiHeadLatentAttentionCall:
+    """A validated ``multi_head_latent_attention`` call: what every backend receives (see above)."""
 
-    fwd_params: FwdParams | None = None
-    bwd_params: BwdParams | None = None
-    absorb: bool | None = None
-    platform: str = "auto"
-    backend: str = "any"
+    query: Float[jax.Array, "batch seq_len num_heads head_dim"] = array_field()
+    key_value: Float[jax.Array, "batch seq_len kv_lora_rank"] = array_field()
+    w_kc: Float[jax.Array, "kv_lora_rank num_kv_heads head_dim"] = array_field()
+    w_vc: Float[jax.Array, "kv_lora_rank num_kv_heads v_head_dim"] = array_field()
+    b_q: Float[jax.Array, "batch seq_len rope_dim"] | Float[jax.Array, "batch seq_len num_heads rope_dim"] | None = (
+        array_field()
+    )
+    """Given together with ``b_k`` or not at all."""
+    b_k: Float[jax.Array, "batch seq_len rope_dim"] | None = array_field()
+    cu_seqlens: Int[jax.Array, "num_seqs_plus_one"] | None = array_field()
+    """int32; then batch is 1."""
+    softmax_scale: float = 1.0
+    causal: bool = False
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
 
 
 class MultiHeadLatentAttention(RegistryOperation):
     """DeepSeek multi-head latent attention (see the module docstring)."""
 
     algorithm = "multi_head_latent_attention"
-    config_type = MultiHeadLatentAttentionConfig
 
     def validate(
-        self, query, key_value, w_kc, w_vc, b_q=None, b_k=None, *, softmax_scale=None, causal=False, cu_seqlens=None
-    ):
+        self,
+        query,
+        key_value,
+        w_kc,
+        w_vc,
+        b_q=None,
+        b_k=None,
+        *,
+        softmax_scale=None,
+        causal=False,
+        cu_seqlens=None,
+        precision=None,
+    ) -> MultiHeadLatentAttentionCall:
         check_array("query", query, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq_len, num_heads, head_dim]")
         check_array("key_value", key_value, rank=3, dtypes=FLOAT_DTYPES, what="[batch, seq_len, kv_lora_rank]")
         check_array("w_kc", w_kc, rank=3, dtypes=FLOAT_DTYPES, what="[kv_lora_rank, num_kv_heads, head_dim]")
@@ -101,17 +120,18 @@ class MultiHeadLatentAttention(RegistryOperation):
                 raise ValueError(
                     f"b_q must have shape {list(expected[0])} or {list(expected[1])} (from query and b_k), got {describe(b_q)}"
                 )
-        if not isinstance(causal, bool):
-            raise ValueError(f"causal must be a bool, got {causal!r}")
-        if cu_seqlens is not None:
-            check_cum_seqlens("cu_seqlens", cu_seqlens, seq_len, "seq_len of query")
-            if batch != 1:
-                raise ValueError(
-                    f"with cu_seqlens the sequences are packed along seq_len, so batch must be 1; got query {describe(query)}"
-                )
-            cu_seqlens = cu_seqlens.astype("int32")
-        scale = resolve_scale("softmax_scale", softmax_scale, head_dim + rope_dim)
-        return (query, key_value, w_kc, w_vc, b_q, b_k), dict(softmax_scale=scale, causal=causal, cu_seqlens=cu_seqlens)
+        return MultiHeadLatentAttentionCall(
+            query=query,
+            key_value=key_value,
+            w_kc=w_kc,
+            w_vc=w_vc,
+            b_q=b_q,
+            b_k=b_k,
+            cu_seqlens=normalize_packed_seqlens(cu_seqlens, query),
+            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim + rope_dim),
+            causal=check_bool("causal", causal),
+            precision=resolve_precision(precision, query.dtype),
+        )
 
 
 @typechecked
@@ -129,7 +149,8 @@ def multi_head_latent_attention(
     cu_seqlens: Int[jax.Array, "num_seqs_plus_one"] | None = None,
     platform: str = "auto",
     *,
-    cfg: MultiHeadLatentAttentionConfig | None = None,
+    precision: str | jax.lax.Precision | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "batch seq_len num_heads v_head_dim"]:
     """Multi-head latent attention (see the module docstring for the exact semantics).
 
@@ -142,7 +163,10 @@ def multi_head_latent_attention(
         causal: key ``j`` visible to query ``i`` only when ``j <= i``.
         cu_seqlens: int ``[num_seqs + 1]`` packed sequences (``batch == 1``).
         platform: ``"auto"`` or a platform name.
-        cfg: a :class:`MultiHeadLatentAttentionConfig`, or None for the backend's heuristic.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
+        cfg: one implementation's config (e.g. ``ejkernel_xla.multi_head_latent_attention.XlaMlaConfig``);
+            it selects that implementation. None: cached, tuned or heuristic config of the chosen one.
 
     Returns:
         ``[batch, seq_len, num_heads, v_head_dim]`` in ``query``'s dtype.
@@ -158,6 +182,7 @@ def multi_head_latent_attention(
         softmax_scale=softmax_scale,
         causal=causal,
         cu_seqlens=cu_seqlens,
+        precision=precision,
         platform=platform,
         cfg=cfg,
     )
