@@ -199,3 +199,57 @@ def test_declared_backend_registers_plain_and_per_backend_keys():
     assert {(s.algorithm, s.backend.value, s.priority) for a in ("everywhere", "tpu_only")
             for s in host.registry.list_implementations(a)} == {
         ("everywhere", "tpu", 7), ("everywhere", "gpu", 7), ("tpu_only", "tpu", 7)}
+
+
+def test_a_platform_a_plugin_declares_is_accepted_everywhere_and_undeclared_names_are_refused():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from ejkernel import Implementation
+    from ejkernel.kernels import Platform
+    from ejkernel.modules import flash_attention
+    from ejkernel.plugins import host
+
+    with pytest.raises(ValueError, match=r"platform='mytpu' is not a platform; .*declares in BackendInfo.platforms"):
+        flash_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)), platform="mytpu")
+
+    @dataclasses.dataclass(frozen=True)
+    class MyTpuConfig:
+        scale: float = 1.0
+
+    class MyTpuFlash(Implementation):
+        config_type = MyTpuConfig
+
+        def __call__(self, call, config):
+            return call.query * config.scale
+
+    def register(registry, plugin):
+        registry.register("flash_attention", "mytpu", "any", priority=-1, plugin=plugin)(MyTpuFlash())
+
+    plugins_host = host()
+    plugins_host.load_plugin(
+        _plugin("mytpu_backend", info=lambda: BackendInfo(name="mytpu_backend", distribution="dist-mytpu", version="1",
+                                                         platforms=("mytpu",), targets=("cpu",)),
+                register=register),
+        name="mytpu_backend",
+    )
+    try:
+        assert Platform("mytpu") is Platform("MyTPU".lower()) == "mytpu" and Platform("mytpu").value == "mytpu"
+        assert "mytpu" not in [p.value for p in Platform]  # the spec's five members stay the members
+        q = jnp.arange(64.0).reshape(1, 4, 2, 8)
+        assert (flash_attention(q, q, q, platform="mytpu") == q).all()
+        assert (flash_attention(q, q, q, cfg=MyTpuConfig(scale=2.0)) == 2 * q).all()  # its config selects it
+        assert [s.platform for s in plugins_host.registry.find("flash_attention", "mytpu")] == [Platform("mytpu")]
+    finally:
+        plugins_host.registry.unregister_plugin("mytpu_backend")
+        plugins_host.manager.unregister(name="mytpu_backend")
+        plugins_host.backends.pop("mytpu_backend", None)
+
+    private = PluginHost(KernelRegistry())
+    with pytest.warns(PluginWarning, match="platform name 'My TPU' must be a lower-case identifier"):
+        bad = private.load_plugin(_plugin("bad_name", info=lambda: BackendInfo(
+            name="bad_name", distribution="d", version="1", platforms=("My TPU",), targets=("cpu",))), name="bad_name")
+    assert bad.status.startswith("error: ValueError")
+    with pytest.raises(ValueError, match="platform='undeclared_tpu' is not a platform"):
+        KernelRegistry().register("a", "undeclared_tpu", "cpu")

@@ -7,6 +7,7 @@ from ejkernel.kernels._registry import (
     LazyImplementation,
     Platform,
     current_backend,
+    declare_platform,
     kernel_registry,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "LazyImplementation",
     "Platform",
     "current_backend",
+    "declare_platform",
     "kernel_registry",
 ]

@@ -5,6 +5,14 @@ Implementations are registered under an algorithm name (case-insensitive) with a
 highest-priority match. Backend plugins register *lazily* (``register_lazy``): only the import path is
 recorded, and the implementation module is imported on first call, so discovering plugins at
 ``import ejkernel`` costs no kernel imports.
+
+Platforms are the five first-party ones plus any name a loaded backend plugin declares in
+``BackendInfo.platforms`` (:func:`declare_platform`): ``Platform("mytpu")`` and ``platform="mytpu"`` work
+once a plugin declared it, and name the declared platforms in their error otherwise.
+
+This module imports nothing else of ejkernel but its errors: the plugin host (``ejkernel.plugins``)
+builds on it, and installs the richer "which plugin would provide this" hint into the registry it loads
+into (:attr:`KernelRegistry.provider_hint`).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -22,15 +31,51 @@ from ejkernel.errors import KernelNotFoundError
 
 F = TypeVar("F", bound=Callable)
 
+FIRST_PARTY = {"xla": "ejkernel-xla", "triton": "ejkernel-triton", "pallas": "ejkernel-pallas", "cuda": "ejkernel-cuda"}
+"""Which first-party distribution provides each platform (for install hints)."""
+
+_declared_platforms: set[str] = set()
+_PLATFORM_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+
 
 class Platform(StrEnum):
-    """How an implementation is written (and compiled)."""
+    """How an implementation is written (and compiled): the first-party members, or a name a backend
+    plugin declared (:func:`declare_platform`), which ``Platform(name)`` then accepts too."""
 
     TRITON = "triton"
     PALLAS = "pallas"
     CUDA = "cuda"
     CUTE = "cute"
     XLA = "xla"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Platform | None:
+        if not (isinstance(value, str) and value in _declared_platforms):
+            return None
+        member = str.__new__(cls, value)
+        member._name_, member._value_ = value.upper(), value
+        return cls._value2member_map_.setdefault(value, member)  # one object per name, like the members
+
+
+def declare_platform(name: str) -> Platform:
+    """Make ``name`` a :class:`Platform` (the plugin host does it for every ``BackendInfo.platforms`` entry).
+
+    A platform name is a lower-case identifier (it appears in cache keys and ``run_<platform>``).
+    """
+    if not isinstance(name, str) or not _PLATFORM_NAME.match(name) or name == "auto":
+        raise ValueError(
+            f"platform name {name!r} must be a lower-case identifier (a-z, 0-9, _; not 'auto'), e.g. 'mytpu'"
+        )
+    _declared_platforms.add(name)
+    return Platform(name)
+
+
+def first_party_hint(platform: str, algorithm: str) -> str:
+    """One sentence on which distribution provides ``platform`` (without looking at installed plugins)."""
+    distribution = FIRST_PARTY.get(platform)
+    if distribution:
+        return f"Platform {platform!r} comes from the {distribution} distribution: pip install {distribution}."
+    return f"No installed backend provides platform {platform!r}."
 
 
 class Backend(StrEnum):
@@ -42,7 +87,8 @@ class Backend(StrEnum):
     ANY = "any"
 
 
-PlatformLike = Platform | Literal["triton", "pallas", "cuda", "cute", "xla", "auto"]
+PlatformLike = Platform | Literal["triton", "pallas", "cuda", "cute", "xla", "auto"] | str
+"""A platform, its name (first-party, or declared by a plugin), or ``"auto"`` where lookups allow it."""
 BackendLike = Backend | Literal["gpu", "tpu", "cpu", "any"]
 
 
@@ -114,7 +160,11 @@ def _as_platform(value: PlatformLike | None, *, argument: str = "platform") -> P
         return Platform(str(value).lower())
     except ValueError:
         choices = ", ".join(repr(p.value) for p in Platform)
-        raise ValueError(f"{argument}={value!r} is not a platform; expected one of {choices} or 'auto'") from None
+        declared = sorted(_declared_platforms - {p.value for p in Platform})
+        raise ValueError(
+            f"{argument}={value!r} is not a platform; expected one of {choices} or 'auto', or a name a loaded "
+            f"backend plugin declares in BackendInfo.platforms (declared: {', '.join(map(repr, declared)) or 'none'})"
+        ) from None
 
 
 def _as_backend(value: BackendLike | None, *, argument: str = "backend") -> Backend | None:
@@ -160,6 +210,9 @@ class KernelRegistry:
     def __init__(self) -> None:
         self._registry: dict[str, list[KernelSpec]] = {}
         self._lock = threading.RLock()
+        self.provider_hint: Callable[[str, str], str] = first_party_hint
+        """``(platform, algorithm) -> sentence`` appended to not-found errors; the plugin host loading into
+        this registry replaces it with one that knows the installed plugins."""
 
     # ---- registration -------------------------------------------------------------------------
     def _add(self, spec: KernelSpec) -> None:
@@ -171,7 +224,7 @@ class KernelRegistry:
     def register(
         self,
         algorithm: str,
-        platform: Platform | Literal["triton", "pallas", "cuda", "cute", "xla"],
+        platform: Platform | Literal["triton", "pallas", "cuda", "cute", "xla"] | str,
         backend: BackendLike,
         priority: int = 0,
         *,
@@ -285,9 +338,7 @@ class KernelRegistry:
             known = self.list_algorithms()
             lines.append(f"Nothing is registered for {algorithm!r}; known algorithms: {', '.join(known) or 'none'}.")
         if platform is not None:
-            from ejkernel.plugins import provider_hint
-
-            hint = provider_hint(platform.value, algorithm.lower())
+            hint = self.provider_hint(platform.value, algorithm.lower())
             if hint:
                 lines.append(hint)
         return " ".join(lines)

@@ -23,7 +23,7 @@ from typing import Any
 import pluggy
 
 from ejkernel.errors import PluginError
-from ejkernel.kernels._registry import KernelRegistry, kernel_registry
+from ejkernel.kernels._registry import FIRST_PARTY, KernelRegistry, declare_platform, first_party_hint, kernel_registry
 from ejkernel.plugins.hookspecs import (
     ENTRY_POINT_GROUP,
     PLUGIN_API_VERSION,
@@ -36,6 +36,7 @@ from ejkernel.plugins.hookspecs import (
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "FIRST_PARTY",
     "BackendInfo",
     "LoadedBackend",
     "PluginWarning",
@@ -52,10 +53,6 @@ __all__ = [
     "shipped_configs",
     "usable_reason",
 ]
-
-FIRST_PARTY = {"xla": "ejkernel-xla", "triton": "ejkernel-triton", "pallas": "ejkernel-pallas", "cuda": "ejkernel-cuda"}
-"""Which first-party distribution provides each platform (for install hints)."""
-
 
 class PluginWarning(UserWarning):
     """A backend plugin was skipped because it is broken."""
@@ -119,10 +116,12 @@ class PluginHost:
     """Loads backend plugins into a registry and remembers what happened to each.
 
     The process has one (:func:`host`) bound to ``kernel_registry``; tests and embedders can make their own.
+    The registry's not-found errors get this host's :meth:`provider_hint`.
     """
 
     def __init__(self, registry: KernelRegistry) -> None:
         self.registry = registry
+        registry.provider_hint = self.provider_hint
         self.manager = pluggy.PluginManager(PROJECT_NAME)
         self.manager.add_hookspecs(BackendHookSpec)
         self.backends: dict[str, LoadedBackend] = {}
@@ -201,6 +200,8 @@ class PluginHost:
                 raise PluginError(
                     f"built for ejkernel plugin API {info.api_version}; this ejkernel-core speaks {PLUGIN_API_VERSION}"
                 )
+            for platform in info.platforms:  # before registering: the hook may use the new names
+                declare_platform(platform)
             backend.info = info
             backend.distribution = backend.distribution or info.distribution
             backend.version = backend.version or info.version
@@ -238,21 +239,21 @@ class PluginHost:
         return None if backend is None else backend.unusable_reason()
 
     def provider_hint(self, platform: str, algorithm: str) -> str:
-        """One sentence on which plugin would provide ``platform`` (installed, broken or missing)."""
-        providers = [b for b in self.discover().values() if platform in b.platforms]
+        """One sentence on which plugin would provide ``platform`` (installed, broken or missing).
+
+        Looks only at the plugins loaded so far (a not-found error must not load plugins).
+        """
+        providers = [b for b in self.backends.values() if platform in b.platforms]
         for backend in providers:
             if backend.error is not None:
                 return f"Backend {backend.name!r} ({backend.distribution}) is installed but broken: {backend.error}."
         if providers:
             names = ", ".join(f"{b.name!r} ({b.distribution} {b.version})" for b in providers)
             return f"Installed backend(s) {names} provide platform {platform!r} but implement no {algorithm!r}."
-        distribution = FIRST_PARTY.get(platform)
-        if distribution:
-            broken = self.backends.get(platform)
-            if broken is not None and broken.error is not None:
-                return f"Backend {platform!r} ({broken.distribution}) is installed but broken: {broken.error}."
-            return f"Platform {platform!r} comes from the {distribution} distribution: pip install {distribution}."
-        return f"No installed backend provides platform {platform!r}."
+        broken = self.backends.get(platform)
+        if platform in FIRST_PARTY and broken is not None and broken.error is not None:
+            return f"Backend {platform!r} ({broken.distribution}) is installed but broken: {broken.error}."
+        return first_party_hint(platform, algorithm)
 
     def shipped_configs(self, algorithm: str, platform: str, device_kind: str) -> dict:
         """Merged ``{signature: config}`` tables that loaded plugins ship for this device model.

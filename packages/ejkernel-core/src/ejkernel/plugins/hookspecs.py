@@ -35,7 +35,9 @@ class BackendInfo:
     """The pip distribution that ships it (``"ejkernel-triton"``)."""
     version: str
     platforms: tuple[str, ...]
-    """Platforms it implements (values of :class:`ejkernel.kernels.Platform`)."""
+    """Platforms it implements: first-party :class:`ejkernel.kernels.Platform` values, or new names (lower-case
+    identifiers), which loading the plugin declares (:func:`ejkernel.kernels.declare_platform`) so that its
+    implementations can be registered for them and users can pass ``platform="<name>"``."""
     targets: tuple[str, ...]
     """Hardware it targets (values of :class:`ejkernel.kernels.Backend`)."""
     check_usable: Callable[[], str | None] | None = None
