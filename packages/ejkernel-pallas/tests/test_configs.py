@@ -10,13 +10,13 @@ import pytest
 from ejkernel.modules import FlashAttention, flash_attention, grouped_matmul, ragged_page_attention, ring_attention
 from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
 from ejkernel.modules.operations.grouped_matmul import GroupedMatmul, GroupedMatmulConfig
-from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
 from ejkernel.modules.operations.ring_attention import RingAttention, RingAttentionConfig
 from ejkernel.ops import get_default_executor
 from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
 from ejkernel_pallas import gpu_flash_attention as gpu
 from ejkernel_pallas import tpu_flash_attention as tpu
 from ejkernel_pallas.interpret import INTERPRET_ENV
+from ejkernel_pallas.ragged_page_attention import TpuRaggedPageBlocks
 from ejkernel_pallas.tpu_tiling import TpuTilingError
 
 
@@ -128,10 +128,10 @@ def test_bad_blocks_are_refused_naming_the_config_field(pallas_interpret):
     with pytest.raises(TpuTilingError, match=r"GroupedMatmulConfig\.block_m=12: .*multiple of 8"):
         grouped_matmul(lhs, rhs, sizes, platform="pallas", cfg=GroupedMatmulConfig(block_m=12))
     pages = jnp.ones((4, 8, 2, 16))
-    with pytest.raises(TpuTilingError, match=r"RaggedPageAttentionConfig\.num_queries_per_block=12"):
+    with pytest.raises(TpuTilingError, match=r"TpuRaggedPageBlocks\.block_q=12: .*multiple of 8"):
         ragged_page_attention(jnp.ones((20, 2, 16)), pages, jnp.array([20], jnp.int32), jnp.array([[0, 1, 2, 3]], jnp.int32),
                               jnp.array([0, 20], jnp.int32), 1, platform="pallas",
-                              cfg=RaggedPageAttentionConfig(num_queries_per_block=12))
+                              cfg=TpuRaggedPageBlocks(block_q=12))
 
 
 # ---- GPU (the Triton-lowered kernels; interpret mode "gpu" here) ---------------------------------------

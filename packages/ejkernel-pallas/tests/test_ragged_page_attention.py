@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import pytest
 from pallas_test_helpers import abstract_device
 
-from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformance
+from ejkernel.modules import RaggedPageAttentionCall
 from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
-from ejkernel_pallas.ragged_page_attention import ragged_page_attention
+from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformance
+from ejkernel_pallas.ragged_page_attention import TpuRaggedPageBlocks, ragged_page_attention
 
 
 class TestPallasRaggedPageAttentionConformance(RaggedPageAttentionConformance):
@@ -29,9 +30,15 @@ def test_lowers_for_tpu():
     tables = jax.ShapeDtypeStruct((4, 16), jnp.int32)
     starts = jax.ShapeDtypeStruct((5,), jnp.int32)
     count = jax.ShapeDtypeStruct((1,), jnp.int32)
-    fn = lambda *a: ragged_page_attention(  # noqa: E731
-        *a, softmax_aux=jnp.zeros((8,)), softmax_scale=0.1, logits_soft_cap=30.0, sliding_window=64, interpret=False
-    )
+
+    def fn(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs):
+        call = RaggedPageAttentionCall(
+            queries=queries, kv_pages=kv_pages, context_lens=context_lens, block_tables=block_tables,
+            query_start_loc=query_start_loc, num_seqs=num_seqs, softmax_aux=jnp.zeros((8,)), softmax_scale=0.1,
+            logits_soft_cap=30.0, sliding_window=64,
+        )
+        return ragged_page_attention(call, TpuRaggedPageBlocks(block_q=128), interpret=False)
+
     with abstract_device("TPU v5 lite", "tpu"):
         text = jax.jit(fn).trace(queries, pages, lens, tables, starts, count).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1

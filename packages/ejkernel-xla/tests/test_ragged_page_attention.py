@@ -3,23 +3,39 @@
 from __future__ import annotations
 
 import jax
+import pytest
 
-from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
-from ejkernel.testing.numerics import assert_close
-from ejkernel.testing.numerics import run_jitted
+from ejkernel.testing.numerics import assert_close, matmul_precisions, run_jitted
 from ejkernel.testing.ragged_page_attention import (
     CASES,
     RaggedPageAttentionConformance,
     reference_ragged_page_attention,
 )
+from ejkernel_xla.ragged_page_attention import XlaRaggedPageAttentionConfig
 
 
 class TestXlaRaggedPageAttention(RaggedPageAttentionConformance):
     platform = "xla"
 
-    def test_block_sizes_agree(self):
-        inputs = self.make_inputs(11, CASES["mixed_gqa"], "float32", num_sinks=0)
-        expected = run_jitted(reference_ragged_page_attention, **inputs, sliding_window=9)
-        cfg = RaggedPageAttentionConfig(num_kv_pages_per_block=2, num_queries_per_block=5)
-        out = jax.jit(lambda **kw: self.call(**kw, sliding_window=9, cfg=cfg))(**inputs)
-        assert_close(out, expected, dtype="float32")
+
+def test_block_sizes_agree():
+    suite = TestXlaRaggedPageAttention()
+    inputs = suite.make_inputs(11, CASES["mixed_gqa"], "float32", num_sinks=0)
+    expected = run_jitted(reference_ragged_page_attention, **inputs, sliding_window=9)
+    cfg = XlaRaggedPageAttentionConfig(block_pages=2, block_rows=5)
+    out = jax.jit(lambda **kw: suite.call(**kw, sliding_window=9, cfg=cfg))(**inputs)
+    assert_close(out, expected, dtype="float32")
+
+
+@pytest.mark.parametrize("precision", [None, "default"])
+def test_matmuls_run_at_the_call_precision(precision):
+    """float32 inputs: HIGHEST unless asked otherwise, in the forward and in the gradient's matmuls."""
+    suite = TestXlaRaggedPageAttention()
+    inputs = suite.make_inputs(12, CASES["decode_mha"], "float32")
+    expected = jax.lax.Precision.HIGHEST if precision is None else jax.lax.Precision.DEFAULT
+
+    def loss(queries):
+        return suite.call(**{**inputs, "queries": queries}, precision=precision).sum()
+
+    found = matmul_precisions(jax.grad(loss), inputs["queries"])
+    assert found and all(p == expected for p in found), found

@@ -18,7 +18,7 @@ _KERNELS = {
     "flash_attention": ("ejkernel_pallas.flash_attention:flash_attention", ("tpu", "gpu")),
     "grouped_matmul": ("ejkernel_pallas.grouped_matmul:grouped_matmul", ("tpu",)),
     "page_attention": ("ejkernel_pallas.page_attention:IMPLEMENTATION", ("tpu",)),
-    "ragged_page_attention": ("ejkernel_pallas.ragged_page_attention:ragged_page_attention", ("tpu",)),
+    "ragged_page_attention": ("ejkernel_pallas.ragged_page_attention:IMPLEMENTATION", ("tpu",)),
     "ring_attention": ("ejkernel_pallas.ring_attention:ring_attention", ("tpu",)),
 }
 

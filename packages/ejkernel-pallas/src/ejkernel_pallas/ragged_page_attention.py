@@ -12,6 +12,10 @@ K and V stay interleaved in ``kv_pages``: viewed as ``[pages, page_size, 2 * kv_
 key of kv head ``k`` is lane block ``2k`` and its value lane block ``2k + 1`` -- a (page_size, head_dim)
 tile, which on a TPU needs ``head_dim % 128 == 0`` (checked when compiling for a TPU; interpret mode takes
 any head dim). Forward only (an inference op): a gradient raises.
+
+``IMPLEMENTATION`` (registered by ``plugin.py``) takes the validated ``RaggedPageAttentionCall`` and a
+:class:`TpuRaggedPageBlocks` config (query rows per tile). Precision: float32 calls pass ``call.precision`` to
+both dots (Mosaic lowers it to the MXU's contract precision), so none is refused.
 """
 
 from __future__ import annotations
@@ -25,9 +29,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuRaggedPageBlocks:
+    """The kernel's config: packed query rows per tile (a multiple of the dtype's sublanes, or all rows)."""
+
+    block_q: int
+
+    def __post_init__(self):
+        if isinstance(self.block_q, bool) or not isinstance(self.block_q, int) or self.block_q <= 0:
+            raise ValueError(f"TpuRaggedPageBlocks.block_q must be a positive int, got {self.block_q!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +59,7 @@ class _Static:
     num_sinks: int
     num_visits: int
     interpret: object
+    precision: jax.lax.Precision | None = None  # of the float32 dots (see the module docstring)
 
 
 def _visits(query_start_loc, num_seqs, block_q: int, num_tiles: int, max_num_seqs: int):
@@ -98,7 +116,9 @@ def _kernel(seq_ref, tile_ref, valid_ref, starts_ref, lens_ref, tables_ref, *ref
         if st.window is not None:
             mask &= position - cols < st.window
         q = q_ref[...]
-        s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * st.scale
+        s = jax.lax.dot_general(
+            q, k_ref[...], (((1,), (1,)), ((), ())), precision=st.precision, preferred_element_type=jnp.float32
+        ) * st.scale
         if st.soft_cap is not None:
             s = st.soft_cap * jnp.tanh(s / st.soft_cap)
         s = jnp.where(mask, s, -jnp.inf)
@@ -111,7 +131,7 @@ def _kernel(seq_ref, tile_ref, valid_ref, starts_ref, lens_ref, tables_ref, *ref
         m_ref[...] = m_new
         v = v_ref[...]
         acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=st.precision, preferred_element_type=jnp.float32
         )
 
     @pl.when(jnp.logical_and(page == pl.num_programs(2) - 1, last_of_tile))
@@ -192,85 +212,83 @@ def _attend_bwd(st, residuals, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def check_supported(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, **_):
-    if jax.default_backend() not in ("tpu", "cpu"):
-        raise UnsupportedFeature("pallas ragged_page_attention is a TPU kernel; on GPUs use platform='xla'")
-    interpret = tpu_interpret_or_refuse()
-    if queries.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise UnsupportedFeature(f"pallas ragged_page_attention: dtype {queries.dtype} is not supported")
-    if interpret is False and queries.shape[-1] % LANES:
-        raise UnsupportedFeature(
-            f"pallas ragged_page_attention on TPU needs head_dim % {LANES} == 0 (got {queries.shape[-1]}): "
-            "K and V are lane blocks of the interleaved cache"
-        )
+def heuristic_blocks(total: int, dtype) -> TpuRaggedPageBlocks:
+    """Up to 128 query rows per tile, a multiple of the dtype's sublanes."""
+    return TpuRaggedPageBlocks(block_q=min(128, round_up(max(total, 1), sublane_multiple(dtype))))
 
 
-def choose_block_q(cfg, total: int, dtype) -> int:
-    """Query rows per tile: ``cfg.num_queries_per_block``, else up to 128 (a multiple of the dtype's
-    sublanes). A value the TPU cannot tile raises :class:`TpuTilingError` naming the config field."""
-    rows = sublane_multiple(dtype)
-    wanted = getattr(cfg, "num_queries_per_block", None) if cfg is not None else None
-    if wanted is None:
-        return min(128, round_up(max(total, 1), rows))
-    where = f"{type(cfg).__name__}.num_queries_per_block={wanted!r}"
-    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted <= 0:
-        raise TpuTilingError(f"{where}: must be a positive int")
-    if wanted % rows and wanted < total:
-        raise TpuTilingError(
-            f"{where}: must be a multiple of {rows} (sublanes of the query tile) or cover all {total} rows"
-        )
-    return wanted
-
-
-def heuristic_cfg(inv):
-    from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
-
-    queries = inv.args[0]
-    return RaggedPageAttentionConfig(num_queries_per_block=choose_block_q(None, queries.shape[0], queries.dtype),
-                                     platform="pallas")
-
-
-def config_space(inv):
+def candidate_blocks(total: int, dtype) -> list[TpuRaggedPageBlocks]:
     """The heuristic, then smaller tiles (fewer wasted rows when prefill and decode mix)."""
-    from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
-
-    queries = inv.args[0]
-    first = choose_block_q(None, queries.shape[0], queries.dtype)
-    rows = sublane_multiple(queries.dtype)
-    sizes = [first] + [b for b in (64, 32, 16) if b < first and b % rows == 0]
-    return [RaggedPageAttentionConfig(num_queries_per_block=b, platform="pallas") for b in sizes]
+    first = heuristic_blocks(total, dtype).block_q
+    rows = sublane_multiple(dtype)
+    return [TpuRaggedPageBlocks(b) for b in (first, *(b for b in (64, 32, 16) if b < first and b % rows == 0))]
 
 
-def ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, *,
-                          softmax_scale: float, logits_soft_cap=None, sliding_window=None, cfg=None, interpret=None):
-    """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
-    if interpret is None:
-        interpret = tpu_interpret_or_refuse()
+def validate_blocks(blocks: TpuRaggedPageBlocks, total: int, dtype) -> None:
+    """Refuse a tile a TPU cannot lay out, naming the config field (before anything is lowered)."""
+    rows = sublane_multiple(dtype)
+    if blocks.block_q % rows and blocks.block_q < total:
+        raise TpuTilingError(
+            f"TpuRaggedPageBlocks.block_q={blocks.block_q}: must be a multiple of {rows} (sublanes of the query "
+            f"tile) or cover all {total} rows"
+        )
+
+
+def ragged_page_attention(call: RaggedPageAttentionCall, blocks: TpuRaggedPageBlocks, *, interpret=False) -> jax.Array:
+    """The TPU kernel on a validated call, ``blocks.block_q`` query rows per tile. ``interpret``: False
+    (compile with Mosaic), True (Pallas' generic interpreter) or a ``pltpu.InterpretParams``."""
+    queries, kv_pages, softmax_aux = call.queries, call.kv_pages, call.softmax_aux
     total, heads, _ = queries.shape
-    num_pages, page_size, two_kv_heads, _ = kv_pages.shape
-    block_q = choose_block_q(cfg, total, queries.dtype)
-    num_tiles = round_up(max(total, 1), block_q) // block_q
+    two_kv_heads = kv_pages.shape[2]
+    validate_blocks(blocks, total, queries.dtype)
+    num_tiles = round_up(max(total, 1), blocks.block_q) // blocks.block_q
     sinks = None
     num_sinks = 0
     if softmax_aux is not None:
         sinks = softmax_aux.reshape(heads, -1).astype(jnp.float32)
         num_sinks = sinks.shape[1]
     st = _Static(
-        scale=float(softmax_scale),
-        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        window=None if sliding_window is None else int(sliding_window),
-        block_q=block_q,
-        page_size=page_size,
-        pages_per_seq=block_tables.shape[1],
+        scale=call.softmax_scale,
+        soft_cap=call.logits_soft_cap,
+        window=call.sliding_window,
+        block_q=blocks.block_q,
+        page_size=kv_pages.shape[1],
+        pages_per_seq=call.block_tables.shape[1],
         groups=heads // (two_kv_heads // 2),
         num_sinks=num_sinks,
-        num_visits=num_tiles + context_lens.shape[0] - 1,
+        num_visits=num_tiles + call.context_lens.shape[0] - 1,
         interpret=interpret,
+        precision=call.precision if queries.dtype == jnp.float32 else None,
     )
-    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
-    return _attend(st, queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks)
+    return _attend(
+        st, queries, kv_pages, call.context_lens, call.block_tables, call.query_start_loc, call.num_seqs, sinks
+    )
 
 
-ragged_page_attention.check_supported = check_supported
-ragged_page_attention.heuristic_cfg = heuristic_cfg
-ragged_page_attention.config_space = config_space
+class TpuRaggedPageAttention(Implementation[RaggedPageAttentionCall, TpuRaggedPageBlocks]):
+    """The Mosaic TPU kernel (see the module docstring); on CPU in interpret mode only."""
+
+    config_type = TpuRaggedPageBlocks
+
+    def supports(self, call: RaggedPageAttentionCall) -> None:
+        if jax.default_backend() not in ("tpu", "cpu"):
+            raise UnsupportedFeature("pallas ragged_page_attention is a TPU kernel; on GPUs use platform='xla'")
+        interpret = tpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
+        head_dim = call.queries.shape[-1]
+        if interpret is False and head_dim % LANES:
+            raise UnsupportedFeature(
+                f"pallas ragged_page_attention on TPU needs head_dim % {LANES} == 0 (got {head_dim}): K and V are "
+                "lane blocks of the interleaved cache"
+            )
+
+    def heuristic_config(self, call: RaggedPageAttentionCall) -> TpuRaggedPageBlocks:
+        return heuristic_blocks(call.queries.shape[0], call.queries.dtype)
+
+    def candidate_configs(self, call: RaggedPageAttentionCall) -> list[TpuRaggedPageBlocks]:
+        return candidate_blocks(call.queries.shape[0], call.queries.dtype)
+
+    def __call__(self, call: RaggedPageAttentionCall, config: TpuRaggedPageBlocks) -> jax.Array:
+        return ragged_page_attention(call, config, interpret=tpu_interpret_or_refuse())
+
+
+IMPLEMENTATION = TpuRaggedPageAttention()

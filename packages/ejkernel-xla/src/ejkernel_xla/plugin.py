@@ -10,7 +10,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "scaled_dot_product_attention": "ejkernel_xla.scaled_dot_product_attention:IMPLEMENTATION",
     "attention": "ejkernel_xla.attention:IMPLEMENTATION",
     "page_attention": "ejkernel_xla.page_attention:IMPLEMENTATION",
-    "ragged_page_attention": "ejkernel_xla.ragged_page_attention:ragged_page_attention",
+    "ragged_page_attention": "ejkernel_xla.ragged_page_attention:IMPLEMENTATION",
     "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:ragged_decode_attention",
     "multi_head_latent_attention": "ejkernel_xla.multi_head_latent_attention:IMPLEMENTATION",
     "blocksparse_attention": "ejkernel_xla.blocksparse_attention:IMPLEMENTATION",

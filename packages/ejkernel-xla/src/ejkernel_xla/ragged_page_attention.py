@@ -9,12 +9,15 @@ gather-based fallback with no dynamic shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionConfig
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
 from ejkernel_xla.page_attention import TOKENS_PER_STEP, attend_over_blocks, padded_tables, pages_per_step
 
 GATHERED_TOKENS_PER_STEP = 32 * TOKENS_PER_STEP
@@ -37,37 +40,46 @@ def row_metadata(query_start_loc, context_lens, num_seqs, total_tokens):
     return sequence, position, kv_len, active
 
 
-def ragged_page_attention(
-    queries,
-    kv_pages,
-    context_lens,
-    block_tables,
-    query_start_loc,
-    num_seqs,
-    softmax_aux=None,
-    *,
-    softmax_scale: float,
-    logits_soft_cap: float | None,
-    sliding_window: int | None,
-    cfg: RaggedPageAttentionConfig | None = None,
-):
+@dataclasses.dataclass(frozen=True)
+class XlaRaggedPageAttentionConfig:
+    """Loop sizes; the result does not depend on them."""
+
+    block_pages: int | None = None
+    """Pages gathered per scan step (None: about ``TOKENS_PER_STEP`` tokens)."""
+    block_rows: int | None = None
+    """Query rows per block of the outer loop (None: ``GATHERED_TOKENS_PER_STEP`` rows x tokens per step)."""
+
+
+class XlaRaggedPageAttention(Implementation[RaggedPageAttentionCall, XlaRaggedPageAttentionConfig]):
+    config_type = XlaRaggedPageAttentionConfig
+
+    def __call__(self, call: RaggedPageAttentionCall, config: XlaRaggedPageAttentionConfig) -> jax.Array:
+        # plain autodiff: the transposed matmuls keep the precision their forward recorded
+        with matmul_precision(call.precision):
+            return _ragged_page_attention(call, config)
+
+
+def _ragged_page_attention(call: RaggedPageAttentionCall, config: XlaRaggedPageAttentionConfig) -> jax.Array:
+    queries, kv_pages, block_tables = call.queries, call.kv_pages, call.block_tables
+    sliding_window = call.sliding_window
     total_tokens, num_heads, head_dim = queries.shape
     num_pages, page_size, combined_heads, _ = kv_pages.shape
     num_kv_heads = combined_heads // 2
     group = num_heads // num_kv_heads
     pages_per_seq = block_tables.shape[1]
 
-    step_pages = pages_per_step(page_size, pages_per_seq, cfg.num_kv_pages_per_block if cfg else None)
+    step_pages = pages_per_step(page_size, pages_per_seq, config.block_pages)
     num_steps = math.ceil(pages_per_seq / step_pages)
     step_tokens = step_pages * page_size
     tables = padded_tables(block_tables, num_pages, num_steps * step_pages)
 
-    requested_rows = cfg.num_queries_per_block if cfg else None
-    block_rows = max(1, min(total_tokens, requested_rows or GATHERED_TOKENS_PER_STEP // step_tokens))
+    block_rows = max(1, min(total_tokens, config.block_rows or GATHERED_TOKENS_PER_STEP // step_tokens))
     num_row_blocks = math.ceil(total_tokens / block_rows)
     padded_rows = num_row_blocks * block_rows
 
-    sequence, position, kv_len, active = row_metadata(query_start_loc, context_lens, num_seqs, total_tokens)
+    sequence, position, kv_len, active = row_metadata(
+        call.query_start_loc, call.context_lens, call.num_seqs, total_tokens
+    )
     pad = padded_rows - total_tokens
 
     def blocked(x, fill=0):
@@ -76,8 +88,8 @@ def ragged_page_attention(
 
     grouped = queries.reshape(total_tokens, num_kv_heads, group, head_dim)
     sinks = None
-    if softmax_aux is not None:
-        sinks = softmax_aux.reshape(num_kv_heads, group, -1)
+    if call.softmax_aux is not None:
+        sinks = call.softmax_aux.reshape(num_kv_heads, group, -1)
 
     def attend_row_block(block):
         q, seq, pos, length, live = block
@@ -100,8 +112,8 @@ def ragged_page_attention(
             num_steps,
             load_block,
             visible_block,
-            softmax_scale=softmax_scale,
-            logits_soft_cap=logits_soft_cap,
+            softmax_scale=call.softmax_scale,
+            logits_soft_cap=call.logits_soft_cap,
             sinks=sinks,
         )
 
@@ -111,3 +123,6 @@ def ragged_page_attention(
     else:
         out = jax.lax.map(attend_row_block, blocks)
     return out.reshape(padded_rows, num_heads, head_dim)[:total_tokens].astype(queries.dtype)
+
+
+IMPLEMENTATION = XlaRaggedPageAttention()

@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "PageAttentionCall": "ejkernel.modules.operations.page_attention",
     "ragged_page_attention": "ejkernel.modules.operations.ragged_page_attention",
     "RaggedPageAttention": "ejkernel.modules.operations.ragged_page_attention",
-    "RaggedPageAttentionConfig": "ejkernel.modules.operations.ragged_page_attention",
+    "RaggedPageAttentionCall": "ejkernel.modules.operations.ragged_page_attention",
     "ragged_decode_attention": "ejkernel.modules.operations.ragged_decode_attention",
     "RaggedDecodeAttention": "ejkernel.modules.operations.ragged_decode_attention",
     "RaggedDecodeAttentionConfig": "ejkernel.modules.operations.ragged_decode_attention",

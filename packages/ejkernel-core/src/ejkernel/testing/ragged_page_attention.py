@@ -1,7 +1,8 @@
 """Reference and conformance suite of ``ragged_page_attention`` (``docs/ops/ragged_page_attention.md``).
 
-Subclass :class:`RaggedPageAttentionConformance` and set ``platform``; forward-only backends set
-``supports_gradients = False`` (gradients must then raise).
+Subclass :class:`RaggedPageAttentionConformance` and set ``platform`` (and optionally ``cfg``, a config of
+that implementation used for every call); forward-only backends set ``supports_gradients = False``
+(gradients must then raise).
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class RaggedPageAttentionConformance(BadInputChecks):
         "softmax_aux",
     )
     platform: ClassVar[str]
+    cfg: ClassVar[Any] = None
+    """Config of the implementation under test used for every call (None: its heuristic)."""
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
     compiler_options: ClassVar[Mapping[str, Any] | None] = None
@@ -112,7 +115,7 @@ class RaggedPageAttentionConformance(BadInputChecks):
             num_seqs,
             softmax_aux,
             platform=self.platform,
-            **kw,
+            **{"cfg": self.cfg, **kw},
         )
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
@@ -205,3 +208,6 @@ class RaggedPageAttentionConformance(BadInputChecks):
         call("softmax_aux", softmax_aux=jnp.ones((3,), jnp.float32))
         self.assert_rejected("sliding_window", **inputs, sliding_window=0)
         call("block_tables", block_tables=inputs["block_tables"].at[0, 0].set(-5))
+        self.assert_rejected("softmax_scale", **inputs, softmax_scale="0.1")
+        self.assert_rejected("logits_soft_cap", **inputs, logits_soft_cap=0.0)
+        self.assert_rejected("precision", **inputs, precision="fastest")

@@ -40,8 +40,13 @@ from ejkernel.modules.operations._validation import (
     check_same_dtype,
     typechecked,
 )
-from ejkernel.modules.operations._validation import check_gqa, concrete, normalize_soft_cap, resolve_softmax_scale
-from ejkernel.modules.operations.ragged_page_attention import check_sinks
+from ejkernel.modules.operations._validation import (
+    check_gqa,
+    check_softmax_aux,
+    concrete,
+    normalize_soft_cap,
+    resolve_softmax_scale,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +114,7 @@ class RaggedDecodeAttention(RegistryOperation):
             raise ValueError(f"sequence_start must be in [0, {seq_len}] (seq_len of key), got {start.tolist()}")
         if end is not None and ((end < 0) | (end > seq_len)).any():
             raise ValueError(f"sequence_end must be in [0, {seq_len}] (seq_len of key), got {end.tolist()}")
-        check_sinks("softmax_aux", softmax_aux, num_heads)
+        softmax_aux = check_softmax_aux(softmax_aux, num_heads)
         args = (query, key, value, sequence_start.astype(jnp.int32), sequence_end.astype(jnp.int32), softmax_aux)
         kwargs = dict(
             softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),

@@ -1,10 +1,6 @@
 """``ragged_page_attention``: packed (ragged) query tokens of many sequences over a paged KV cache.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs,
-                          softmax_aux, *, softmax_scale: float, logits_soft_cap: float | None,
-                          sliding_window: int | None, cfg)
+Core validates the public call into one frozen :class:`RaggedPageAttentionCall`, all a backend sees:
 
 - ``queries`` ``[total_tokens, num_q_heads, head_dim]``; ``kv_pages``
   ``[num_pages, page_size, 2 * num_kv_heads, head_dim]`` with K and V interleaved on the head axis
@@ -21,14 +17,13 @@ Canonical call every backend receives (validated and normalized here)::
 Gradients: an inference operation. The XLA backend is differentiable w.r.t. ``queries``, ``kv_pages`` and
 ``softmax_aux``; other backends may be forward-only.
 
-The full specification is ``docs/ops/ragged_page_attention.md``. ``compute_dtype``, ``optimized`` and
-``mask_value`` are accepted for compatibility with the original library and do not change the result;
-``vmem_limit_bytes`` goes into the config.
+The full specification is ``docs/ops/ragged_page_attention.md``. ``compute_dtype``, ``optimized``,
+``mask_value`` and ``vmem_limit_bytes`` are accepted for compatibility with the original library and
+change nothing (tuning goes through an implementation's ``cfg``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -37,44 +32,49 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_array,
     check_cum_seqlens,
     check_dim,
+    check_gqa,
     check_positive_int,
     check_same_dtype,
+    check_softmax_aux,
+    concrete,
     describe,
     is_array,
+    normalize_soft_cap,
+    resolve_softmax_scale,
     typechecked,
 )
-from ejkernel.modules.operations._validation import check_gqa, concrete, normalize_soft_cap, resolve_softmax_scale
 from ejkernel.modules.operations.page_attention import check_lengths, check_page_indices
 
 
-@dataclasses.dataclass(frozen=True)
-class RaggedPageAttentionConfig:
-    """Tuning knobs; none of them changes the result (see ``docs/ops/ragged_page_attention.md``)."""
+@canonical_call
+class RaggedPageAttentionCall:
+    """A validated ``ragged_page_attention`` call: what every backend receives (see above)."""
 
-    num_kv_pages_per_block: int | None = None
-    num_queries_per_block: int | None = None
-    vmem_limit_bytes: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    platform: str = "auto"
-    backend: str = "any"
-
-
-def check_sinks(name: str, value: Any, num_heads: int) -> None:
-    """Attention sinks: float ``[num_heads]`` or ``[num_heads, num_sinks]``."""
-    if value is None:
-        return
-    check_array(name, value, dtypes=FLOAT_DTYPES, what="(sink logits [num_q_heads] or [num_q_heads, num_sinks])")
-    if value.ndim not in (1, 2) or value.shape[0] != num_heads:
-        raise ValueError(
-            f"{name} must have shape [{num_heads}] or [{num_heads}, num_sinks] (one row per query head), got {describe(value)}"
-        )
+    queries: Float[jax.Array, "total_tokens num_q_heads head_dim"] = array_field()
+    kv_pages: Float[jax.Array, "num_pages page_size num_combined_kv_heads head_dim"] = array_field()
+    context_lens: Int[jax.Array, "max_num_seqs"] = array_field()
+    """int32, values >= 0 and >= each sequence's query count (checked when concrete)."""
+    block_tables: Int[jax.Array, "max_num_seqs pages_per_seq"] = array_field()
+    """int32; the entries of active sequences that are read are page indices (checked when concrete)."""
+    query_start_loc: Int[jax.Array, "max_num_seqs_plus_one"] = array_field()
+    """int32, starting at 0, non-decreasing, at most ``total_tokens``."""
+    num_seqs: Int[jax.Array, "1"] = array_field()
+    """int32 ``[1]``: the active sequences, in ``[0, max_num_seqs]``."""
+    softmax_aux: Float[jax.Array, "num_q_heads"] | Float[jax.Array, "num_q_heads num_sinks"] | None = array_field()
+    softmax_scale: float = 1.0
+    logits_soft_cap: float | None = None
+    sliding_window: int | None = None
+    """A query sees at most this many keys, itself included."""
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
 
 
 def normalize_num_seqs(value: Any, max_num_seqs: int) -> jax.Array:
@@ -108,7 +108,6 @@ class RaggedPageAttention(RegistryOperation):
     """Packed queries over a paged KV cache (see the module docstring)."""
 
     algorithm = "ragged_page_attention"
-    config_type = RaggedPageAttentionConfig
 
     def validate(
         self,
@@ -123,7 +122,8 @@ class RaggedPageAttention(RegistryOperation):
         softmax_scale=None,
         logits_soft_cap=None,
         sliding_window=None,
-    ):
+        precision=None,
+    ) -> RaggedPageAttentionCall:
         check_array("queries", queries, rank=3, dtypes=FLOAT_DTYPES, what="[total_tokens, num_q_heads, head_dim]")
         check_array(
             "kv_pages", kv_pages, rank=4, dtypes=FLOAT_DTYPES, what="[num_pages, page_size, 2 * num_kv_heads, head_dim]"
@@ -145,7 +145,7 @@ class RaggedPageAttention(RegistryOperation):
         check_cum_seqlens("query_start_loc", query_start_loc, total_tokens, "total_tokens of queries")
         check_dim("query_start_loc", query_start_loc, 0, max_num_seqs + 1, "max_num_seqs + 1")
         num_seqs = normalize_num_seqs(num_seqs, max_num_seqs)
-        check_sinks("softmax_aux", softmax_aux, num_heads)
+        softmax_aux = check_softmax_aux(softmax_aux, num_heads)
         check_lengths("context_lens", context_lens)
         starts, lengths, active = concrete(query_start_loc), concrete(context_lens), concrete(num_seqs)
         if starts is not None and lengths is not None and active is not None:
@@ -159,21 +159,19 @@ class RaggedPageAttention(RegistryOperation):
                 )
             live = np.where(np.arange(max_num_seqs) < count, lengths, 0)
             check_page_indices("block_tables", block_tables, live, page_size, num_pages)
-        args = (
-            queries,
-            kv_pages,
-            context_lens.astype(jnp.int32),
-            block_tables.astype(jnp.int32),
-            query_start_loc.astype(jnp.int32),
-            num_seqs,
-            softmax_aux,
-        )
-        kwargs = dict(
+        return RaggedPageAttentionCall(
+            queries=queries,
+            kv_pages=kv_pages,
+            context_lens=context_lens.astype(jnp.int32),
+            block_tables=block_tables.astype(jnp.int32),
+            query_start_loc=query_start_loc.astype(jnp.int32),
+            num_seqs=num_seqs,
+            softmax_aux=softmax_aux,
             softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
             logits_soft_cap=normalize_soft_cap(logits_soft_cap),
             sliding_window=check_window("sliding_window", sliding_window),
+            precision=resolve_precision(precision, queries.dtype),
         )
-        return args, kwargs
 
 
 @typechecked
@@ -194,8 +192,9 @@ def ragged_page_attention(
     sliding_window: int | None = None,
     mask_value: float | None = None,
     vmem_limit_bytes: int | None = None,
+    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
-    cfg: RaggedPageAttentionConfig | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "total_tokens num_q_heads head_dim"]:
     """Attention of packed query tokens over their sequences' paged KV cache (mixed prefill/decode).
 
@@ -210,17 +209,19 @@ def ragged_page_attention(
         softmax_scale: logit scale (default ``1/sqrt(head_dim)``).
         logits_soft_cap: ``c * tanh(x / c)`` on the logits when given.
         sliding_window: each query sees at most this many keys (itself included).
-        compute_dtype, optimized, mask_value: accepted for compatibility; no effect on the result.
-        vmem_limit_bytes: TPU tuning hint (goes into ``cfg``).
+        compute_dtype, optimized, mask_value, vmem_limit_bytes: accepted for compatibility with the
+            original library; no effect (tune with ``cfg``).
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
         platform: ``"auto"`` or a platform name.
-        cfg: a :class:`RaggedPageAttentionConfig`, or None for the backend's heuristic.
+        cfg: one implementation's config (e.g.
+            ``ejkernel_xla.ragged_page_attention.XlaRaggedPageAttentionConfig``); it selects that
+            implementation. None: cached, tuned or heuristic config of the chosen one.
 
     Returns:
         ``[total_tokens, num_q_heads, head_dim]`` in ``queries``' dtype.
     """
-    del compute_dtype, optimized, mask_value  # see the module docstring
-    if cfg is None and vmem_limit_bytes is not None:
-        cfg = RaggedPageAttentionConfig(vmem_limit_bytes=vmem_limit_bytes)
+    del compute_dtype, optimized, mask_value, vmem_limit_bytes  # see the module docstring
     return execute(
         RaggedPageAttention(),
         queries,
@@ -233,6 +234,7 @@ def ragged_page_attention(
         softmax_scale=softmax_scale,
         logits_soft_cap=logits_soft_cap,
         sliding_window=sliding_window,
+        precision=precision,
         platform=platform,
         cfg=cfg,
     )
