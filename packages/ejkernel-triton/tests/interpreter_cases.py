@@ -1,8 +1,9 @@
 """Numerics of the Triton kernels through Triton's interpreter, on the host (run by test_triton_interpreter).
 
 TRITON_INTERPRET=1 must be set before triton is imported, so these cases run in a process of their
-own. Each case runs forward and gradients (q, k, v and sinks) of a fresh random problem, compares them
-with the float64 dense reference, and prints one JSON line per case.
+own. Each case runs forward and gradients (q, k, v and sinks) of a fresh random problem through the public
+``flash_attention`` with ``platform="triton"``, compares them with the float64 dense reference
+(``ejkernel.testing.flash_attention.reference_flash_attention``), and prints one JSON line per case.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-from ejkernel_triton import flash_attention as fa  # noqa: E402
-from ejkernel_triton.flash_attention import Tuning, flash_attention, reference_attention, tuning_to_cfg  # noqa: E402
+from ejkernel.modules.operations.flash_attention import flash_attention  # noqa: E402
+from ejkernel.testing.flash_attention import reference_flash_attention  # noqa: E402
+from ejkernel_triton import launch  # noqa: E402
+from ejkernel_triton.flash_attention import TritonFlashConfig, forward  # noqa: E402
 
-SMALL_BLOCKS = tuning_to_cfg(Tuning(32, 32, 4, 1, 32, 32, 32, 32, 4, 1))
+SMALL_BLOCKS = TritonFlashConfig(32, 32, 4, 1, 32, 32, 32, 32, 4, 1)
 
 
 def _rel(a, b) -> float:
@@ -42,13 +45,12 @@ def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp
          segments=False, unmatched_segment=False, varlen=None, vmap=False, hopper=False, **kw):
     """`hopper`: compile as for sm_90, where eligible calls take the TMA forward (`_fwd_tma_kernel`)."""
     if hopper:
-        os.environ[fa.COMPUTE_CAPABILITY_ENV] = "90"
+        os.environ[launch.COMPUTE_CAPABILITY_ENV] = "90"
     else:
-        os.environ.pop(fa.COMPUTE_CAPABILITY_ENV, None)
+        os.environ.pop(launch.COMPUTE_CAPABILITY_ENV, None)
     tma_calls = []  # which TMA kernels ran ("fwd")
-    originals = {"_fwd_tma_call": fa._fwd_tma_call}
-    for attr, fn in originals.items():
-        setattr(fa, attr, lambda *a, _fn=fn, _tag=attr[1:4]: tma_calls.append(_tag) or _fn(*a))
+    original_tma = forward.forward_tma
+    forward.forward_tma = lambda *a: tma_calls.append("fwd") or original_tma(*a)
     rng = np.random.default_rng(seed)
     dv = dv or d
     ks = jax.random.split(jax.random.key(seed), 5)
@@ -79,13 +81,13 @@ def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp
         out = attend(q, k, v)
         return jnp.sum(out.astype(jnp.float64) * w), out
 
-    ours = lambda q, k, v, **a: flash_attention(q, k, v, cfg=SMALL_BLOCKS, **a)  # noqa: E731
-    ref = lambda q, k, v, **a: reference_attention(q, k, v, dtype=jnp.float64, **a)  # noqa: E731
+    ours = lambda q, k, v, **a: flash_attention(q, k, v, platform="triton", cfg=SMALL_BLOCKS, **a)  # noqa: E731
     aux = extra.pop("softmax_aux", None)
     t0 = time.time()
     grad = jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True)
     (g_ours, out_ours) = grad(ours, q, k, v, aux)
-    (g_ref, out_ref) = grad(ref, q.astype(jnp.float64), k.astype(jnp.float64), v.astype(jnp.float64), aux)
+    as_f64 = lambda x: None if x is None else x.astype(jnp.float64)  # noqa: E731
+    (g_ref, out_ref) = grad(reference_flash_attention, *map(as_f64, (q, k, v, aux)))
     result = dict(
         name=name, dtype=jnp.dtype(dtype).name, seconds=round(time.time() - t0, 2),
         out=_rel(out_ours, out_ref), dq=_rel(g_ours[0], g_ref[0]), dk=_rel(g_ours[1], g_ref[1]),
@@ -94,8 +96,7 @@ def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp
         finite=bool(all(np.all(np.isfinite(np.asarray(x, np.float64))) for x in (out_ours, *g_ours[:3]))),
     )
     result["tma_kernels"] = sorted(set(tma_calls))
-    for attr, fn in originals.items():
-        setattr(fa, attr, fn)
+    forward.forward_tma = original_tma
     if unmatched_segment:
         result["masked_rows_zero"] = bool(np.all(np.asarray(out_ours)[:, :5] == 0))
     print(json.dumps(result), flush=True)

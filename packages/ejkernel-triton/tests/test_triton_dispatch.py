@@ -7,17 +7,20 @@ import jax.numpy as jnp
 import pytest
 
 from ejkernel import UnsupportedFeature
+from ejkernel.modules.operations.flash_attention import FlashAttention
 from ejkernel_triton import plugin
-from ejkernel_triton.flash_attention import check_supported, config_space, heuristic_cfg
+from ejkernel_triton.flash_attention import IMPLEMENTATION, TritonFlashConfig, tuning
 
 
-def _qkv(dtype=jnp.bfloat16, d=64):
-    spec = jax.ShapeDtypeStruct((1, 128, 4, d), dtype)
-    return spec, spec, spec
+def _call(dtype=jnp.bfloat16, d=64, **kwargs):
+    """A validated call on [1, 128, 4, d] inputs (zeros: only shapes, dtypes and features matter)."""
+    q = jnp.zeros((1, 128, 4, d), dtype)
+    return FlashAttention().validate(q, q, q, **kwargs)
 
 
 def test_plugin_lists_flash_attention():
-    assert plugin.IMPLEMENTATIONS["flash_attention"] == "ejkernel_triton.flash_attention:flash_attention"
+    assert plugin.IMPLEMENTATIONS["flash_attention"] == "ejkernel_triton.flash_attention:IMPLEMENTATION"
+    assert IMPLEMENTATION.config_type is TritonFlashConfig
 
 
 def test_plugin_unusable_without_gpu():
@@ -30,36 +33,50 @@ def test_plugin_unusable_without_gpu():
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        (dict(bias=jax.ShapeDtypeStruct((1, 4, 128, 128), jnp.float32)), "bias"),
-        (dict(attention_mask=jax.ShapeDtypeStruct((1, 1, 128, 128), jnp.bool_)), "attention_mask"),
-        (dict(dropout_prob=1.0, dropout_seed=0), "dropout_prob"),
+        (dict(bias=jnp.zeros((1, 4, 128, 128), jnp.float32)), "bias"),
+        (dict(attention_mask=jnp.ones((1, 1, 128, 128), jnp.bool_)), "attention_mask"),
     ],
 )
 def test_refuses_unimplemented_features(kwargs, needle):
-    q, k, v = _qkv()
-    bias = kwargs.pop("bias", None)
     with pytest.raises(UnsupportedFeature, match=needle):
-        check_supported(q, k, v, bias, **kwargs)
+        IMPLEMENTATION.supports(_call(**kwargs))
 
 
-def test_refuses_bad_dtypes_and_head_dims():
-    q, k, v = _qkv(jnp.int8)
-    with pytest.raises(UnsupportedFeature, match="dtypes"):
-        check_supported(q, k, v)
-    q, k, v = _qkv(d=512)
+def test_core_refuses_what_the_kernels_never_see():
+    """Out-of-range dropout and integer inputs stop at core's validation (a ValueError naming the argument)."""
+    with pytest.raises(ValueError, match="dropout_prob"):
+        _call(dropout_prob=1.0, dropout_seed=0)
+    with pytest.raises(ValueError, match="query"):
+        _call(jnp.int8)
+
+
+def test_refuses_head_dims_outside_8_to_256():
+    IMPLEMENTATION.supports(_call(d=256))
     with pytest.raises(UnsupportedFeature, match="head dims"):
-        check_supported(q, k, v)
+        IMPLEMENTATION.supports(_call(d=512))
 
 
-def test_heuristic_and_config_space():
-    class Inv:
-        args = _qkv(d=128)
-        kwargs = {}
+def test_honours_every_precision():
+    for precision in ("default", "high", "highest"):
+        IMPLEMENTATION.supports(_call(jnp.float32, precision=precision))
 
-    cfg = heuristic_cfg(Inv())
-    assert cfg.fwd_params.q_blocksize and cfg.bwd_params.kv_blocksize
-    space = config_space(Inv())
-    assert len(space) > 1 and space[0] == cfg
+
+def test_heuristic_and_candidate_configs():
+    call = _call(d=128)
+    config = IMPLEMENTATION.heuristic_config(call)
+    assert isinstance(config, TritonFlashConfig) and config.fwd_block_q and config.dkv_block_kv
+    space = IMPLEMENTATION.candidate_configs(call)
+    if tuning.shipped_entries(jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""):
+        assert space == ()  # a tuned device kind has nothing to autotune
+    else:
+        assert len(space) > 1 and space[0] == config
+
+
+def test_config_fields_are_checked():
+    with pytest.raises(ValueError, match="fwd_block_q"):
+        TritonFlashConfig(fwd_block_q=48)
+    with pytest.raises(ValueError, match="bwd_num_warps"):
+        TritonFlashConfig(bwd_num_warps=3)
 
 
 def _real_qkv():
@@ -90,18 +107,24 @@ def test_explicit_triton_platform_on_cpu_is_a_clear_error():
         flash_attention(q, k, v, platform="triton")
 
 
-def test_shipped_configs_for_hopper_only():
-    import jax.numpy as jnp
-
-    from ejkernel_triton.flash_attention import heuristic_tuning
-
+def test_tuned_tables_for_hopper_only():
     for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
-        table = plugin.ejkernel_shipped_configs("flash_attention", "triton", kind)
-        assert set(table) == {"*"} and table["*"].fwd_params is None  # blocks come from the tuned table
-        tuned = heuristic_tuning(128, 128, jnp.bfloat16, device_kind=kind, causal=False)
-        entry = plugin.tuned_entries(kind)["d128-full"]
+        entry = tuning.shipped_entries(kind)["d128-full"]
+        tuned = tuning.heuristic_config(128, 128, jnp.bfloat16, device_kind=kind, causal=False)
         assert (tuned.fwd_block_q, tuned.dkv_block_kv) == (entry["fwd_block_q"], entry["dkv_block_kv"])
         # head dims without an entry keep the shared-memory-safe defaults
-        assert heuristic_tuning(256, 256, jnp.bfloat16, device_kind=kind).fwd_block_q == 64
-    assert plugin.ejkernel_shipped_configs("flash_attention", "triton", "NVIDIA A100-SXM4-80GB") is None
-    assert plugin.ejkernel_shipped_configs("page_attention", "triton", "NVIDIA H200") is None
+        assert tuning.heuristic_config(256, 256, jnp.bfloat16, device_kind=kind).fwd_block_q == 64
+    assert tuning.shipped_entries("NVIDIA A100-SXM4-80GB") is None
+    assert tuning.heuristic_config(128, 128, jnp.bfloat16, device_kind="NVIDIA A100-SXM4-80GB") == (
+        tuning.heuristic_config(128, 128, jnp.bfloat16, device_kind=""))
+
+
+def test_tuned_device_kind_has_nothing_to_autotune(monkeypatch):
+    import ejkernel_triton.flash_attention as fa
+
+    call = _call(d=128)
+    monkeypatch.setattr(fa, "gpu_device_kind", lambda: "NVIDIA H200")
+    assert IMPLEMENTATION.candidate_configs(call) == ()
+    assert IMPLEMENTATION.heuristic_config(call) == tuning.tuned_config("NVIDIA H200", 128, causal=False)
+    monkeypatch.setattr(fa, "gpu_device_kind", lambda: "NVIDIA A100-SXM4-80GB")
+    assert len(IMPLEMENTATION.candidate_configs(call)) > 1

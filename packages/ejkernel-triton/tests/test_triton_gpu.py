@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.flash_attention import FlashAttentionConformance
+from ejkernel.modules.operations.flash_attention import flash_attention
+from ejkernel.testing.flash_attention import FlashAttentionConformance, reference_flash_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,12 +22,22 @@ pytestmark = [
 
 class TestTritonFlashAttentionConformance(FlashAttentionConformance):
     platform = "triton"
-    allow_unsupported = True  # bias, attention_mask and dropout are refused (the dispatcher falls back)
+    allow_unsupported = True  # bias and attention_mask are refused (the dispatcher falls back)
 
 
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def triton_attention(q, k, v, **kw):
+    return flash_attention(q, k, v, platform="triton", **kw)
+
+
+def float32_reference(q, k, v, **kw):
+    """The dense reference in float32 with float32 matmuls (not TF32)."""
+    with jax.default_matmul_precision("highest"):
+        return reference_flash_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kw)
 
 
 @pytest.mark.parametrize(
@@ -41,8 +52,6 @@ def _rel(a, b):
     ],
 )
 def test_bf16_many_blocks_matches_float32_reference(d, h, hkv, seq, kw):
-    from ejkernel_triton.flash_attention import flash_attention, reference_attention
-
     ks = jax.random.split(jax.random.key(seq + d), 5)
     b = 2
     q = jax.random.normal(ks[0], (b, seq, h, d), jnp.float32).astype(jnp.bfloat16)
@@ -56,39 +65,37 @@ def test_bf16_many_blocks_matches_float32_reference(d, h, hkv, seq, kw):
         out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
         return (out, *pullback(do))
 
-    ours = jax.jit(lambda *a: run(flash_attention, *a))(q, k, v, do)
-    ref = jax.jit(lambda *a: run(reference_attention, *a))(*(x.astype(jnp.float32) for x in (q, k, v, do)))
+    ours = jax.jit(lambda *a: run(triton_attention, *a))(q, k, v, do)
+    ref = jax.jit(lambda *a: run(float32_reference, *a))(*(x.astype(jnp.float32) for x in (q, k, v, do)))
     for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
         assert _rel(a, r) < 1.5e-2, (name, _rel(a, r))
 
 
 def test_varlen_matches_per_sequence_calls():
-    from ejkernel_triton.flash_attention import flash_attention
-
     lengths = [300, 1, 517, 64]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     total = int(cu[-1]) + 13  # padding rows past the last sequence
     ks = jax.random.split(jax.random.key(3), 3)
     q, k, v = (jax.random.normal(kk, (1, total, 4, 64), jnp.float32).astype(jnp.bfloat16) for kk in ks)
-    packed = flash_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu)
+    packed = triton_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu)
     assert np.all(np.asarray(packed[0, cu[-1]:], np.float32) == 0)
     for n in range(len(lengths)):
         s, e = int(cu[n]), int(cu[n + 1])
-        alone = flash_attention(q[:, s:e], k[:, s:e], v[:, s:e], causal=True)
+        alone = triton_attention(q[:, s:e], k[:, s:e], v[:, s:e], causal=True)
         assert _rel(packed[:, s:e], alone) < 1e-2
 
 
 def test_unmasked_d128_forward_takes_the_tma_kernel(monkeypatch):
-    from ejkernel_triton import flash_attention as fa
+    from ejkernel_triton.flash_attention import forward
 
     calls = []
-    original = fa._fwd_tma_call
-    monkeypatch.setattr(fa, "_fwd_tma_call", lambda *a: calls.append(1) or original(*a))
+    original = forward.forward_tma
+    monkeypatch.setattr(forward, "forward_tma", lambda *a: calls.append(1) or original(*a))
     q = jax.random.normal(jax.random.key(0), (2, 1024, 4, 128), jnp.float32).astype(jnp.bfloat16)
-    out = fa.flash_attention(q, q, q)
-    ref = fa.reference_attention(q, q, q)
+    out = triton_attention(q, q, q)
+    ref = float32_reference(q, q, q)
     assert calls and _rel(out, ref) < 1e-2
     calls.clear()
-    fa.flash_attention(q, q, q, causal=True)
+    triton_attention(q, q, q, causal=True)
     assert not calls  # causal keeps the pointer kernel (faster there)

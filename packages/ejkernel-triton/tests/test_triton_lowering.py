@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ejkernel_triton import flash_attention as fa
+from ejkernel.modules.operations.flash_attention import FlashAttention
+from ejkernel_triton import launch
+from ejkernel_triton.flash_attention import IMPLEMENTATION
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None
                                 and importlib.util.find_spec("jax_cuda13_plugin") is None,
@@ -21,12 +23,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13
 
 @pytest.fixture(autouse=True)
 def _sm90(monkeypatch):
-    monkeypatch.setenv(fa.COMPUTE_CAPABILITY_ENV, "90")
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
+
+
+def _attend(q, k, v, **kw):
+    """The Triton implementation on the validated call, with its heuristic config (no dispatch: no GPU here)."""
+    call = FlashAttention().validate(q, k, v, **kw)
+    return IMPLEMENTATION(call, IMPLEMENTATION.heuristic_config(call))
 
 
 def _lower_fwd_bwd(q, k, v, **kw):
     def loss(q, k, v, *extra):
-        return fa.flash_attention(q, k, v, **kw).astype(jnp.float32).sum()
+        return _attend(q, k, v, **kw).astype(jnp.float32).sum()
 
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
         lowering_platforms=("cuda",))
@@ -61,7 +69,7 @@ def test_all_features_compile_for_sm90():
     seg = jnp.zeros((1, 300), jnp.int32)
 
     def loss(q, k, v, aux):
-        out = fa.flash_attention(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu, q_segment_ids=seg,
+        out = _attend(q, k, v, causal=True, cum_seqlens_q=cu, cum_seqlens_k=cu, q_segment_ids=seg,
                                  kv_segment_ids=seg, softmax_aux=aux, dropout_prob=0.1, dropout_seed=3)
         return out.astype(jnp.float32).sum()
 
@@ -73,7 +81,7 @@ def test_all_features_compile_for_sm90():
 def test_head_dim_256_compiles_for_sm90():
     dtype = jnp.bfloat16
     q = _spec((1, 128, 2, 256), dtype)
-    text = jax.jit(lambda q, k, v: fa.flash_attention(q, k, v)).trace(q, q, q).lower(
+    text = jax.jit(lambda q, k, v: _attend(q, k, v)).trace(q, q, q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton_kernel_call" in text
 
@@ -82,8 +90,6 @@ def test_unmasked_bf16_forward_takes_the_warp_specialized_tma_kernel():
     """No mask, bf16, D=128, whole blocks: the forward is `_fwd_tma_kernel`, compiled with a producer
     warpgroup (12 warps from 4 requested, setmaxnreg) and descriptors in global scratch, and the backward keeps
     the pointer kernels (jax-triton); a causal call keeps the pointer forward too."""
-    from ejkernel_triton import launch
-
     q = _spec((2, 1024, 4, 128), jnp.bfloat16)
     kv = _spec((2, 1024, 2, 128), jnp.bfloat16)
     launch._COMPILED.clear()

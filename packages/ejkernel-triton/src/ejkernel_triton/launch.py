@@ -1,4 +1,10 @@
-"""Launching compiled Triton kernels from JAX with what jax-triton 0.3.1 leaves out.
+"""Launching Triton kernels from JAX: the one place every kernel call goes through (:func:`launch`).
+
+:func:`launch` sends a kernel to one of three launchers: jax-triton (the pointer kernels on a GPU), this
+module's own custom call (kernels with TMA descriptors or warp specialization, below), or Triton's
+interpreter on the host (``TRITON_INTERPRET=1``: the CPU tests; ``ejkernel_triton.interpret``).
+
+Launching compiled Triton kernels with what jax-triton 0.3.1 leaves out.
 
 jax-triton compiles a kernel and hands it to jaxlib's Triton custom call, but it sizes the launch from
 the ``num_warps`` it was asked for and gives the kernel no global scratch memory. Both matter on
@@ -18,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import zlib
 from typing import Any
 
@@ -175,3 +182,48 @@ def triton_call(*args, kernel, out_shape, grid, num_warps: int = 4, num_stages: 
         *arrays, kernel=kernel, scalars=scalars, out_shapes=tuple(out_shape), grid=grid,
         num_warps=num_warps, num_stages=num_stages, constexprs=tuple(sorted(constexprs.items())),
         zeroed_outputs=tuple(zeroed_outputs), compute_capability=cc, name=kernel.__name__)
+
+
+COMPUTE_CAPABILITY_ENV = "EJKERNEL_TRITON_COMPUTE_CAPABILITY"
+"""Compile for this compute capability instead of the visible GPU's (lowering on a CPU-only machine)."""
+
+
+def gpu_device_kind() -> str:
+    """``device_kind`` of the first visible GPU ("NVIDIA H200"); "" without one."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return ""
+    return device.device_kind if device.platform == "gpu" else ""
+
+
+def target_compute_capability() -> int:
+    """Compute capability the kernels compile for: EJKERNEL_TRITON_COMPUTE_CAPABILITY, else the GPU's; 0 without."""
+    cc = os.environ.get(COMPUTE_CAPABILITY_ENV)
+    if cc:
+        return int(cc)
+    return device_compute_capability() if gpu_device_kind() else 0
+
+
+def launch(kernel, args, out_shapes, grid, *, num_warps: int, num_stages: int, zeroed_outputs=(), interpret: bool,
+           tma: bool = False, **constexprs):
+    """Call `kernel` on `args` (arrays and np.float32 scalars, in kernel order); outputs follow inputs.
+
+    Scalars go as np.float32: jax-triton passes a Python float as fp64, which would promote the
+    kernel's float32 arithmetic to fp64. `interpret`: run in Triton's interpreter on the host. `tma`: the
+    kernel makes TMA descriptors (or is warp-specialized), which needs :func:`triton_call` on a GPU (global
+    scratch, the compiled warp count)."""
+    if interpret:
+        from ejkernel_triton.interpret import run_on_host
+
+        return run_on_host(kernel, args, out_shapes, grid, **constexprs)
+    if tma:
+        return triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
+                           num_stages=num_stages, zeroed_outputs=zeroed_outputs,
+                           compute_capability=target_compute_capability(), **constexprs)
+    import jax_triton as jt
+
+    cc = os.environ.get(COMPUTE_CAPABILITY_ENV)
+    return jt.triton_call(
+        *args, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps, num_stages=num_stages,
+        zeroed_outputs=zeroed_outputs, compute_capability=int(cc) if cc else None, **constexprs)

@@ -1,0 +1,104 @@
+"""The custom VJP and the vmap rules around the kernel calls (jax-triton's primitive has neither).
+
+:func:`attention` is differentiable in q, k, v and the sinks (``aux``); the forward saves the output and
+the log-sum-exp, the backward runs `backward.run_backward` and derives the sinks' gradient from its delta.
+Under ``jax.vmap`` the vmapped axis folds into the batch axis (one kernel launch), except for varlen and
+dropout calls, which loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ejkernel_triton.flash_attention.backward import run_backward
+from ejkernel_triton.flash_attention.common import LOG2E, StaticParams
+from ejkernel_triton.flash_attention.forward import run_forward
+
+
+def _fold_batch_rule(call, batch_like: int, num_out: int, foldable: bool = True):
+    """vmap rule: fold the vmapped axis into the batch axis of the first `batch_like` arguments.
+
+    The remaining arguments (cum_seqlens, sinks, seed) must be unbatched for that; otherwise, for varlen
+    (one packed sequence per call) and with dropout (its mask hashes the batch index), the rule loops over
+    the vmapped axis with `lax.map`.
+    """
+
+    def rule(axis_size, in_batched, *args):
+        shared_batched = any(bool(x) for x in jax.tree.leaves(in_batched[batch_like:]))
+        varlen = any(a is not None for a in args[batch_like:batch_like + 2])
+        if shared_batched or varlen or not foldable:
+            bcast = [jax.tree.map(lambda a, bt: a if bt else jnp.broadcast_to(a, (axis_size, *a.shape)), x, bx)
+                     if x is not None else None for x, bx in zip(args, in_batched)]
+            outs = jax.lax.map(lambda xs: call(*xs), bcast)
+            return outs, (True,) * num_out
+        folded = []
+        for x, bx in zip(args[:batch_like], in_batched[:batch_like]):
+            if x is None:
+                folded.append(None)
+                continue
+            if not bx:
+                x = jnp.broadcast_to(x, (axis_size, *x.shape))
+            folded.append(x.reshape(axis_size * x.shape[1], *x.shape[2:]))
+        outs = call(*folded, *args[batch_like:])
+        outs = tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs)
+        return outs, (True,) * num_out
+
+    return rule
+
+
+
+@functools.lru_cache(maxsize=None)
+def _batched_calls(st: StaticParams):
+    """The forward and backward kernel calls for `st`, each with its vmap rule."""
+
+    foldable = st.dropout_threshold == 0
+
+    @jax.custom_batching.custom_vmap
+    def fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed):
+        return tuple(run_forward(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st))
+
+    fwd.def_vmap(_fold_batch_rule(fwd, 5, 2, foldable))
+
+    @jax.custom_batching.custom_vmap
+    def bwd(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, seed):
+        return tuple(run_backward(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, seed, st))
+
+    bwd.def_vmap(_fold_batch_rule(bwd, 8, 4, foldable))
+    return fwd, bwd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def attention(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: StaticParams):
+    """Attention output [B, Sq, H, Dv]; `aux` is [H, num_sinks] float32 or None, `seed` uint32[1] or None."""
+    return _attention_fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st)[0]
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: StaticParams):
+    fwd, _ = _batched_calls(st)
+    out, lse = fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed)
+    return out, (q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse)
+
+
+def _attention_bwd(st: StaticParams, res, d_out):
+    return out, (q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse)
+
+
+def _attention_bwd(st: _Static, res, d_out):
+    q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse = res
+    _, bwd = _batched_calls(st)
+    d_out = d_out.astype(q.dtype)
+    # delta_i = <dO_i, O_i> = sum_j P_ij dP_ij comes back with the gradients (the sinks' need it).
+    dq, dk, dv, delta = bwd(q, k, v, d_out, lse, out, q_seg, kv_seg, cu_q, cu_k, seed)
+    d_aux = None
+    if aux is not None:
+        # d aux[h, s] = -sum_i P_sink[i, s] * delta_i, with P_sink = exp(aux - lse) (lse in log2 units).
+        p_sink = jnp.exp2(aux[None, :, None, :] * LOG2E - lse[..., None])
+        p_sink = jnp.where(delta[..., None] == 0.0, 0.0, p_sink)
+        d_aux = -jnp.einsum("bhsk,bhs->hk", p_sink, delta).astype(aux.dtype)
+    return dq, dk, dv, None, None, None, None, d_aux, None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
