@@ -4,6 +4,7 @@ One command (on a GPU; through the device tool: `bash scripts/device/run.sh pyth
 
     python benchmarks/attention.py                       # the full sweep
     python benchmarks/attention.py --seqs 2048,8192 --head-dims 128 --quick
+    python benchmarks/attention.py --impls cudnn --cfg triton:fwd_block_q=64,fwd_num_warps=4  # explicit config
 
 Sweep: S in {1k, 2k, 4k, 8k, 16k}, causal and not, head_dim 64 and 128, forward and forward+backward, bf16,
 a fixed token budget (batch = tokens / S) and hidden size (heads = hidden / head_dim). Timing: jit, warm-up,
@@ -95,7 +96,29 @@ def _ejkernel_impls() -> list[Impl]:
     return impls
 
 
-def implementations(selected: list[str] | None) -> list[Impl]:
+def configured_impls(specs: list[str]) -> list[Impl]:
+    """``--cfg triton:fwd_block_q=128,fwd_num_warps=4``: an ejkernel platform run with an explicit config,
+    its implementation's own config type built from the given integer fields (``none`` for None; the
+    other fields keep their defaults), e.g. ``ejkernel_triton.flash_attention.TritonFlashConfig``."""
+    from ejkernel.kernels._registry import kernel_registry
+    from ejkernel.modules.operations.flash_attention import flash_attention
+
+    impls = []
+    for text in specs:
+        platform, _, fields = text.partition(":")
+        spec = next(s for s in kernel_registry.find("flash_attention", platform, "gpu"))
+        values = dict(item.split("=", 1) for item in fields.split(",") if item)
+        cfg = spec.implementation.config_type(
+            **{name: None if value.lower() == "none" else int(value) for name, value in values.items()})
+
+        def attend(q, k, v, causal, platform=platform, cfg=cfg):
+            return flash_attention(q, k, v, causal=causal, platform=platform, cfg=cfg)
+
+        impls.append(Impl(f"ejkernel-{platform}[{fields}]", attend))
+    return impls
+
+
+def implementations(selected: list[str] | None, configured: list[str] = ()) -> list[Impl]:
     impls = _ejkernel_impls()
     impls.append(Impl("cudnn", _jax_nn("cudnn")))
     impls.append(Impl("xla", _jax_nn("xla")))
@@ -104,7 +127,7 @@ def implementations(selected: list[str] | None) -> list[Impl]:
         impls.append(Impl("jax-pallas-mha", mha))
     if selected:
         impls = [i for i in impls if i.name in selected]
-    return impls
+    return impls + configured_impls(list(configured))
 
 
 # ---- timing ------------------------------------------------------------------------------------------
@@ -269,6 +292,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--causal", default="no,yes")
     p.add_argument("--impls", default="", help="comma-separated subset of implementation names")
+    p.add_argument("--cfg", action="append", default=[], metavar="PLATFORM:FIELD=VALUE,...",
+                   help="also run an ejkernel platform with an explicit config, e.g. "
+                        "triton:fwd_block_q=128,fwd_block_kv=128,fwd_num_warps=4,fwd_num_stages=2 (repeatable)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq")
     p.add_argument("--hidden", type=int, default=2048, help="heads * head_dim")
     p.add_argument("--dtype", default="bfloat16")
@@ -288,7 +314,7 @@ def main(argv=None) -> int:
     device_kind = getattr(device, "device_kind", device.platform)
     now = dt.datetime.now(dt.timezone.utc)
     stem = args.name or f"{device_kind.lower().replace(' ', '-')}-{now:%Y-%m-%d}"
-    impls = implementations([s for s in args.impls.split(",") if s])
+    impls = implementations([s for s in args.impls.split(",") if s], args.cfg)
     names = [i.name for i in impls]
     dtype = jnp.dtype(args.dtype)
     print(f"# {device_kind}, {now:%Y-%m-%d %H:%M} UTC, implementations: {', '.join(names)}", flush=True)

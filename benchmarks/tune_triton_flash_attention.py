@@ -1,11 +1,12 @@
 """Tune the Triton flash attention's block shapes on the visible GPU (run on the device).
 
 For each head dim and causal flag: time the forward for every forward candidate of
-`ejkernel_triton.flash_attention.tuning_space`, then forward+backward for every backward candidate with
-the best forward fixed; for non-causal calls also the forward candidates of the TMA kernel
-(`tuning_space(..., tma=True)`, entry "d<D>-full-tma", forward fields only, written when it beats the
-pointer kernel's best). Writes `<out>/triton_flash_tuned.json`: {device_kind: {"d<D>-<causal|full>":
-{tuning fields..., "measured": {...}}}} -- the format the plugin ships
+`ejkernel_triton.flash_attention.tuning.config_space`, then forward+backward for every backward candidate
+with the best forward fixed; for non-causal calls also the forward candidates of the TMA kernel
+(`config_space(..., tma=True)`, entry "d<D>-full-tma", forward fields only, written when it beats the
+pointer kernel's best). Every candidate runs through `flash_attention(..., cfg=TritonFlashConfig(...))`.
+Writes `<out>/triton_flash_tuned.json`: {device_kind: {"d<D>-<causal|full>": {TritonFlashConfig
+fields..., "measured": {...}}}} -- the format the package ships
 (`ejkernel_triton/tuned/flash_attention.json`; a missing "-causal" entry falls back to "-full") -- and
 prints every timing. `--causal "d64=no;d128=no,yes"` picks the causal flags per head dim.
 """
@@ -23,11 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejkernel_triton.flash_attention import flash_attention, tuning_space, tuning_to_cfg
-
-
-FWD_FIELDS = ("fwd_block_q", "fwd_block_kv", "fwd_num_warps", "fwd_num_stages")
-BWD_FIELDS = ("dkv_block_q", "dkv_block_kv", "dq_block_q", "dq_block_kv", "bwd_num_warps", "bwd_num_stages")
+from ejkernel.modules.operations.flash_attention import flash_attention
+from ejkernel_triton.flash_attention.tuning import BWD_FIELDS, FWD_FIELDS, config_space
 
 
 def _time(fn, argsets, reps=5, calls=4):
@@ -70,14 +68,14 @@ def main(argv=None):
         for i in range(3):
             ks = jax.random.split(jax.random.key(i), 4)
             argsets.append(tuple(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in ks))
-        space = tuning_space(d, d, jnp.bfloat16)
+        space = config_space(d, d, jnp.bfloat16)
         for causal in causal_flags(args.causal, d):
             def fwd_fn(t):
-                return jax.jit(lambda q, k, v, do: flash_attention(q, k, v, causal=causal, cfg=tuning_to_cfg(t)))
+                return jax.jit(lambda q, k, v, do: flash_attention(q, k, v, causal=causal, cfg=t))
 
             def bwd_fn(t):
                 def f(q, k, v, do):
-                    out, pull = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, cfg=tuning_to_cfg(t)), q, k, v)
+                    out, pull = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, cfg=t), q, k, v)
                     return out, pull(do)
                 return jax.jit(f)
 
@@ -104,7 +102,7 @@ def main(argv=None):
             print("BEST", d, causal, entry, flush=True)
             if causal:
                 continue
-            tma_best, tma_ms = sweep("tma fwd", best, FWD_FIELDS, tuning_space(d, d, jnp.bfloat16, tma=True), fwd_fn)
+            tma_best, tma_ms = sweep("tma fwd", best, FWD_FIELDS, config_space(d, d, jnp.bfloat16, tma=True), fwd_fn)
             if tma_ms < best_ms:  # else the device keeps the pointer forward
                 table[f"d{d}-full-tma"] = {n: getattr(tma_best, n) for n in FWD_FIELDS} | dict(
                     measured=dict(fwd_ms=round(tma_ms, 4), seq=s, batch=b, heads=h))

@@ -1,8 +1,9 @@
 """Experiment: the TMA + warp-specialized forward (`_fwd_tma_kernel`) against the pointer-load forward.
 
 Forward only, bf16, D=128, 16 heads, 16k tokens, S in {2k, 8k}, causal and not, in one run with cuDNN:
-each forward block configuration through `flash_attention(..., cfg=...)` (4 warps and <= 2 stages select
-the TMA kernel, other tunings the pointer kernel), with its relative error against cuDNN's output.
+each forward block configuration through `flash_attention(..., cfg=TritonFlashConfig(...))` (4 warps and
+<= 2 stages select the TMA kernel, other configs the pointer kernel), with its relative error against
+cuDNN's output.
 
     python benchmarks/experiments/triton_tma_ws.py --out FILE.json
 """
@@ -24,9 +25,8 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--seqs", default="2048,8192")
     args = ap.parse_args()
-    from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
-    from ejkernel.ops.utils.datacarrier import FwdParams
-    from ejkernel_triton.flash_attention import flash_attention
+    from ejkernel.modules.operations.flash_attention import flash_attention
+    from ejkernel_triton.flash_attention import TritonFlashConfig
 
     results = []
     for seq in map(int, args.seqs.split(",")):
@@ -64,9 +64,9 @@ def main():
                       flush=True)
 
             bench("cudnn", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=causal))
-            bench("triton default", lambda q, k, v: flash_attention(q, k, v, causal=causal))
+            bench("triton default", lambda q, k, v: flash_attention(q, k, v, causal=causal, platform="triton"))
             for bq, bkv, w, s in FWD_VARIANTS:
-                cfg = FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=bq, kv_blocksize=bkv, num_warps=w, num_stages=s))
+                cfg = TritonFlashConfig(fwd_block_q=bq, fwd_block_kv=bkv, fwd_num_warps=w, fwd_num_stages=s)
                 bench(f"fwd {bq}x{bkv} w{w} s{s}",
                       lambda q, k, v, cfg=cfg: flash_attention(q, k, v, causal=causal, cfg=cfg))
             if args.out:
