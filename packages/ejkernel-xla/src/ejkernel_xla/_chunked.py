@@ -20,6 +20,8 @@ the chunk start (or since the sequence start, when a packed sequence starts insi
 
 Memory is O(T * C) for activations plus one ``K x V`` state per chunk; gradients come from autodiff
 with the chunk tiles recomputed in the backward pass (``jax.checkpoint``), so they stay O(T * C) too.
+Every matmul, forward and backward, runs at the caller's ``precision`` (no custom VJP: autodiff keeps
+the precision bound to each forward matmul).
 
 Varlen (``cu_seqlens``, batch 1): tokens carry a sequence id; pairs across sequences are masked, a
 sequence starting inside a chunk starts from its own initial state, and each sequence's final state is
@@ -34,6 +36,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from ejkernel.modules.operations._precision import matmul_precision
 
 F32 = jnp.float32
 
@@ -166,7 +170,7 @@ def _gather_state(h0, ids):
 
 # One compiled program per (shapes, static arguments): called eagerly, the chunk loops would otherwise
 # be dispatched op by op.
-@functools.partial(jax.jit, static_argnames=("scale", "reverse", "chunk_size"))
+@functools.partial(jax.jit, static_argnames=("scale", "reverse", "chunk_size", "precision"))
 def chunked_linear_attention(
     q,
     k,
@@ -179,6 +183,7 @@ def chunked_linear_attention(
     scale: float,
     reverse: bool = False,
     chunk_size: int = 64,
+    precision: jax.lax.Precision = jax.lax.Precision.HIGHEST,
 ):
     """See the module docstring.
 
@@ -188,10 +193,20 @@ def chunked_linear_attention(
         log_decay_v: [B, T, H, V] or None.
         initial_state: [B, H, K, V] (or [num_seqs, H, K, V] with ``cu_seqlens``) or None.
         cu_seqlens: int32 [num_seqs + 1] (then B == 1) or None.
+        precision: of every matmul. The matmuls are bound with it here, so the gradients (autodiff,
+            traced from these equations, the rematerialized ones included) run at it too.
 
     Returns:
         ``(o, final_state)``: float32 [B, T, H, V] and float32 [B or num_seqs, H, K, V].
     """
+    with matmul_precision(precision):
+        return _chunked_linear_attention(
+            q, k, v, log_decay_k, log_decay_v, initial_state, cu_seqlens, scale=scale, reverse=reverse,
+            chunk_size=chunk_size,
+        )
+
+
+def _chunked_linear_attention(q, k, v, log_decay_k, log_decay_v, initial_state, cu_seqlens, *, scale, reverse, chunk_size):
     batch, total, heads, dk = q.shape
     dv = v.shape[-1]
     chunk = int(chunk_size)

@@ -17,9 +17,9 @@ IMPLEMENTATIONS: dict[str, str] = {
     "native_sparse_attention": "ejkernel_xla.native_sparse_attention:native_sparse_attention",
     "grouped_matmul": "ejkernel_xla.grouped_matmul:grouped_matmul",
     "mean_pooling": "ejkernel_xla.mean_pooling:mean_pooling",
-    "recurrent": "ejkernel_xla.recurrent:recurrent",
-    "gla": "ejkernel_xla.gla:gla",
-    "lightning_attention": "ejkernel_xla.lightning_attention:lightning_attention",
+    "recurrent": "ejkernel_xla.recurrent:IMPLEMENTATION",
+    "gla": "ejkernel_xla.recurrent:IMPLEMENTATION",
+    "lightning_attention": "ejkernel_xla.recurrent:IMPLEMENTATION",
     "ring_attention": "ejkernel_xla.ring_attention:ring_attention",
 }
 

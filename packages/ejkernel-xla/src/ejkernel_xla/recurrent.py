@@ -1,9 +1,17 @@
-"""XLA ``recurrent``: the chunked form of ``_chunked`` (intra-chunk matmuls, a scan over chunks)."""
+"""XLA ``recurrent``, ``gla`` and ``lightning_attention``: one implementation of the linear-attention
+family's :class:`LinearAttentionCall`, the chunked form of ``_chunked`` (intra-chunk matmuls, a scan over
+chunks, memory O(T * chunk)). Every feature of ``docs/ops/recurrent.md`` is implemented; nothing is refused.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.recurrent import LinearAttentionCall
 from ejkernel_xla._chunked import chunked_linear_attention
 
 MATMUL_CHUNK = 64
@@ -12,36 +20,50 @@ PAIRWISE_CHUNK = 16
 """Default chunk with value-dimension decays: their pairwise factor tile is chunk x chunk x value_dim."""
 
 
-def linear_attention(query, key, value, log_decay_k, log_decay_v, initial_state, cu_seqlens, *, softmax_scale, reverse, cfg):
-    """Shared by recurrent / gla / lightning_attention: repeat kv heads, pick the chunk, run, cast."""
-    group = query.shape[2] // key.shape[2]
-    if group > 1:
-        key = jnp.repeat(key, group, axis=2)
-        value = jnp.repeat(value, group, axis=2)
-    chunk = getattr(cfg, "chunk_size", None)
-    if chunk is None:
-        chunk = MATMUL_CHUNK if log_decay_v is None else PAIRWISE_CHUNK
-    out, final = chunked_linear_attention(
-        query, key, value, log_decay_k, log_decay_v, initial_state, cu_seqlens,
-        scale=softmax_scale, reverse=reverse, chunk_size=chunk,
-    )
-    return out.astype(query.dtype), final
+@dataclasses.dataclass(frozen=True)
+class XlaLinearAttentionConfig:
+    """Tokens per chunk of the chunked form (None: 64, or 16 with a value-dimension gate ``gv``); the
+    result does not depend on it."""
+
+    chunk_size: int | None = None
+
+    def __post_init__(self):
+        size = self.chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+            raise ValueError(f"XlaLinearAttentionConfig.chunk_size must be a positive int or None, got {size!r}")
 
 
-def key_log_decay(g, gk, g_gamma, query_shape):
-    """``g + gk + g_gamma`` as float32 [B, T, H, K or 1] (None when no gate is given)."""
+def key_log_decay(call: LinearAttentionCall) -> jax.Array | None:
+    """``g + gk + g_gamma`` as float32 [B, T, H, K or 1] (None when no key-dimension gate is given)."""
+    gamma = None if call.g_gamma is None else call.g_gamma[:, None, :, None]
     total = None
-    for gate in (g, gk, None if g_gamma is None else g_gamma[:, None, :, None]):
+    for gate in (call.g, call.gk, gamma):
         if gate is not None:
             gate = gate.astype(jnp.float32)
             total = gate if total is None else total + gate
     if total is None:
         return None
-    return jnp.broadcast_to(total, tuple(query_shape[:3]) + (total.shape[-1],))
+    return jnp.broadcast_to(total, tuple(call.query.shape[:3]) + (total.shape[-1],))
 
 
-def recurrent(query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens, *, softmax_scale, reverse, cfg=None):
-    return linear_attention(
-        query, key, value, key_log_decay(g, gk, g_gamma, query.shape), gv, initial_state, cu_seqlens,
-        softmax_scale=softmax_scale, reverse=reverse, cfg=cfg,
-    )
+class XlaLinearAttention(Implementation[LinearAttentionCall, XlaLinearAttentionConfig]):
+    config_type = XlaLinearAttentionConfig
+
+    def __call__(self, call: LinearAttentionCall, config: XlaLinearAttentionConfig) -> tuple[jax.Array, jax.Array]:
+        query, key, value = call.query, call.key, call.value
+        group = query.shape[2] // key.shape[2]
+        if group > 1:
+            key = jnp.repeat(key, group, axis=2)
+            value = jnp.repeat(value, group, axis=2)
+        chunk = config.chunk_size
+        if chunk is None:
+            chunk = MATMUL_CHUNK if call.gv is None else PAIRWISE_CHUNK
+        out, final = chunked_linear_attention(
+            query, key, value, key_log_decay(call), call.gv, call.initial_state, call.cu_seqlens,
+            scale=call.softmax_scale, reverse=call.reverse, chunk_size=chunk, precision=call.precision,
+        )
+        return out.astype(query.dtype), final
+
+
+IMPLEMENTATION = XlaLinearAttention()
+"""Registered for ``recurrent``, ``gla`` and ``lightning_attention`` (one call type, one engine)."""

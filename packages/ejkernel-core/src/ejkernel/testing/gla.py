@@ -1,6 +1,7 @@
 """Reference and conformance suite of ``gla_attention``: ``recurrent`` with the key-dimension gate only.
 
-A backend's test module subclasses :class:`GLAConformance` and sets ``platform``.
+A backend's test module subclasses :class:`GLAConformance`, sets ``platform`` and ``chunk_config``
+as for :class:`~ejkernel.testing.recurrent.RecurrentConformance`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class GLAConformance:
 
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+    chunk_config: ClassVar[type | None] = None
     _inputs = RecurrentConformance.make_inputs
     config = RecurrentConformance.config
 

@@ -1,5 +1,6 @@
 """Reference and conformance suite of ``lightning_attention``: ``recurrent`` with the layer-dependent
-per-head decay. A backend's test module subclasses :class:`LightningAttentionConformance`."""
+per-head decay. A backend's test module subclasses :class:`LightningAttentionConformance`, sets ``platform``
+and ``chunk_config`` as for :class:`~ejkernel.testing.recurrent.RecurrentConformance`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class LightningAttentionConformance:
 
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+    chunk_config: ClassVar[type | None] = None
     _inputs = RecurrentConformance.make_inputs
     config = RecurrentConformance.config
 

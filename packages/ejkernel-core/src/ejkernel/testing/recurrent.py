@@ -4,16 +4,18 @@
 The reference is the naive per-token recurrence (a ``lax.scan`` over tokens, float64 ready):
 ``S_t = diag(exp(a_t)) S_{t-1} diag(exp(b_t)) + k_t v_t^T``, ``o_t = scale * q_t^T S_t``.
 
-A backend's test module subclasses :class:`RecurrentConformance` and sets ``platform``::
+A backend's test module subclasses :class:`RecurrentConformance`, sets ``platform`` and, when its config
+takes a chunk size, ``chunk_config`` (overriding ``config`` for any other config shape)::
 
     class TestXlaRecurrent(RecurrentConformance):
         platform = "xla"
+        chunk_config = XlaLinearAttentionConfig
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import ClassVar
 
 import jax
@@ -21,8 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.numerics import Tolerance, assert_close, assert_tree_close
-from ejkernel.testing.page_attention import forward_and_vjp, random_array, reference_forward_and_vjp
+from ejkernel.testing.numerics import (
+    Tolerance,
+    assert_close,
+    assert_tree_close,
+    forward_and_vjp,
+    normal_array,
+    reference_forward_and_vjp,
+)
 
 
 def _token_layout(total: int, cu_seqlens):
@@ -147,13 +155,15 @@ class RecurrentConformance:
 
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
-    chunk_sizes: ClassVar[Sequence[int | None]] = (None, 4)
-    """Configs to try (None: the backend's default); a backend reads them through ``config(chunk)``."""
+    chunk_config: ClassVar[type | None] = None
+    """The backend's config type when it takes ``chunk_size=`` (tokens per chunk): the suite then also runs
+    chunks shorter than the sequences. None: every call gets ``cfg=None``."""
 
-    def config(self, chunk_size):
-        from ejkernel.modules import RecurrentConfig
-
-        return None if chunk_size is None else RecurrentConfig(chunk_size=chunk_size)
+    def config(self, chunk_size: int | None):
+        """The ``cfg`` of a test that names a chunk size (None: the backend's own choice)."""
+        if chunk_size is None or self.chunk_config is None:
+            return None
+        return self.chunk_config(chunk_size=chunk_size)
 
     def call(self, **kwargs):
         from ejkernel.modules import recurrent_attention
@@ -163,9 +173,9 @@ class RecurrentConformance:
     def make_inputs(self, seed, shape, dtype, *, gates=("g",), initial_state=False, scalar_g=False):
         batch, total, heads, kv_heads, dk, dv, bounds = SHAPES[shape]
         inputs = dict(
-            query=random_array(seed * 10 + 0, (batch, total, heads, dk), dtype),
-            key=random_array(seed * 10 + 1, (batch, total, kv_heads, dk), dtype),
-            value=random_array(seed * 10 + 2, (batch, total, kv_heads, dv), dtype),
+            query=normal_array(seed * 10 + 0, (batch, total, heads, dk), dtype),
+            key=normal_array(seed * 10 + 1, (batch, total, kv_heads, dk), dtype),
+            value=normal_array(seed * 10 + 2, (batch, total, kv_heads, dv), dtype),
         )
         if "g" in gates:
             inputs["g"] = log_sigmoid_gate(seed * 10 + 3, (batch, total, heads) if scalar_g else (batch, total, heads, dk))
@@ -179,7 +189,7 @@ class RecurrentConformance:
             inputs["cu_seqlens"] = jnp.asarray(bounds, jnp.int32)
         if initial_state:
             rows = batch if bounds is None else len(bounds) - 1
-            inputs["initial_state"] = random_array(seed * 10 + 6, (rows, heads, dk, dv), jnp.float32)
+            inputs["initial_state"] = normal_array(seed * 10 + 6, (rows, heads, dk, dv), jnp.float32)
         return inputs
 
     def check(self, inputs, dtype, *, cfg=None, scale=1.0, **static):
@@ -274,6 +284,7 @@ class RecurrentConformance:
             (dict(cu_seqlens=jnp.asarray([0, 20, 10, 37], jnp.int32)), "cu_seqlens"),
             (dict(query=jnp.concatenate([q, q]), key=jnp.concatenate([k, k]), value=jnp.concatenate([v, v]),
                   g=None, initial_state=None, cu_seqlens=jnp.asarray([0, 37], jnp.int32)), "cu_seqlens"),
+            (dict(precision="fast"), "precision"),
         ]
         for change, name in cases:
             with pytest.raises((ValueError, TypeError), match=name):

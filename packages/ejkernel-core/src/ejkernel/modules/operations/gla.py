@@ -1,45 +1,39 @@
 """``gla_attention``: gated linear attention (GLA) with per-key-dimension log-space gates.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    gla(query, key, value, g, g_gamma, initial_state, cu_seqlens, *, softmax_scale: float, reverse: bool, cfg)
-        -> (output, final_state)
-
-The ``recurrent`` operation (``ejkernel.modules.operations.recurrent``) with only the key-dimension gate
-``g`` (``[B, T, H, K]``: ``log(sigmoid(.))`` values in GLA, any log decay allowed; ``[B, T, H]`` means one
-per token and head) and the optional per-head constant ``g_gamma`` (``[H]`` or ``[B, H]``)::
+The ``recurrent`` operation (``ejkernel.modules.operations.recurrent``, whose :class:`LinearAttentionCall`
+its backends receive) with only the key-dimension gate ``g`` (``[B, T, H, K]``: ``log(sigmoid(.))`` values
+in GLA, any log decay allowed; ``[B, T, H]`` means one per token and head) and the optional per-head
+constant ``g_gamma`` (``[H]`` or ``[B, H]``)::
 
     S_t = diag(exp(g_t + g_gamma)) S_{t-1} + k_t v_t^T,      o_t = softmax_scale * q_t^T S_t
 
-Everything else -- GQA, ``initial_state``, ``reverse``, varlen ``cu_seqlens``, the float32 final state,
-the gradients (query, key, value, g, g_gamma, initial_state) -- is as in ``recurrent``.
+Everything else -- GQA, ``initial_state``, ``reverse``, varlen ``cu_seqlens``, ``precision``, the float32
+final state, the gradients (query, key, value, g, g_gamma, initial_state) -- is as in ``recurrent``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations.recurrent import RecurrentConfig, resolve_softmax_scale, validate_linear_attention
-
-GLAConfig = RecurrentConfig
+from ejkernel.modules.operations.recurrent import LinearAttentionCall, linear_attention_call
 
 
 class GLAttention(RegistryOperation):
     """Gated linear attention (see the module docstring)."""
 
     algorithm = "gla"
-    config_type = RecurrentConfig
 
     def validate(self, query, key, value, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, *,
-                 softmax_scale=None, reverse=False):
-        n = validate_linear_attention(
-            query, key, value, gates=dict(g=g), g_gamma=g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens
+                 softmax_scale=None, reverse=False, precision=None) -> LinearAttentionCall:
+        return linear_attention_call(
+            query, key, value, g=g, g_gamma=g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            softmax_scale=softmax_scale, reverse=reverse, precision=precision,
         )
-        args = (query, key, value, n["g"], n["g_gamma"], n["initial_state"], n["cu_seqlens"])
-        return args, dict(softmax_scale=resolve_softmax_scale(softmax_scale, query.shape[-1]), reverse=bool(reverse))
 
 
 @typechecked
@@ -55,7 +49,8 @@ def gla_attention(
     cu_seqlens: Int[jax.Array, "num_seqs_plus_one"] | None = None,
     platform: str = "auto",
     *,
-    cfg: RecurrentConfig | None = None,
+    precision: str | jax.lax.Precision | None = None,
+    cfg: Any = None,
 ) -> tuple[Float[jax.Array, "batch seq heads value_dim"], Float[jax.Array, "states heads head_dim value_dim"]]:
     """Gated linear attention; returns ``(output in query's dtype, float32 final_state)``.
 
@@ -66,9 +61,12 @@ def gla_attention(
         softmax_scale: multiplies the queries (default ``head_dim ** -0.5``).
         initial_state: ``[batch (or num_seqs), heads, head_dim, value_dim]``.
         reverse: run from the last token to the first; cu_seqlens: packed sequences (batch 1).
-        platform: ``"auto"`` or a backend name; cfg: a :class:`RecurrentConfig` (``chunk_size``).
+        platform: ``"auto"`` or a platform name.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs).
+        cfg: one implementation's config (e.g. ``ejkernel_xla.recurrent.XlaLinearAttentionConfig``); it
+            selects that implementation.
     """
     return execute(
         GLAttention(), query, key, value, g, g_gamma, initial_state, cu_seqlens,
-        softmax_scale=softmax_scale, reverse=reverse, platform=platform, cfg=cfg,
+        softmax_scale=softmax_scale, reverse=reverse, precision=precision, platform=platform, cfg=cfg,
     )

@@ -1,21 +1,20 @@
 """``lightning_attention``: linear attention with a constant per-head decay set by the layer's depth.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    lightning_attention(query, key, value, initial_state, cu_seqlens, *, layer_idx: int, num_layers: int,
-                        softmax_scale: float, reverse: bool, cfg) -> (output, final_state)
-
-The ``recurrent`` operation with ``g_gamma = lightning_decay_slopes(H, layer_idx, num_layers)``, the
-original library's per-head log decay::
+The ``recurrent`` operation (whose :class:`LinearAttentionCall` its backends receive) with
+``g_gamma = lightning_decay_slopes(H, layer_idx, num_layers)``, the original library's per-head log
+decay, computed by core::
 
     g_gamma[h] = -(8 / H) * (1 - layer_idx / num_layers) * h          (h = 0 .. H-1)
 
 so head 0 never decays and deeper layers decay more slowly. ``0 <= layer_idx < num_layers``. GQA,
-``initial_state``, ``reverse``, varlen ``cu_seqlens``, the float32 final state and the gradients
-(query, key, value, initial_state) are as in ``recurrent``.
+``initial_state``, ``reverse``, varlen ``cu_seqlens``, ``precision``, the float32 final state and the
+gradients (query, key, value, initial_state) are as in ``recurrent``.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +23,7 @@ from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations.recurrent import RecurrentConfig, resolve_softmax_scale, validate_linear_attention
-
-LightningAttentionConfig = RecurrentConfig
+from ejkernel.modules.operations.recurrent import LinearAttentionCall, linear_attention_call
 
 
 def lightning_decay_slopes(num_heads: int, layer_idx: int, num_layers: int) -> jax.Array:
@@ -47,18 +44,17 @@ class LightningAttention(RegistryOperation):
     """Lightning attention (see the module docstring)."""
 
     algorithm = "lightning_attention"
-    config_type = RecurrentConfig
 
     def validate(self, query, key, value, initial_state=None, cu_seqlens=None, *, layer_idx, num_layers,
-                 softmax_scale=None, reverse=False):
+                 softmax_scale=None, reverse=False, precision=None) -> LinearAttentionCall:
         layer_idx, num_layers = _check_layers(layer_idx, num_layers)
-        n = validate_linear_attention(query, key, value, gates={}, initial_state=initial_state, cu_seqlens=cu_seqlens)
-        args = (query, key, value, n["initial_state"], n["cu_seqlens"])
-        kwargs = dict(
-            layer_idx=layer_idx, num_layers=num_layers,
-            softmax_scale=resolve_softmax_scale(softmax_scale, query.shape[-1]), reverse=bool(reverse),
+        call = linear_attention_call(
+            query, key, value, initial_state=initial_state, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
+            reverse=reverse, precision=precision,
         )
-        return args, kwargs
+        batch, _, heads, _ = query.shape
+        slopes = lightning_decay_slopes(heads, layer_idx, num_layers)
+        return dataclasses.replace(call, g_gamma=jnp.broadcast_to(slopes, (batch, heads)))
 
 
 @typechecked
@@ -74,7 +70,8 @@ def lightning_attention(
     cu_seqlens: Int[jax.Array, "num_seqs_plus_one"] | None = None,
     platform: str = "auto",
     *,
-    cfg: RecurrentConfig | None = None,
+    precision: str | jax.lax.Precision | None = None,
+    cfg: Any = None,
 ) -> tuple[Float[jax.Array, "batch seq heads value_dim"], Float[jax.Array, "states heads head_dim value_dim"]]:
     """Lightning attention of layer ``layer_idx`` of ``num_layers``; returns ``(output, float32 final_state)``.
 
@@ -84,10 +81,13 @@ def lightning_attention(
         softmax_scale: multiplies the queries (default ``head_dim ** -0.5``).
         initial_state: ``[batch (or num_seqs), heads, head_dim, value_dim]``.
         reverse: run from the last token to the first; cu_seqlens: packed sequences (batch 1).
-        platform: ``"auto"`` or a backend name; cfg: a :class:`RecurrentConfig` (``chunk_size``).
+        platform: ``"auto"`` or a platform name.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs).
+        cfg: one implementation's config (e.g. ``ejkernel_xla.recurrent.XlaLinearAttentionConfig``); it
+            selects that implementation.
     """
     return execute(
         LightningAttention(), query, key, value, initial_state, cu_seqlens,
         layer_idx=layer_idx, num_layers=num_layers, softmax_scale=softmax_scale, reverse=reverse,
-        platform=platform, cfg=cfg,
+        precision=precision, platform=platform, cfg=cfg,
     )
