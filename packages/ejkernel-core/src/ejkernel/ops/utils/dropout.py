@@ -16,9 +16,19 @@ the query head, ``seed`` the low 32 bits of ``dropout_seed``.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 GOLDEN = 0x9E3779B9
 COL_MULTIPLIER = 0x27D4EB2F
+
+
+def seed_bits(seed):
+    """The seed's low 32 bits as uint32, what the hash takes. A Python int (of any size) becomes a numpy
+    scalar: handed to a jitted kernel it is an argument, not a constant, so a new seed per step does not
+    recompile. An integer array (traced or not) is cast, wrapping."""
+    if isinstance(seed, (int, np.integer)):
+        return np.uint32(int(seed) & 0xFFFFFFFF)
+    return jnp.asarray(seed).astype(jnp.uint32)
 
 
 def threshold(dropout_prob: float) -> int:
