@@ -16,7 +16,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "blocksparse_attention": "ejkernel_xla.blocksparse_attention:IMPLEMENTATION",
     "native_sparse_attention": "ejkernel_xla.native_sparse_attention:native_sparse_attention",
     "grouped_matmul": "ejkernel_xla.grouped_matmul:grouped_matmul",
-    "mean_pooling": "ejkernel_xla.mean_pooling:mean_pooling",
+    "mean_pooling": "ejkernel_xla.mean_pooling:IMPLEMENTATION",
     "recurrent": "ejkernel_xla.recurrent:IMPLEMENTATION",
     "gla": "ejkernel_xla.recurrent:IMPLEMENTATION",
     "lightning_attention": "ejkernel_xla.recurrent:IMPLEMENTATION",

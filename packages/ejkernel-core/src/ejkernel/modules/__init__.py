@@ -48,7 +48,7 @@ _EXPORTS: dict[str, str] = {
     "GroupedMatmulConfig": "ejkernel.modules.operations.grouped_matmul",
     "mean_pooling": "ejkernel.modules.operations.mean_pooling",
     "MeanPooling": "ejkernel.modules.operations.mean_pooling",
-    "MeanPoolingConfig": "ejkernel.modules.operations.mean_pooling",
+    "MeanPoolingCall": "ejkernel.modules.operations.mean_pooling",
     "recurrent_attention": "ejkernel.modules.operations.recurrent",
     "recurrent": "ejkernel.modules.operations.recurrent",
     "RecurrentAttention": "ejkernel.modules.operations.recurrent",

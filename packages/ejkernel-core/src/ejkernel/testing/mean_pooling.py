@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.numerics import Tolerance
-from ejkernel.testing.page_attention import check_against_reference, random_array
+from ejkernel.testing.numerics import Tolerance, check_against_reference, normal_array
 
 
 def reference_mean_pooling(x, cu_seqlens=None, *, chunk_size=32):
@@ -53,7 +52,7 @@ class MeanPoolingConformance:
 
     def make_inputs(self, seed, case, dtype):
         shape, bounds = CASES[case]
-        x = random_array(seed, shape, dtype)
+        x = normal_array(seed, shape, dtype)
         return dict(x=x, cu_seqlens=None if bounds is None else jnp.asarray(bounds, jnp.int32))
 
     @pytest.mark.parametrize(
@@ -79,12 +78,12 @@ class MeanPoolingConformance:
             np.testing.assert_allclose(fn(inputs["x"], cu), reference_mean_pooling(inputs["x"], cu), rtol=1e-5, atol=1e-6)
 
     def test_vmap_over_independent_batches(self):
-        x = random_array(4, (3, 2, 9, 5))
+        x = normal_array(4, (3, 2, 9, 5))
         out = jax.vmap(lambda item: self.call(item))(x)
         np.testing.assert_allclose(out, jnp.mean(x, axis=2), rtol=1e-5, atol=1e-6)
 
     def test_bad_inputs_raise_value_errors(self):
-        x = random_array(5, (20, 4))
+        x = normal_array(5, (20, 4))
         cases = [
             ((x, jnp.asarray([0, 9, 5, 20], jnp.int32)), "cu_seqlens"),
             ((x, jnp.asarray([0, 9, 21], jnp.int32)), "cu_seqlens"),
