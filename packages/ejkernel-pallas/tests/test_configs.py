@@ -9,12 +9,13 @@ import pytest
 
 from ejkernel.modules import FlashAttention, flash_attention, grouped_matmul, ragged_page_attention, ring_attention
 from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
-from ejkernel.modules.operations.grouped_matmul import GroupedMatmul, GroupedMatmulConfig
+from ejkernel.modules.operations.grouped_matmul import GroupedMatmul
 from ejkernel.modules.operations.ring_attention import RingAttention, RingAttentionConfig
 from ejkernel.ops import get_default_executor
 from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
 from ejkernel_pallas import gpu_flash_attention as gpu
 from ejkernel_pallas import tpu_flash_attention as tpu
+from ejkernel_pallas.grouped_matmul import PallasGroupedMatmulConfig
 from ejkernel_pallas.interpret import INTERPRET_ENV
 from ejkernel_pallas.ragged_page_attention import TpuRaggedPageBlocks
 from ejkernel_pallas.tpu_tiling import TpuTilingError
@@ -74,7 +75,7 @@ def test_executor_config_is_the_tpu_heuristic(pallas_interpret):
     assert isinstance(ring_cfg, RingAttentionConfig) and _fwd(ring_cfg) == (256, 256) and _bwd(ring_cfg) == (256,) * 4
     lhs, rhs = jnp.ones((300, 200), jnp.bfloat16), jnp.ones((3, 200, 700), jnp.bfloat16)
     gmm_cfg = executor.choose(GroupedMatmul(), lhs, rhs, jnp.array([100, 100, 100], jnp.int32), platform="pallas")
-    assert (gmm_cfg.block_m, gmm_cfg.block_k, gmm_cfg.block_n) == (304, 200, 512)
+    assert gmm_cfg == PallasGroupedMatmulConfig(block_m=304, block_k=200, block_n=512)
 
 
 def test_config_space_candidates_all_tile():
@@ -123,10 +124,10 @@ def test_bad_blocks_are_refused_naming_the_config_field(pallas_interpret):
         jax.grad(lambda q: ring_attention(q, k, v, platform="pallas", cfg=RingAttentionConfig(
             bwd_params=BwdParams(q_blocksize=100))).astype(jnp.float32).sum())(q)
     lhs, rhs, sizes = jnp.ones((300, 200)), jnp.ones((3, 200, 700)), jnp.array([100, 100, 100], jnp.int32)
-    with pytest.raises(TpuTilingError, match=r"GroupedMatmulConfig\.block_n=200: .*multiple of 128"):
-        grouped_matmul(lhs, rhs, sizes, platform="pallas", cfg=GroupedMatmulConfig(block_n=200))
-    with pytest.raises(TpuTilingError, match=r"GroupedMatmulConfig\.block_m=12: .*multiple of 8"):
-        grouped_matmul(lhs, rhs, sizes, platform="pallas", cfg=GroupedMatmulConfig(block_m=12))
+    with pytest.raises(TpuTilingError, match=r"PallasGroupedMatmulConfig\.block_n=200: .*multiple of 128"):
+        grouped_matmul(lhs, rhs, sizes, platform="pallas", cfg=PallasGroupedMatmulConfig(block_n=200))
+    with pytest.raises(TpuTilingError, match=r"PallasGroupedMatmulConfig\.block_m=12: .*multiple of 8"):
+        grouped_matmul(lhs, rhs, sizes, platform="pallas", cfg=PallasGroupedMatmulConfig(block_m=12))
     pages = jnp.ones((4, 8, 2, 16))
     with pytest.raises(TpuTilingError, match=r"TpuRaggedPageBlocks\.block_q=12: .*multiple of 8"):
         ragged_page_attention(jnp.ones((20, 2, 16)), pages, jnp.array([20], jnp.int32), jnp.array([[0, 1, 2, 3]], jnp.int32),

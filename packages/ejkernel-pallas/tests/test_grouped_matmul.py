@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 import pytest
 from pallas_test_helpers import abstract_device, normal, out_and_grads, rel_err
 
+from ejkernel.modules.operations.grouped_matmul import GroupedMatmul
 from ejkernel.testing.grouped_matmul import GroupedMatmulConformance, reference_grouped_matmul
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
-from ejkernel_pallas.grouped_matmul import grouped_matmul
+from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS, matmul_precisions
+from ejkernel_pallas.grouped_matmul import PallasGroupedMatmulConfig, run_grouped_matmul
+
+
+def grouped_matmul(lhs, rhs, group_sizes, group_offset=None, existing_out=None, *, cfg=PallasGroupedMatmulConfig(),
+                   interpret=True, **keywords):
+    """The kernel on core's canonical call, with the test's own ``interpret``."""
+    call = GroupedMatmul().validate(lhs, rhs, group_sizes, group_offset, existing_out, **keywords)
+    return run_grouped_matmul(call, cfg, interpret=interpret)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -24,10 +30,10 @@ def test_row_tiles_straddle_groups(transpose_rhs):
     existing = normal(ks[2], (m, n))
     sizes = jnp.asarray(sizes, jnp.int32)
     offset = jnp.asarray([1], jnp.int32)
-    cfg = types.SimpleNamespace(block_m=8, block_k=None, block_n=None)
+    cfg = PallasGroupedMatmulConfig(block_m=8)
 
     def kernel(lhs, rhs, existing):
-        return grouped_matmul(lhs, rhs, sizes, offset, existing, transpose_rhs=transpose_rhs, cfg=cfg, interpret=True)
+        return grouped_matmul(lhs, rhs, sizes, offset, existing, transpose_rhs=transpose_rhs, cfg=cfg)
 
     def reference(lhs, rhs, existing):
         return reference_grouped_matmul(lhs, rhs, sizes, offset, existing, transpose_rhs=transpose_rhs)
@@ -39,9 +45,10 @@ def test_row_tiles_straddle_groups(transpose_rhs):
         assert g.shape == w.shape and rel_err(g, w) < 1e-6, name
 
 
-def test_lowers_for_tpu():
-    lhs = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
-    rhs = jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # float32: dots at Precision.HIGHEST
+def test_lowers_for_tpu(dtype):
+    lhs = jax.ShapeDtypeStruct((1024, 256), dtype)
+    rhs = jax.ShapeDtypeStruct((4, 256, 512), dtype)
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
 
     def loss(lhs, rhs, sizes):
@@ -51,6 +58,25 @@ def test_lowers_for_tpu():
     with abstract_device("TPU v5 lite", "tpu"):
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(lhs, rhs, sizes).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 3  # gmm, d_lhs gmm, tgmm
+
+
+@pytest.mark.parametrize(
+    "dtype,precision,expected",
+    [("float32", None, jax.lax.Precision.HIGHEST), ("float32", "high", jax.lax.Precision.HIGH),
+     ("float32", "default", jax.lax.Precision.DEFAULT), ("bfloat16", None, jax.lax.Precision.DEFAULT)],
+)
+def test_every_dot_forward_and_backward_runs_at_the_precision(dtype, precision, expected):
+    """float32 means float32 on the TPU (Mosaic's default dot is bf16 passes): the precision reaches the
+    kernels' dots -- gmm, d_lhs gmm and tgmm."""
+    ks = jax.random.split(jax.random.key(43), 2)
+    lhs, rhs = normal(ks[0], (24, 16), dtype), normal(ks[1], (2, 16, 8), dtype)
+    sizes = jnp.asarray([11, 13], jnp.int32)
+
+    def loss(lhs, rhs):
+        return grouped_matmul(lhs, rhs, sizes, precision=precision).sum()
+
+    found = matmul_precisions(jax.grad(loss, argnums=(0, 1)), lhs, rhs)
+    assert len(found) == 3 and set(found) == {expected}, found
 
 
 class TestPallasGroupedMatmulConformance(GroupedMatmulConformance):
@@ -72,7 +98,7 @@ def test_tpu_faithful_interpreter_finds_no_races():
     ks = jax.random.split(jax.random.key(42), 2)
     lhs, rhs = normal(ks[0], (24, 16)), normal(ks[1], (2, 16, 8))
     sizes = jnp.asarray([11, 13], jnp.int32)
-    cfg = types.SimpleNamespace(block_m=8, block_k=None, block_n=None)
+    cfg = PallasGroupedMatmulConfig(block_m=8)
     out = grouped_matmul(lhs, rhs, sizes, cfg=cfg, interpret=pltpu.InterpretParams(detect_races=True))
     assert rel_err(out, reference_grouped_matmul(lhs, rhs, sizes)) < 1e-6
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found

@@ -10,6 +10,9 @@ once, when the next visit moves to another tile. The visit count has a static bo
 Backward: ``d_lhs`` is the same kernel with the weights transposed; ``d_rhs`` is a transposed grouped
 matmul (``lhs[rows of g]^T @ d_out[rows of g]``) over the same visits, one output block per group.
 Rows no computed group owns are handled outside the kernels (``existing_out`` or zeros).
+
+Every dot, forward and backward, runs at the call's ``precision`` (Mosaic: DEFAULT = bf16 passes, HIGH =
+bf16x3, HIGHEST = fp32), so float32 inputs get float32 products by default; nothing is refused for it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.grouped_matmul import GroupedMatmulCall
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
@@ -32,16 +37,17 @@ from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round
 
 
 @dataclasses.dataclass(frozen=True)
-class GmmTiles:
-    block_m: int
-    block_k: int
-    block_n: int
+class PallasGroupedMatmulConfig:
+    """Tiles of the TPU kernel (None: the heuristic of :func:`choose_tiles`); none changes the result.
 
-    def __post_init__(self):
-        for name in ("block_m", "block_k", "block_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GmmTiles.{name} must be a positive int, got {value!r}")
+    ``block_m`` rows of lhs per tile (a group boundary may fall inside it), a multiple of the dtype's
+    sublanes (8 for float32, 16 for 16-bit); ``block_k`` / ``block_n`` multiples of 128, or the whole
+    (padded) dim. A tile the TPU cannot take is refused (``TpuTilingError``) naming the field.
+    """
+
+    block_m: int | None = None
+    block_k: int | None = None
+    block_n: int | None = None
 
 
 def _lane_block(size: int, want: int | None, cap: int) -> int:
@@ -51,55 +57,37 @@ def _lane_block(size: int, want: int | None, cap: int) -> int:
     return round_up(size, 8) if size <= cap else cap
 
 
-def choose_tiles(cfg, m: int, k: int, n: int, dtype) -> GmmTiles:
-    """Tiles from ``cfg`` (a GroupedMatmulConfig or None) over the TPU heuristic (rows: up to 512, a multiple
-    of the dtype's sublanes; k and n: the whole dim up to 512, else 512). A tile the TPU cannot take raises
+def choose_tiles(config: PallasGroupedMatmulConfig, m: int, k: int, n: int, dtype) -> PallasGroupedMatmulConfig:
+    """Every tile resolved: ``config``'s, else the TPU heuristic (rows: up to 512, a multiple of the dtype's
+    sublanes; k and n: the whole dim up to 512, else 512). A tile the TPU cannot take raises
     :class:`TpuTilingError` naming the config field, before anything is traced."""
     rows = sublane_multiple(dtype)
     checks = {"block_m": (m, rows, "rows of the lhs/out tiles"), "block_k": (k, LANES, "lanes of the lhs tile"),
               "block_n": (n, LANES, "lanes of the rhs/out tiles")}
 
     def get(name):
-        value = getattr(cfg, name, None) if cfg is not None else None
+        value = getattr(config, name)
         if value is None:
             return None
         size, multiple, what = checks[name]
-        where = f"{type(cfg).__name__}.{name}={value!r}"
+        where = f"{type(config).__name__}.{name}={value!r}"
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise TpuTilingError(f"{where}: a tile size must be a positive int")
         if value < size and value % multiple:  # value >= size: one tile over the whole (padded) dim
             raise TpuTilingError(f"{where}: must be a multiple of {multiple} ({what}) or cover the whole dim {size}")
         return value
 
-    block_m = get("block_m") or min(512, round_up(m, rows))
-    return GmmTiles(block_m=block_m, block_k=_lane_block(k, get("block_k"), 512), block_n=_lane_block(n, get("block_n"), 512))
+    return PallasGroupedMatmulConfig(
+        block_m=get("block_m") or min(512, round_up(m, rows)),
+        block_k=_lane_block(k, get("block_k"), 512),
+        block_n=_lane_block(n, get("block_n"), 512),
+    )
 
 
-def _tiles_to_config(tiles: GmmTiles):
-    from ejkernel.modules.operations.grouped_matmul import GroupedMatmulConfig
-
-    return GroupedMatmulConfig(block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k, platform="pallas")
-
-
-def _invocation_dims(inv):
-    lhs, rhs = inv.args[0], inv.args[1]
-    transpose_rhs = bool(inv.kwargs.get("transpose_rhs", False))
-    return lhs.shape[0], lhs.shape[1], rhs.shape[1] if transpose_rhs else rhs.shape[2], lhs.dtype
-
-
-def heuristic_cfg(inv):
-    """The executor's default tiles for this call (see :func:`choose_tiles`)."""
-    return _tiles_to_config(choose_tiles(None, *_invocation_dims(inv)))
-
-
-def config_space(inv):
-    """Pruned autotuning candidates: the heuristic, then smaller 128-multiple tiles (at most 8)."""
-    m, k, n, dtype = _invocation_dims(inv)
-    h = choose_tiles(None, m, k, n, dtype)
-    smaller = lambda size, first: [first] + [b for b in (128, 256) if b < min(first, size)]  # noqa: E731
-    candidates = [GmmTiles(bm, bk, bn) for bm in smaller(m, h.block_m) for bn in smaller(n, h.block_n)
-                  for bk in smaller(k, h.block_k)]
-    return [_tiles_to_config(t) for t in candidates[:8]]
+def _dims(call: GroupedMatmulCall) -> tuple[int, int, int, object]:
+    m, k = call.lhs.shape
+    n = call.rhs.shape[1] if call.transpose_rhs else call.rhs.shape[2]
+    return m, k, n, call.lhs.dtype
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,7 +177,7 @@ def _pad2(x, rows: int, cols: int):
     return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
 
 
-def _gmm(lhs, rhs, meta, *, tiles: GmmTiles, transpose_rhs: bool, out_dtype, precision, interpret):
+def _gmm(lhs, rhs, meta, *, tiles: PallasGroupedMatmulConfig, transpose_rhs: bool, out_dtype, precision, interpret):
     """Computed rows of ``lhs @ W[group]``; other rows zero or unspecified (masked by the caller)."""
     m, k = lhs.shape
     groups = rhs.shape[0]
@@ -226,7 +214,7 @@ def _gmm(lhs, rhs, meta, *, tiles: GmmTiles, transpose_rhs: bool, out_dtype, pre
     return out[:m, :n]
 
 
-def _tgmm(lhs, d_out, meta, num_groups: int, *, tiles: GmmTiles, out_dtype, precision, interpret):
+def _tgmm(lhs, d_out, meta, num_groups: int, *, tiles: PallasGroupedMatmulConfig, out_dtype, precision, interpret):
     """``[G, K, N]``: per computed group, ``lhs[rows]^T @ d_out[rows]`` (empty groups: unspecified)."""
     m, k = lhs.shape
     n = d_out.shape[1]
@@ -264,7 +252,7 @@ def _tgmm(lhs, d_out, meta, num_groups: int, *, tiles: GmmTiles, out_dtype, prec
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    tiles: GmmTiles
+    tiles: PallasGroupedMatmulConfig
     transpose_rhs: bool
     out_dtype: object
     precision: object
@@ -302,7 +290,9 @@ def _grouped_bwd(st: _Static, residuals, d_out):
     groups = rhs.shape[0]
     k = lhs.shape[1]
     n = d_out.shape[1]
-    w_tiles = GmmTiles(block_m=st.tiles.block_m, block_k=_lane_block(k, None, 512), block_n=_lane_block(n, None, 512))
+    w_tiles = PallasGroupedMatmulConfig(
+        block_m=st.tiles.block_m, block_k=_lane_block(k, None, 512), block_n=_lane_block(n, None, 512)
+    )
     d_w = _tgmm(lhs, d_comp.astype(lhs.dtype), meta, groups, tiles=w_tiles, out_dtype=jnp.float32,
                 precision=st.precision, interpret=st.interpret)
     nonempty = (meta[4] > meta[3])[:, None, None]
@@ -318,40 +308,45 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Public entry (canonical signature)
+# The implementation
 
 
-
-
-def _check_dtype(lhs):
-    if lhs.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise UnsupportedFeature(f"pallas grouped_matmul: dtype {lhs.dtype} is not supported")
-
-
-def check_supported(lhs, rhs, group_sizes, group_offset=None, existing_out=None, **_):
-    if jax.default_backend() not in ("tpu", "cpu"):
-        raise UnsupportedFeature("pallas grouped_matmul is a TPU kernel (no GPU version); use platform='xla' or 'triton'")
-    tpu_interpret_or_refuse()
-    _check_dtype(lhs)
-
-
-def grouped_matmul(lhs, rhs, group_sizes, group_offset=None, existing_out=None, *, preferred_element_type=jnp.float32,
-                   transpose_rhs: bool = False, precision=None, cfg=None, interpret=None):
-    """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
-    _check_dtype(lhs)
-    if interpret is None:
-        interpret = tpu_interpret_or_refuse()
-    m, k = lhs.shape
-    groups = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    tiles = choose_tiles(cfg, m, k, n, lhs.dtype)
+def run_grouped_matmul(call: GroupedMatmulCall, config: PallasGroupedMatmulConfig, *, interpret):
+    """The kernels on ``call`` with ``config``'s tiles; ``interpret`` as in ``pallas_call`` (tests pass
+    their own; the implementation reads it from the machine and ``EJKERNEL_PALLAS_INTERPRET``)."""
+    m, k, n, dtype = _dims(call)
+    tiles = choose_tiles(config, m, k, n, dtype)
     num_tiles = round_up(m, tiles.block_m) // tiles.block_m
-    meta = _visits(group_sizes, group_offset, groups, tiles.block_m, num_tiles)
-    st = _Static(tiles=tiles, transpose_rhs=bool(transpose_rhs), out_dtype=jnp.dtype(preferred_element_type or jnp.float32),
-                 precision=precision, interpret=interpret)
-    return _grouped(st, lhs, rhs, existing_out, meta)
+    meta = _visits(call.group_sizes, call.group_offset, call.rhs.shape[0], tiles.block_m, num_tiles)
+    st = _Static(tiles=tiles, transpose_rhs=call.transpose_rhs, out_dtype=call.preferred_element_type,
+                 precision=call.precision, interpret=interpret)
+    return _grouped(st, call.lhs, call.rhs, call.existing_out, meta)
 
 
-grouped_matmul.check_supported = check_supported
-grouped_matmul.heuristic_cfg = heuristic_cfg
-grouped_matmul.config_space = config_space
+class PallasGroupedMatmul(Implementation[GroupedMatmulCall, PallasGroupedMatmulConfig]):
+    config_type = PallasGroupedMatmulConfig
+
+    def supports(self, call: GroupedMatmulCall) -> None:
+        if jax.default_backend() not in ("tpu", "cpu"):
+            raise UnsupportedFeature(
+                "pallas grouped_matmul is a TPU kernel (no GPU version); use platform='xla' or 'triton'"
+            )
+        tpu_interpret_or_refuse()
+
+    def heuristic_config(self, call: GroupedMatmulCall) -> PallasGroupedMatmulConfig:
+        return choose_tiles(PallasGroupedMatmulConfig(), *_dims(call))
+
+    def candidate_configs(self, call: GroupedMatmulCall) -> list[PallasGroupedMatmulConfig]:
+        """Pruned autotuning candidates: the heuristic, then smaller 128-multiple tiles (at most 8)."""
+        m, k, n, _ = _dims(call)
+        h = self.heuristic_config(call)
+        smaller = lambda size, first: [first] + [b for b in (128, 256) if b < min(first, size)]  # noqa: E731
+        candidates = [PallasGroupedMatmulConfig(bm, bk, bn) for bm in smaller(m, h.block_m)
+                      for bn in smaller(n, h.block_n) for bk in smaller(k, h.block_k)]
+        return candidates[:8]
+
+    def __call__(self, call: GroupedMatmulCall, config: PallasGroupedMatmulConfig) -> jax.Array:
+        return run_grouped_matmul(call, config, interpret=tpu_interpret_or_refuse())
+
+
+IMPLEMENTATION = PallasGroupedMatmul()

@@ -16,7 +16,7 @@ DISTRIBUTION = "ejkernel-pallas"
 # Pallas interpret mode.
 _KERNELS = {
     "flash_attention": ("ejkernel_pallas.flash_attention:flash_attention", ("tpu", "gpu")),
-    "grouped_matmul": ("ejkernel_pallas.grouped_matmul:grouped_matmul", ("tpu",)),
+    "grouped_matmul": ("ejkernel_pallas.grouped_matmul:IMPLEMENTATION", ("tpu",)),
     "page_attention": ("ejkernel_pallas.page_attention:IMPLEMENTATION", ("tpu",)),
     "ragged_page_attention": ("ejkernel_pallas.ragged_page_attention:IMPLEMENTATION", ("tpu",)),
     "ring_attention": ("ejkernel_pallas.ring_attention:ring_attention", ("tpu",)),

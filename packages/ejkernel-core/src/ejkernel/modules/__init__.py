@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "NativeSparseAttentionConfig": "ejkernel.modules.operations.native_sparse_attention",
     "grouped_matmul": "ejkernel.modules.operations.grouped_matmul",
     "GroupedMatmul": "ejkernel.modules.operations.grouped_matmul",
-    "GroupedMatmulConfig": "ejkernel.modules.operations.grouped_matmul",
+    "GroupedMatmulCall": "ejkernel.modules.operations.grouped_matmul",
     "mean_pooling": "ejkernel.modules.operations.mean_pooling",
     "MeanPooling": "ejkernel.modules.operations.mean_pooling",
     "MeanPoolingCall": "ejkernel.modules.operations.mean_pooling",

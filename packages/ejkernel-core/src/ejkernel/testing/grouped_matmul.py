@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.numerics import Tolerance
-from ejkernel.testing.page_attention import check_against_reference, random_array
+from ejkernel.testing.numerics import Tolerance, check_against_reference, normal_array
 
 
 def reference_grouped_matmul(
@@ -79,11 +78,11 @@ class GroupedMatmulConformance:
         held = len(sizes) if held is None else held
         rhs_shape = (held, n, k) if transpose_rhs else (held, k, n)
         return dict(
-            lhs=random_array(seed * 10 + 0, (m, k), dtype),
-            rhs=random_array(seed * 10 + 1, rhs_shape, dtype),
+            lhs=normal_array(seed * 10 + 0, (m, k), dtype),
+            rhs=normal_array(seed * 10 + 1, rhs_shape, dtype),
             group_sizes=jnp.asarray(sizes, jnp.int32),
             group_offset=None if offset is None else jnp.asarray([offset], jnp.int32),
-            existing_out=random_array(seed * 10 + 2, (m, n), dtype) if existing_out else None,
+            existing_out=normal_array(seed * 10 + 2, (m, n), dtype) if existing_out else None,
         )
 
     def check(self, inputs, dtype, **static):
@@ -161,6 +160,8 @@ class GroupedMatmulConformance:
             ((lhs, rhs[:2], sizes, jnp.asarray([2], jnp.int32)), {}, "group_offset"),
             ((lhs, rhs, sizes, None, jnp.zeros((24, 7))), {}, "existing_out"),
             ((lhs, rhs, sizes), {"transpose_rhs": True}, "rhs"),
+            ((lhs, rhs, sizes), {"preferred_element_type": jnp.int32}, "preferred_element_type"),
+            ((lhs, rhs, sizes), {"precision": "fast"}, "precision"),
         ]
         for args, kwargs, name in cases:
             with pytest.raises((ValueError, TypeError), match=name):

@@ -1,9 +1,7 @@
 """``grouped_matmul``: mixture-of-experts matmul over consecutive row groups.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    grouped_matmul(lhs, rhs, group_sizes, group_offset, existing_out, *,
-                   preferred_element_type, transpose_rhs: bool, precision, cfg)
+Core validates the public call into one frozen :class:`GroupedMatmulCall`; that object is all a backend
+sees:
 
 - ``lhs`` ``[M, K]``; ``rhs`` ``[G, K, N]`` (``[G, N, K]`` when ``transpose_rhs``), same dtype;
   ``group_sizes`` int32 ``[G_total]`` with ``G_total >= G`` and ``sum(group_sizes) <= M``.
@@ -11,8 +9,9 @@ Canonical call every backend receives (validated and normalized here)::
   This call computes groups ``group_offset <= g < group_offset + G`` (``group_offset`` int32 ``[1]`` or
   None meaning 0, in which case ``G_total == G``): ``out[m] = lhs[m] @ W[g - group_offset]`` with
   ``W[j] = rhs[j]`` (or ``rhs[j].T``). Every other row is ``existing_out[m]`` when given, else 0.
-- Accumulation in float32; output dtype ``preferred_element_type`` (None resolves to float32, as in
-  the original library).
+- Accumulation in float32 at ``precision`` (None resolves to HIGHEST for float32 inputs, see
+  ``_precision``); output dtype ``preferred_element_type`` (None resolves to float32, as in the
+  original library).
 
 Gradients: ``lhs``, ``rhs`` and ``existing_out``; none for the integer inputs. Full specification:
 ``docs/ops/grouped_matmul.md``.
@@ -20,7 +19,6 @@ Gradients: ``lhs``, ``rhs`` and ``existing_out``; none for the integer inputs. F
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -29,40 +27,45 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_array,
+    check_bool,
     check_dim,
     check_same_dtype,
+    concrete,
     describe,
     typechecked,
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupedMatmulConfig:
-    """Tile sizes (None: the backend's heuristic); none of them changes the result."""
+@canonical_call
+class GroupedMatmulCall:
+    """A validated ``grouped_matmul`` call (see the module docstring)."""
 
-    block_m: int | None = None
-    block_n: int | None = None
-    block_k: int | None = None
-    platform: str = "auto"
-    backend: str = "any"
-
-
-def _concrete(x: Any) -> np.ndarray | None:
-    try:
-        return np.asarray(x)
-    except Exception:  # a tracer: values are the caller's contract under jit
-        return None
+    lhs: Float[jax.Array, "m k"] = array_field()
+    rhs: Float[jax.Array, "num_groups k n"] | Float[jax.Array, "num_groups n k"] = array_field()
+    """``[num_groups, n, k]`` exactly when ``transpose_rhs``."""
+    group_sizes: Int[jax.Array, "total_groups"] = array_field()
+    """int32 rows per group; ``total_groups == num_groups`` unless ``group_offset`` is given."""
+    group_offset: Int[jax.Array, "1"] | None = array_field()
+    """int32 ``[1]``: the first group computed here (None: 0)."""
+    existing_out: Float[jax.Array, "m n"] | None = array_field()
+    """Rows kept where no computed group owns the row, in ``preferred_element_type``."""
+    preferred_element_type: np.dtype = np.dtype(np.float32)
+    """The output dtype (float32, bfloat16 or float16)."""
+    transpose_rhs: bool = False
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
 
 
 class GroupedMatmul(RegistryOperation):
     """Grouped (MoE) matmul (see the module docstring)."""
 
     algorithm = "grouped_matmul"
-    config_type = GroupedMatmulConfig
 
     def validate(
         self,
@@ -75,7 +78,8 @@ class GroupedMatmul(RegistryOperation):
         preferred_element_type=None,
         transpose_rhs=False,
         precision=None,
-    ):
+    ) -> GroupedMatmulCall:
+        transpose_rhs = check_bool("transpose_rhs", transpose_rhs)
         check_array("lhs", lhs, rank=2, dtypes=FLOAT_DTYPES, what="[m, k]")
         rhs_layout = "[num_groups, n, k] (transpose_rhs=True)" if transpose_rhs else "[num_groups, k, n]"
         check_array("rhs", rhs, rank=3, dtypes=FLOAT_DTYPES, what=rhs_layout)
@@ -103,25 +107,37 @@ class GroupedMatmul(RegistryOperation):
                 raise ValueError(
                     f"group_sizes has {total_groups} groups, fewer than the {num_groups} of rhs ({describe(rhs)})"
                 )
-        sizes = _concrete(group_sizes)
+        sizes = concrete(group_sizes)
         if sizes is not None and ((sizes < 0).any() or sizes.sum() > m):
             raise ValueError(f"group_sizes must be >= 0 and sum to at most m={m} (rows of lhs), got {sizes.tolist()}")
-        offset = None if group_offset is None else _concrete(group_offset)
+        offset = None if group_offset is None else concrete(group_offset)
         if offset is not None and not 0 <= int(offset[0]) <= total_groups - num_groups:
             raise ValueError(
                 f"group_offset must be in [0, {total_groups - num_groups}] (groups {total_groups}, rhs holds "
                 f"{num_groups}), got {int(offset[0])}"
             )
-        out_dtype = jnp.dtype(jnp.float32 if preferred_element_type is None else preferred_element_type)
+        try:
+            out_dtype = jnp.dtype(jnp.float32 if preferred_element_type is None else preferred_element_type)
+        except TypeError:
+            out_dtype = None
         if out_dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-            raise ValueError(f"preferred_element_type must be one of float32/bfloat16/float16, got {out_dtype.name}")
+            raise ValueError(
+                f"preferred_element_type must be None or one of float32/bfloat16/float16, got {preferred_element_type!r}"
+            )
         if existing_out is not None:
             check_array("existing_out", existing_out, rank=2, dtypes=[out_dtype], what=f"[m, n] of {out_dtype.name}")
             if existing_out.shape != (m, n):
                 raise ValueError(f"existing_out must have shape [{m}, {n}] (m of lhs, n of rhs), got {describe(existing_out)}")
-        args = (lhs, rhs, group_sizes.astype(jnp.int32), group_offset, existing_out)
-        kwargs = dict(preferred_element_type=out_dtype, transpose_rhs=bool(transpose_rhs), precision=precision)
-        return args, kwargs
+        return GroupedMatmulCall(
+            lhs=lhs,
+            rhs=rhs,
+            group_sizes=group_sizes.astype(jnp.int32),
+            group_offset=group_offset,
+            existing_out=existing_out,
+            preferred_element_type=out_dtype,
+            transpose_rhs=transpose_rhs,
+            precision=resolve_precision(precision, lhs.dtype),
+        )
 
 
 @typechecked
@@ -134,9 +150,9 @@ def grouped_matmul(
     *,
     preferred_element_type: Any = None,
     transpose_rhs: bool = False,
-    precision: Any = None,
+    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
-    cfg: GroupedMatmulConfig | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "m n"]:
     """Multiply consecutive row groups of ``lhs`` by their own matrix of ``rhs`` (MoE experts).
 
@@ -149,8 +165,11 @@ def grouped_matmul(
         existing_out: ``[m, n]`` rows kept for every row not computed here (default zeros).
         preferred_element_type: output dtype (default float32).
         transpose_rhs: ``rhs`` is stored ``[num_groups, n, k]``.
-        precision: ``jax.lax.Precision`` for the matmuls.
-        platform: ``"auto"`` or a backend name; cfg: a :class:`GroupedMatmulConfig`.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs); ``"default"``
+            allows TF32 on NVIDIA GPUs (bf16 passes on TPUs).
+        platform: ``"auto"`` or a platform name.
+        cfg: one implementation's config (e.g. ``ejkernel_pallas.grouped_matmul.PallasGroupedMatmulConfig``);
+            it selects that implementation. None: cached, tuned or heuristic config of the chosen one.
 
     Returns:
         ``[m, n]`` in ``preferred_element_type``. Full semantics: ``docs/ops/grouped_matmul.md``.
