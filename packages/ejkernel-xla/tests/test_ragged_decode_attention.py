@@ -3,21 +3,39 @@
 from __future__ import annotations
 
 import jax
+import pytest
 
-from ejkernel.testing.numerics import assert_close
-from ejkernel.testing.numerics import run_jitted
+from ejkernel.testing.numerics import assert_close, matmul_precisions, run_jitted
 from ejkernel.testing.ragged_decode_attention import (
     CASES,
     RaggedDecodeAttentionConformance,
     reference_ragged_decode_attention,
 )
+from ejkernel_xla.ragged_decode_attention import XlaRaggedDecodeAttentionConfig
 
 
 class TestXlaRaggedDecodeAttention(RaggedDecodeAttentionConformance):
     platform = "xla"
 
-    def test_block_size_agrees(self):
-        inputs = self.make_inputs(11, CASES["mha_odd"], "float32", num_sinks=2)
-        expected = run_jitted(reference_ragged_decode_attention, **inputs, sliding_window=7)
-        out = jax.jit(lambda **kw: self.call(**kw, block_size=16, sliding_window=7))(**inputs)
-        assert_close(out, expected, dtype="float32")
+
+def test_block_keys_agree():
+    suite = TestXlaRaggedDecodeAttention()
+    inputs = suite.make_inputs(11, CASES["mha_odd"], "float32", num_sinks=2)
+    expected = run_jitted(reference_ragged_decode_attention, **inputs, sliding_window=7)
+    cfg = XlaRaggedDecodeAttentionConfig(block_keys=16)
+    out = jax.jit(lambda **kw: suite.call(**kw, sliding_window=7, cfg=cfg))(**inputs)
+    assert_close(out, expected, dtype="float32")
+
+
+@pytest.mark.parametrize("precision", [None, "default"])
+def test_matmuls_run_at_the_call_precision(precision):
+    """float32 inputs: HIGHEST unless asked otherwise, in the forward and in the gradient's matmuls."""
+    suite = TestXlaRaggedDecodeAttention()
+    inputs = suite.make_inputs(12, CASES["mqa"], "float32")
+    expected = jax.lax.Precision.HIGHEST if precision is None else jax.lax.Precision.DEFAULT
+
+    def loss(query):
+        return suite.call(**{**inputs, "query": query}, precision=precision).sum()
+
+    found = matmul_precisions(jax.grad(loss), inputs["query"])
+    assert found and all(p == expected for p in found), found

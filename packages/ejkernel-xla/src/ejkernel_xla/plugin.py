@@ -11,7 +11,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "attention": "ejkernel_xla.attention:IMPLEMENTATION",
     "page_attention": "ejkernel_xla.page_attention:IMPLEMENTATION",
     "ragged_page_attention": "ejkernel_xla.ragged_page_attention:IMPLEMENTATION",
-    "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:ragged_decode_attention",
+    "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:IMPLEMENTATION",
     "multi_head_latent_attention": "ejkernel_xla.multi_head_latent_attention:IMPLEMENTATION",
     "blocksparse_attention": "ejkernel_xla.blocksparse_attention:IMPLEMENTATION",
     "native_sparse_attention": "ejkernel_xla.native_sparse_attention:native_sparse_attention",

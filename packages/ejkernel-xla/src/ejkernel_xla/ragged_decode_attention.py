@@ -4,61 +4,69 @@ window). Each key block is read once; GQA groups query heads per kv head instead
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttentionConfig
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttentionCall
 from ejkernel_xla.page_attention import TOKENS_PER_STEP, attend_over_blocks
 
 
-def ragged_decode_attention(
-    query,
-    key,
-    value,
-    sequence_start,
-    sequence_end,
-    softmax_aux=None,
-    *,
-    softmax_scale: float,
-    sliding_window: tuple[int, int] | None,
-    logit_soft_cap: float | None,
-    cfg: RaggedDecodeAttentionConfig | None = None,
-):
-    batch, num_heads, head_dim = query.shape
-    seq_len, num_kv_heads = key.shape[1], key.shape[2]
-    block = max(1, min(seq_len, (cfg.block_size if cfg and cfg.block_size else TOKENS_PER_STEP)))
-    num_steps = math.ceil(seq_len / block)
-    padded = num_steps * block
-    if padded != seq_len:
-        key = jnp.pad(key, ((0, 0), (0, padded - seq_len), (0, 0), (0, 0)))
-        value = jnp.pad(value, ((0, 0), (0, padded - seq_len), (0, 0), (0, 0)))
-    position = sequence_end - 1
+@dataclasses.dataclass(frozen=True)
+class XlaRaggedDecodeAttentionConfig:
+    """Keys folded in per scan step (None: ``TOKENS_PER_STEP``); the result does not depend on it."""
 
-    def load_block(i):
-        return (
-            jax.lax.dynamic_slice_in_dim(key, i * block, block, axis=1),
-            jax.lax.dynamic_slice_in_dim(value, i * block, block, axis=1),
-        )
+    block_keys: int | None = None
 
-    def visible_block(i):
-        keys = (i * block + jnp.arange(block, dtype=jnp.int32))[None, :]
-        visible = (keys >= sequence_start[:, None]) & (keys < sequence_end[:, None])
-        if sliding_window is not None:
-            left, right = sliding_window
-            visible &= (keys >= position[:, None] - left) & (keys <= position[:, None] + right)
-        return visible
 
-    group = num_heads // num_kv_heads
-    sinks = None if softmax_aux is None else softmax_aux.reshape(num_kv_heads, group, -1)
-    out = attend_over_blocks(
-        query.reshape(batch, num_kv_heads, group, head_dim),
-        num_steps,
-        load_block,
-        visible_block,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logit_soft_cap,
-        sinks=sinks,
-    )
-    return out.reshape(batch, num_heads, -1).astype(query.dtype)
+class XlaRaggedDecodeAttention(Implementation[RaggedDecodeAttentionCall, XlaRaggedDecodeAttentionConfig]):
+    config_type = XlaRaggedDecodeAttentionConfig
+
+    def __call__(self, call: RaggedDecodeAttentionCall, config: XlaRaggedDecodeAttentionConfig) -> jax.Array:
+        query, key, value = call.query, call.key, call.value
+        sequence_start, sequence_end, sliding_window = call.sequence_start, call.sequence_end, call.sliding_window
+        batch, num_heads, head_dim = query.shape
+        seq_len, num_kv_heads = key.shape[1], key.shape[2]
+        block = max(1, min(seq_len, config.block_keys or TOKENS_PER_STEP))
+        num_steps = math.ceil(seq_len / block)
+        padded = num_steps * block
+        if padded != seq_len:
+            key = jnp.pad(key, ((0, 0), (0, padded - seq_len), (0, 0), (0, 0)))
+            value = jnp.pad(value, ((0, 0), (0, padded - seq_len), (0, 0), (0, 0)))
+        position = sequence_end - 1
+
+        def load_block(i):
+            return (
+                jax.lax.dynamic_slice_in_dim(key, i * block, block, axis=1),
+                jax.lax.dynamic_slice_in_dim(value, i * block, block, axis=1),
+            )
+
+        def visible_block(i):
+            keys = (i * block + jnp.arange(block, dtype=jnp.int32))[None, :]
+            visible = (keys >= sequence_start[:, None]) & (keys < sequence_end[:, None])
+            if sliding_window is not None:
+                left, right = sliding_window
+                visible &= (keys >= position[:, None] - left) & (keys <= position[:, None] + right)
+            return visible
+
+        group = num_heads // num_kv_heads
+        sinks = None if call.softmax_aux is None else call.softmax_aux.reshape(num_kv_heads, group, -1)
+        # plain autodiff: the transposed matmuls keep the precision their forward recorded
+        with matmul_precision(call.precision):
+            out = attend_over_blocks(
+                query.reshape(batch, num_kv_heads, group, head_dim),
+                num_steps,
+                load_block,
+                visible_block,
+                softmax_scale=call.softmax_scale,
+                logits_soft_cap=call.logit_soft_cap,
+                sinks=sinks,
+            )
+        return out.reshape(batch, num_heads, -1).astype(query.dtype)
+
+
+IMPLEMENTATION = XlaRaggedDecodeAttention()

@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "RaggedPageAttentionCall": "ejkernel.modules.operations.ragged_page_attention",
     "ragged_decode_attention": "ejkernel.modules.operations.ragged_decode_attention",
     "RaggedDecodeAttention": "ejkernel.modules.operations.ragged_decode_attention",
-    "RaggedDecodeAttentionConfig": "ejkernel.modules.operations.ragged_decode_attention",
+    "RaggedDecodeAttentionCall": "ejkernel.modules.operations.ragged_decode_attention",
     "multi_head_latent_attention": "ejkernel.modules.operations.multi_head_latent_attention",
     "flash_mla": "ejkernel.modules.operations.multi_head_latent_attention",
     "mla_attention": "ejkernel.modules.operations.multi_head_latent_attention",

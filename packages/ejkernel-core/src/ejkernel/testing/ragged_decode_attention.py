@@ -1,14 +1,15 @@
 """Reference and conformance suite of ``ragged_decode_attention`` (semantics: the module docstring of
 ``ejkernel.modules.operations.ragged_decode_attention``).
 
-Subclass :class:`RaggedDecodeAttentionConformance` and set ``platform``; forward-only backends set
-``supports_gradients = False`` (gradients must then raise).
+Subclass :class:`RaggedDecodeAttentionConformance` and set ``platform`` (and optionally ``cfg``, a config of
+that implementation used for every call); forward-only backends set ``supports_gradients = False``
+(gradients must then raise).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,8 @@ class RaggedDecodeAttentionConformance(BadInputChecks):
         "softmax_aux",
     )
     platform: ClassVar[str]
+    cfg: ClassVar[Any] = None
+    """Config of the implementation under test used for every call (None: its heuristic)."""
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
@@ -90,7 +93,14 @@ class RaggedDecodeAttentionConformance(BadInputChecks):
         from ejkernel.modules import ragged_decode_attention
 
         return ragged_decode_attention(
-            query, key, value, sequence_start, sequence_end, softmax_aux=softmax_aux, platform=self.platform, **kw
+            query,
+            key,
+            value,
+            sequence_start,
+            sequence_end,
+            softmax_aux=softmax_aux,
+            platform=self.platform,
+            **{"cfg": self.cfg, **kw},
         )
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
@@ -161,3 +171,6 @@ class RaggedDecodeAttentionConformance(BadInputChecks):
         call("sequence_end", sequence_end=inputs["sequence_end"].at[0].set(99))
         self.assert_rejected("sliding_window", **inputs, sliding_window=(-1, 2))
         call("softmax_aux", softmax_aux=jnp.ones((2, 8), jnp.float32))
+        self.assert_rejected("softmax_scale", **inputs, softmax_scale=float("inf"))
+        self.assert_rejected("logit_soft_cap", **inputs, logit_soft_cap=-2.0)
+        self.assert_rejected("precision", **inputs, precision="fastest")

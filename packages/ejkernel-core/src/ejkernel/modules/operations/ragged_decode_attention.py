@@ -1,11 +1,7 @@
 """``ragged_decode_attention``: one decode query per sequence over a dense KV buffer, each sequence
 reading only its own slice ``[sequence_start, sequence_end)``.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    ragged_decode_attention(query, key, value, sequence_start, sequence_end, softmax_aux, *,
-                            softmax_scale: float, sliding_window: tuple[int, int] | None,
-                            logit_soft_cap: float | None, cfg)
+Core validates the public call into one frozen :class:`RaggedDecodeAttentionCall`, all a backend sees:
 
 - ``query`` ``[batch, num_heads, head_dim]``; ``key``/``value`` ``[batch, seq_len, num_kv_heads, head_dim]``
   (same dtype; ``num_heads % num_kv_heads == 0``, query head ``h`` reads kv head ``h // (num_heads //
@@ -19,67 +15,61 @@ Canonical call every backend receives (validated and normalized here)::
 
 Gradients: an inference operation; the XLA backend is differentiable w.r.t. ``query``, ``key``, ``value``
 and ``softmax_aux`` (autodiff through its blockwise loop); other backends may be forward-only.
-``block_size`` is a tuning hint (it goes into the config).
+The full specification is ``docs/ops/ragged_decode_attention.md``. ``block_size`` (a tuning hint of the
+original library) is accepted for compatibility and changes nothing: tune with an implementation's ``cfg``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_array,
     check_dim,
-    check_positive_int,
-    check_same_dtype,
-    typechecked,
-)
-from ejkernel.modules.operations._validation import (
     check_gqa,
+    check_same_dtype,
     check_softmax_aux,
     concrete,
+    normalize_sliding_window,
     normalize_soft_cap,
     resolve_softmax_scale,
+    typechecked,
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class RaggedDecodeAttentionConfig:
-    """Tuning knobs; none of them changes the result."""
+@canonical_call
+class RaggedDecodeAttentionCall:
+    """A validated ``ragged_decode_attention`` call: what every backend receives (see above)."""
 
-    block_size: int | None = None  # keys folded in per step
-    num_warps: int | None = None
-    num_stages: int | None = None
-    platform: str = "auto"
-    backend: str = "any"
-
-
-def normalize_window(name, value) -> tuple[int, int] | None:
-    """``None``, an int ``w`` (meaning ``(w, w)``) or a pair of non-negative ints."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = (value, value)
-    if (
-        not isinstance(value, (tuple, list))
-        or len(value) != 2
-        or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)
-    ):
-        raise ValueError(f"{name} must be None, an int >= 0 or a pair (left, right) of ints >= 0, got {value!r}")
-    return (int(value[0]), int(value[1]))
+    query: Float[jax.Array, "batch num_heads head_dim"] = array_field()
+    key: Float[jax.Array, "batch seq_len num_kv_heads head_dim"] = array_field()
+    value: Float[jax.Array, "batch seq_len num_kv_heads head_dim"] = array_field()
+    sequence_start: Int[jax.Array, "batch"] = array_field()
+    """int32 in ``[0, seq_len]`` (checked when concrete)."""
+    sequence_end: Int[jax.Array, "batch"] = array_field()
+    """int32 in ``[0, seq_len]``, exclusive (checked when concrete)."""
+    softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = array_field()
+    softmax_scale: float = 1.0
+    sliding_window: tuple[int, int] | None = None
+    """``(left, right)`` around the query's position."""
+    logit_soft_cap: float | None = None
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
 
 
 class RaggedDecodeAttention(RegistryOperation):
     """Decode attention over per-sequence slices of a dense KV buffer (see the module docstring)."""
 
     algorithm = "ragged_decode_attention"
-    config_type = RaggedDecodeAttentionConfig
 
     def validate(
         self,
@@ -93,7 +83,8 @@ class RaggedDecodeAttention(RegistryOperation):
         softmax_scale=None,
         sliding_window=None,
         logit_soft_cap=None,
-    ):
+        precision=None,
+    ) -> RaggedDecodeAttentionCall:
         check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what="[batch, num_heads, head_dim]")
         layout = "[batch, seq_len, num_kv_heads, head_dim]"
         check_array("key", key, rank=4, dtypes=FLOAT_DTYPES, what=layout)
@@ -115,13 +106,18 @@ class RaggedDecodeAttention(RegistryOperation):
         if end is not None and ((end < 0) | (end > seq_len)).any():
             raise ValueError(f"sequence_end must be in [0, {seq_len}] (seq_len of key), got {end.tolist()}")
         softmax_aux = check_softmax_aux(softmax_aux, num_heads)
-        args = (query, key, value, sequence_start.astype(jnp.int32), sequence_end.astype(jnp.int32), softmax_aux)
-        kwargs = dict(
+        return RaggedDecodeAttentionCall(
+            query=query,
+            key=key,
+            value=value,
+            sequence_start=sequence_start.astype(jnp.int32),
+            sequence_end=sequence_end.astype(jnp.int32),
+            softmax_aux=softmax_aux,
             softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
-            sliding_window=normalize_window("sliding_window", sliding_window),
+            sliding_window=normalize_sliding_window(sliding_window),
             logit_soft_cap=normalize_soft_cap(logit_soft_cap, name="logit_soft_cap"),
+            precision=resolve_precision(precision, query.dtype),
         )
-        return args, kwargs
 
 
 @typechecked
@@ -136,9 +132,10 @@ def ragged_decode_attention(
     sliding_window: tuple[int, int] | int | None = None,
     logit_soft_cap: float | None = None,
     softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = None,
+    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
     *,
-    cfg: RaggedDecodeAttentionConfig | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "batch num_heads head_dim"]:
     """Decode attention of each sequence's query over ``key/value[b, sequence_start[b]:sequence_end[b]]``.
 
@@ -147,17 +144,21 @@ def ragged_decode_attention(
         key, value: ``[batch, seq_len, num_kv_heads, head_dim]``.
         sequence_start, sequence_end: int ``[batch]``, the valid key range (end exclusive).
         softmax_scale: logit scale (default ``1/sqrt(head_dim)``).
-        block_size: keys per step (tuning hint; goes into ``cfg``).
+        block_size: accepted for compatibility with the original library; no effect (tune with ``cfg``).
         sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``, around the query's position.
         logit_soft_cap: ``c * tanh(x / c)`` on the logits when given.
         softmax_aux: attention sinks ``[num_heads]`` or ``[num_heads, num_sinks]``.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
         platform: ``"auto"`` or a platform name.
-        cfg: a :class:`RaggedDecodeAttentionConfig`, or None for the backend's heuristic.
+        cfg: one implementation's config (e.g.
+            ``ejkernel_xla.ragged_decode_attention.XlaRaggedDecodeAttentionConfig``); it selects that
+            implementation. None: cached, tuned or heuristic config of the chosen one.
+
+    Returns:
+        ``[batch, num_heads, head_dim]`` in ``query``'s dtype.
     """
-    if block_size is not None:
-        check_positive_int("block_size", block_size)
-        if cfg is None:
-            cfg = RaggedDecodeAttentionConfig(block_size=block_size)
+    del block_size  # see the module docstring
     return execute(
         RaggedDecodeAttention(),
         query,
@@ -169,6 +170,7 @@ def ragged_decode_attention(
         softmax_scale=softmax_scale,
         sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap,
+        precision=precision,
         platform=platform,
         cfg=cfg,
     )
