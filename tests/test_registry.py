@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 
+from ejkernel import Implementation
 from ejkernel.errors import KernelNotFoundError
 from ejkernel.kernels import LazyImplementation
 from ejkernel.kernels._registry import Backend, KernelRegistry, KernelSpec, Platform, kernel_registry
@@ -165,3 +167,107 @@ def test_unregister_plugin_removes_only_its_kernels():
 def test_global_registry_holds_the_xla_backend():
     specs = kernel_registry.list_implementations("flash_attention")
     assert any(s.platform == Platform.XLA and s.plugin == "xla" for s in specs)
+
+
+# ---- the operation contract, for every registration ----------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", kernel_registry.list_algorithms())
+def test_every_registered_implementation_follows_the_operation_contract(algorithm):
+    """Every implementation of every algorithm, from every installed plugin (resolved: its module imported),
+    is an ``ejkernel.Implementation`` with a frozen-dataclass config, and the registry's signature check
+    finds nothing to warn about."""
+    for spec in kernel_registry.list_implementations(algorithm):
+        implementation = spec.implementation
+        if isinstance(implementation, LazyImplementation):
+            implementation = implementation.resolve()
+        where = f"{algorithm}: {spec.platform.value}/{spec.backend.value} from plugin {spec.plugin!r}"
+        assert isinstance(implementation, Implementation), f"{where} is {implementation!r}, not an ejkernel.Implementation"
+        config_type = implementation.config_type
+        assert dataclasses.is_dataclass(config_type) and config_type.__dataclass_params__.frozen, (
+            f"{where}: config_type {config_type!r} is not a frozen dataclass"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel_registry.validate_signatures(algorithm) is True
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenConfig:
+    block: int = 64
+
+
+@dataclasses.dataclass
+class _MutableConfig:
+    block: int = 64
+
+
+class _CallA:
+    pass
+
+
+class _CallB:
+    pass
+
+
+class _Good(Implementation):
+    config_type = _FrozenConfig
+
+    def __call__(self, call: _CallA, config: _FrozenConfig):
+        return call
+
+
+def test_validate_signatures_checks_the_implementation_contract():
+    registry = KernelRegistry()
+    registry.register("op", "xla", "any", priority=1)(_Good())
+
+    class AlsoGood(Implementation):  # unannotated, default config: fine
+        def __call__(self, call, config):
+            return call
+
+    registry.register("op", "triton", "gpu")(AlsoGood())
+    assert registry.validate_signatures("op") is True
+
+    class Mutable(_Good):
+        config_type = _MutableConfig
+
+        def __call__(self, call: _CallA, config: _MutableConfig):
+            return call
+
+    class OtherCall(_Good):
+        def __call__(self, call: _CallB, config: _FrozenConfig):
+            return call
+
+    class WrongConfigAnnotation(_Good):
+        def __call__(self, call: _CallA, config: _MutableConfig):
+            return call
+
+    class RenamedAndExtra(_Good):
+        def __call__(self, query, config, causal):
+            return query
+
+        def supports(self, call, strict):
+            pass
+
+    def plain_function(call, config):
+        return call
+
+    for platform, implementation in [("pallas", Mutable()), ("cuda", OtherCall()), ("cute", WrongConfigAnnotation()),
+                                     ("pallas", RenamedAndExtra()), ("cuda", plain_function)]:
+        registry.register("op", platform, "gpu")(implementation)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert registry.validate_signatures("op") is False
+    messages = [str(w.message) for w in caught]
+    expected = [
+        "_MutableConfig'>, not a frozen dataclass",
+        "takes call: _CallB, but xla/any (priority 1) takes call: _CallA",
+        "annotates config '_MutableConfig', but its config_type is '_FrozenConfig'",
+        "parameter 'query' where 'call' was expected",
+        "3 parameters instead of 2",
+        "supports(self, call, strict): 3 parameters instead of 2",
+        "not an ejkernel.Implementation",
+    ]
+    for text in expected:
+        assert any(text in message for message in messages), (text, messages)
+    assert all(message.startswith("op: ") for message in messages)

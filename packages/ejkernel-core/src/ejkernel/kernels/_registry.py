@@ -353,7 +353,16 @@ class KernelRegistry:
 
     # ---- signature validation ---------------------------------------------------------------
     def validate_signatures(self, algorithm: str | None, verbose: bool = False) -> bool | None:
-        """Warn about implementations whose signature differs from the highest-priority one."""
+        """Warn (``UserWarning``) about each implementation that does not fit with the others; True when all do.
+
+        Implementations of an operation are :class:`ejkernel.Implementation` objects (imported and checked
+        here, lazy ones included): each must be one, its ``config_type`` a frozen dataclass, its methods
+        the interface's (``__call__(call, config)``, ``supports(call)``, ``heuristic_config(call)``,
+        ``candidate_configs(call)``), ``config`` annotated (if at all) with its own ``config_type``, and
+        ``call`` with the same canonical-call type as the highest-priority one. Plain functions (no
+        Implementation registered for the algorithm) are compared with the highest-priority one: parameter
+        names, kinds, defaults and annotations. ``algorithm=None`` checks every algorithm (returns None).
+        """
         if algorithm is None:
             for name in self.list_algorithms():
                 self.validate_signatures(name, verbose=verbose)
@@ -361,24 +370,83 @@ class KernelRegistry:
         specs = self.list_implementations(algorithm)
         if not specs:
             raise ValueError(f"algorithm {algorithm!r} is not registered; known: {', '.join(self.list_algorithms())}")
-        signatures = [(spec, inspect.signature(spec.implementation)) for spec in specs]
+        resolved = [(spec, _resolved(spec.implementation)) for spec in specs]
         if verbose:
-            for spec, signature in signatures:
-                print(f"{_describe(spec)}: {signature}")
-        reference_spec, reference = signatures[0]
-        ok = True
-        for spec, signature in signatures[1:]:
-            for problem in _signature_differences(reference, signature):
-                ok = False
-                warnings.warn(
-                    f"{algorithm}: {_describe(spec)} differs from {_describe(reference_spec)}: {problem}",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        return ok
+            for spec, implementation in resolved:
+                print(f"{_describe(spec)}: {_signature_text(implementation)}")
+        from ejkernel.modules.operations._contract import Implementation
+
+        if any(isinstance(implementation, Implementation) for _, implementation in resolved):
+            problems = _contract_problems(resolved, Implementation)
+        else:
+            reference_spec, reference = specs[0], inspect.signature(resolved[0][1])
+            problems = [
+                (spec, f"differs from {_describe(reference_spec)}: {problem}")
+                for spec, implementation in resolved[1:]
+                for problem in _signature_differences(reference, inspect.signature(implementation))
+            ]
+        for spec, problem in problems:
+            warnings.warn(f"{algorithm}: {_describe(spec)} {problem}", UserWarning, stacklevel=2)
+        return not problems
 
 
-def _signature_differences(reference: inspect.Signature, other: inspect.Signature) -> list[str]:
+def _resolved(implementation: Callable) -> Callable:
+    return implementation.resolve() if isinstance(implementation, LazyImplementation) else implementation
+
+
+def _signature_text(implementation: Any) -> str:
+    target = type(implementation).__call__ if not inspect.isroutine(implementation) else implementation
+    try:
+        return f"{implementation!r}{inspect.signature(target)}"
+    except (TypeError, ValueError):
+        return repr(implementation)
+
+
+_INTERFACE_METHODS = ("__call__", "supports", "heuristic_config", "candidate_configs")
+
+
+def _contract_problems(resolved: list[tuple[KernelSpec, Any]], interface: type) -> list[tuple[KernelSpec, str]]:
+    """What makes each implementation deviate from the operation contract (see ``validate_signatures``)."""
+    problems: list[tuple[KernelSpec, str]] = []
+    call_types: list[tuple[KernelSpec, str]] = []
+    for spec, implementation in resolved:
+        if not isinstance(implementation, interface):
+            problems.append((spec, f"is {implementation!r}, not an ejkernel.Implementation"))
+            continue
+        config_type = implementation.config_type
+        params = getattr(config_type, "__dataclass_params__", None)
+        if not (isinstance(config_type, type) and dataclasses.is_dataclass(config_type) and params.frozen):
+            problems.append((spec, f"has config_type {config_type!r}, not a frozen dataclass"))
+        for name in _INTERFACE_METHODS:
+            expected = inspect.signature(getattr(interface, name))
+            actual = inspect.signature(getattr(type(implementation), name))
+            problems.extend(
+                (spec, f"{name}{actual}: {problem}")
+                for problem in _signature_differences(expected, actual, annotations=False)
+            )
+        call_signature = inspect.signature(type(implementation).__call__).parameters
+        config_annotation = getattr(call_signature.get("config"), "annotation", inspect.Parameter.empty)
+        if config_annotation is not inspect.Parameter.empty and not _types_are_equivalent(
+            config_annotation, config_type
+        ):
+            problems.append(
+                (spec, f"annotates config {_normalize_annotation(config_annotation)!r}, but its config_type is "
+                       f"{_normalize_annotation(config_type)!r}")
+            )
+        call_annotation = getattr(call_signature.get("call"), "annotation", inspect.Parameter.empty)
+        if call_annotation is not inspect.Parameter.empty:
+            call_types.append((spec, _normalize_annotation(call_annotation)))
+    for spec, call_type in call_types[1:]:
+        if call_type != call_types[0][1]:
+            problems.append(
+                (spec, f"takes call: {call_type}, but {_describe(call_types[0][0])} takes call: {call_types[0][1]}")
+            )
+    return problems
+
+
+def _signature_differences(
+    reference: inspect.Signature, other: inspect.Signature, *, annotations: bool = True
+) -> list[str]:
     problems = []
     ref_params = list(reference.parameters.values())
     other_params = list(other.parameters.values())
@@ -394,7 +462,7 @@ def _signature_differences(reference: inspect.Signature, other: inspect.Signatur
             expected.default is inspect.Parameter.empty and actual.default is inspect.Parameter.empty
         ):
             problems.append(f"parameter {actual.name!r} defaults to {actual.default!r}, not {expected.default!r}")
-        if not _types_are_equivalent(expected.annotation, actual.annotation):
+        if annotations and not _types_are_equivalent(expected.annotation, actual.annotation):
             problems.append(
                 f"parameter {actual.name!r} is annotated {_normalize_annotation(actual.annotation)!r}, "
                 f"not {_normalize_annotation(expected.annotation)!r}"
