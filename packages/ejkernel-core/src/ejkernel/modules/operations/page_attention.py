@@ -172,9 +172,9 @@ def page_attention(
     pages_per_compute_block: int | None = None,
     megacore_mode: str | None = None,
     inline_seq_dim: bool = True,
-    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
     *,
+    precision: str | jax.lax.Precision | None = None,
     cfg: Any = None,
 ) -> Float[jax.Array, "num_seqs num_heads head_dim"]:
     """Attention of each sequence's one new query token over its paged KV cache.
@@ -189,9 +189,10 @@ def page_attention(
         attn_logits_soft_cap: ``c * tanh(x / c)`` on the logits when given.
         num_splits, pages_per_compute_block, megacore_mode, inline_seq_dim, mask_value: accepted for
             compatibility with the original library; no effect (tune with ``cfg``).
-        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
-            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
         platform: ``"auto"`` or a platform name (``"xla"``, ``"pallas"``, ...).
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs. Keyword-only: the original
+            positional order ends at ``platform``.
         cfg: one implementation's config (e.g. ``ejkernel_xla.page_attention.XlaPageAttentionConfig``); it
             selects that implementation. None: cached, tuned or heuristic config of the chosen one.
 

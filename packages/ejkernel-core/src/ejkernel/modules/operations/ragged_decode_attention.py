@@ -132,9 +132,9 @@ def ragged_decode_attention(
     sliding_window: tuple[int, int] | int | None = None,
     logit_soft_cap: float | None = None,
     softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = None,
-    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
     *,
+    precision: str | jax.lax.Precision | None = None,
     cfg: Any = None,
 ) -> Float[jax.Array, "batch num_heads head_dim"]:
     """Decode attention of each sequence's query over ``key/value[b, sequence_start[b]:sequence_end[b]]``.
@@ -148,9 +148,10 @@ def ragged_decode_attention(
         sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``, around the query's position.
         logit_soft_cap: ``c * tanh(x / c)`` on the logits when given.
         softmax_aux: attention sinks ``[num_heads]`` or ``[num_heads, num_sinks]``.
-        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
-            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
         platform: ``"auto"`` or a platform name.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs. Keyword-only: the original
+            positional order ends at ``platform``.
         cfg: one implementation's config (e.g.
             ``ejkernel_xla.ragged_decode_attention.XlaRaggedDecodeAttentionConfig``); it selects that
             implementation. None: cached, tuned or heuristic config of the chosen one.
