@@ -11,16 +11,23 @@
 - Varlen (``cu_seqlens``): sequences are gathered into a padded ``[num_seqs, seq_len]`` batch (memory
   ``num_seqs x seq_len``), run as a batch and gathered back; padding never becomes visible because every
   branch is causal and compressed blocks count only when complete.
+
+Every matmul (the branches' einsums and the window kernel, forward and backward) runs at the call's
+precision. Every feature is implemented; nothing is refused. Config: :class:`XlaNsaConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations.native_sparse_attention import NativeSparseAttentionConfig
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.modules.operations.native_sparse_attention import NativeSparseAttentionCall
 from ejkernel_xla._blockwise import (
     AttentionParams,
     default_block_sizes,
@@ -29,8 +36,12 @@ from ejkernel_xla._blockwise import (
     query_tokens,
 )
 
-QUERY_CHUNK = 64
-"""Default query rows per step of the selected branch."""
+
+@dataclasses.dataclass(frozen=True)
+class XlaNsaConfig:
+    """``query_chunk``: query rows per step of the selected branch (memory per step grows with it)."""
+
+    query_chunk: int = 64
 
 
 def _softmax_rows(logits, visible):
@@ -139,9 +150,11 @@ def _selected(q, k, v, block_indices, block_counts, softmax_scale, block_size, q
     return out[:, :seq_len]
 
 
-def _window(q, k, v, softmax_scale, window_size):
+def _window(q, k, v, softmax_scale, window_size, precision):
     batch, seq_len = q.shape[:2]
-    params = AttentionParams(softmax_scale=float(softmax_scale), causal=True, sliding_window=(window_size - 1, 0))
+    params = AttentionParams(
+        softmax_scale=softmax_scale, causal=True, sliding_window=(window_size - 1, 0), precision=precision
+    )
     return flash_attention_blockwise(
         q,
         k,
@@ -153,72 +166,59 @@ def _window(q, k, v, softmax_scale, window_size):
     ).astype(jnp.float32)
 
 
-def _nsa_batch(
-    q,
-    k,
-    v,
-    g_cmp,
-    g_slc,
-    g_swa,
-    block_indices,
-    block_counts,
-    *,
-    softmax_scale,
-    block_size,
-    num_selected_blocks,
-    window_size,
-    query_chunk,
-):
-    out = 0.0
-    if g_cmp is not None:
-        o_cmp, probs = _compressed(q, k, v, softmax_scale, block_size)
-        out = out + g_cmp[..., None].astype(jnp.float32) * o_cmp
+def _nsa_batch(call: NativeSparseAttentionCall, query_chunk: int) -> jax.Array:
+    """float32 output of a call without ``cu_seqlens``."""
+    q, k, v, scale, block_size = call.query, call.key, call.value, call.softmax_scale, call.block_size
+    block_indices, out = call.block_indices, 0.0
+    if call.g_cmp is not None:
+        o_cmp, probs = _compressed(q, k, v, scale, block_size)
+        out = out + call.g_cmp[..., None].astype(jnp.float32) * o_cmp
         if block_indices is None:
-            block_indices = _select_blocks(probs, block_size, num_selected_blocks)
-    o_slc = _selected(q, k, v, block_indices, block_counts, softmax_scale, block_size, query_chunk)
-    out = out + (o_slc if g_slc is None else g_slc[..., None].astype(jnp.float32) * o_slc)
-    if window_size > 0:
-        out = out + g_swa[..., None].astype(jnp.float32) * _window(q, k, v, softmax_scale, window_size)
+            block_indices = _select_blocks(probs, block_size, call.num_selected_blocks)
+    o_slc = _selected(q, k, v, block_indices, call.block_counts, scale, block_size, query_chunk)
+    out = out + (o_slc if call.g_slc is None else call.g_slc[..., None].astype(jnp.float32) * o_slc)
+    if call.window_size > 0:
+        o_swa = _window(q, k, v, scale, call.window_size, call.precision)
+        out = out + call.g_swa[..., None].astype(jnp.float32) * o_swa
     return out
 
 
-def native_sparse_attention(
-    query,
-    key,
-    value,
-    g_cmp=None,
-    g_slc=None,
-    g_swa=None,
-    block_indices=None,
-    block_counts=None,
-    *,
-    softmax_scale: float,
-    block_size: int,
-    num_selected_blocks: int,
-    window_size: int,
-    cu_seqlens=None,
-    cfg: NativeSparseAttentionConfig | None = None,
-):
-    static = dict(
-        softmax_scale=softmax_scale,
-        block_size=block_size,
-        num_selected_blocks=num_selected_blocks,
-        window_size=window_size,
-        query_chunk=(cfg.query_chunk if cfg is not None and cfg.query_chunk else QUERY_CHUNK),
-    )
-    per_token = (query, key, value, g_cmp, g_slc, g_swa, block_indices, block_counts)
+_PER_TOKEN = ("query", "key", "value", "g_cmp", "g_slc", "g_swa", "block_indices", "block_counts")
+
+
+def _nsa(call: NativeSparseAttentionCall, config: XlaNsaConfig) -> jax.Array:
+    query, cu_seqlens = call.query, call.cu_seqlens
     if cu_seqlens is None:
-        return _nsa_batch(*per_token, **static).astype(query.dtype)
+        return _nsa_batch(call, config.query_chunk).astype(query.dtype)
 
     # varlen: [1, S, ...] -> padded batch [N, S, ...] (row n, local t <- packed token cu[n] + t)
     seq_len = query.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
     local = jnp.arange(seq_len, dtype=jnp.int32)
     source = jnp.clip(cu_seqlens[:-1, None] + local[None, :], 0, seq_len - 1)  # [N, S]
-    padded = [None if x is None else x[0][source] for x in per_token]
-    out = _nsa_batch(*padded, **static)  # [N, S, H, Dv]
+    padded = {name: getattr(call, name) for name in _PER_TOKEN}
+    padded = {name: None if x is None else x[0][source] for name, x in padded.items()}
+    out = _nsa_batch(dataclasses.replace(call, cu_seqlens=None, **padded), config.query_chunk)  # [N, S, H, Dv]
     packed = jnp.arange(seq_len, dtype=jnp.int32)
     sequence = jnp.clip(jnp.searchsorted(cu_seqlens, packed, side="right") - 1, 0, num_seqs - 1)
     out = out[sequence, packed - cu_seqlens[sequence]]
     out = jnp.where((packed < cu_seqlens[-1])[:, None, None], out, 0.0)
     return out[None].astype(query.dtype)
+
+
+# One compiled program per (shapes, static fields, config): eager lax.map would re-trace its body per call.
+@functools.partial(jax.jit, static_argnames="config")
+def _nsa_jit(call: NativeSparseAttentionCall, config: XlaNsaConfig) -> jax.Array:
+    # plain autodiff around the window kernel: the transposed matmuls keep this precision
+    with matmul_precision(call.precision):
+        return _nsa(call, config)
+
+
+class XlaNativeSparseAttention(Implementation[NativeSparseAttentionCall, XlaNsaConfig]):
+    config_type = XlaNsaConfig
+
+    def __call__(self, call: NativeSparseAttentionCall, config: XlaNsaConfig) -> jax.Array:
+        return _nsa_jit(call, config)
+
+
+IMPLEMENTATION = XlaNativeSparseAttention()

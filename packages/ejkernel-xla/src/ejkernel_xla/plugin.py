@@ -14,7 +14,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ragged_decode_attention": "ejkernel_xla.ragged_decode_attention:IMPLEMENTATION",
     "multi_head_latent_attention": "ejkernel_xla.multi_head_latent_attention:IMPLEMENTATION",
     "blocksparse_attention": "ejkernel_xla.blocksparse_attention:IMPLEMENTATION",
-    "native_sparse_attention": "ejkernel_xla.native_sparse_attention:native_sparse_attention",
+    "native_sparse_attention": "ejkernel_xla.native_sparse_attention:IMPLEMENTATION",
     "grouped_matmul": "ejkernel_xla.grouped_matmul:IMPLEMENTATION",
     "mean_pooling": "ejkernel_xla.mean_pooling:IMPLEMENTATION",
     "recurrent": "ejkernel_xla.recurrent:IMPLEMENTATION",

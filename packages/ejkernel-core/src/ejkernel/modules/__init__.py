@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "BlockSparseAttentionCall": "ejkernel.modules.operations.blocksparse_attention",
     "native_sparse_attention": "ejkernel.modules.operations.native_sparse_attention",
     "NativeSparseAttention": "ejkernel.modules.operations.native_sparse_attention",
-    "NativeSparseAttentionConfig": "ejkernel.modules.operations.native_sparse_attention",
+    "NativeSparseAttentionCall": "ejkernel.modules.operations.native_sparse_attention",
     "grouped_matmul": "ejkernel.modules.operations.grouped_matmul",
     "GroupedMatmul": "ejkernel.modules.operations.grouped_matmul",
     "GroupedMatmulCall": "ejkernel.modules.operations.grouped_matmul",

@@ -1,13 +1,14 @@
 """Reference and conformance suite of ``native_sparse_attention`` (semantics: the module docstring of
-``ejkernel.modules.operations.native_sparse_attention``). Subclass :class:`NativeSparseAttentionConformance`
-and set ``platform``; every gradient is required.
+``ejkernel.modules.operations.native_sparse_attention``). Subclass :class:`NativeSparseAttentionConformance`,
+set ``platform`` (and optionally ``cfg``, a config of the implementation under test); every gradient is
+required.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +16,14 @@ import numpy as np
 import pytest
 
 from ejkernel.modules.operations.native_sparse_attention import NativeSparseAttention
-from ejkernel.testing.numerics import Tolerance, assert_close
-from ejkernel.testing.page_attention import (
-    BadInputChecks,
+from ejkernel.testing._attention_reference import masked_softmax_attention
+from ejkernel.testing.numerics import (
     DTYPES,
+    BadInputChecks,
+    Tolerance,
+    assert_close,
     check_against_reference,
-    masked_softmax_attention,
-    random_array,
+    normal_array,
     run_jitted,
 )
 
@@ -146,24 +148,27 @@ class NativeSparseAttentionConformance(BadInputChecks):
         "block_counts",
     )
     platform: ClassVar[str]
+    cfg: ClassVar[Any] = None
+    """Config of the implementation under test used for every call (None: its heuristic)."""
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
     def call(self, query, key, value, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16, **kw):
         from ejkernel.modules import native_sparse_attention
 
         return native_sparse_attention(
-            query, key, value, g_cmp, g_slc, block_indices, block_counts, g_swa=g_swa, platform=self.platform, **kw
+            query, key, value, g_cmp, g_slc, block_indices, block_counts, g_swa=g_swa, platform=self.platform,
+            **{"cfg": self.cfg, **kw},
         )
 
     def make_inputs(self, seed, case, dtype, *, gates=("g_cmp", "g_slc"), indices=True, scale=1.0):
         batch, seq_len, heads, kv_heads, head_dim, v_dim, block, selected = case
         inputs = dict(
-            query=random_array(seed * 9, (batch, seq_len, heads, head_dim), dtype, scale),
-            key=random_array(seed * 9 + 1, (batch, seq_len, kv_heads, head_dim), dtype),
-            value=random_array(seed * 9 + 2, (batch, seq_len, kv_heads, v_dim), dtype),
+            query=normal_array(seed * 9, (batch, seq_len, heads, head_dim), dtype, scale),
+            key=normal_array(seed * 9 + 1, (batch, seq_len, kv_heads, head_dim), dtype),
+            value=normal_array(seed * 9 + 2, (batch, seq_len, kv_heads, v_dim), dtype),
         )
         for n, name in enumerate(gates):
-            inputs[name] = jax.nn.sigmoid(random_array(seed * 9 + 3 + n, (batch, seq_len, heads), jnp.float32)).astype(
+            inputs[name] = jax.nn.sigmoid(normal_array(seed * 9 + 3 + n, (batch, seq_len, heads), jnp.float32)).astype(
                 dtype
             )
         if indices:

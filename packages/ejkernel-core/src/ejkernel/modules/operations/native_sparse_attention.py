@@ -1,11 +1,9 @@
 """``native_sparse_attention``: DeepSeek NSA -- a gated sum of three causal branches: attention over
 compressed (mean-pooled) key blocks, over a few selected key blocks per query, and over a sliding window.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    native_sparse_attention(query, key, value, g_cmp, g_slc, g_swa, block_indices, block_counts, *,
-                            softmax_scale: float, block_size: int, num_selected_blocks: int,
-                            window_size: int, cu_seqlens, cfg)
+Core validates the public call into one frozen :class:`NativeSparseAttentionCall`, all a backend sees
+(``softmax_scale=None`` -> ``1/sqrt(head_dim)``, an int ``block_counts`` -> an int32 array,
+``num_selected_blocks`` from ``block_indices`` or the int ``block_counts``, ``precision``).
 
 Shapes: ``query`` ``[batch, seq_len, num_heads, head_dim]``, ``key`` ``[batch, seq_len, num_kv_heads,
 head_dim]``, ``value`` ``[batch, seq_len, num_kv_heads, v_head_dim]`` (one dtype; ``g = num_heads //
@@ -38,7 +36,7 @@ Gradients: ``query``, ``key``, ``value`` and every gate given (required of every
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,37 +44,64 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_array,
-    check_cum_seqlens,
     check_dim,
     check_positive_int,
+    check_qkv,
     check_same_dtype,
     describe,
     is_array,
+    normalize_packed_seqlens,
+    resolve_softmax_scale,
     typechecked,
 )
-from ejkernel.modules.operations._validation import check_qkv, resolve_softmax_scale
 
 
-@dataclasses.dataclass(frozen=True)
-class NativeSparseAttentionConfig:
-    """Tuning knobs (block_size is semantic and therefore an argument, not part of the config)."""
+@canonical_call
+class NativeSparseAttentionCall:
+    """A validated ``native_sparse_attention`` call: what every backend receives (see above)."""
 
-    query_chunk: int | None = None  # XLA: query rows per step of the selected branch
-    num_warps: int | None = None
-    num_stages: int | None = None
-    platform: str = "auto"
-    backend: str = "any"
+    query: Float[jax.Array, "batch seq_len num_heads head_dim"] = array_field()
+    key: Float[jax.Array, "batch seq_len num_kv_heads head_dim"] = array_field()
+    value: Float[jax.Array, "batch seq_len num_kv_heads v_head_dim"] = array_field()
+    g_cmp: Float[jax.Array, "batch seq_len num_heads"] | None = array_field()
+    g_slc: Float[jax.Array, "batch seq_len num_heads"] | None = array_field()
+    g_swa: Float[jax.Array, "batch seq_len num_heads"] | None = array_field()
+    """Given exactly when ``window_size > 0``."""
+    block_indices: Int[jax.Array, "batch seq_len num_kv_heads num_selected_blocks"] | None = array_field()
+    """int32; None: selected from the compressed branch (then ``g_cmp`` is given)."""
+    block_counts: Int[jax.Array, "batch seq_len num_kv_heads"] = array_field()
+    """int32."""
+    cu_seqlens: Int[jax.Array, "num_seqs_plus_one"] | None = array_field()
+    """int32; then batch is 1."""
+    softmax_scale: float = 1.0
+    block_size: int = 64
+    num_selected_blocks: int = 16
+    window_size: int = 0
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
+
+
+def _check_per_token(name: str, x: Any, *, rank: int, dtypes: Any, what: str, leading: tuple) -> None:
+    """``x`` is an array ``what`` of ``rank`` and ``dtypes`` whose leading dims are ``leading``'s sizes."""
+    check_array(name, x, rank=rank, dtypes=dtypes, what=what)
+    for axis, (size, meaning) in enumerate(leading):
+        check_dim(name, x, axis, size, meaning)
+
+
+def _is_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
 
 
 class NativeSparseAttention(RegistryOperation):
     """DeepSeek native sparse attention (see the module docstring)."""
 
     algorithm = "native_sparse_attention"
-    config_type = NativeSparseAttentionConfig
 
     def validate(
         self,
@@ -93,79 +118,72 @@ class NativeSparseAttention(RegistryOperation):
         block_size=64,
         window_size=0,
         cu_seqlens=None,
-    ):
-        batch, seq_len, num_heads, head_dim, kv_len, num_kv_heads = check_qkv(query, key, value)
+        precision=None,
+    ) -> NativeSparseAttentionCall:
+        batch, seq_len, num_heads, head_dim, _, num_kv_heads = check_qkv(query, key, value)
         check_dim("key", key, 1, seq_len, "seq_len of query (NSA is causal self-attention)")
+        tokens = ((batch, "batch of query"), (seq_len, "seq_len of query"))
         for name, gate in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa)):
             if gate is not None:
-                check_array(name, gate, rank=3, dtypes=FLOAT_DTYPES, what="[batch, seq_len, num_heads]")
-                for axis, size, meaning in ((0, batch, "batch"), (1, seq_len, "seq_len"), (2, num_heads, "num_heads")):
-                    check_dim(name, gate, axis, size, f"{meaning} of query")
+                _check_per_token(
+                    name, gate, rank=3, dtypes=FLOAT_DTYPES, what="[batch, seq_len, num_heads]",
+                    leading=(*tokens, (num_heads, "num_heads of query")),
+                )
         check_same_dtype("query", query, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa)
         check_positive_int("block_size", block_size)
-        if isinstance(window_size, bool) or not isinstance(window_size, (int, np.integer)) or window_size < 0:
+        if not _is_int(window_size) or window_size < 0:
             raise ValueError(f"window_size must be an int >= 0 (0: no window branch), got {window_size!r}")
         if (window_size > 0) != (g_swa is not None):
             raise ValueError(
                 f"the window branch needs both window_size > 0 and its gate g_swa; got window_size={window_size}, g_swa={describe(g_swa)}"
             )
+        per_kv_head = (*tokens, (num_kv_heads, "num_kv_heads of key"))
         if block_indices is None:
             if g_cmp is None:
                 raise ValueError(
                     "block_indices is None, so the selection must come from the compressed branch: pass g_cmp (or block_indices)"
                 )
-            if (
-                is_array(block_counts)
-                or isinstance(block_counts, bool)
-                or not isinstance(block_counts, (int, np.integer))
-            ):
+            if not _is_int(block_counts):
                 raise ValueError(
                     f"without block_indices, block_counts must be an int (the number of blocks to select), got {describe(block_counts)}"
                 )
             check_positive_int("block_counts", block_counts)
             num_selected = int(block_counts)
         else:
-            what = "[batch, seq_len, num_kv_heads, num_selected_blocks]"
-            check_array("block_indices", block_indices, rank=4, dtypes=INT_DTYPES, what=what)
-            for axis, size, meaning in (
-                (0, batch, "batch"),
-                (1, seq_len, "seq_len"),
-                (2, num_kv_heads, "num_kv_heads of key"),
-            ):
-                check_dim("block_indices", block_indices, axis, size, meaning)
+            _check_per_token(
+                "block_indices", block_indices, rank=4, dtypes=INT_DTYPES,
+                what="[batch, seq_len, num_kv_heads, num_selected_blocks]", leading=per_kv_head,
+            )
             num_selected = block_indices.shape[3]
             block_indices = block_indices.astype(jnp.int32)
         if is_array(block_counts):
-            check_array("block_counts", block_counts, rank=3, dtypes=INT_DTYPES, what="[batch, seq_len, num_kv_heads]")
-            for axis, size, meaning in (
-                (0, batch, "batch"),
-                (1, seq_len, "seq_len"),
-                (2, num_kv_heads, "num_kv_heads of key"),
-            ):
-                check_dim("block_counts", block_counts, axis, size, meaning)
-            counts = block_counts.astype(jnp.int32)
+            _check_per_token(
+                "block_counts", block_counts, rank=3, dtypes=INT_DTYPES, what="[batch, seq_len, num_kv_heads]",
+                leading=per_kv_head,
+            )
+            block_counts = block_counts.astype(jnp.int32)
+        elif _is_int(block_counts) and block_counts >= 0:
+            block_counts = jnp.full((batch, seq_len, num_kv_heads), min(int(block_counts), num_selected), jnp.int32)
         else:
-            if isinstance(block_counts, bool) or not isinstance(block_counts, (int, np.integer)) or block_counts < 0:
-                raise ValueError(
-                    f"block_counts must be an int >= 0 or an int array [batch, seq_len, num_kv_heads], got {block_counts!r}"
-                )
-            counts = jnp.full((batch, seq_len, num_kv_heads), min(int(block_counts), num_selected), jnp.int32)
-        if cu_seqlens is not None:
-            check_cum_seqlens("cu_seqlens", cu_seqlens, seq_len, "seq_len of query")
-            if batch != 1:
-                raise ValueError(
-                    f"with cu_seqlens the sequences are packed along seq_len, so batch must be 1; got query {describe(query)}"
-                )
-            cu_seqlens = cu_seqlens.astype(jnp.int32)
-        args = (query, key, value, g_cmp, g_slc, g_swa, block_indices, counts)
-        kwargs = dict(
+            raise ValueError(
+                f"block_counts must be an int >= 0 or an int array [batch, seq_len, num_kv_heads], got {block_counts!r}"
+            )
+        return NativeSparseAttentionCall(
+            query=query,
+            key=key,
+            value=value,
+            g_cmp=g_cmp,
+            g_slc=g_slc,
+            g_swa=g_swa,
+            block_indices=block_indices,
+            block_counts=block_counts,
+            cu_seqlens=normalize_packed_seqlens(cu_seqlens, query),
             softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
             block_size=int(block_size),
             num_selected_blocks=num_selected,
             window_size=int(window_size),
-            cu_seqlens=cu_seqlens,
+            precision=resolve_precision(precision, query.dtype),
         )
-        return args, kwargs
 
 
 @typechecked
@@ -184,7 +202,8 @@ def native_sparse_attention(
     g_swa: Float[jax.Array, "batch seq_len num_heads"] | None = None,
     window_size: int = 0,
     block_size: int = 64,
-    cfg: NativeSparseAttentionConfig | None = None,
+    precision: str | jax.lax.Precision | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "batch seq_len num_heads v_head_dim"]:
     """DeepSeek native sparse attention (see the module docstring for the exact semantics).
 
@@ -201,7 +220,10 @@ def native_sparse_attention(
         g_swa, window_size: the sliding-window branch (each query sees ``window_size`` keys).
         block_size: key block size of compression and selection.
         platform: ``"auto"`` or a platform name.
-        cfg: a :class:`NativeSparseAttentionConfig`, or None.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
+        cfg: one implementation's config (e.g. ``ejkernel_xla.native_sparse_attention.XlaNsaConfig``); it
+            selects that implementation. None: the chosen implementation's heuristic.
     """
     return execute(
         NativeSparseAttention(),
@@ -217,6 +239,7 @@ def native_sparse_attention(
         block_size=block_size,
         window_size=window_size,
         cu_seqlens=cu_seqlens,
+        precision=precision,
         platform=platform,
         cfg=cfg,
     )
