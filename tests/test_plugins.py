@@ -164,23 +164,29 @@ def test_third_party_plugin_wins_dispatch_by_priority_and_falls_back_when_it_can
     code = """
 import warnings; warnings.simplefilter("ignore")
 import jax, jax.numpy as jnp, json
+from ejkernel import NoConfig
 from ejkernel.kernels import kernel_registry
 from ejkernel.modules import flash_attention
-import ejkernel_example_backend as example
+from ejkernel_example_backend import double, flash_attention as example
 q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 2, 8)) for i in range(3))
 plain = flash_attention(q, k, v)
 calls_after_plain = example.CALLS["flash_attention"]
 causal = flash_attention(q, k, v, causal=True)
+calls_after_causal = example.CALLS["flash_attention"]
+configured = flash_attention(q, k, v, cfg=example.ExampleFlashConfig(probabilities_in_input_dtype=True))
 print(json.dumps({
     "top": [s.plugin for s in kernel_registry.list_implementations("flash_attention")][0],
     "plain_calls": calls_after_plain,
-    "causal_calls": example.CALLS["flash_attention"] - calls_after_plain,
-    "new_algorithm": float(kernel_registry.get("example_double")(jnp.ones(()))),
-    "finite": bool(jnp.isfinite(plain).all() and jnp.isfinite(causal).all()),
+    "causal_calls": calls_after_causal - calls_after_plain,
+    "cfg_calls": example.CALLS["flash_attention"] - calls_after_causal,
+    "new_algorithm": float(kernel_registry.get("example_double")(double.DoubleCall(jnp.ones(())), NoConfig())),
+    "finite": bool(jnp.isfinite(plain).all() and jnp.isfinite(causal).all() and (configured == plain).all()),
+    "contract": kernel_registry.validate_signatures("flash_attention"),
 }))
 """
     result = json.loads(third_party_env.run("-c", code).stdout.strip().splitlines()[-1])
-    assert result == {"top": "example", "plain_calls": 1, "causal_calls": 0, "new_algorithm": 2.0, "finite": True}
+    assert result == {"top": "example", "plain_calls": 1, "causal_calls": 0, "cfg_calls": 1, "new_algorithm": 2.0,
+                      "finite": True, "contract": True}
 
 
 def test_declared_backend_registers_plain_and_per_backend_keys():

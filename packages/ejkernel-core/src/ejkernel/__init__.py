@@ -19,7 +19,7 @@ from ejkernel.errors import (
     UnsupportedFeature,
 )
 from ejkernel.kernels import Backend, KernelRegistry, KernelSpec, Platform, kernel_registry
-from ejkernel.modules.operations._contract import Implementation, NoConfig
+from ejkernel.modules.operations._contract import Implementation, NoConfig, array_field, canonical_call
 from ejkernel.plugins import BackendInfo, hookimpl
 
 try:
@@ -43,6 +43,8 @@ __all__ = [
     "PluginError",
     "UnsupportedFeature",
     "__version__",
+    "array_field",
+    "canonical_call",
     "hookimpl",
     "kernel_registry",
     *_LAZY_SUBMODULES,

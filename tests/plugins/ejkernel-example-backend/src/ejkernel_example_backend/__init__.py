@@ -1,46 +1,16 @@
-"""A third-party backend: a higher-priority flash_attention for plain calls, and a new algorithm.
+"""A third-party backend, written as someone outside ejkernel would: a higher-priority flash_attention for
+plain calls (it refuses the rest, so the dispatcher falls back), and a new algorithm, ``example_double``.
 
-Its flash_attention takes only unmasked, non-causal calls without extras (``check_supported`` refuses the
-rest, so the dispatcher falls back to the next implementation for those).
+This module is the entry point: it runs at ``import ejkernel``, so it imports nothing heavy. The
+implementations live in their own modules, registered by import path and imported on first call.
 """
 
-from ejkernel import BackendInfo, UnsupportedFeature, hookimpl
+from ejkernel import BackendInfo, hookimpl
 
-CALLS = {"flash_attention": 0}
-
-
-def flash_attention(query, key, value, bias=None, *, cfg=None, **options):
-    import jax
-    import jax.numpy as jnp
-
-    CALLS["flash_attention"] += 1
-    groups = query.shape[2] // key.shape[2]
-    key = jnp.repeat(key, groups, axis=2)
-    value = jnp.repeat(value, groups, axis=2)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-    weights = jax.nn.softmax(logits * options["softmax_scale"], axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, value.astype(jnp.float32)).astype(query.dtype)
-
-
-_PLAIN_DEFAULTS = {"causal": False, "dropout_prob": 0.0}
-
-
-def _check_supported(query, key, value, bias=None, **options):
-    if bias is not None:
-        raise UnsupportedFeature("example backend: no bias")
-    for name, value_ in options.items():
-        if name in ("softmax_scale", "dropout_seed", "cfg"):
-            continue
-        if value_ != _PLAIN_DEFAULTS.get(name):
-            raise UnsupportedFeature(f"example backend: {name}={value_!r} is not supported")
-
-
-flash_attention.check_supported = _check_supported
-
-
-def double(x, *, cfg=None):
-    """A brand-new algorithm this backend adds: ``example_double``."""
-    return x * 2
+IMPLEMENTATIONS = {
+    "flash_attention": "ejkernel_example_backend.flash_attention:IMPLEMENTATION",
+    "example_double": "ejkernel_example_backend.double:IMPLEMENTATION",
+}
 
 
 @hookimpl
@@ -49,7 +19,7 @@ def ejkernel_backend_info():
         name="example",
         distribution="ejkernel-example-backend",
         version="1.2.3",
-        platforms=("xla",),
+        platforms=("xla",),  # a new name ("mytpu") would be declared by listing it here
         targets=("cpu", "gpu", "tpu"),
         description="third-party example",
     )
@@ -57,7 +27,6 @@ def ejkernel_backend_info():
 
 @hookimpl
 def ejkernel_register_kernels(registry, plugin):
-    registry.register_lazy(
-        "flash_attention", "xla", "any", "ejkernel_example_backend:flash_attention", priority=100, plugin=plugin
-    )
-    registry.register_lazy("example_double", "xla", "any", "ejkernel_example_backend:double", plugin=plugin)
+    registry.register_lazy("flash_attention", "xla", "any", IMPLEMENTATIONS["flash_attention"], priority=100,
+                           plugin=plugin)
+    registry.register_lazy("example_double", "xla", "any", IMPLEMENTATIONS["example_double"], plugin=plugin)
