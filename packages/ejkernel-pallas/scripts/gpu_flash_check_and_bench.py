@@ -2,7 +2,9 @@
 and cuDNN (the anchors' harness: bf16, D=128, 16 heads, B*S = 16384 tokens, jit, 3 warm-ups, median of 30
 forward / 15 forward+backward wall-clock calls with block_until_ready; fwd+bwd FLOPs = 3.5 x fwd).
 
-Run from the repo root: PYTHONPATH=packages/ejkernel-core/src:packages/ejkernel-pallas/src python3 <this>
+Calls go to the GPU implementation with a validated call (``cfg``: a ``GpuFlashTuning``). Run from the repo
+root:
+PYTHONPATH=packages/ejkernel-core/src:packages/ejkernel-pallas/src python3 <this>
 """
 
 from __future__ import annotations
@@ -12,17 +14,15 @@ import os
 import sys
 import time
 import traceback
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from pallas_reference import flash_attention_reference  # noqa: E402
+from pallas_test_helpers import flash_call, flash_reference  # noqa: E402
 
-from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams  # noqa: E402
-from ejkernel_pallas import gpu_flash_attention as gpu  # noqa: E402
+from ejkernel_pallas.gpu_flash_attention import IMPLEMENTATION, GpuFlashTuning  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
 RESULTS: dict = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "checks": [], "bench": []}
@@ -39,6 +39,13 @@ def vjp_all(fn, args, cotangent):
     return out, pull(cotangent)
 
 
+def pallas_gpu(q, k, v, cfg=None, **kw):
+    """The GPU implementation on the validated call (what ``flash_attention(..., platform="pallas")`` runs;
+    called directly so the script needs no installed plugin), with ``cfg`` or the heuristic tuning."""
+    call = flash_call(q, k, v, **kw)
+    return IMPLEMENTATION(call, cfg or IMPLEMENTATION.heuristic_config(call))
+
+
 def cudnn(q, k, v, causal, scale):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
 
@@ -51,10 +58,10 @@ def check(name, dtype, b, sq, skv, h, hkv, d, with_cudnn=False, **kw):
     v = jax.random.normal(keys[2], (b, skv, hkv, d), jnp.float32).astype(dtype)
     do = jax.random.normal(keys[3], (b, sq, h, d), jnp.float32).astype(dtype)
     kw.setdefault("softmax_scale", d**-0.5)
-    kernel = jax.jit(lambda q, k, v, do: vjp_all(lambda *a: gpu.flash_attention(*a, **kw), (q, k, v), do))
+    kernel = jax.jit(lambda q, k, v, do: vjp_all(lambda *a: pallas_gpu(*a, **kw), (q, k, v), do))
     out, grads = kernel(q, k, v, do)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    ref = jax.jit(lambda q, k, v, do: vjp_all(lambda *a: flash_attention_reference(*a, **kw), (q, k, v), do))
+    ref = jax.jit(lambda q, k, v, do: vjp_all(lambda *a: flash_reference(*a, **kw), (q, k, v), do))
     r_out, r_grads = ref(f32(q), f32(k), f32(v), f32(do))
     errs = [rel(out, r_out)] + [rel(g, r) for g, r in zip(grads, r_grads)]
     row = {"case": name, "dtype": jnp.dtype(dtype).name, "err(out,dq,dk,dv)": [f"{e:.2e}" for e in errs]}
@@ -104,13 +111,6 @@ def timed(fn, args, iters):
     return float(np.median(times))
 
 
-def config(fq, fkv, fw, fs, dkq, dkkv, dqq, dqkv, bw, bs):
-    return types.SimpleNamespace(
-        fwd_params=FwdParams(q_blocksize=fq, kv_blocksize=fkv, num_warps=fw, num_stages=fs),
-        bwd_params=BwdParams(q_blocksize=dkq, kv_blocksize=dkkv, blocksize_m=dqq, blocksize_n=dqkv, num_warps=bw, num_stages=bs),
-    )
-
-
 def bench(seq, causal, variants):
     from jax.experimental.pallas.ops.gpu import attention as jax_pallas
 
@@ -124,7 +124,7 @@ def bench(seq, causal, variants):
         "jax_pallas_mha": lambda q, k, v: jax_pallas.mha(q, k, v, None, sm_scale=scale, causal=causal),
     }
     for label, cfg in variants.items():
-        impls[label] = (lambda cfg: lambda q, k, v: gpu.flash_attention(q, k, v, softmax_scale=scale, causal=causal, cfg=cfg))(cfg)
+        impls[label] = (lambda cfg: lambda q, k, v: pallas_gpu(q, k, v, cfg, softmax_scale=scale, causal=causal))(cfg)
     row = {"S": seq, "B": b, "causal": causal}
     for name, fn in impls.items():
         try:
@@ -149,16 +149,17 @@ def main():
         traceback.print_exc()
     print(f"checks done in {time.time() - t0:.0f}s", flush=True)
     default = {"ejk_default": None}
+    # variants of the defaults (GpuFlashTuning's fields not named keep the H200 defaults)
     sweep = {
         "ejk_default": None,
-        "ejk_f128x128w8s3": config(128, 128, 8, 3, None, None, None, None, None, None),
-        "ejk_f128x64w4s2": config(128, 64, 4, 2, None, None, None, None, None, None),
-        "ejk_f64x64w4s3": config(64, 64, 4, 3, None, None, None, None, None, None),
-        "ejk_b64x128_128x64w4s3": config(None, None, None, None, 64, 128, 128, 64, 4, 3),
-        "ejk_b32x128_64x64w4s3": config(None, None, None, None, 32, 128, 64, 64, 4, 3),
-        "ejk_b64x64w4s2": config(None, None, None, None, 64, 64, 64, 64, 4, 2),
-        "ejk_b64x64w8s3": config(None, None, None, None, 64, 64, 64, 64, 8, 3),
-        "ejk_b128x64_64x128w8s2": config(None, None, None, None, 128, 64, 64, 128, 8, 2),
+        "ejk_f128x128w8s3": GpuFlashTuning(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3),
+        "ejk_f128x64w4s2": GpuFlashTuning(fwd_q=128, fwd_kv=64, fwd_warps=4, fwd_stages=2),
+        "ejk_f64x64w4s3": GpuFlashTuning(fwd_q=64, fwd_kv=64, fwd_warps=4, fwd_stages=3),
+        "ejk_b64x128_128x64w4s3": GpuFlashTuning(dkv_q=64, dkv_kv=128, dq_q=128, dq_kv=64, bwd_warps=4, bwd_stages=3),
+        "ejk_b32x128_64x64w4s3": GpuFlashTuning(dkv_q=32, dkv_kv=128, dq_q=64, dq_kv=64, bwd_warps=4, bwd_stages=3),
+        "ejk_b64x64w4s2": GpuFlashTuning(dkv_q=64, dkv_kv=64, dq_q=64, dq_kv=64, bwd_warps=4, bwd_stages=2),
+        "ejk_b64x64w8s3": GpuFlashTuning(dkv_q=64, dkv_kv=64, dq_q=64, dq_kv=64, bwd_warps=8, bwd_stages=3),
+        "ejk_b128x64_64x128w8s2": GpuFlashTuning(dkv_q=128, dkv_kv=64, dq_q=64, dq_kv=128, bwd_warps=8, bwd_stages=2),
     }
     bench(8192, False, sweep)
     bench(8192, True, default)

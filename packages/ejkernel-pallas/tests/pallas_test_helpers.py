@@ -1,16 +1,17 @@
-"""Small shared helpers of the Pallas backend's tests: random inputs, error metric, abstract devices."""
+"""Small shared helpers of the Pallas backend's tests: random inputs, error metric, abstract devices, and
+the flash-attention reference."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import types
 
 import jax
 import jax.numpy as jnp
 from jax._src.mesh import AbstractDevice, AbstractMesh
 
-from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
+from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.testing.flash_attention import reference_flash_attention
 
 
 def normal(key, shape, dtype=jnp.float32):
@@ -23,12 +24,17 @@ def rel_err(actual, expected) -> float:
     return float(jnp.linalg.norm((a - e).ravel()) / jnp.maximum(jnp.linalg.norm(e.ravel()), 1e-30))
 
 
-def blocks(fwd_q=None, fwd_kv=None, bwd_q=None, bwd_kv=None, dq_q=None, dq_kv=None):
-    """A stand-in for FlashAttentionConfig carrying only block sizes."""
-    return types.SimpleNamespace(
-        fwd_params=FwdParams(q_blocksize=fwd_q, kv_blocksize=fwd_kv),
-        bwd_params=BwdParams(q_blocksize=bwd_q, kv_blocksize=bwd_kv, blocksize_m=dq_q, blocksize_n=dq_kv),
-    )
+def flash_call(query, key, value, bias=None, **keywords):
+    """The validated ``FlashAttentionCall`` the public ``flash_attention`` would hand a backend."""
+    from ejkernel.modules import FlashAttention
+
+    return FlashAttention().validate(query, key, value, bias, **keywords)
+
+
+def flash_reference(query, key, value, bias=None, **keywords):
+    """``docs/flash_attention.md`` computed densely (``ejkernel.testing``), float32 products at full precision."""
+    with matmul_precision(jax.lax.Precision.HIGHEST):
+        return reference_flash_attention(query, key, value, bias, **keywords).astype(query.dtype)
 
 
 @contextlib.contextmanager
@@ -37,6 +43,25 @@ def abstract_device(device_kind: str, platform: str, num_cores: int = 1):
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform))
     with jax.sharding.use_abstract_mesh(mesh):
         yield
+
+
+def equations(fn, *args, primitive: str) -> list:
+    """The equations of ``primitive`` in ``fn``'s jaxpr (nested jaxprs and kernel bodies included), in
+    program order."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == primitive:
+                found.append(eqn)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
 
 
 def grads_of(fn, argnums):

@@ -3,20 +3,23 @@ spaces, a config reaching the kernel's tiling, and bad blocks refused naming the
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
+from pallas_test_helpers import equations
 
 from ejkernel.modules import FlashAttention, flash_attention, grouped_matmul, ragged_page_attention, ring_attention
-from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
 from ejkernel.modules.operations.grouped_matmul import GroupedMatmul
 from ejkernel.modules.operations.ring_attention import RingAttention, RingAttentionConfig
 from ejkernel.ops import get_default_executor
-from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
+from ejkernel.ops.utils.datacarrier import BwdParams
 from ejkernel_pallas import gpu_flash_attention as gpu
+from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
+from ejkernel_pallas.tpu_flash_attention import TpuFlashBlocks
 from ejkernel_pallas import tpu_flash_attention as tpu
 from ejkernel_pallas.grouped_matmul import PallasGroupedMatmulConfig
-from ejkernel_pallas.interpret import INTERPRET_ENV
 from ejkernel_pallas.ragged_page_attention import TpuRaggedPageBlocks
 from ejkernel_pallas.tpu_tiling import TpuTilingError
 
@@ -37,20 +40,7 @@ def _bwd(cfg):
 
 def _pallas_grids(fn, *args):
     """The grid of every pallas_call in ``fn``'s jaxpr (nested jaxprs included), in program order."""
-    grids = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                grids.append(tuple(eqn.params["grid_mapping"].grid))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return grids
+    return [tuple(eqn.params["grid_mapping"].grid) for eqn in equations(fn, *args, primitive="pallas_call")]
 
 
 # ---- TPU (interpret mode on this machine) -----------------------------------------------------------
@@ -66,8 +56,7 @@ def test_executor_config_is_the_tpu_heuristic(pallas_interpret):
         (1000, 256, (256, 256), (128, 128, 128, 128)),
     ):
         cfg = executor.choose(FlashAttention(), *_qkv(seq, head_dim=head_dim), platform="pallas")
-        assert isinstance(cfg, FlashAttentionConfig) and cfg.platform == "pallas"
-        assert (_fwd(cfg), _bwd(cfg)) == (fwd, bwd), (seq, head_dim, cfg)
+        assert cfg == TpuFlashBlocks(*fwd, *bwd), (seq, head_dim, cfg)
         for block in (*fwd, *bwd):
             assert block % 16 == 0 and (block % 128 == 0 or block >= seq)
     q, k, v = _qkv(256)
@@ -80,14 +69,14 @@ def test_executor_config_is_the_tpu_heuristic(pallas_interpret):
 
 def test_config_space_candidates_all_tile():
     for seq, head_dim, segments in ((40, 64, False), (1000, 64, True), (4096, 128, True), (3000, 256, False)):
-        candidates = tpu.config_space(seq, seq, jnp.bfloat16, head_dim)
+        candidates = tpu.candidate_blocks(seq, seq, jnp.bfloat16, head_dim)
         assert candidates[0] == tpu.heuristic_blocks(seq, seq, jnp.bfloat16, head_dim)
         assert 1 <= len(candidates) <= 8 and len(set(candidates)) == len(candidates)
         for blocks in candidates:
             tpu.validate_blocks(blocks, seq, seq, q_rows=16, kv_rows=16, kv_lanes=segments)
-    gpu_space = gpu.config_space(8192, 8192, 128)
-    assert gpu_space[0] == gpu.GpuFlashTuning() and len(gpu_space) == 5
-    assert all(t.fwd_q <= 32 and t.fwd_kv <= 32 for t in gpu.config_space(20, 9, 64))  # fitted to short lengths
+    gpu_space = gpu.candidate_tunings(8192, 8192)
+    assert gpu_space[0] == GpuFlashTuning() and len(gpu_space) == 5
+    assert all(t.fwd_q <= 32 and t.fwd_kv <= 32 for t in gpu.candidate_tunings(20, 9))  # fitted to short lengths
 
 
 def test_a_config_with_other_blocks_changes_the_tiling(pallas_interpret):
@@ -95,11 +84,12 @@ def test_a_config_with_other_blocks_changes_the_tiling(pallas_interpret):
     call = lambda cfg: lambda q, k, v: flash_attention(q, k, v, causal=True, platform="pallas", cfg=cfg)  # noqa: E731
     # the heuristic: one 256-row block -> grid (batch, heads, 1, 1)
     assert _pallas_grids(call(None), q, k, v) == [(1, 2, 1, 1)]
-    small = FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=128, kv_blocksize=64))
+    heuristic = TpuFlashBlocks(*(256,) * 6)
+    small = dataclasses.replace(heuristic, fwd_q=128, fwd_kv=64)
     assert _pallas_grids(call(small), q, k, v) == [(1, 2, 2, 4)]
-    # the backward kernels follow bwd_params: dK/dV grid (b, kv head, kv blocks, group, q blocks), dQ grid
+    # the backward kernels follow dkv_* / dq_*: dK/dV grid (b, kv head, kv blocks, group, q blocks), dQ grid
     # (b, head, q blocks, kv blocks)
-    bwd = FlashAttentionConfig(bwd_params=BwdParams(q_blocksize=64, kv_blocksize=128, blocksize_m=32, blocksize_n=256))
+    bwd = dataclasses.replace(heuristic, dkv_q=64, dkv_kv=128, dq_q=32, dq_kv=256)
     grad = lambda q, k, v: jax.grad(lambda q: call(bwd)(q, k, v).sum())(q)  # noqa: E731
     assert _pallas_grids(grad, q, k, v) == [(1, 2, 1, 1), (1, 2, 2, 1, 4), (1, 2, 8, 1)]
     # and the numbers do not change with the tiling
@@ -109,17 +99,21 @@ def test_a_config_with_other_blocks_changes_the_tiling(pallas_interpret):
 
 def test_bad_blocks_are_refused_naming_the_config_field(pallas_interpret):
     q, k, v = _qkv(256)
+    heuristic = TpuFlashBlocks(*(256,) * 6)
     cases = [
-        (FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=24)), {}, r"FlashAttentionConfig\.fwd_params\.q_blocksize=24: .*multiple of 16"),
-        (FlashAttentionConfig(bwd_params=BwdParams(blocksize_n=8)), {}, r"FlashAttentionConfig\.bwd_params\.blocksize_n=8: .*multiple of 16"),
-        (FlashAttentionConfig(bwd_params=BwdParams(kv_blocksize=-128)), {}, r"bwd_params\.kv_blocksize=-128: .*positive int"),
+        (dataclasses.replace(heuristic, fwd_q=24), {}, r"TpuFlashBlocks\.fwd_q=24: .*multiple of 16"),
+        (dataclasses.replace(heuristic, dq_kv=8), {}, r"TpuFlashBlocks\.dq_kv=8: .*multiple of 16"),
         # per-key segment ids travel as [B, 1, S]: key blocks become lane tiles (multiples of 128)
-        (FlashAttentionConfig(fwd_params=FwdParams(kv_blocksize=64)), {"q_segment_ids": jnp.zeros((1, 256), jnp.int32)},
-         r"FlashAttentionConfig\.fwd_params\.kv_blocksize=64: .*multiple of 128"),
+        (dataclasses.replace(heuristic, fwd_kv=64), {"q_segment_ids": jnp.zeros((1, 256), jnp.int32)},
+         r"TpuFlashBlocks\.fwd_kv=64: .*multiple of 128"),
     ]
     for cfg, extra, match in cases:
         with pytest.raises(TpuTilingError, match=match):
             flash_attention(q, k, v, platform="pallas", cfg=cfg, **extra)
+    with pytest.raises(ValueError, match=r"TpuFlashBlocks\.dkv_kv must be a positive int, got -128"):
+        dataclasses.replace(heuristic, dkv_kv=-128)
+    with pytest.raises(TypeError, match="cfg must be a ejkernel_pallas.tpu_flash_attention.TpuFlashBlocks"):
+        flash_attention(q, k, v, platform="pallas", cfg=GpuFlashTuning())
     with pytest.raises(TpuTilingError, match=r"RingAttentionConfig\.bwd_params\.q_blocksize=100"):
         jax.grad(lambda q: ring_attention(q, k, v, platform="pallas", cfg=RingAttentionConfig(
             bwd_params=BwdParams(q_blocksize=100))).astype(jnp.float32).sum())(q)
@@ -138,28 +132,20 @@ def test_bad_blocks_are_refused_naming_the_config_field(pallas_interpret):
 # ---- GPU (the Triton-lowered kernels; interpret mode "gpu" here) ---------------------------------------
 
 
-def test_executor_config_is_the_gpu_heuristic(pallas_interpret, monkeypatch):
+def test_executor_config_is_the_gpu_heuristic(pallas_interpret_gpu):
     """The H200 defaults (NOTES.md): forward 128x64, 4 warps, 2 stages; backward 64x64, 4 warps, 2 stages;
     blocks shrink to short sequences."""
-    monkeypatch.setenv(INTERPRET_ENV, "gpu")
     executor = get_default_executor()
     cfg = executor.choose(FlashAttention(), *_qkv(8192, head_dim=128), platform="pallas")
-    assert cfg.fwd_params == FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=2)
-    assert cfg.bwd_params == BwdParams(q_blocksize=64, kv_blocksize=64, blocksize_m=64, blocksize_n=64, num_warps=4,
-                                       num_stages=2)
+    assert cfg == GpuFlashTuning(fwd_q=128, fwd_kv=64, fwd_warps=4, fwd_stages=2, dkv_q=64, dkv_kv=64, dq_q=64,
+                                 dq_kv=64, bwd_warps=4, bwd_stages=2)
     short = executor.choose(FlashAttention(), *_qkv(20), platform="pallas")
-    assert _fwd(short) == (32, 32) and _bwd(short) == (32, 32, 32, 32)
+    assert short == GpuFlashTuning(fwd_q=32, fwd_kv=32, dkv_q=32, dkv_kv=32, dq_q=32, dq_kv=32)
 
 
-def test_gpu_config_reaches_the_kernel_and_bad_values_name_the_field(pallas_interpret, monkeypatch):
-    monkeypatch.setenv(INTERPRET_ENV, "gpu")
+def test_gpu_config_reaches_the_kernel(pallas_interpret_gpu):
+    """A GpuFlashTuning given as ``cfg`` sets the grid (values Triton cannot take: test_gpu_flash_attention)."""
     q, k, v = _qkv(64, dtype=jnp.float32)
     call = lambda cfg: lambda q, k, v: flash_attention(q, k, v, platform="pallas", cfg=cfg)  # noqa: E731
     assert _pallas_grids(call(None), q, k, v) == [(1, 1, 2)]  # (q blocks, batch, heads): one 64-row block
-    assert _pallas_grids(call(FlashAttentionConfig(fwd_params=FwdParams(q_blocksize=16))), q, k, v) == [(4, 1, 2)]
-    for params, match in (
-        (dict(fwd_params=FwdParams(q_blocksize=96)), r"FlashAttentionConfig\.fwd_params\.q_blocksize=96: .*powers of two"),
-        (dict(bwd_params=BwdParams(num_warps=3)), r"FlashAttentionConfig\.bwd_params\.num_warps=3: .*power of two"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            flash_attention(q, k, v, platform="pallas", cfg=FlashAttentionConfig(**params))
+    assert _pallas_grids(call(GpuFlashTuning(fwd_q=16)), q, k, v) == [(4, 1, 2)]

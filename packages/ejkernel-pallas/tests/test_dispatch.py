@@ -5,16 +5,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from pallas_test_helpers import normal, rel_err
-from pallas_reference import flash_attention_reference
+from pallas_test_helpers import flash_call, flash_reference, normal, rel_err
 
 from ejkernel import UnsupportedFeature
-from ejkernel_pallas import plugin
-from ejkernel_pallas.flash_attention import flash_attention
+from ejkernel.modules import FlashAttention, flash_attention
+from ejkernel_pallas import gpu_flash_attention, plugin, tpu_flash_attention
 from ejkernel_pallas.interpret import INTERPRET_ENV, interpret_mode
 
+TPU_TARGET = "ejkernel_pallas.tpu_flash_attention:IMPLEMENTATION"
+GPU_TARGET = "ejkernel_pallas.gpu_flash_attention:IMPLEMENTATION"
 
-def test_registers_flash_attention_for_tpu_and_gpu_and_cpu_only_in_interpret_mode():
+
+def test_registers_flash_attention_per_hardware_and_cpu_only_in_interpret_mode():
+    assert {k: v for k, v in plugin.implementations(None).items() if k[0] == "flash_attention"} == {
+        ("flash_attention", "tpu"): TPU_TARGET, ("flash_attention", "gpu"): GPU_TARGET,
+    }
+    # interpret mode registers, for the CPU, the family its value names (the TPU kernels but for "gpu")
+    for mode, target in (("generic", TPU_TARGET), ("races", TPU_TARGET), ("gpu", GPU_TARGET)):
+        assert plugin.implementations(mode)[("flash_attention", "cpu")] == target
+    assert plugin.implementations("gpu")[("grouped_matmul", "cpu")].startswith("ejkernel_pallas.grouped_matmul:")
     backends = {backend for (algorithm, backend) in plugin.IMPLEMENTATIONS if algorithm == "flash_attention"}
     assert backends == ({"tpu", "gpu", "cpu"} if plugin.interpret_requested() else {"tpu", "gpu"})
 
@@ -22,15 +31,16 @@ def test_registers_flash_attention_for_tpu_and_gpu_and_cpu_only_in_interpret_mod
 def test_cpu_without_interpret_mode_is_refused_with_the_fix(monkeypatch):
     assert jax.default_backend() == "cpu"
     monkeypatch.delenv(INTERPRET_ENV, raising=False)
-    q = jax.ShapeDtypeStruct((1, 8, 1, 16), jnp.float32)
-    with pytest.raises(UnsupportedFeature) as info:
-        flash_attention.check_supported(q, q, q, softmax_scale=1.0, causal=False)
-    message = str(info.value)
-    # ejkernel-xla is installed here: the message says auto falls back to it (not "pip install" it)
-    assert "need a TPU or GPU" in message and f"{INTERPRET_ENV}=1" in message
-    assert "platform='auto' runs the installed XLA backend (ejkernel-xla)" in message and "pip install" not in message
-    with pytest.raises(UnsupportedFeature, match="need a TPU or GPU"):
-        flash_attention(jnp.ones((1, 8, 1, 16)), jnp.ones((1, 8, 1, 16)), jnp.ones((1, 8, 1, 16)), softmax_scale=1.0, causal=False)
+    q = jnp.ones((1, 8, 1, 16))
+    for implementation in (tpu_flash_attention.IMPLEMENTATION, gpu_flash_attention.IMPLEMENTATION):
+        with pytest.raises(UnsupportedFeature) as info:
+            implementation.supports(flash_call(q, q, q))
+        message = str(info.value)
+        # ejkernel-xla is installed here: the message says auto falls back to it (not "pip install" it)
+        assert "need a TPU or GPU" in message and f"{INTERPRET_ENV}=1" in message
+        assert "platform='auto' runs the installed XLA backend (ejkernel-xla)" in message and "pip install" not in message
+        with pytest.raises(UnsupportedFeature, match="need a TPU or GPU"):
+            implementation(flash_call(q, q, q), implementation.heuristic_config(flash_call(q, q, q)))
     assert plugin.check_usable() is not None and "EJKERNEL_PALLAS_INTERPRET" in plugin.check_usable()
 
 
@@ -58,12 +68,16 @@ def test_interpret_env_values(monkeypatch):
         interpret_mode()
 
 
-@pytest.mark.parametrize("mode", ["1", "gpu"])
-def test_interpret_env_runs_the_kernels_on_cpu(monkeypatch, mode):
-    monkeypatch.setenv(INTERPRET_ENV, mode)
+@pytest.mark.parametrize(
+    "registrations, implementation",
+    [("pallas_interpret", tpu_flash_attention.IMPLEMENTATION), ("pallas_interpret_gpu", gpu_flash_attention.IMPLEMENTATION)],
+)
+def test_interpret_mode_runs_its_kernels_on_cpu(request, registrations, implementation):
+    """``platform="pallas"`` on CPU runs the family the interpret mode registered."""
+    request.getfixturevalue(registrations)
     assert plugin.check_usable() is None
     ks = jax.random.split(jax.random.key(31), 3)
     q, k, v = (normal(kk, (1, 16, 2, 16)) for kk in ks)
-    flash_attention.check_supported(q, k, v, softmax_scale=0.5, causal=True)
-    out = jax.jit(lambda q, k, v: flash_attention(q, k, v, softmax_scale=0.5, causal=True))(q, k, v)
-    assert rel_err(out, flash_attention_reference(q, k, v, softmax_scale=0.5, causal=True)) < 2e-6
+    assert FlashAttention().explain(q, k, v, causal=True, platform="pallas").implementation.resolve() is implementation
+    out = jax.jit(lambda q, k, v: flash_attention(q, k, v, softmax_scale=0.5, causal=True, platform="pallas"))(q, k, v)
+    assert rel_err(out, flash_reference(q, k, v, softmax_scale=0.5, causal=True)) < 2e-6

@@ -1,6 +1,6 @@
 """The shared flash_attention conformance suite through ``platform="pallas"`` on CPU, in interpret mode.
 
-``EJKERNEL_PALLAS_INTERPRET=1`` routes the calls to the TPU kernels (Pallas' generic interpreter); the
+``EJKERNEL_PALLAS_INTERPRET=1`` registers the TPU kernels for the CPU (Pallas' generic interpreter); the
 GPU kernels are covered by ``test_gpu_flash_attention.py`` here and by the suite on the device.
 """
 
@@ -24,8 +24,8 @@ class TestPallasTpuFlashAttentionConformance(FlashAttentionConformance):
 
 @pytest.mark.gpu
 class TestPallasGpuFlashAttentionConformance(FlashAttentionConformance):
-    """On an NVIDIA GPU (``pytest -m gpu`` on the device): the Triton-lowered kernels. Bias, boolean mask
-    and dropout are refused with UnsupportedFeature and reported as skips naming the reason."""
+    """On an NVIDIA GPU (``pytest -m gpu`` on the device): the Triton-lowered kernels. Bias and boolean
+    mask are refused with UnsupportedFeature and reported as skips naming the reason."""
 
     platform = "pallas"
     allow_unsupported = True

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import pytest
-from pallas_test_helpers import abstract_device, blocks, normal, out_and_grads, rel_err
 from jax.experimental.pallas import tpu as pltpu
-from pallas_reference import flash_attention_reference
+from pallas_test_helpers import abstract_device, equations, flash_call, flash_reference, normal, out_and_grads, rel_err
 
 from ejkernel_pallas import tpu_flash_attention as tpu
+from ejkernel_pallas.tpu_flash_attention import TpuFlashBlocks
 from ejkernel_pallas.tpu_tiling import TpuTilingError, check_block, sublane_multiple
 
 FWD_TOL, BWD_TOL = 2e-6, 1e-5  # float32 inputs: only summation order differs from the reference
 
 
-def _compare(args, grad_argnums, cfg=None, interpret=True, **kw):
-    kernel = functools.partial(tpu.flash_attention, cfg=cfg, interpret=interpret)
+def _kernel(blocks=None, interpret=True):
+    """The TPU kernels on the validated call of the public keywords (the heuristic's blocks by default)."""
+
+    def run(q, k, v, bias=None, **kw):
+        call = flash_call(q, k, v, bias, **kw)
+        return tpu.flash_attention(call, blocks or tpu.IMPLEMENTATION.heuristic_config(call), interpret=interpret)
+
+    return run
+
+
+def _compare(args, grad_argnums, blocks=None, **kw):
+    kernel = _kernel(blocks)
 
     def call(fn, *arrays):
         full = list(args)
@@ -30,7 +38,7 @@ def _compare(args, grad_argnums, cfg=None, interpret=True, **kw):
     picked = [args[i] for i in grad_argnums]
     argnums = tuple(range(len(picked)))
     out, got = out_and_grads(lambda *a: call(kernel, *a), argnums)(*picked)
-    expected, want = out_and_grads(lambda *a: call(flash_attention_reference, *a), argnums)(*picked)
+    expected, want = out_and_grads(lambda *a: call(flash_reference, *a), argnums)(*picked)
     assert rel_err(out, expected) < FWD_TOL
     for index, g, w in zip(grad_argnums, got, want):
         assert g.shape == w.shape
@@ -59,8 +67,8 @@ def test_many_blocks_skip_hidden_blocks():
     b, sq, skv, h, hkv, d = 1, 200, 264, 4, 1, 64
     ks = jax.random.split(jax.random.key(12), 3)
     q, k, v = normal(ks[0], (b, sq, h, d)), normal(ks[1], (b, skv, hkv, d)), normal(ks[2], (b, skv, hkv, d))
-    cfg = blocks(fwd_q=64, fwd_kv=128, bwd_q=32, bwd_kv=128, dq_q=128, dq_kv=128)
-    _compare((q, k, v, None, None), (0, 1, 2), cfg=cfg, softmax_scale=0.2, causal=True, sliding_window=(150, 0))
+    blocks = TpuFlashBlocks(fwd_q=64, fwd_kv=128, dkv_q=32, dkv_kv=128, dq_q=128, dq_kv=128)
+    _compare((q, k, v, None, None), (0, 1, 2), blocks=blocks, softmax_scale=0.2, causal=True, sliding_window=(150, 0))
 
 
 def test_varlen_and_attention_mask():
@@ -83,9 +91,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradients():
     q_seg = jnp.full((b, s), 3, jnp.int32)
     kv_seg = jnp.where(jnp.arange(s) < 12, 3, 4)[None].astype(jnp.int32)
     q_seg = q_seg.at[:, 5:9].set(9)  # rows 5..8 see nothing
-    fn = lambda q, k, v: tpu.flash_attention(  # noqa: E731
-        q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, softmax_scale=0.25, causal=False, interpret=True
-    )
+    fn = lambda q, k, v: _kernel()(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, softmax_scale=0.25)  # noqa: E731
     out, (dq, dk, dv) = out_and_grads(fn, (0, 1, 2))(q, k, v)
     assert float(jnp.max(jnp.abs(out[:, 5:9]))) == 0.0
     assert bool(jnp.all(jnp.isfinite(dq))) and float(jnp.max(jnp.abs(dq[:, 5:9]))) == 0.0
@@ -99,9 +105,8 @@ def test_tpu_faithful_interpreter_finds_no_races():
     ks = jax.random.split(jax.random.key(15), 3)
     q, k, v = (normal(kk, (b, s, h, d)) for kk in ks)
     params = pltpu.InterpretParams(detect_races=True)
-    fn = lambda q, k, v: tpu.flash_attention(q, k, v, softmax_scale=0.1, causal=True, interpret=params)  # noqa: E731
-    out = fn(q, k, v)
-    assert rel_err(out, flash_attention_reference(q, k, v, softmax_scale=0.1, causal=True)) < FWD_TOL
+    out = _kernel(interpret=params)(q, k, v, softmax_scale=0.1, causal=True)
+    assert rel_err(out, flash_reference(q, k, v, softmax_scale=0.1, causal=True)) < FWD_TOL
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
 
 
@@ -113,7 +118,7 @@ def test_lowers_for_tpu_with_every_feature():
     seg = jax.ShapeDtypeStruct((b, s), jnp.int32)
 
     def loss(q, bias, seg):
-        out = tpu.flash_attention(
+        out = _kernel(interpret=False)(
             q, q, q, bias, q_segment_ids=seg, kv_segment_ids=seg, softmax_scale=0.1, causal=True,
             sliding_window=(64, 0), softmax_aux=jnp.ones((h,)), logits_soft_cap=3.0, dropout_prob=0.1, dropout_seed=1,
         )
@@ -138,17 +143,30 @@ def test_tiling_rules():
 
 def test_bad_config_is_refused_before_lowering():
     q = jnp.ones((1, 256, 1, 128), jnp.bfloat16)
-    with pytest.raises(TpuTilingError, match="fwd_params.kv_blocksize=8: .*multiple of 16"):
-        tpu.flash_attention(q, q, q, softmax_scale=1.0, causal=False, cfg=blocks(fwd_q=128, fwd_kv=8), interpret=True)
-    with pytest.raises(TpuTilingError, match="fwd_params.kv_blocksize=64: .*multiple of 128"):
+    with pytest.raises(TpuTilingError, match=r"TpuFlashBlocks\.fwd_kv=8: .*multiple of 16"):
+        _kernel(TpuFlashBlocks(128, 8, 128, 128, 128, 128))(q, q, q)
+    with pytest.raises(TpuTilingError, match=r"TpuFlashBlocks\.fwd_kv=64: .*multiple of 128"):
         seg = jnp.zeros((1, 256), jnp.int32)
-        tpu.flash_attention(
-            q, q, q, q_segment_ids=seg, kv_segment_ids=seg, softmax_scale=1.0, causal=False,
-            cfg=blocks(fwd_q=128, fwd_kv=64), interpret=True,
-        )
+        _kernel(TpuFlashBlocks(128, 64, 128, 128, 128, 128))(q, q, q, q_segment_ids=seg, kv_segment_ids=seg)
+    with pytest.raises(ValueError, match="TpuFlashBlocks.dq_kv must be a positive int, got 0"):
+        TpuFlashBlocks(128, 128, 128, 128, 128, 0)
 
 
 def test_heuristic_blocks_tile():
     for sq, skv in ((1, 1), (40, 56), (1000, 3000), (8192, 8192)):
         chosen = tpu.heuristic_blocks(sq, skv)
         assert chosen.fwd_q % 16 == 0 and (chosen.fwd_kv % 128 == 0 or chosen.fwd_kv >= skv)
+
+
+def test_float32_dots_take_the_calls_precision():
+    """Mosaic lowers every precision (DEFAULT, HIGH: bf16x3, HIGHEST: fp32): a float32 call's dots carry
+    the call's (HIGHEST by default); 16-bit dots carry none."""
+
+    def dot_precisions(dtype, **kw):
+        q = jnp.ones((1, 16, 1, 128), dtype)
+        return {eqn.params["precision"] for eqn in equations(lambda q: _kernel()(q, q, q, **kw), q, primitive="dot_general")}
+
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    assert dot_precisions(jnp.float32) == {highest}
+    assert dot_precisions(jnp.float32, precision="high") == {(jax.lax.Precision.HIGH,) * 2}
+    assert dot_precisions(jnp.bfloat16, precision="highest") == {None}

@@ -1,8 +1,17 @@
 """Flash attention for NVIDIA GPUs in Pallas (Triton lowering), forward and backward.
 
-Semantics of docs/flash_attention.md for: causal, sliding window, soft cap, GQA/MQA, segment ids, varlen
-(packed sequences through cum_seqlens), attention sinks, dropout (the shared index-hash mask, recomputed in
-the backward). Bias and attention_mask are refused with ``UnsupportedFeature`` (the dispatcher falls back).
+``IMPLEMENTATION`` (registered by ``plugin.py``) takes the validated ``FlashAttentionCall`` and a
+:class:`GpuFlashTuning` config. Semantics of docs/flash_attention.md for: causal, sliding window, soft cap,
+GQA/MQA, segment ids, varlen (packed sequences through cum_seqlens), attention sinks, dropout (the shared
+index-hash mask, recomputed in the backward). Bias, attention_mask, segment ids together with cum_seqlens
+and head dims above 256 are refused with ``UnsupportedFeature`` (the dispatcher falls back; platform='xla'
+takes them). On CPU it runs only in interpret mode ``gpu`` (:mod:`ejkernel_pallas.interpret`).
+
+Precision: the Triton lowering runs a float32 dot as TF32 for ``DEFAULT`` (and, in jax 0.11, also for
+``HIGH``, below the bf16x3-class accuracy ``HIGH`` promises) and as IEEE float32 for ``HIGHEST``. Float32
+calls therefore run their dots at TF32 when the caller asked for ``precision="default"`` and at IEEE
+float32 otherwise (``HIGHEST``, the float32 default, and ``HIGH``: more precise than asked, which the
+policy allows); no precision is refused. 16-bit operands multiply exactly into float32 accumulators.
 
 Arrays stay in the public [B, S, H, D] layout (blocks are strided row loads); lengths are padded to whole
 blocks and head dims to powers of two inside the wrapper. Each program owns one query block (forward, dQ)
@@ -24,7 +33,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.flash_attention import FlashAttentionCall
 from ejkernel.ops.utils import dropout as dropout_hash
+from ejkernel.ops.utils.varlen import packed_keys, packed_queries
+
+from ejkernel_pallas.interpret import gpu_interpret_or_refuse
 
 LOG2E = math.log2(math.e)
 
@@ -35,7 +49,10 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class GpuFlashTuning:
-    """Blocks (powers of two, >= 16) and Triton launch parameters of the three kernels."""
+    """The GPU kernels' config: blocks (powers of two, >= 16) and Triton launch parameters of the forward
+    (``fwd_*``), the dK/dV pass (``dkv_*``) and the dQ pass (``dq_*``; both backward kernels share warps and
+    stages). Used as given (lengths are padded to whole blocks); :func:`heuristic_tuning` fits the
+    defaults to a call."""
 
     # Measured on an H200 (bf16, D=128, S=8k; benchmarks/gpu_flash_h200_run2.json): forward 128x64 with
     # 4 warps and 2 stages was the fastest of five tilings; in the backward 64x64 blocks with 4 warps beat
@@ -54,10 +71,12 @@ class GpuFlashTuning:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GpuFlashTuning.{field.name} must be a positive int, got {value!r}")
             if field.name.endswith(("_q", "_kv")) and (value & (value - 1) or value < 16):
                 raise ValueError(f"GpuFlashTuning.{field.name}={value}: Triton blocks are powers of two >= 16")
+            if field.name.endswith("_warps") and value & (value - 1):
+                raise ValueError(f"GpuFlashTuning.{field.name}={value}: num_warps must be a power of two")
 
 
 def _fit(block: int, length: int) -> int:
@@ -65,60 +84,17 @@ def _fit(block: int, length: int) -> int:
     return max(16, min(block, pl.next_power_of_2(length)))
 
 
-# GpuFlashTuning field -> the FlashAttentionConfig field that sets it.
-CONFIG_FIELDS = {
-    "fwd_q": "fwd_params.q_blocksize",
-    "fwd_kv": "fwd_params.kv_blocksize",
-    "fwd_warps": "fwd_params.num_warps",
-    "fwd_stages": "fwd_params.num_stages",
-    "dkv_q": "bwd_params.q_blocksize",
-    "dkv_kv": "bwd_params.kv_blocksize",
-    "dq_q": "bwd_params.blocksize_m",
-    "dq_kv": "bwd_params.blocksize_n",
-    "bwd_warps": "bwd_params.num_warps",
-    "bwd_stages": "bwd_params.num_stages",
-}
-
-
-def choose_tuning(cfg, sq: int, skv: int, head_dim: int) -> GpuFlashTuning:
-    """Tuning from ``cfg`` (a FlashAttentionConfig or None) over the H200 defaults; blocks shrink to short
-    sequences. A value the kernels cannot take raises ``ValueError`` naming the config field."""
-    fwd = getattr(cfg, "fwd_params", None) if cfg is not None else None
-    bwd = getattr(cfg, "bwd_params", None) if cfg is not None else None
-    base = GpuFlashTuning()
-    chosen = {}
-    for field, path in CONFIG_FIELDS.items():
-        group, name = path.split(".")
-        params = fwd if group == "fwd_params" else bwd
-        value = getattr(params, name, None) if params is not None else None
-        if value is None:
-            chosen[field] = getattr(base, field)
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{type(cfg).__name__}.{path}={value!r}: must be a positive int")
-        if field.endswith(("_q", "_kv")) and (value & (value - 1) or value < 16):
-            raise ValueError(f"{type(cfg).__name__}.{path}={value}: Triton blocks are powers of two >= 16")
-        if field.endswith("_warps") and value & (value - 1):
-            raise ValueError(f"{type(cfg).__name__}.{path}={value}: num_warps must be a power of two")
-        chosen[field] = value
-    for field, length in (("fwd_q", sq), ("fwd_kv", skv), ("dkv_q", sq), ("dkv_kv", skv), ("dq_q", sq), ("dq_kv", skv)):
-        chosen[field] = _fit(chosen[field], length)
-    return GpuFlashTuning(**chosen)
-
-
-def tuning_to_config(t: GpuFlashTuning):
-    """The FlashAttentionConfig that selects ``t``."""
-    from ejkernel.modules.operations.flash_attention import FlashAttentionConfig
-    from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
-
-    return FlashAttentionConfig(
-        fwd_params=FwdParams(
-            q_blocksize=t.fwd_q, kv_blocksize=t.fwd_kv, num_warps=t.fwd_warps, num_stages=t.fwd_stages
-        ),
-        bwd_params=BwdParams(q_blocksize=t.dkv_q, kv_blocksize=t.dkv_kv, blocksize_m=t.dq_q, blocksize_n=t.dq_kv,
-                             num_warps=t.bwd_warps, num_stages=t.bwd_stages),
-        platform="pallas",
+def fitted(tuning: GpuFlashTuning, sq: int, skv: int) -> GpuFlashTuning:
+    """``tuning`` with its blocks shrunk to short sequences (a block never exceeds its padded length)."""
+    return dataclasses.replace(
+        tuning, fwd_q=_fit(tuning.fwd_q, sq), fwd_kv=_fit(tuning.fwd_kv, skv), dkv_q=_fit(tuning.dkv_q, sq),
+        dkv_kv=_fit(tuning.dkv_kv, skv), dq_q=_fit(tuning.dq_q, sq), dq_kv=_fit(tuning.dq_kv, skv),
     )
+
+
+def heuristic_tuning(sq: int, skv: int) -> GpuFlashTuning:
+    """The H200 defaults (:class:`GpuFlashTuning`), fitted to the lengths."""
+    return fitted(GpuFlashTuning(), sq, skv)
 
 
 # Autotuning candidates: the tilings of the H200 sweep (NOTES.md, runs 1-2) that came within ~30% of the
@@ -132,10 +108,9 @@ _SWEEP = (
 )
 
 
-def config_space(sq: int, skv: int, head_dim: int) -> list[GpuFlashTuning]:
-    """Pruned autotuning candidates for this call's lengths (see ``_SWEEP``)."""
-    fitted = [choose_tuning(tuning_to_config(t), sq, skv, head_dim) for t in _SWEEP]
-    return list(dict.fromkeys(fitted))
+def candidate_tunings(sq: int, skv: int) -> list[GpuFlashTuning]:
+    """Pruned autotuning candidates for this call's lengths (see ``_SWEEP``), the heuristic first."""
+    return list(dict.fromkeys(fitted(t, sq, skv) for t in _SWEEP))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +132,7 @@ class _Static:
     # a row that sees one key gets dS = P * (dP - delta) == 0 exactly (its true gradient), not rounding noise.
     exact_delta: bool = False
     dropout_prob: float = 0.0
+    precision: lax.Precision | None = None  # of the float32 dots (see the module docstring)
 
     @property
     def statically_masked(self) -> bool:
@@ -260,21 +236,10 @@ def _run_ranges(body, ranges, carry):
     return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
 
 
-def _precision(a):
-    # float32 operands get full-precision products (Triton would otherwise use TF32).
-    return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-
-
-def _dot_nt(a, b):
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
+def _dot(st: _Static, a, b, a_axis: int, b_axis: int):
+    """``a`` times ``b`` (2-D tiles) contracting ``a_axis`` with ``b_axis``, accumulated in float32."""
+    dims = (((a_axis,), (b_axis,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=st.precision, preferred_element_type=jnp.float32)
 
 
 def _dropout_keep(st: _Static, r, batch, head, q_rows, kv_cols):
@@ -286,9 +251,9 @@ def _dropout_keep(st: _Static, r, batch, head, q_rows, kv_cols):
     return dropout_hash.keep_mask(seed, batch, head, q_rows[:, None], kv_cols[None, :], st.dropout_prob)
 
 
-def _row_dot(a, b):
+def _row_dot(st: _Static, a, b):
     """Row-wise <a_i, b_i> through the same tiled dot as the (rows, cols) products."""
-    products = _dot_nt(a, b)
+    products = _dot(st, a, b, 1, 1)
     rows = lax.broadcasted_iota(jnp.int32, products.shape, 0)
     cols = lax.broadcasted_iota(jnp.int32, products.shape, 1)
     return jnp.sum(jnp.where(rows == cols, products, 0.0), axis=1)
@@ -329,7 +294,7 @@ def _fwd_kernel(*refs, st: _Static, names):
         m_prev, l_prev, acc = carry
         cols = pl.ds(kj * block_kv, block_kv)
         k = r["k"][cols, :]
-        s = _dot_nt(q, k) * logit_scale
+        s = _dot(st, q, k, 1, 1) * logit_scale
         if st.soft_cap is not None:
             s = st.soft_cap * jnp.tanh(s / st.soft_cap)
         if masked:
@@ -350,7 +315,7 @@ def _fwd_kernel(*refs, st: _Static, names):
             kv_cols = kj * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
             keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
             p = jnp.where(keep, p * (1.0 / (1.0 - st.dropout_prob)), 0.0)
-        acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(st, p.astype(v.dtype), v, 1, 0)
         return m_new, l_new, acc
 
     ranges = _kv_ranges(st, qi, block_q, block_kv, num_kv)
@@ -368,7 +333,7 @@ def _fwd_kernel(*refs, st: _Static, names):
 
 def _recompute(st: _Static, q, k, lse, masked, q_rows, kv_cols, q_pos, kv_pos, q_seg, kv_seg):
     """Probabilities of a (q block, kv block), and the soft-cap derivative factor (or None)."""
-    s = _dot_nt(q, k) * st.scale
+    s = _dot(st, q, k, 1, 1) * st.scale
     cap_grad = None
     if st.soft_cap is not None:
         t = jnp.tanh(s / st.soft_cap)
@@ -399,19 +364,19 @@ def _dkv_kernel(*refs, st: _Static, names):
             st, q, k, r["lse"][rows], masked, q_rows, kv_cols,
             _optional(r, "q_pos", rows), kv_pos, _optional(r, "q_seg", rows), kv_seg,
         )
-        dp = _dot_nt(do, v)
+        dp = _dot(st, do, v, 1, 1)
         p_dropped = p
         if st.dropout_prob > 0.0:
             keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
             scale = 1.0 / (1.0 - st.dropout_prob)
             p_dropped = jnp.where(keep, p * scale, 0.0)
             dp = jnp.where(keep, dp * scale, 0.0)
-        dv = dv + _dot_tn(p_dropped.astype(do.dtype), do)
-        delta = _row_dot(do, r["o"][rows, :]) if st.exact_delta else r["delta"][rows]
+        dv = dv + _dot(st, p_dropped.astype(do.dtype), do, 0, 0)
+        delta = _row_dot(st, do, r["o"][rows, :]) if st.exact_delta else r["delta"][rows]
         ds = p * (dp - delta[:, None])
         if cap_grad is not None:
             ds = ds * cap_grad
-        dk = dk + _dot_tn(ds.astype(q.dtype), q)
+        dk = dk + _dot(st, ds.astype(q.dtype), q, 0, 0)
         return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -426,7 +391,7 @@ def _dq_kernel(*refs, st: _Static, names):
     qi, batch, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_kv = r["k"].shape[0] // block_kv
     q, do, lse = r["q"][...], r["do"][...], r["lse"][...]
-    delta = _row_dot(do, r["o"][...]) if st.exact_delta else r["delta"][...]
+    delta = _row_dot(st, do, r["o"][...]) if st.exact_delta else r["delta"][...]
     q_rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     q_pos, q_seg = _optional(r, "q_pos"), _optional(r, "q_seg")
 
@@ -438,14 +403,14 @@ def _dq_kernel(*refs, st: _Static, names):
             st, q, k, lse, masked, q_rows, kv_cols, q_pos, _optional(r, "kv_pos", cols), q_seg,
             _optional(r, "kv_seg", cols),
         )
-        dp = _dot_nt(do, v)
+        dp = _dot(st, do, v, 1, 1)
         if st.dropout_prob > 0.0:
             keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
             dp = jnp.where(keep, dp * (1.0 / (1.0 - st.dropout_prob)), 0.0)
         ds = p * (dp - delta[:, None])
         if cap_grad is not None:
             ds = ds * cap_grad
-        return dq + _dot_nn(ds.astype(k.dtype), k)
+        return dq + _dot(st, ds.astype(k.dtype), k, 1, 0)
 
     dq = _run_ranges(body, _kv_ranges(st, qi, block_q, block_kv, num_kv), jnp.zeros(q.shape, jnp.float32))
     r["dq_out"][...] = (dq * st.scale).astype(r["dq_out"].dtype)
@@ -512,12 +477,17 @@ def _forward(st: _Static, arrays: dict):
     return out, lse
 
 
+def _delta(out, d_out):
+    """delta [B, H, S] = <dO_i, O_i>, elementwise in float32 (an einsum could run as a TF32 matmul on a GPU)."""
+    return jnp.swapaxes(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
+
+
 def _backward(st: _Static, arrays: dict, out, lse, d_out):
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     batch, sq_pad, heads, d = q.shape
     skv_pad, kv_heads, dv = k.shape[1], k.shape[2], v.shape[3]
     t = st.tuning
-    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = _delta(out, d_out)
     inputs = {**arrays, "do": d_out, "lse": lse, "delta": delta}
     if st.exact_delta:
         inputs["o"] = out
@@ -576,7 +546,7 @@ def _attention_bwd(st, residuals, d_out):
             grads[name] = {"q": dq, "k": dk, "v": dv}[name]
         elif name == "sinks":
             # d/d sink = -sum_i exp(sink - lse_i) * delta_i (padded sinks are -inf: zero gradient).
-            delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+            delta = _delta(out, d_out)
             p_sink = jnp.exp(value.astype(jnp.float32)[None, :, None, :] - lse[..., None])
             grads[name] = (-jnp.sum(p_sink * delta[..., None], axis=(0, 2))).astype(value.dtype)
         else:
@@ -588,46 +558,20 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Public entry
+# The implementation: a validated FlashAttentionCall (ejkernel.modules.operations.flash_attention)
 
 
-def check_supported(
-    query, key, value, bias=None, *, attention_mask=None, q_segment_ids=None, kv_segment_ids=None,
-    cum_seqlens_q=None, dropout_prob=0.0, softmax_aux=None, **_,
-):
-    if bias is not None:
-        raise UnsupportedFeature("pallas GPU flash_attention: bias is not supported (use platform='xla')")
-    if attention_mask is not None:
-        raise UnsupportedFeature("pallas GPU flash_attention: attention_mask is not supported")
-    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise UnsupportedFeature(f"pallas GPU flash_attention: dtype {query.dtype} is not supported")
-    if cum_seqlens_q is not None and q_segment_ids is not None:
-        raise UnsupportedFeature("pallas GPU flash_attention: segment ids together with cum_seqlens")
-    if query.shape[-1] > 256 or value.shape[-1] > 256:
-        raise UnsupportedFeature("pallas GPU flash_attention: head_dim > 256")
+def _float32_precision(call: FlashAttentionCall):
+    """The precision of a float32 call's dots (see the module docstring); None for 16-bit inputs."""
+    if call.query.dtype != jnp.float32:
+        return None
+    return lax.Precision.DEFAULT if call.precision == lax.Precision.DEFAULT else lax.Precision.HIGHEST
 
 
-def _varlen_metadata(cum, padded: int, outside: int):
-    tokens = jnp.arange(padded, dtype=jnp.int32)
-    cum = cum.astype(jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cum, tokens, side="right").astype(jnp.int32) - 1, 0, cum.shape[0] - 2)
-    return jnp.where(tokens < cum[-1], seq, outside), tokens - cum[seq], seq
-
-
-def flash_attention(
-    query, key, value, bias=None, *, attention_mask=None, q_segment_ids=None, kv_segment_ids=None,
-    softmax_scale: float, causal: bool, sliding_window=None, logits_soft_cap=None, dropout_prob: float = 0.0,
-    dropout_seed=None, cum_seqlens_q=None, cum_seqlens_k=None, softmax_aux=None, cfg=None, interpret=False,
-):
-    """GPU (Triton-lowered) flash attention; ``interpret=True`` runs Pallas' interpreter (CPU)."""
-    check_supported(
-        query, key, value, bias, attention_mask=attention_mask, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, cum_seqlens_q=cum_seqlens_q, dropout_prob=dropout_prob,
-        softmax_aux=softmax_aux,
-    )
+def _flash(call: FlashAttentionCall, tuning: GpuFlashTuning, interpret: bool) -> jax.Array:
+    query, key, value = call.query, call.key, call.value
     batch, sq, heads, d = query.shape
     skv, kv_heads, dv = key.shape[1], key.shape[2], value.shape[3]
-    tuning = choose_tuning(cfg, sq, skv, d)
     sq_pad = _round_up(sq, max(tuning.fwd_q, tuning.dkv_q, tuning.dq_q))
     skv_pad = _round_up(skv, max(tuning.fwd_kv, tuning.dkv_kv, tuning.dq_kv))
     d_pad, dv_pad = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(dv))
@@ -636,44 +580,85 @@ def flash_attention(
         "k": _pad_axis(_pad_axis(key, 1, skv_pad), 3, d_pad),
         "v": _pad_axis(_pad_axis(value, 1, skv_pad), 3, dv_pad),
     }
-    varlen = cum_seqlens_q is not None
+    varlen = call.cum_seqlens_q is not None
     if varlen:
-        q_seq, q_local, q_seq_c = _varlen_metadata(cum_seqlens_q, sq_pad, -1)
-        kv_seq, kv_local, _ = _varlen_metadata(cum_seqlens_k, skv_pad, -2)
-        cq, ck = cum_seqlens_q.astype(jnp.int32), cum_seqlens_k.astype(jnp.int32)
-        q_pos = q_local + (ck[q_seq_c + 1] - ck[q_seq_c]) - (cq[q_seq_c + 1] - cq[q_seq_c])
-        arrays.update(q_pos=q_pos[None], kv_pos=kv_local[None], q_seg=q_seq[None], kv_seg=kv_seq[None])
-    elif q_segment_ids is not None:
-        arrays["q_seg"] = _pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_pad)
-        arrays["kv_seg"] = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, skv_pad)
-    if dropout_prob > 0.0:
-        if dropout_seed is None:
-            raise ValueError("dropout_prob > 0 needs dropout_seed")
-        arrays["seed"] = jnp.asarray(dropout_seed).astype(jnp.uint32).astype(jnp.int32).reshape(1)
+        q_seq, q_pos, q_exists = packed_queries(call.cum_seqlens_q, call.cum_seqlens_k, sq_pad)
+        kv_seq, kv_pos, kv_exists = packed_keys(call.cum_seqlens_k, skv_pad)
+        # tokens past the packed ends are in no sequence (and distinct ones on the two sides)
+        arrays.update(q_pos=q_pos[None], kv_pos=kv_pos[None], q_seg=jnp.where(q_exists, q_seq, -1)[None],
+                      kv_seg=jnp.where(kv_exists, kv_seq, -2)[None])
+    elif call.q_segment_ids is not None:
+        arrays["q_seg"] = _pad_axis(call.q_segment_ids, 1, sq_pad)
+        arrays["kv_seg"] = _pad_axis(call.kv_segment_ids, 1, skv_pad)
+    if call.dropout_prob > 0.0:  # int32 in the kernel: the seed's 32 bits, reinterpreted
+        arrays["seed"] = lax.bitcast_convert_type(dropout_hash.seed_bits(call.dropout_seed), jnp.int32).reshape(1)
     num_sinks = 0
-    if softmax_aux is not None:
-        sinks = softmax_aux.reshape(heads, -1)
+    if call.softmax_aux is not None:
+        sinks = call.softmax_aux.reshape(heads, -1)
         num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
         arrays["sinks"] = _pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
     st = _Static(
-        scale=float(softmax_scale),
-        causal=bool(causal),
-        window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
-        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        scale=call.softmax_scale,
+        causal=call.causal,
+        window=call.sliding_window,
+        soft_cap=call.logits_soft_cap,
         sq=sq,
         skv=skv,
         q_offset=skv - sq,
         groups=heads // kv_heads,
         varlen=varlen,
-        has_segments=varlen or q_segment_ids is not None,
+        has_segments=varlen or call.q_segment_ids is not None,
         num_sinks=num_sinks,
         tuning=tuning,
-        interpret=bool(interpret),
+        interpret=interpret,
         exact_delta=query.dtype == jnp.float32,
-        dropout_prob=float(dropout_prob),
+        dropout_prob=call.dropout_prob,
+        precision=_float32_precision(call),
     )
     out = _attention(st, arrays)
     return out[:, :sq, :, :dv]
+
+
+_flash_jit = jax.jit(_flash, static_argnames=("tuning", "interpret"))
+
+
+def flash_attention(call: FlashAttentionCall, tuning: GpuFlashTuning, *, interpret: bool = False) -> jax.Array:
+    """GPU (Triton-lowered) flash attention of a validated call with ``tuning``; ``interpret=True`` runs
+    Pallas' interpreter (CPU). One compiled program per shapes and static fields (an eager call compiles
+    once); under a caller's ``jit`` it is inlined."""
+    if call.dropout_seed is not None:  # an int seed becomes an argument: a new seed does not recompile
+        call = dataclasses.replace(call, dropout_seed=dropout_hash.seed_bits(call.dropout_seed))
+    return _flash_jit(call, tuning=tuning, interpret=interpret)
+
+
+class GpuFlashAttention(Implementation[FlashAttentionCall, GpuFlashTuning]):
+    """The Triton-lowered Pallas kernels (see the module docstring); on CPU in interpret mode only."""
+
+    config_type = GpuFlashTuning
+
+    def supports(self, call: FlashAttentionCall) -> None:
+        gpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
+        head_dims = (call.query.shape[-1], call.value.shape[-1])
+        for refused, what in (
+            (call.bias is not None, "bias"),
+            (call.attention_mask is not None, "attention_mask"),
+            (call.cum_seqlens_q is not None and call.q_segment_ids is not None, "segment ids together with cum_seqlens"),
+            (max(head_dims) > 256, f"head_dim > 256 (query, value: {head_dims})"),
+        ):
+            if refused:
+                raise UnsupportedFeature(f"pallas GPU flash_attention: {what} is not implemented (platform='xla' takes it)")
+
+    def heuristic_config(self, call: FlashAttentionCall) -> GpuFlashTuning:
+        return heuristic_tuning(call.query.shape[1], call.key.shape[1])
+
+    def candidate_configs(self, call: FlashAttentionCall) -> list[GpuFlashTuning]:
+        return candidate_tunings(call.query.shape[1], call.key.shape[1])
+
+    def __call__(self, call: FlashAttentionCall, config: GpuFlashTuning) -> jax.Array:
+        return flash_attention(call, config, interpret=gpu_interpret_or_refuse())
+
+
+IMPLEMENTATION = GpuFlashAttention()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -683,9 +668,11 @@ def flash_attention(
 def _benchmark(batch=2, seq=8192, heads=16, dim=128, causal=False, iters=15):
     import time
 
+    from ejkernel.modules import flash_attention as public_flash_attention
+
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (batch, seq, heads, dim), jnp.bfloat16) for kk in keys)
-    fwd = jax.jit(lambda q, k, v: flash_attention(q, k, v, softmax_scale=dim**-0.5, causal=causal))
+    fwd = jax.jit(lambda q, k, v: public_flash_attention(q, k, v, causal=causal, platform="pallas"))
     bwd = jax.jit(jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
     flops = 4 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
     for name, fn, mult in (("fwd", fwd, 1.0), ("fwd+bwd", bwd, 3.5)):

@@ -7,6 +7,9 @@
 - ``tpu``: the TPU kernels run in the TPU-faithful interpreter (``pltpu.InterpretParams``).
 - ``races``: as ``tpu``, and also detects data races between grid steps.
 - ``gpu``: the GPU (Triton-lowered) kernels run in the generic interpreter.
+
+The plugin registers for the CPU, when the variable is set as it loads, the kernels of the family the
+mode names (:func:`interpret_family`); each kernel reads its ``interpret=`` argument at call time.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ def interpret_mode() -> str | None:
     return value
 
 
+def interpret_family(mode: str | None) -> str:
+    """The kernel family (``"tpu"`` or ``"gpu"``) that runs on CPU in ``mode``."""
+    return "gpu" if mode == "gpu" else "tpu"
+
+
 def tpu_interpret_argument(mode: str | None):
     """The ``interpret=`` value for the TPU kernels in ``mode``."""
     if mode is None or mode == "gpu":
@@ -82,5 +90,19 @@ def tpu_interpret_or_refuse():
     if mode is not None:
         return tpu_interpret_argument("generic" if mode == "gpu" else mode)
     if jax.default_backend() == "tpu":
+        return False
+    raise UnsupportedFeature(need_device_message())
+
+
+def gpu_interpret_or_refuse() -> bool:
+    """``interpret=`` for the GPU (Triton-lowered) kernels: True in any interpret mode, False on a GPU, else
+    ``UnsupportedFeature`` with :func:`need_device_message`."""
+    import jax
+
+    from ejkernel.errors import UnsupportedFeature
+
+    if interpret_mode() is not None:
+        return True
+    if jax.default_backend() in ("gpu", "cuda"):
         return False
     raise UnsupportedFeature(need_device_message())

@@ -5,34 +5,40 @@ from __future__ import annotations
 from ejkernel.plugins.checks import no_device
 from ejkernel.plugins.declare import DeclaredBackend
 
-from ejkernel_pallas.interpret import INTERPRET_ENV, interpret_mode, need_device_message
+from ejkernel_pallas.interpret import INTERPRET_ENV, interpret_family, interpret_mode, need_device_message
 
 NAME = "pallas"
 DISTRIBUTION = "ejkernel-pallas"
 
-# (algorithm, backend) -> "module:function". Priority 10 puts these above the XLA fallback. On a machine
+# algorithm -> {hardware: "module:attribute"}. Priority 10 puts these above the XLA fallback. On a machine
 # with neither TPU nor GPU the dispatcher names these kernels (with check_usable's reason and how to run
-# them) when it falls back; with EJKERNEL_PALLAS_INTERPRET set they also register for the CPU and run in
-# Pallas interpret mode.
+# them) when it falls back; with EJKERNEL_PALLAS_INTERPRET set when the plugin loads they also register for
+# the CPU and run in Pallas interpret mode.
 _KERNELS = {
-    "flash_attention": ("ejkernel_pallas.flash_attention:flash_attention", ("tpu", "gpu")),
-    "grouped_matmul": ("ejkernel_pallas.grouped_matmul:IMPLEMENTATION", ("tpu",)),
-    "page_attention": ("ejkernel_pallas.page_attention:IMPLEMENTATION", ("tpu",)),
-    "ragged_page_attention": ("ejkernel_pallas.ragged_page_attention:IMPLEMENTATION", ("tpu",)),
-    "ring_attention": ("ejkernel_pallas.ring_attention:ring_attention", ("tpu",)),
+    "flash_attention": {
+        "tpu": "ejkernel_pallas.tpu_flash_attention:IMPLEMENTATION",
+        "gpu": "ejkernel_pallas.gpu_flash_attention:IMPLEMENTATION",
+    },
+    "grouped_matmul": {"tpu": "ejkernel_pallas.grouped_matmul:IMPLEMENTATION"},
+    "page_attention": {"tpu": "ejkernel_pallas.page_attention:IMPLEMENTATION"},
+    "ragged_page_attention": {"tpu": "ejkernel_pallas.ragged_page_attention:IMPLEMENTATION"},
+    "ring_attention": {"tpu": "ejkernel_pallas.ring_attention:ring_attention"},
 }
 
 
-def implementations(interpret: bool) -> dict[tuple[str, str], str]:
-    """(algorithm, backend) -> target: the device registrations, plus ``cpu`` ones with ``interpret``."""
-    return {
-        (algorithm, backend): target
-        for algorithm, (target, backends) in _KERNELS.items()
-        for backend in (*backends, *(("cpu",) if interpret else ()))
-    }
+def implementations(interpret: str | None) -> dict[tuple[str, str], str]:
+    """(algorithm, backend) -> target: the device registrations, plus ``cpu`` ones in interpret mode
+    ``interpret`` (an ``interpret_mode()`` value): the kernels of the family that mode runs, the TPU ones
+    where an algorithm has no other."""
+    registered = {}
+    for algorithm, targets in _KERNELS.items():
+        registered.update({(algorithm, backend): target for backend, target in targets.items()})
+        if interpret is not None:
+            registered[(algorithm, "cpu")] = targets.get(interpret_family(interpret), targets["tpu"])
+    return registered
 
 
-IMPLEMENTATIONS: dict[tuple[str, str], str] = implementations(interpret_mode() is not None)
+IMPLEMENTATIONS: dict[tuple[str, str], str] = implementations(interpret_mode())
 
 __all__ = [
     "DISTRIBUTION",

@@ -1,5 +1,15 @@
 """Flash attention for TPU in Pallas (Mosaic TPU), forward and backward, semantics of docs/flash_attention.md.
 
+``IMPLEMENTATION`` (registered by ``plugin.py``) takes the validated ``FlashAttentionCall`` and a
+:class:`TpuFlashBlocks` config; every feature of the call is implemented except segment ids together with
+``cum_seqlens`` (refused: ``platform='xla'`` takes them). On CPU it runs only in interpret mode
+(:mod:`ejkernel_pallas.interpret`).
+
+Precision: Mosaic lowers a dot's precision to the TPU's contract precision (``DEFAULT`` the MXU's default
+passes, ``HIGH`` bf16x3, ``HIGHEST`` full fp32), so float32 calls pass ``call.precision`` to every dot
+(HIGHEST unless the caller asked otherwise) and no precision is refused. 16-bit operands multiply exactly
+into the float32 accumulators; their dots take no precision.
+
 Layout: the public [B, S, H, D] arrays are moved to [B, H, S, D] so each kernel block is an (S-block, D)
 tile; lengths are padded inside the wrapper to whole blocks and the padding is masked in the kernel, so
 callers pass any length. Masks are evaluated per block from cheap per-token metadata (positions, segment
@@ -17,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,17 +35,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.flash_attention import FlashAttentionCall
 from ejkernel.ops.utils import dropout as dropout_hash
+from ejkernel.ops.utils.varlen import packed_keys, packed_queries
 
+from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
 
 # ---------------------------------------------------------------------------------------------------
-# Tuning
+# The config: block sizes
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuFlashBlocks:
-    """Block sizes of the three kernels (rows of Q / rows of K,V per grid step)."""
+    """The TPU kernels' config: rows of Q / rows of K,V per grid step of the forward (``fwd_*``), the dK/dV
+    pass (``dkv_*``) and the dQ pass (``dq_*``).
+
+    Used as given (lengths are padded to whole blocks); :func:`heuristic_blocks` fits one to a call. Blocks
+    a TPU cannot tile for a call raise :class:`TpuTilingError` naming the field (:func:`validate_blocks`).
+    """
 
     fwd_q: int
     fwd_kv: int
@@ -46,7 +66,7 @@ class TpuFlashBlocks:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TpuFlashBlocks.{field.name} must be a positive int, got {value!r}")
 
 
@@ -54,16 +74,6 @@ class TpuFlashBlocks:
 # D=128 keep Q, K, V, the f32 logits tile and double buffers well inside the 16-32 MiB of scoped VMEM.
 DEFAULT_FWD_BLOCK = 512
 DEFAULT_BWD_BLOCK = 256
-
-# TpuFlashBlocks field -> the FlashAttentionConfig / RingAttentionConfig field that sets it.
-CONFIG_FIELDS = {
-    "fwd_q": "fwd_params.q_blocksize",
-    "fwd_kv": "fwd_params.kv_blocksize",
-    "dkv_q": "bwd_params.q_blocksize",
-    "dkv_kv": "bwd_params.kv_blocksize",
-    "dq_q": "bwd_params.blocksize_m",
-    "dq_kv": "bwd_params.blocksize_n",
-}
 
 
 def block_caps(head_dim: int) -> tuple[int, int]:
@@ -82,35 +92,44 @@ def _default_block(length: int, cap: int, row_multiple: int) -> int:
     return cap
 
 
-def choose_blocks(cfg, sq: int, skv: int, row_multiple: int, head_dim: int = LANES) -> TpuFlashBlocks:
-    """Blocks from ``cfg`` (a FlashAttentionConfig or None), falling back to the TPU heuristic: one block
-    over a (padded) length up to the cap of :func:`block_caps`, else blocks of the cap (multiples of 128)."""
-    fwd = getattr(cfg, "fwd_params", None) if cfg is not None else None
-    bwd = getattr(cfg, "bwd_params", None) if cfg is not None else None
+def _row_multiple(dtype, has_mask: bool) -> int:
+    """Rows of q-side blocks also index int8 masks (32-row tiles) and f32 metadata (8-row tiles)."""
+    return max(sublane_multiple(dtype), 32 if has_mask else 8)
+
+
+def heuristic_blocks(
+    sq: int, skv: int, dtype=jnp.bfloat16, head_dim: int = LANES, has_mask: bool = False
+) -> TpuFlashBlocks:
+    """One block over a (padded) length up to the cap of :func:`block_caps`, else blocks of the cap
+    (multiples of 128); the dQ pass uses the dK/dV pass's blocks."""
+    rows = _row_multiple(dtype, has_mask)
     fwd_cap, bwd_cap = block_caps(head_dim)
-
-    def given(params, group, name):
-        value = getattr(params, name, None) if params is not None else None
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise TpuTilingError(f"{type(cfg).__name__}.{group}.{name}={value!r}: a block size must be a positive int")
-        return value
-
-    def pick(params, group, name, length, cap):
-        value = given(params, group, name)
-        return value if value is not None else _default_block(length, cap, row_multiple)
-
-    dkv_q = pick(bwd, "bwd_params", "q_blocksize", sq, bwd_cap)
-    dkv_kv = pick(bwd, "bwd_params", "kv_blocksize", skv, bwd_cap)
-    dq_q = given(bwd, "bwd_params", "blocksize_m")
-    dq_kv = given(bwd, "bwd_params", "blocksize_n")
+    dkv_q, dkv_kv = _default_block(sq, bwd_cap, rows), _default_block(skv, bwd_cap, rows)
     return TpuFlashBlocks(
-        fwd_q=pick(fwd, "fwd_params", "q_blocksize", sq, fwd_cap),
-        fwd_kv=pick(fwd, "fwd_params", "kv_blocksize", skv, fwd_cap),
-        dkv_q=dkv_q,
-        dkv_kv=dkv_kv,
-        dq_q=dq_q if dq_q is not None else dkv_q,
-        dq_kv=dq_kv if dq_kv is not None else dkv_kv,
+        fwd_q=_default_block(sq, fwd_cap, rows), fwd_kv=_default_block(skv, fwd_cap, rows),
+        dkv_q=dkv_q, dkv_kv=dkv_kv, dq_q=dkv_q, dq_kv=dkv_kv,
     )
+
+
+def candidate_blocks(
+    sq: int, skv: int, dtype=jnp.bfloat16, head_dim: int = LANES, has_mask: bool = False
+) -> list[TpuFlashBlocks]:
+    """Autotuning candidates, pruned: the heuristic first, then square and 2:1 forward tiles of 128-multiples
+    up to the padded lengths (as large as the VMEM caps allow, x2), each with backward blocks half as tall
+    (the backward keeps twice the live tiles); at most 8, every one tiling on TPU."""
+    heuristic = heuristic_blocks(sq, skv, dtype, head_dim, has_mask)
+    fwd_cap, _ = block_caps(head_dim)
+
+    def sizes(length):
+        return [b for b in (128, 256, 512, 1024) if b <= min(2 * fwd_cap, round_up(length, LANES))]
+
+    candidates = [heuristic]
+    for bq in sizes(sq)[::-1]:
+        for bk in sizes(skv)[::-1]:
+            if max(bq, bk) <= 2 * min(bq, bk):
+                hq, hk = max(bq // 2, LANES), max(bk // 2, LANES)
+                candidates.append(TpuFlashBlocks(bq, bk, hq, hk, hq, hk))
+    return list(dict.fromkeys(candidates))[:8]
 
 
 def padded_lengths(blocks: TpuFlashBlocks, sq: int, skv: int) -> tuple[int, int]:
@@ -119,9 +138,13 @@ def padded_lengths(blocks: TpuFlashBlocks, sq: int, skv: int) -> tuple[int, int]
             round_up(skv, math.lcm(blocks.fwd_kv, blocks.dkv_kv, blocks.dq_kv)))
 
 
+def _own_field(field: str) -> str:
+    return f"TpuFlashBlocks.{field}"
+
+
 def validate_blocks(blocks: TpuFlashBlocks, sq: int, skv: int, *, q_rows: int, kv_rows: int, kv_lanes: bool,
-                    config: str = "FlashAttentionConfig") -> None:
-    """Refuse blocks a TPU cannot tile, naming the config field (before anything is traced).
+                    field_name: Callable[[str], str] = _own_field) -> None:
+    """Refuse blocks a TPU cannot tile, naming the config field (before anything is lowered).
 
     Query-side blocks are rows of Q/O tiles and of per-query metadata: a multiple of ``q_rows``. Key-side
     blocks are rows of K/V tiles (a multiple of ``kv_rows``) and, with ``kv_lanes`` (per-key metadata,
@@ -132,7 +155,7 @@ def validate_blocks(blocks: TpuFlashBlocks, sq: int, skv: int, *, q_rows: int, k
         value = getattr(blocks, field)
         if value != sq_pad and value % q_rows:
             raise TpuTilingError(
-                f"{config}.{CONFIG_FIELDS[field]}={value}: a query block must be a multiple of {q_rows} rows "
+                f"{field_name(field)}={value}: a query block must be a multiple of {q_rows} rows "
                 f"(TPU sublane tiles of the query-side arrays) or one block over the padded length {sq_pad}"
             )
     if kv_lanes:
@@ -143,21 +166,9 @@ def validate_blocks(blocks: TpuFlashBlocks, sq: int, skv: int, *, q_rows: int, k
         value = getattr(blocks, field)
         if value != skv_pad and value % need:
             raise TpuTilingError(
-                f"{config}.{CONFIG_FIELDS[field]}={value}: a key/value block must be a multiple of {need} ({why}) "
+                f"{field_name(field)}={value}: a key/value block must be a multiple of {need} ({why}) "
                 f"or one block over the padded length {skv_pad}"
             )
-
-
-def blocks_to_config(blocks: TpuFlashBlocks, config_type):
-    """The config (``FlashAttentionConfig`` / ``RingAttentionConfig``) that selects ``blocks``."""
-    from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
-
-    return config_type(
-        fwd_params=FwdParams(q_blocksize=blocks.fwd_q, kv_blocksize=blocks.fwd_kv),
-        bwd_params=BwdParams(q_blocksize=blocks.dkv_q, kv_blocksize=blocks.dkv_kv, blocksize_m=blocks.dq_q,
-                             blocksize_n=blocks.dq_kv),
-        platform="pallas",
-    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,6 +197,7 @@ class _Static:
     # float32: delta_i = <dO_i, O_i> is recomputed in-kernel with the same dot as dP_ij = <dO_i, V_j>, so a
     # row that sees one key gets dS = P * (dP - delta) == 0 exactly (its true gradient), not rounding noise.
     exact_delta: bool = False
+    precision: jax.lax.Precision | None = None  # of the float32 dots (see the module docstring)
 
 
 def _struct(shape, dtype, like):
@@ -204,6 +216,12 @@ def _pad_axis(x, axis: int, length: int, value=0):
 
 # ---------------------------------------------------------------------------------------------------
 # Block math shared by the kernels
+
+
+def _dot(st: _Static, a, b, a_axis: int, b_axis: int):
+    """``a`` times ``b`` (2-D tiles) contracting ``a_axis`` with ``b_axis``, accumulated in float32."""
+    dims = (((a_axis,), (b_axis,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=st.precision, preferred_element_type=jnp.float32)
 
 
 def _block_visible(st: _Static, qi, ki, block_q: int, block_kv: int):
@@ -228,7 +246,7 @@ def _logits_and_mask(st: _Static, r, b, h, qi, ki, block_q: int, block_kv: int):
     """Logits (after soft cap and bias, f32), the raw capped logits for the cap derivative, and the mask."""
     q = r["q"][...]
     k = r["k"][...]
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = _dot(st, q, k, 1, 1)
     s = s * st.scale
     if st.soft_cap is not None:
         s = st.soft_cap * jnp.tanh(s / st.soft_cap)
@@ -350,7 +368,7 @@ def _fwd_kernel(*refs, st: _Static, names):
             keep = _dropout_keep(st, r, b, h, rows, cols)
             p = jnp.where(keep, p * (1.0 / (1.0 - st.dropout_prob)), 0.0)
         v = r["v"][...]
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        pv = _dot(st, p.astype(v.dtype), v, 1, 0)
         acc_ref[...] = alpha * acc_ref[...] + pv
 
     @pl.when(ki == pl.num_programs(3) - 1)
@@ -410,7 +428,7 @@ def _probabilities_and_dlogits(st: _Static, r, b, h, qi, ki, block_q, block_kv):
     p = jnp.where(mask, jnp.exp(s - r["lse"][...]), 0.0)
     do = r["do"][...]
     v = r["v"][...]
-    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dp = _dot(st, do, v, 1, 1)
     p_dropped = p
     if st.dropout_prob > 0.0:
         keep = _dropout_keep(st, r, b, h, rows, cols)
@@ -418,7 +436,7 @@ def _probabilities_and_dlogits(st: _Static, r, b, h, qi, ki, block_q, block_kv):
         p_dropped = jnp.where(keep, p * inv_keep, 0.0)
         dp = jnp.where(keep, dp * inv_keep, 0.0)
     if st.exact_delta:
-        products = jax.lax.dot_general(do, r["o"][...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        products = _dot(st, do, r["o"][...], 1, 1)
         diagonal = jax.lax.broadcasted_iota(jnp.int32, products.shape, 0) == jax.lax.broadcasted_iota(
             jnp.int32, products.shape, 1
         )
@@ -448,12 +466,8 @@ def _dkv_kernel(*refs, st: _Static, names):
     def _step():
         p_dropped, _, ds_scaled = _probabilities_and_dlogits(st, r, b, h, qi, ki, block_q, block_kv)
         q, do = r["q"][...], r["do"][...]
-        dv_acc[...] += jax.lax.dot_general(
-            p_dropped.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        dk_acc[...] += jax.lax.dot_general(
-            ds_scaled.astype(q.dtype), q, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        dv_acc[...] += _dot(st, p_dropped.astype(do.dtype), do, 0, 0)
+        dk_acc[...] += _dot(st, ds_scaled.astype(q.dtype), q, 0, 0)
 
     @pl.when(jnp.logical_and(g == pl.num_programs(3) - 1, qi == pl.num_programs(4) - 1))
     def _finish():
@@ -476,9 +490,7 @@ def _dq_kernel(*refs, st: _Static, names):
     def _step():
         _, ds, ds_scaled = _probabilities_and_dlogits(st, r, b, h, qi, ki, block_q, block_kv)
         k = r["k"][...]
-        dq_acc[...] += jax.lax.dot_general(
-            ds_scaled.astype(k.dtype), k, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        dq_acc[...] += _dot(st, ds_scaled.astype(k.dtype), k, 1, 0)
         if st.bias_shape is not None:
             r["dbias_out"][...] = ds
 
@@ -600,71 +612,20 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Public entry (canonical signature, arguments already normalized by core)
+# The implementation: a validated FlashAttentionCall (ejkernel.modules.operations.flash_attention)
 
 
-def _varlen_metadata(cum_seqlens, total: int, padded: int, outside: int):
-    """Per-token (sequence index, local index) for a packed axis; tokens past the end get ``outside``."""
-    tokens = jnp.arange(padded, dtype=jnp.int32)
-    cum = cum_seqlens.astype(jnp.int32)
-    seq = jnp.searchsorted(cum, tokens, side="right").astype(jnp.int32) - 1
-    inside = tokens < cum[-1]
-    seq_clamped = jnp.clip(seq, 0, cum.shape[0] - 2)
-    local = tokens - cum[seq_clamped]
-    return jnp.where(inside, seq_clamped, outside), local, seq_clamped
+def _float32_precision(call: FlashAttentionCall):
+    return call.precision if call.query.dtype == jnp.float32 else None
 
 
-def check_supported(
-    query, key, value, bias=None, *, attention_mask=None, q_segment_ids=None, kv_segment_ids=None,
-    cum_seqlens_q=None, cum_seqlens_k=None, dropout_prob=0.0, softmax_aux=None, **_,
-):
-    """Raise UnsupportedFeature for calls these kernels do not take (shapes/dtypes only)."""
-    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise UnsupportedFeature(f"pallas TPU flash_attention: dtype {query.dtype} is not supported")
-    if cum_seqlens_q is not None and (q_segment_ids is not None or kv_segment_ids is not None):
-        raise UnsupportedFeature("pallas TPU flash_attention: segment ids together with cum_seqlens")
-    if softmax_aux is not None and softmax_aux.ndim not in (1, 2):
-        raise UnsupportedFeature("pallas TPU flash_attention: softmax_aux must be [H] or [H, K]")
-
-
-def flash_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    *,
-    attention_mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    softmax_scale: float,
-    causal: bool,
-    sliding_window=None,
-    logits_soft_cap=None,
-    dropout_prob: float = 0.0,
-    dropout_seed=None,
-    cum_seqlens_q=None,
-    cum_seqlens_k=None,
-    softmax_aux=None,
-    cfg=None,
-    interpret=False,
-):
-    """TPU flash attention.
-
-    ``interpret``: False (compile with Mosaic), True (Pallas' generic interpreter: fastest on CPU), or a
-    ``pltpu.InterpretParams`` (the TPU-faithful interpreter; ``detect_races=True`` checks for data races).
-    """
-    check_supported(
-        query, key, value, bias, attention_mask=attention_mask, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k,
-        dropout_prob=dropout_prob, softmax_aux=softmax_aux,
-    )
+def _flash(call: FlashAttentionCall, blocks: TpuFlashBlocks, interpret) -> jax.Array:
+    query, key, value = call.query, call.key, call.value
     batch, sq, heads, d = query.shape
-    skv, kv_heads, dv = key.shape[1], key.shape[2], value.shape[3]
-    varlen = cum_seqlens_q is not None
-    # Rows of q-side blocks also index int8 masks (32-row tiles) and f32 metadata (8-row tiles).
-    row_multiple = max(sublane_multiple(query.dtype), 32 if attention_mask is not None else 8)
-    blocks = choose_blocks(cfg, sq, skv, row_multiple, d)
-    kv_lanes = any(x is not None for x in (bias, attention_mask, q_segment_ids, cum_seqlens_q))
+    skv, kv_heads = key.shape[1], key.shape[2]
+    varlen = call.cum_seqlens_q is not None
+    row_multiple = _row_multiple(query.dtype, call.attention_mask is not None)
+    kv_lanes = any(x is not None for x in (call.bias, call.attention_mask, call.q_segment_ids, call.cum_seqlens_q))
     validate_blocks(blocks, sq, skv, q_rows=row_multiple, kv_rows=sublane_multiple(query.dtype), kv_lanes=kv_lanes)
     sq_pad, skv_pad = padded_lengths(blocks, sq, skv)
     arrays = {
@@ -673,60 +634,102 @@ def flash_attention(
         "v": _pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
     }
     bias_shape = None
-    if bias is not None:
-        bias_shape = (bias.shape[0], bias.shape[1])
-        arrays["bias"] = _pad_axis(_pad_axis(bias, 2, sq_pad), 3, skv_pad)
+    if call.bias is not None:
+        bias_shape = (call.bias.shape[0], call.bias.shape[1])
+        arrays["bias"] = _pad_axis(_pad_axis(call.bias, 2, sq_pad), 3, skv_pad)
     mask_heads = None
-    if attention_mask is not None:
-        mask_heads = attention_mask.shape[1]
-        arrays["mask"] = _pad_axis(_pad_axis(attention_mask.astype(jnp.int8), 2, sq_pad), 3, skv_pad)
-
-    has_segments = q_segment_ids is not None or varlen
+    if call.attention_mask is not None:
+        mask_heads = call.attention_mask.shape[1]
+        arrays["mask"] = _pad_axis(_pad_axis(call.attention_mask.astype(jnp.int8), 2, sq_pad), 3, skv_pad)
     if varlen:
-        q_seq, q_local, q_seq_c = _varlen_metadata(cum_seqlens_q, sq, sq_pad, -1)
-        kv_seq, kv_local, kv_seq_c = _varlen_metadata(cum_seqlens_k, skv, skv_pad, -2)
-        cq, ck = cum_seqlens_q.astype(jnp.int32), cum_seqlens_k.astype(jnp.int32)
-        # Bottom-right alignment inside each sequence: p(i) = i_local + Skv_n - Sq_n.
-        q_pos = q_local + (ck[q_seq_c + 1] - ck[q_seq_c]) - (cq[q_seq_c + 1] - cq[q_seq_c])
+        q_seq, q_pos, q_exists = packed_queries(call.cum_seqlens_q, call.cum_seqlens_k, sq_pad)
+        kv_seq, kv_pos, kv_exists = packed_keys(call.cum_seqlens_k, skv_pad)
         arrays["q_pos"] = q_pos[None, :, None]
-        arrays["kv_pos"] = kv_local[None, None, :]
-        arrays["q_seg"] = q_seq[None, :, None]
-        arrays["kv_seg"] = kv_seq[None, None, :]
-    elif has_segments:
-        arrays["q_seg"] = _pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_pad)[:, :, None]
-        arrays["kv_seg"] = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, skv_pad)[:, None, :]
+        arrays["kv_pos"] = kv_pos[None, None, :]
+        # tokens past the packed ends are in no sequence (and distinct ones on the two sides)
+        arrays["q_seg"] = jnp.where(q_exists, q_seq, -1)[None, :, None]
+        arrays["kv_seg"] = jnp.where(kv_exists, kv_seq, -2)[None, None, :]
+    elif call.q_segment_ids is not None:
+        arrays["q_seg"] = _pad_axis(call.q_segment_ids, 1, sq_pad)[:, :, None]
+        arrays["kv_seg"] = _pad_axis(call.kv_segment_ids, 1, skv_pad)[:, None, :]
     num_sinks = 0
-    if softmax_aux is not None:
-        sinks = softmax_aux.reshape(heads, -1) if softmax_aux.ndim == 1 else softmax_aux
+    if call.softmax_aux is not None:
+        sinks = call.softmax_aux.reshape(heads, -1)
         num_sinks = sinks.shape[1]
         arrays["sinks"] = sinks[:, None, :]
-    if dropout_prob > 0.0:
-        if dropout_seed is None:
-            raise ValueError("dropout_prob > 0 needs dropout_seed")
-        seed = jnp.asarray(dropout_seed).astype(jnp.uint32).astype(jnp.int32)
-        arrays["seed"] = seed.reshape(1)
+    if call.dropout_prob > 0.0:  # scalar memory holds int32: the seed's 32 bits, reinterpreted
+        arrays["seed"] = jax.lax.bitcast_convert_type(dropout_hash.seed_bits(call.dropout_seed), jnp.int32).reshape(1)
 
     st = _Static(
-        scale=float(softmax_scale),
-        causal=bool(causal),
-        window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
-        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        dropout_prob=float(dropout_prob),
+        scale=call.softmax_scale,
+        causal=call.causal,
+        window=call.sliding_window,
+        soft_cap=call.logits_soft_cap,
+        dropout_prob=call.dropout_prob,
         sq=sq,
         skv=skv,
         q_offset=skv - sq,
         groups=heads // kv_heads,
         varlen=varlen,
-        has_segments=has_segments,
+        has_segments=varlen or call.q_segment_ids is not None,
         bias_shape=bias_shape,
         mask_heads=mask_heads,
         num_sinks=num_sinks,
         blocks=blocks,
         interpret=interpret,
         exact_delta=query.dtype == jnp.float32,
+        precision=_float32_precision(call),
     )
     out = _attention(st, arrays)
     return jnp.swapaxes(out[:, :, :sq], 1, 2)
+
+
+_flash_jit = jax.jit(_flash, static_argnames=("blocks", "interpret"))
+
+
+def flash_attention(call: FlashAttentionCall, blocks: TpuFlashBlocks, *, interpret=False) -> jax.Array:
+    """TPU flash attention of a validated call, tiled by ``blocks``.
+
+    ``interpret``: False (compile with Mosaic), True (Pallas' generic interpreter: fastest on CPU), or a
+    ``pltpu.InterpretParams`` (the TPU-faithful interpreter; ``detect_races=True`` checks for data races).
+    One compiled program per shapes and static fields: an eager call compiles padding, kernels and
+    custom VJP once instead of dispatching them op by op; under a caller's ``jit`` it is inlined.
+    """
+    if call.dropout_seed is not None:  # an int seed becomes an argument: a new seed does not recompile
+        call = dataclasses.replace(call, dropout_seed=dropout_hash.seed_bits(call.dropout_seed))
+    return _flash_jit(call, blocks=blocks, interpret=interpret)
+
+
+def _call_facts(call: FlashAttentionCall) -> tuple[int, int, object, int, bool]:
+    """(q_len, kv_len, dtype, head_dim, has_mask): what the heuristic and the candidates depend on."""
+    query = call.query
+    return query.shape[1], call.key.shape[1], query.dtype, query.shape[3], call.attention_mask is not None
+
+
+class TpuFlashAttention(Implementation[FlashAttentionCall, TpuFlashBlocks]):
+    """The Mosaic TPU kernels (see the module docstring); on CPU in interpret mode only."""
+
+    config_type = TpuFlashBlocks
+
+    def supports(self, call: FlashAttentionCall) -> None:
+        tpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
+        if call.cum_seqlens_q is not None and call.q_segment_ids is not None:
+            raise UnsupportedFeature(
+                "pallas TPU flash_attention: segment ids together with cum_seqlens are not implemented "
+                "(platform='xla' takes them)"
+            )
+
+    def heuristic_config(self, call: FlashAttentionCall) -> TpuFlashBlocks:
+        return heuristic_blocks(*_call_facts(call))
+
+    def candidate_configs(self, call: FlashAttentionCall) -> list[TpuFlashBlocks]:
+        return candidate_blocks(*_call_facts(call))
+
+    def __call__(self, call: FlashAttentionCall, config: TpuFlashBlocks) -> jax.Array:
+        return flash_attention(call, config, interpret=tpu_interpret_or_refuse())
+
+
+IMPLEMENTATION = TpuFlashAttention()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -753,20 +756,23 @@ def _block_arrays(query, key, value, q_segment_ids, kv_segment_ids, q_start, kv_
 
 
 def block_static(query, key, value, *, has_segments: bool, softmax_scale, causal, sliding_window, logits_soft_cap,
-                 cfg=None, interpret=False) -> _Static:
-    """The static description of a ring block (positions as arrays, f32 outputs)."""
+                 blocks: TpuFlashBlocks | None = None, precision=None, interpret=False,
+                 field_name: Callable[[str], str] = _own_field, cfg=None) -> _Static:
+    """The static description of a ring block (positions as arrays, f32 outputs); ``precision`` that of
+    float32 dots (None for 16-bit inputs)."""
     sq, heads = query.shape[1], query.shape[2]
     skv, kv_heads = key.shape[1], key.shape[2]
-    rows = max(sublane_multiple(query.dtype), 8)
-    blocks = choose_blocks(cfg, sq, skv, rows, query.shape[3])
+    rows = _row_multiple(query.dtype, False)
+    if blocks is None:  # TODO(#18): ring attention's old-style config, see the section below
+        blocks, field_name = _ring_config_blocks(cfg, sq, skv, query.dtype, query.shape[3]), _ring_config_field
     # positions travel as [B, 1, S] per-key metadata: key blocks are lane tiles
-    validate_blocks(blocks, sq, skv, q_rows=rows, kv_rows=rows, kv_lanes=True, config="RingAttentionConfig")
+    validate_blocks(blocks, sq, skv, q_rows=rows, kv_rows=rows, kv_lanes=True, field_name=field_name)
     return _Static(
         scale=float(softmax_scale), causal=bool(causal),
         window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), dropout_prob=0.0, sq=sq, skv=skv,
         q_offset=0, groups=heads // kv_heads, varlen=True, has_segments=has_segments, bias_shape=None,
-        mask_heads=None, num_sinks=0, blocks=blocks, interpret=interpret, block_outputs=True,
+        mask_heads=None, num_sinks=0, blocks=blocks, interpret=interpret, block_outputs=True, precision=precision,
     )
 
 
@@ -792,34 +798,56 @@ def block_backward(st: _Static, query, key, value, q_segment_ids, kv_segment_ids
     return jnp.swapaxes(dq[:, :, :sq], 1, 2), jnp.swapaxes(dk[:, :, :skv], 1, 2), jnp.swapaxes(dv[:, :, :skv], 1, 2)
 
 
-def heuristic_blocks(
-    sq: int, skv: int, dtype=jnp.bfloat16, head_dim: int = LANES, has_mask: bool = False
-) -> TpuFlashBlocks:
-    """The blocks the TPU heuristic picks (what ``heuristic_cfg`` hands the executor)."""
-    rows = max(sublane_multiple(dtype), 32 if has_mask else 8)
-    return choose_blocks(None, sq, skv, rows, head_dim)
 
 
-def config_space(
-    sq: int, skv: int, dtype=jnp.bfloat16, head_dim: int = LANES, has_mask: bool = False
-) -> list[TpuFlashBlocks]:
-    """Autotuning candidates, pruned: the heuristic first, then square and 2:1 forward tiles of 128-multiples
-    up to the padded lengths (as large as the VMEM caps allow, x2), each with backward blocks half as tall
-    (the backward keeps twice the live tiles); at most 8, every one tiling on TPU."""
-    heuristic = heuristic_blocks(sq, skv, dtype, head_dim, has_mask)
-    fwd_cap, _ = block_caps(head_dim)
-    def sizes(length):
-        return [b for b in (128, 256, 512, 1024) if b <= min(2 * fwd_cap, round_up(length, LANES))]
+# ---------------------------------------------------------------------------------------------------
+# TODO(#18): ring attention's old-style RingAttentionConfig (fwd_params / bwd_params). Delete this section
+# when ring attention takes TpuFlashBlocks as its config (block_static(blocks=...), heuristic_blocks,
+# candidate_blocks).
 
-    candidates = [heuristic]
-    for bq in sizes(sq)[::-1]:
-        for bk in sizes(skv)[::-1]:
-            if max(bq, bk) <= 2 * min(bq, bk):
-                hq, hk = max(bq // 2, LANES), max(bk // 2, LANES)
-                candidates.append(TpuFlashBlocks(bq, bk, hq, hk, hq, hk))
-    unique = list(dict.fromkeys(candidates))
-    return unique[:8]
+_RING_CONFIG_FIELDS = {
+    "fwd_q": "fwd_params.q_blocksize",
+    "fwd_kv": "fwd_params.kv_blocksize",
+    "dkv_q": "bwd_params.q_blocksize",
+    "dkv_kv": "bwd_params.kv_blocksize",
+    "dq_q": "bwd_params.blocksize_m",
+    "dq_kv": "bwd_params.blocksize_n",
+}
 
+
+def _ring_config_field(field: str) -> str:
+    return f"RingAttentionConfig.{_RING_CONFIG_FIELDS[field]}"
+
+
+def _ring_config_blocks(cfg, sq: int, skv: int, dtype, head_dim: int) -> TpuFlashBlocks:
+    """The blocks a RingAttentionConfig sets, the heuristic's where it sets none (dQ: the dK/dV blocks)."""
+    chosen = dataclasses.asdict(heuristic_blocks(sq, skv, dtype, head_dim))
+    given = {}
+    for field, path in _RING_CONFIG_FIELDS.items():
+        group, name = path.split(".")
+        value = getattr(getattr(cfg, group, None), name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise TpuTilingError(f"{_ring_config_field(field)}={value!r}: a block size must be a positive int")
+        if value is not None:
+            given[field] = value
+    chosen.update(given)
+    chosen["dq_q"] = given.get("dq_q", chosen["dkv_q"])
+    chosen["dq_kv"] = given.get("dq_kv", chosen["dkv_kv"])
+    return TpuFlashBlocks(**chosen)
+
+
+def blocks_to_config(blocks: TpuFlashBlocks, config_type):
+    from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
+
+    return config_type(
+        fwd_params=FwdParams(q_blocksize=blocks.fwd_q, kv_blocksize=blocks.fwd_kv),
+        bwd_params=BwdParams(q_blocksize=blocks.dkv_q, kv_blocksize=blocks.dkv_kv, blocksize_m=blocks.dq_q,
+                             blocksize_n=blocks.dq_kv),
+        platform="pallas",
+    )
+
+
+config_space = candidate_blocks
 
 # ---------------------------------------------------------------------------------------------------
 # Micro-benchmark (on a TPU; `python -m ejkernel_pallas.tpu_flash_attention`)
@@ -828,9 +856,11 @@ def config_space(
 def _benchmark(batch=4, seq=4096, heads=16, dim=128, causal=True, iters=20):
     import time
 
+    from ejkernel.modules import flash_attention as public_flash_attention
+
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (batch, seq, heads, dim), jnp.bfloat16) for kk in keys)
-    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, softmax_scale=dim**-0.5, causal=causal))
+    fn = jax.jit(lambda q, k, v: public_flash_attention(q, k, v, causal=causal, platform="pallas"))
     fn(q, k, v).block_until_ready()
     start = time.perf_counter()
     for _ in range(iters):
