@@ -91,8 +91,12 @@ class Executor(Generic[Cfg, Out]):
 
 def _prepared(kernel: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``kernel.prepare(*args, **kwargs)`` when the kernel defines it, else the call as given."""
-    if getattr(type(kernel), "prepare", None) is None:
+    kernel_type = type(kernel)
+    prepares = _prepares.get(kernel_type)
+    if prepares is None:  # once per kernel class
         require_kernel(kernel, "Executor")
+        prepares = _prepares[kernel_type] = getattr(kernel_type, "prepare", None) is not None
+    if not prepares:
         return args, kwargs
     prepared = kernel.prepare(*args, **kwargs)
     if not (isinstance(prepared, tuple) and len(prepared) == 2):
@@ -100,6 +104,7 @@ def _prepared(kernel: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(prepared[0]), dict(prepared[1])
 
 
+_prepares: dict[type, bool] = {}
 _MAX_MEMOIZED_KEYS = 4096
 _default: Executor | None = None
 _default_lock = threading.Lock()

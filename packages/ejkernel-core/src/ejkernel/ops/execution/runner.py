@@ -24,9 +24,11 @@ def has_custom_vjp(kernel: Any) -> bool:
 
 def run_with_config(kernel: Any, args: tuple, kwargs: dict, cfg: Any, *, inv: Any = None) -> Any:
     """``kernel.run_<platform>(*args, cfg=cfg, **kwargs)`` (else ``run``), with its custom VJP and stamp."""
+    mode = stamp_mode()
+    if mode is None and _is_plain(type(kernel)):  # the per-call path of every operation: nothing to decide
+        return kernel.run(*args, cfg=cfg, **kwargs)
     platform = explicit_platform(kwargs) or get_device_platform()
     method = getattr(kernel, f"run_{platform}", None) or kernel.run
-    mode = stamp_mode()
     if mode is None:
         return _call(kernel, method, args, kwargs, cfg)
     import jax
@@ -35,6 +37,19 @@ def run_with_config(kernel: Any, args: tuple, kwargs: dict, cfg: Any, *, inv: An
     abstract = inv.abstracted() if inv is not None and mode == "hash" else None
     with jax.named_scope(stamp_name(kernel.name, platform, cfg, mode, cache_key=cache_key, invocation=abstract)):
         return _call(kernel, method, args, kwargs, cfg)
+
+
+_plain: dict[type, bool] = {}
+
+
+def _is_plain(kernel_type: type) -> bool:
+    """True for kernel classes with neither ``run_<platform>`` methods nor a ``custom_vjp`` (memoized)."""
+    plain = _plain.get(kernel_type)
+    if plain is None:
+        plain = _plain[kernel_type] = not callable(getattr(kernel_type, "custom_vjp", None)) and not any(
+            name.startswith("run_") and callable(getattr(kernel_type, name, None)) for name in dir(kernel_type)
+        )
+    return plain
 
 
 def _call(kernel: Any, method: Callable, args: tuple, kwargs: dict, cfg: Any) -> Any:
