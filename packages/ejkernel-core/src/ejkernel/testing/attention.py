@@ -110,3 +110,13 @@ class AttentionConformance(AttentionSuiteBase):
         inputs = mutate(attention_inputs(45, batch=2, q_len=16, num_heads=4, head_dim=32))
         with pytest.raises(ValueError, match=argument):
             self.operation(**inputs)
+
+    def test_flash_features_it_lacks_are_refused(self):
+        """Through the executor (no public signature in the way): varlen and segments are flash_attention's."""
+        from ejkernel.modules import Attention
+        from ejkernel.ops import get_default_executor
+
+        inputs = attention_inputs(47, batch=1, q_len=8, num_heads=2, head_dim=16)
+        args = [inputs[name] for name in ("query", "key", "value")]
+        with pytest.raises(ValueError, match="q_segment_ids"):
+            get_default_executor()(Attention(), *args, q_segment_ids=jnp.zeros((1, 8), jnp.int32), platform=self.platform)

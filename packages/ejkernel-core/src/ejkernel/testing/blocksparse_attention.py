@@ -176,6 +176,8 @@ class BlockSparseAttentionConformance(BadInputChecks):
         assert_close(batched[1], expected, dtype="float32")
 
     def test_bad_inputs(self):
+        from ejkernel.ops import get_default_executor
+
         inputs, static = self.make_inputs(7, CASES["gqa_per_head"], "float32")
 
         def call(match, **changes):
@@ -187,3 +189,6 @@ class BlockSparseAttentionConformance(BadInputChecks):
         call("block_size", block_size=0)
         call("sliding_window", sliding_window=(-2, 1))
         call("value", value=inputs["value"].astype(jnp.bfloat16))
+        # flash_attention's features it lacks (through the executor: the public signature has no such keyword)
+        with pytest.raises(ValueError, match="dropout_prob"):
+            get_default_executor()(BlockSparseAttention(), *inputs.values(), dropout_prob=0.1, platform=self.platform)

@@ -108,3 +108,17 @@ class ScaledDotProductAttentionConformance(AttentionSuiteBase):
         inputs = mutate(attention_inputs(36, batch=2, q_len=16, num_heads=4, head_dim=32))
         with pytest.raises(ValueError, match=argument):
             self.operation(**inputs)
+
+    @pytest.mark.parametrize(
+        "feature,argument",
+        [(dict(dropout_prob=0.1), "dropout_prob"), (dict(logits_soft_cap=5.0), "logits_soft_cap")],
+        ids=["dropout", "soft-cap"],
+    )
+    def test_flash_features_it_lacks_are_refused(self, feature, argument):
+        """Through the executor (no public signature in the way): these are flash_attention's features."""
+        from ejkernel.modules import ScaledDotProductAttention
+        from ejkernel.ops import get_default_executor
+
+        inputs = attention_inputs(37, batch=1, q_len=8, num_heads=2, head_dim=16)
+        with pytest.raises(ValueError, match=argument):
+            get_default_executor()(ScaledDotProductAttention(), *inputs.values(), **feature, platform=self.platform)

@@ -27,17 +27,23 @@ from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._contract import array_field, canonical_call
-from ejkernel.modules.operations._validation import typechecked
+from ejkernel.modules.operations._validation import describe, typechecked
 from ejkernel.modules.operations.flash_attention import FlashAttention, FlashAttentionCall
 
 CallT = TypeVar("CallT")
 
 
-def restricted_call(flash_call: FlashAttentionCall, call_type: type[CallT], **extra: Any) -> CallT:
-    """A ``call_type`` call from a validated ``flash_attention`` call: its fields that ``call_type`` has,
-    plus ``extra`` (for operations whose features are a subset of flash_attention's)."""
-    shared = {f.name: getattr(flash_call, f.name) for f in dataclasses.fields(call_type) if f.name not in extra}
-    return call_type(**shared, **extra)
+def restricted_call(algorithm: str, call_type: type[CallT], flash_call: FlashAttentionCall, **extra: Any) -> CallT:
+    """The call of an operation whose features are a subset of flash_attention's, from a validated
+    ``flash_attention`` call: the fields ``call_type`` has, plus ``extra``. A flash_attention feature the
+    operation lacks must be unused (ValueError naming it)."""
+    fields = {f.name for f in dataclasses.fields(call_type)}
+    # static fields first: a dropout_prob names the feature better than the seed it implies
+    for f in sorted(dataclasses.fields(FlashAttentionCall), key=lambda f: f.metadata.get("array", False)):
+        value = getattr(flash_call, f.name)
+        if f.name not in fields and (value is not None if f.default is None else value != f.default):
+            raise ValueError(f"{algorithm} has no {f.name} (flash_attention has), got {describe(value)}")
+    return call_type(**{name: getattr(flash_call, name) for name in fields - extra.keys()}, **extra)
 
 
 @canonical_call
@@ -66,39 +72,10 @@ class Attention(RegistryOperation):
 
     algorithm = "attention"
 
-    def validate(
-        self,
-        query,
-        key,
-        value,
-        bias=None,
-        softmax_aux=None,
-        *,
-        attention_mask=None,
-        softmax_scale=None,
-        logits_soft_cap=None,
-        dropout_prob=0.0,
-        dropout_seed=None,
-        causal=False,
-        sliding_window=None,
-        precision=None,
-    ) -> AttentionCall:
-        flash_call = FlashAttention().validate(
-            query,
-            key,
-            value,
-            bias,
-            attention_mask=attention_mask,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            dropout_prob=dropout_prob,
-            dropout_seed=dropout_seed,
-            softmax_aux=softmax_aux,
-            precision=precision,
-        )
-        return restricted_call(flash_call, AttentionCall)
+    def validate(self, query, key, value, bias=None, softmax_aux=None, **keywords) -> AttentionCall:
+        """``keywords``: those of :func:`attention`, checked and normalized by ``FlashAttention.validate``."""
+        flash_call = FlashAttention().validate(query, key, value, bias, softmax_aux=softmax_aux, **keywords)
+        return restricted_call(self.algorithm, AttentionCall, flash_call)
 
 
 @typechecked

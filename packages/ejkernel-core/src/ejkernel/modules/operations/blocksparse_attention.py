@@ -101,25 +101,15 @@ class BlockSparseAttention(RegistryOperation):
         softmax_aux=None,
         block_mask=None,
         *,
-        softmax_scale=None,
         causal=True,
-        sliding_window=None,
-        logits_soft_cap=None,
         block_size=128,
-        precision=None,
+        **keywords,
     ) -> BlockSparseAttentionCall:
+        """``keywords``: the others of :func:`blocksparse_attention`, checked and normalized by
+        ``FlashAttention.validate``."""
         flash_call = FlashAttention().validate(
-            query,
-            key,
-            value,
-            q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            softmax_aux=softmax_aux,
-            precision=precision,
+            query, key, value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
+            causal=causal, **keywords,
         )
         (batch, q_len, num_heads, _), kv_len = query.shape, key.shape[1]
         q_block, kv_block = normalize_block_size(block_size)
@@ -128,7 +118,8 @@ class BlockSparseAttention(RegistryOperation):
             block_mask = jnp.ones((1, 1, *blocks), bool)
         check_block_mask(block_mask, batch, num_heads, blocks, (q_block, kv_block))
         return restricted_call(
-            flash_call, BlockSparseAttentionCall, block_mask=block_mask, q_block_size=q_block, kv_block_size=kv_block
+            self.algorithm, BlockSparseAttentionCall, flash_call, block_mask=block_mask, q_block_size=q_block,
+            kv_block_size=kv_block,
         )
 
 

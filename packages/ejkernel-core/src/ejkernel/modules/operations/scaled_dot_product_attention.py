@@ -56,34 +56,14 @@ class ScaledDotProductAttention(RegistryOperation):
     algorithm = "scaled_dot_product_attention"
 
     def validate(
-        self,
-        query,
-        key,
-        value,
-        bias=None,
-        cum_seqlens_q=None,
-        cum_seqlens_k=None,
-        *,
-        attention_mask=None,
-        softmax_scale=None,
-        causal=False,
-        sliding_window=None,
-        precision=None,
+        self, query, key, value, bias=None, cum_seqlens_q=None, cum_seqlens_k=None, **keywords
     ) -> ScaledDotProductAttentionCall:
+        """``keywords``: those of :func:`scaled_dot_product_attention`, checked and normalized by
+        ``FlashAttention.validate``."""
         flash_call = FlashAttention().validate(
-            query,
-            key,
-            value,
-            bias,
-            attention_mask=attention_mask,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            sliding_window=sliding_window,
-            cum_seqlens_q=cum_seqlens_q,
-            cum_seqlens_k=cum_seqlens_k,
-            precision=precision,
+            query, key, value, bias, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k, **keywords
         )
-        return restricted_call(flash_call, ScaledDotProductAttentionCall)
+        return restricted_call(self.algorithm, ScaledDotProductAttentionCall, flash_call)
 
 
 @typechecked
