@@ -9,7 +9,7 @@ import types
 import jax
 import pytest
 
-from ejkernel import BackendInfo, UnsupportedFeature, hookimpl
+from ejkernel import BackendInfo, Implementation, NoConfig, UnsupportedFeature, array_field, canonical_call, hookimpl
 from ejkernel.errors import KernelNotFoundError
 from ejkernel.modules.operations._dispatch import resolve
 from ejkernel.plugins import host
@@ -17,17 +17,22 @@ from ejkernel.plugins import host
 ALGORITHM = "dispatch_probe"
 
 
+@canonical_call
+class ProbeCall:
+    x: jax.Array = array_field()
+    causal: bool = False
+
+
 def _backend(name: str, platform: str, target: str, priority: int, unusable: str | None = None, refuse=None):
-    def implementation(x, *, cfg=None, **options):
-        return name
-
-    if refuse is not None:
-
-        def check_supported(x, **options):
-            if refuse(options):
+    class Probe(Implementation):
+        def supports(self, call):
+            options = {"causal": call.causal}
+            if refuse is not None and refuse(options):
                 raise UnsupportedFeature(f"{name} refuses {options}")
 
-        implementation.check_supported = check_supported
+        def __call__(self, call, config):
+            return name
+
     module = types.SimpleNamespace(__name__=name)
     module.ejkernel_backend_info = hookimpl(
         lambda: BackendInfo(name=name, distribution=f"dist-{name}", version="1", platforms=(platform,),
@@ -35,7 +40,7 @@ def _backend(name: str, platform: str, target: str, priority: int, unusable: str
     )
 
     def register(registry, plugin):
-        registry.register(ALGORITHM, platform, target, priority=priority, plugin=plugin)(implementation)
+        registry.register(ALGORITHM, platform, target, priority=priority, plugin=plugin)(Probe())
 
     module.ejkernel_register_kernels = hookimpl(register)
     return module
@@ -59,8 +64,12 @@ def probe_backends():
         plugins_host.backends.pop(name, None)
 
 
-def _x():
-    return jax.numpy.ones((2,))
+def _call(causal=False):
+    return (ProbeCall(jax.numpy.ones((2,)), causal=causal),)
+
+
+def _ran(resolution):
+    return resolution.implementation(ProbeCall(jax.numpy.ones((2,))), NoConfig())
 
 
 def test_auto_falls_back_past_unusable_and_refusing_backends_and_logs_why(probe_backends, caplog):
@@ -68,11 +77,11 @@ def test_auto_falls_back_past_unusable_and_refusing_backends_and_logs_why(probe_
     probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: options.get("causal"))
     probe_backends("cpu_plain", "xla", "any", 0)
     with caplog.at_level(logging.INFO, logger="ejkernel.dispatch"):
-        plain = resolve(ALGORITHM, "auto", (_x(),), {"causal": False})
-        causal = resolve(ALGORITHM, "auto", (_x(),), {"causal": True})
-    assert plain.implementation(_x()) == "cpu_picky"
+        plain = resolve(ALGORITHM, "auto", _call(causal=False), {})
+        causal = resolve(ALGORITHM, "auto", _call(causal=True), {})
+    assert _ran(plain) == "cpu_picky"
     assert [name for name, _ in plain.skipped] == ["triton (gpu_fast)"]
-    assert causal.implementation(_x()) == "cpu_plain"
+    assert _ran(causal) == "cpu_plain"
     assert dict(causal.skipped) == {
         "pallas (cpu_picky)": "cpu_picky refuses {'causal': True}",
         "triton (gpu_fast)": "no GPU visible",
@@ -87,19 +96,19 @@ def test_explicit_platform_is_never_replaced(probe_backends):
     probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: options.get("causal"))
     probe_backends("cpu_plain", "xla", "any", 0)
     with pytest.raises(KernelNotFoundError, match="platform='triton' cannot run here: no GPU visible"):
-        resolve(ALGORITHM, "triton", (_x(),), {})
+        resolve(ALGORITHM, "triton", _call(), {})
     with pytest.raises(UnsupportedFeature, match="platform='pallas' cannot take this call: cpu_picky refuses"):
-        resolve(ALGORITHM, "pallas", (_x(),), {"causal": True})
-    assert resolve(ALGORITHM, "pallas", (_x(),), {"causal": False}).implementation(_x()) == "cpu_picky"
+        resolve(ALGORITHM, "pallas", _call(causal=True), {})
+    assert _ran(resolve(ALGORITHM, "pallas", _call(causal=False), {})) == "cpu_picky"
     with pytest.raises(KernelNotFoundError, match="platform='cuda'"):
-        resolve(ALGORITHM, "cuda", (_x(),), {})
+        resolve(ALGORITHM, "cuda", _call(), {})
 
 
 def test_nothing_can_take_the_call_lists_every_reason(probe_backends):
     probe_backends("gpu_fast", "triton", "gpu", 30, unusable="no GPU visible")
     probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: True)
     with pytest.raises(KernelNotFoundError) as info:
-        resolve(ALGORITHM, "auto", (_x(),), {})
+        resolve(ALGORITHM, "auto", _call(), {})
     message = str(info.value)
     assert "pallas (cpu_picky): cpu_picky refuses" in message and "triton (gpu_fast): no GPU visible" in message
 

@@ -95,7 +95,7 @@ BackendLike = Backend | Literal["gpu", "tpu", "cpu", "any"]
 class LazyImplementation:
     """A callable standing for ``"package.module:attribute"``, imported on first use.
 
-    Attribute access (``heuristic_cfg``, ``config_space``, ``check_supported`` ...) also resolves it.
+    Attribute access (``config_type``, ``supports``, ``heuristic_config`` ...) also resolves it.
     """
 
     def __init__(self, target: str, *, plugin: str | None = None):
