@@ -12,9 +12,8 @@ from pallas_test_helpers import equations
 
 from ejkernel.modules import FlashAttention, flash_attention, grouped_matmul, ragged_page_attention, ring_attention
 from ejkernel.modules.operations.grouped_matmul import GroupedMatmul
-from ejkernel.modules.operations.ring_attention import RingAttention, RingAttentionConfig
+from ejkernel.modules.operations.ring_attention import RingAttention
 from ejkernel.ops import get_default_executor
-from ejkernel.ops.utils.datacarrier import BwdParams
 from ejkernel_pallas import gpu_flash_attention as gpu
 from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
 from ejkernel_pallas.tpu_flash_attention import TpuFlashBlocks
@@ -27,15 +26,6 @@ from ejkernel_pallas.tpu_tiling import TpuTilingError
 def _qkv(seq, dtype=jnp.bfloat16, head_dim=64, heads=2, batch=1):
     shape = (batch, seq, heads, head_dim)
     return [jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(dtype) for i in range(3)]
-
-
-def _fwd(cfg):
-    return (cfg.fwd_params.q_blocksize, cfg.fwd_params.kv_blocksize)
-
-
-def _bwd(cfg):
-    b = cfg.bwd_params
-    return (b.q_blocksize, b.kv_blocksize, b.blocksize_m, b.blocksize_n)
 
 
 def _pallas_grids(fn, *args):
@@ -61,7 +51,7 @@ def test_executor_config_is_the_tpu_heuristic(pallas_interpret):
             assert block % 16 == 0 and (block % 128 == 0 or block >= seq)
     q, k, v = _qkv(256)
     ring_cfg = executor.choose(RingAttention(), q, k, v, platform="pallas")
-    assert isinstance(ring_cfg, RingAttentionConfig) and _fwd(ring_cfg) == (256, 256) and _bwd(ring_cfg) == (256,) * 4
+    assert ring_cfg == tpu.TpuFlashBlocks(*(256,) * 6)  # the flash heuristic on the local shards
     lhs, rhs = jnp.ones((300, 200), jnp.bfloat16), jnp.ones((3, 200, 700), jnp.bfloat16)
     gmm_cfg = executor.choose(GroupedMatmul(), lhs, rhs, jnp.array([100, 100, 100], jnp.int32), platform="pallas")
     assert gmm_cfg == PallasGroupedMatmulConfig(block_m=304, block_k=200, block_n=512)
@@ -114,9 +104,9 @@ def test_bad_blocks_are_refused_naming_the_config_field(pallas_interpret):
         dataclasses.replace(heuristic, dkv_kv=-128)
     with pytest.raises(TypeError, match="cfg must be a ejkernel_pallas.tpu_flash_attention.TpuFlashBlocks"):
         flash_attention(q, k, v, platform="pallas", cfg=GpuFlashTuning())
-    with pytest.raises(TpuTilingError, match=r"RingAttentionConfig\.bwd_params\.q_blocksize=100"):
-        jax.grad(lambda q: ring_attention(q, k, v, platform="pallas", cfg=RingAttentionConfig(
-            bwd_params=BwdParams(q_blocksize=100))).astype(jnp.float32).sum())(q)
+    ring_blocks = tpu.TpuFlashBlocks(fwd_q=256, fwd_kv=256, dkv_q=100, dkv_kv=256, dq_q=256, dq_kv=256)
+    with pytest.raises(TpuTilingError, match=r"TpuFlashBlocks\.dkv_q=100: .*multiple of 16"):
+        jax.grad(lambda q: ring_attention(q, k, v, cfg=ring_blocks).astype(jnp.float32).sum())(q)
     lhs, rhs, sizes = jnp.ones((300, 200)), jnp.ones((3, 200, 700)), jnp.array([100, 100, 100], jnp.int32)
     with pytest.raises(TpuTilingError, match=r"PallasGroupedMatmulConfig\.block_n=200: .*multiple of 128"):
         grouped_matmul(lhs, rhs, sizes, platform="pallas", cfg=PallasGroupedMatmulConfig(block_n=200))

@@ -8,8 +8,9 @@ import pytest
 from pallas_test_helpers import abstract_device
 
 from ejkernel.modules import PageAttentionCall
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
-from ejkernel.testing.page_attention import PageAttentionConformance
+from ejkernel.modules import page_attention as public_page_attention
+from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS, matmul_precisions
+from ejkernel.testing.page_attention import SHAPES, PageAttentionConformance
 from ejkernel_pallas.page_attention import page_attention
 
 
@@ -40,3 +41,18 @@ def test_lowers_for_tpu():
         text = jax.jit(fn).trace(query, cache, cache, lens, tables).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1
 
+
+@pytest.mark.parametrize(
+    "dtype,precision,expected",
+    [("float32", None, jax.lax.Precision.HIGHEST), ("float32", "high", jax.lax.Precision.HIGH),
+     ("bfloat16", None, jax.lax.Precision.DEFAULT)],
+)
+def test_float32_dots_take_the_calls_precision(pallas_interpret, dtype, precision, expected):
+    """Mosaic's default dot is bf16 passes: a float32 call's precision reaches both dots of the kernel."""
+    inputs = PageAttentionConformance().make_inputs(1, SHAPES["mha"], dtype)
+
+    def fn(query):
+        return public_page_attention(**{**inputs, "query": query}, precision=precision, platform="pallas")
+
+    found = matmul_precisions(fn, inputs["query"])
+    assert len(found) == 2 and set(found) == {expected}, found

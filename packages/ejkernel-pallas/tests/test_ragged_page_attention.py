@@ -8,8 +8,8 @@ import pytest
 from pallas_test_helpers import abstract_device
 
 from ejkernel.modules import RaggedPageAttentionCall
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
-from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformance
+from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS, matmul_precisions
+from ejkernel.testing.ragged_page_attention import CASES, RaggedPageAttentionConformance
 from ejkernel_pallas.ragged_page_attention import TpuRaggedPageBlocks, ragged_page_attention
 
 
@@ -43,3 +43,19 @@ def test_lowers_for_tpu():
         text = jax.jit(fn).trace(queries, pages, lens, tables, starts, count).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1
 
+
+@pytest.mark.parametrize(
+    "dtype,precision,expected",
+    [("float32", None, jax.lax.Precision.HIGHEST), ("float32", "high", jax.lax.Precision.HIGH),
+     ("bfloat16", None, jax.lax.Precision.DEFAULT)],
+)
+def test_float32_dots_take_the_calls_precision(pallas_interpret, dtype, precision, expected):
+    """Mosaic's default dot is bf16 passes: a float32 call's precision reaches both dots of the kernel."""
+    suite = TestPallasRaggedPageAttentionConformance()
+    inputs = suite.make_inputs(1, CASES["decode_mha"], dtype)
+
+    def fn(queries):
+        return suite.call(**{**inputs, "queries": queries}, precision=precision)
+
+    found = matmul_precisions(fn, inputs["queries"])
+    assert len(found) == 2 and set(found) == {expected}, found

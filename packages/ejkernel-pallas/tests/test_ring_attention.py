@@ -3,11 +3,13 @@ subprocess, 8 with EJKERNEL_PALLAS_CONFORMANCE=1; one device in process)."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 from pallas_test_helpers import full_conformance
 
-from ejkernel.testing.ring_attention import RingAttentionConformance
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
+from ejkernel.modules import ring_attention
+from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS, matmul_precisions
+from ejkernel.testing.ring_attention import RingAttentionConformance, case_inputs
 
 
 class TestPallasRingAttentionConformance(RingAttentionConformance):
@@ -21,3 +23,15 @@ class TestPallasRingAttentionConformance(RingAttentionConformance):
     def _interpret_mode(self, pallas_interpret):
         yield
 
+
+@pytest.mark.parametrize("precision, expected", [(None, jax.lax.Precision.HIGHEST), ("high", jax.lax.Precision.HIGH)])
+def test_float32_dots_take_the_calls_precision(pallas_interpret, precision, expected):
+    """Mosaic's default dot is bf16 passes: a float32 call's precision reaches every dot, in the block
+    kernels (forward, dK/dV, dQ) and in the merges outside them (delta, sink gradient)."""
+    arrays, options = case_inputs("full_softcap_sinks", devices=1)
+
+    def loss(query):
+        return ring_attention(**{**arrays, "query": query}, **options, precision=precision, platform="pallas").sum()
+
+    found = matmul_precisions(jax.grad(loss), arrays["query"])
+    assert found and set(found) == {expected}, found

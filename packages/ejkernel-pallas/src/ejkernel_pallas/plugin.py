@@ -22,7 +22,7 @@ _KERNELS = {
     "grouped_matmul": {"tpu": "ejkernel_pallas.grouped_matmul:IMPLEMENTATION"},
     "page_attention": {"tpu": "ejkernel_pallas.page_attention:IMPLEMENTATION"},
     "ragged_page_attention": {"tpu": "ejkernel_pallas.ragged_page_attention:IMPLEMENTATION"},
-    "ring_attention": {"tpu": "ejkernel_pallas.ring_attention:ring_attention"},
+    "ring_attention": {"tpu": "ejkernel_pallas.ring_attention:IMPLEMENTATION"},
 }
 
 

@@ -4,6 +4,11 @@ Each device keeps its query shard; key/value shards (and, in the backward, their
 move one step around the ring per iteration with ``ppermute``. Every step runs the Pallas block kernels
 of ``tpu_flash_attention`` with the global positions of the two shards (traced starts), and the per-step
 (output, log-sum-exp) pairs are merged by the log-sum-exp rule; sinks enter once, at the end.
+
+``IMPLEMENTATION`` (registered by ``plugin.py``) takes the validated ``RingAttentionCall``; its config is the
+flash kernels' :class:`~ejkernel_pallas.tpu_flash_attention.TpuFlashBlocks` on the local shards. Precision:
+float32 calls pass ``call.precision`` to the kernels' dots (Mosaic maps it to the MXU's contract precision)
+and run the merges outside the kernels at it too, so none is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.modules.operations.ring_attention import RingAttentionCall
 
 from ejkernel_pallas import tpu_flash_attention as tpu
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
@@ -25,6 +33,7 @@ from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 class _RingStatic:
     block: object  # tpu._Static
     axis_name: str | None
+    precision: jax.lax.Precision  # the call's: of the matmuls outside the kernels (delta, sinks)
 
 
 def _ring_position(axis_name):
@@ -85,15 +94,22 @@ def _forward(rs: _RingStatic, q, k, v, q_seg, kv_seg, aux):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(rs, q, k, v, q_seg, kv_seg, aux):
-    return _forward(rs, q, k, v, q_seg, kv_seg, aux)[0]
+    with matmul_precision(rs.precision):
+        return _forward(rs, q, k, v, q_seg, kv_seg, aux)[0]
 
 
 def _ring_fwd(rs, q, k, v, q_seg, kv_seg, aux):
-    out, lse = _forward(rs, q, k, v, q_seg, kv_seg, aux)
+    with matmul_precision(rs.precision):
+        out, lse = _forward(rs, q, k, v, q_seg, kv_seg, aux)
     return out, (q, k, v, q_seg, kv_seg, aux, out, lse)
 
 
 def _ring_bwd(rs, residuals, d_out):
+    with matmul_precision(rs.precision):  # traced later, outside the forward's scope
+        return _backward(rs, residuals, d_out)
+
+
+def _backward(rs, residuals, d_out):
     q, k, v, q_seg, kv_seg, aux, out, lse = residuals
     size, rank = _ring_position(rs.axis_name)
     sq, skv = q.shape[1], k.shape[1]
@@ -129,54 +145,51 @@ def _ring_bwd(rs, residuals, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def check_supported(query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, **_):
-    if jax.default_backend() not in ("tpu", "cpu"):
-        raise UnsupportedFeature("pallas ring_attention uses the TPU block kernels; on GPUs use platform='xla'")
-    tpu_interpret_or_refuse()
-    if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise UnsupportedFeature(f"pallas ring_attention: dtype {query.dtype} is not supported")
-
-
-def ring_attention(query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *, softmax_scale: float,
-                   causal: bool, sliding_window=None, logits_soft_cap=None, axis_name=None, cfg=None, interpret=None):
-    """``interpret``: None = from the machine and EJKERNEL_PALLAS_INTERPRET; else as in pallas_call."""
-    if interpret is None:
-        interpret = tpu_interpret_or_refuse()
-    if interpret is True and axis_name is not None:
+def ring_attention(call: RingAttentionCall, blocks: tpu.TpuFlashBlocks, *, interpret=False) -> jax.Array:
+    """The ring of TPU block kernels on a validated call, ``blocks`` tiling the local shards. ``interpret``:
+    False (compile with Mosaic), True (Pallas' generic interpreter) or a ``pltpu.InterpretParams``."""
+    query = call.query
+    if interpret is True and call.axis_name is not None:
         # Pallas' generic interpreter evaluates kernel bodies under shard_map's varying-axes checks and
         # trips on them (jax 0.11: "mul requires varying manual axes to match"); the TPU interpreter does not.
         from jax.experimental.pallas import tpu as pltpu
 
         interpret = pltpu.InterpretParams()
     block = tpu.block_static(
-        query, key, value, has_segments=q_segment_ids is not None, softmax_scale=softmax_scale, causal=causal,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, cfg=cfg, interpret=interpret,
+        query, call.key, call.value, has_segments=call.q_segment_ids is not None, softmax_scale=call.softmax_scale,
+        causal=call.causal, sliding_window=call.sliding_window, logits_soft_cap=call.logits_soft_cap, blocks=blocks,
+        precision=call.precision if query.dtype == jnp.float32 else None, interpret=interpret,
     )
-    aux = None
-    if softmax_aux is not None:
-        aux = softmax_aux.reshape(query.shape[2], -1)
-    out = _ring(_RingStatic(block=block, axis_name=axis_name), query, key, value, q_segment_ids, kv_segment_ids, aux)
-    return out
+    aux = None if call.softmax_aux is None else call.softmax_aux.reshape(query.shape[2], -1)
+    rs = _RingStatic(block=block, axis_name=call.axis_name, precision=call.precision)
+    return _ring(rs, query, call.key, call.value, call.q_segment_ids, call.kv_segment_ids, aux)
 
 
-def heuristic_cfg(inv):
-    """TPU blocks of the inner block kernels for the local shard lengths (``tpu_flash_attention``'s
-    heuristic: one block over short shards, multiples of 128 rows otherwise)."""
-    from ejkernel.modules.operations.ring_attention import RingAttentionConfig
-
-    query, key = inv.args[0], inv.args[1]
-    blocks = tpu.heuristic_blocks(query.shape[1], key.shape[1], query.dtype, query.shape[3])
-    return tpu.blocks_to_config(blocks, RingAttentionConfig)
+def _shard_facts(call: RingAttentionCall) -> tuple[int, int, object, int]:
+    """(local q_len, local kv_len, dtype, head_dim): what the heuristic and the candidates depend on."""
+    return call.query.shape[1], call.key.shape[1], call.query.dtype, call.query.shape[3]
 
 
-def config_space(inv):
-    from ejkernel.modules.operations.ring_attention import RingAttentionConfig
+class PallasRingAttention(Implementation[RingAttentionCall, tpu.TpuFlashBlocks]):
+    """The ring over the TPU flash block kernels (see the module docstring); on CPU in interpret mode only."""
 
-    query, key = inv.args[0], inv.args[1]
-    return [tpu.blocks_to_config(b, RingAttentionConfig)
-            for b in tpu.config_space(query.shape[1], key.shape[1], query.dtype, query.shape[3])]
+    config_type = tpu.TpuFlashBlocks
+
+    def supports(self, call: RingAttentionCall) -> None:
+        if jax.default_backend() not in ("tpu", "cpu"):
+            raise UnsupportedFeature("pallas ring_attention uses the TPU block kernels; on GPUs use platform='xla'")
+        tpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
+
+    def heuristic_config(self, call: RingAttentionCall) -> tpu.TpuFlashBlocks:
+        """The TPU flash heuristic for the local shard lengths (one block over short shards, multiples of
+        128 rows otherwise)."""
+        return tpu.heuristic_blocks(*_shard_facts(call))
+
+    def candidate_configs(self, call: RingAttentionCall) -> list[tpu.TpuFlashBlocks]:
+        return tpu.candidate_blocks(*_shard_facts(call))
+
+    def __call__(self, call: RingAttentionCall, config: tpu.TpuFlashBlocks) -> jax.Array:
+        return ring_attention(call, config, interpret=tpu_interpret_or_refuse())
 
 
-ring_attention.check_supported = check_supported
-ring_attention.heuristic_cfg = heuristic_cfg
-ring_attention.config_space = config_space
+IMPLEMENTATION = PallasRingAttention()

@@ -20,7 +20,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "recurrent": "ejkernel_xla.recurrent:IMPLEMENTATION",
     "gla": "ejkernel_xla.recurrent:IMPLEMENTATION",
     "lightning_attention": "ejkernel_xla.recurrent:IMPLEMENTATION",
-    "ring_attention": "ejkernel_xla.ring_attention:ring_attention",
+    "ring_attention": "ejkernel_xla.ring_attention:IMPLEMENTATION",
 }
 
 

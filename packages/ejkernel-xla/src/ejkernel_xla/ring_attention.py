@@ -6,28 +6,30 @@ Custom VJP: the forward saves only the local shards, the output and the per-row 
 backward makes a second trip round the ring in which key, value *and their gradient accumulators*
 travel together, so after ``P`` steps every device holds the gradients of its own key/value shard.
 Ring steps that causal / sliding-window masking empties entirely are skipped (``lax.cond``).
-Memory per device: O(local shard) plus one [B, H, bq, bk] logits block.
+Memory per device: O(local shard) plus one [B, H, bq, bk] logits block. The config is flash attention's
+(``XlaFlashConfig``: the blocks of every ring step); forward and backward run their matmuls at the
+call's precision.
 """
 
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.ring_attention import RingAttentionCall
 from ejkernel_xla._blockwise import (
     AttentionParams,
     BlockSizes,
     Tokens,
     backward_block,
     combine,
-    default_block_sizes,
     forward_block,
     pad_tokens,
     sink_lse,
 )
-from ejkernel_xla.flash_attention import attention_params
+from ejkernel_xla.flash_attention import XlaFlashConfig
 
 F32 = jnp.float32
 
@@ -178,15 +180,22 @@ def _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux):
 
 
 def _ring_primal(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux):
-    return _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux)[0]
+    with params.matmuls():
+        return _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux)[0]
 
 
 def _ring_fwd(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux):
-    out, lse = _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux)
+    with params.matmuls():
+        out, lse = _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux)
     return out, (q, k, v, q_seg, kv_seg, aux, out, lse)
 
 
 def _ring_bwd(params, blocks, axis_name, res, d_out):
+    with params.matmuls():  # traced later, outside the forward's scope
+        return _ring_backward(params, blocks, axis_name, res, d_out)
+
+
+def _ring_backward(params, blocks, axis_name, res, d_out):
     q, k, v, q_seg, kv_seg, aux, out, lse = res
     q_len, kv_len = q.shape[1], k.shape[1]
     size, rank, q_first, offset = _layout(axis_name, q, k)
@@ -229,19 +238,15 @@ _ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1, 2))
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _block_sizes(cfg, q_len, kv_len, head_dim):
-    fwd, bwd = getattr(cfg, "fwd_params", None), getattr(cfg, "bwd_params", None)
-    return default_block_sizes(
-        q_len, kv_len, head_dim,
-        q_block=getattr(fwd, "q_blocksize", None), kv_block=getattr(fwd, "kv_blocksize", None),
-        bwd_q=getattr(bwd, "q_blocksize", None), bwd_kv=getattr(bwd, "kv_blocksize", None),
-    )
+class XlaRingAttention(Implementation[RingAttentionCall, XlaFlashConfig]):
+    config_type = XlaFlashConfig
+
+    def __call__(self, call: RingAttentionCall, config: XlaFlashConfig) -> jax.Array:
+        blocks = config.blocks(call.query.shape[1], call.key.shape[1], call.query.shape[3])
+        return _ring(
+            AttentionParams.of(call), blocks, call.axis_name, call.query, call.key, call.value, call.q_segment_ids,
+            call.kv_segment_ids, call.softmax_aux,
+        )
 
 
-def ring_attention(
-    query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *,
-    softmax_scale, causal, sliding_window, logits_soft_cap, axis_name=None, cfg=None,
-):
-    params = attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, 0.0)
-    blocks = _block_sizes(cfg, query.shape[1], key.shape[1], query.shape[-1])
-    return _ring(params, blocks, axis_name, query, key, value, q_segment_ids, kv_segment_ids, softmax_aux)
+IMPLEMENTATION = XlaRingAttention()

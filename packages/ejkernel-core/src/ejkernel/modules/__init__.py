@@ -59,7 +59,7 @@ _EXPORTS: dict[str, str] = {
     "LightningAttention": "ejkernel.modules.operations.lightning_attention",
     "ring_attention": "ejkernel.modules.operations.ring_attention",
     "RingAttention": "ejkernel.modules.operations.ring_attention",
-    "RingAttentionConfig": "ejkernel.modules.operations.ring_attention",
+    "RingAttentionCall": "ejkernel.modules.operations.ring_attention",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -193,6 +193,7 @@ class RingAttentionConformance:
             ((q, k, v), {"sliding_window": (-1, 2)}, "sliding_window"),
             ((q, k, v), {"logits_soft_cap": -1.0}, "logits_soft_cap"),
             ((q, k, v), {"axis_name": 3}, "axis_name"),
+            ((q, k, v), {"precision": "fastest"}, "precision"),
             ((q, k, v, *[jnp.zeros((q.shape[0], q.shape[1] + 1), jnp.int32)] * 2), {}, "q_segment_ids"),
         ]
         for args, kwargs, match in cases:

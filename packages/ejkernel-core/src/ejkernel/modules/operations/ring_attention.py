@@ -1,16 +1,11 @@
 """``ring_attention``: sequence-parallel exact attention; key/value blocks travel around a ring of devices.
 
-Canonical call every backend receives (validated and normalized here)::
-
-    ring_attention(query, key, value, q_segment_ids, kv_segment_ids, softmax_aux, *, softmax_scale: float,
-                   causal: bool, sliding_window: tuple[int, int] | None, logits_soft_cap: float | None,
-                   axis_name: str | None, cfg)
-
-Called inside ``jax.shard_map`` with the sequence axis (axis 1) of query, key, value and the segment ids
-sharded over the mesh axis ``axis_name``; the arguments are the per-device shards: ``query``
-``[B, Sq_loc, H, D]``, ``key`` ``[B, Skv_loc, Hkv, D]``, ``value`` ``[B, Skv_loc, Hkv, Dv]``, segment ids int32
-``[B, Sq_loc]`` / ``[B, Skv_loc]``, ``softmax_aux`` (sinks, replicated) ``[H]`` or ``[H, S_sink]``. With
-``P`` devices on the axis, device ``r`` holds global queries ``r * Sq_loc + i`` and keys ``r * Skv_loc + j``.
+Core validates the public call into one frozen :class:`RingAttentionCall`, all a backend sees. Called inside
+``jax.shard_map`` with the sequence axis (axis 1) of query, key, value and the segment ids sharded over the
+mesh axis ``axis_name``; the arrays are the per-device shards: ``query`` ``[B, Sq_loc, H, D]``, ``key``
+``[B, Skv_loc, Hkv, D]``, ``value`` ``[B, Skv_loc, Hkv, Dv]``, segment ids int32 ``[B, Sq_loc]`` /
+``[B, Skv_loc]`` (both or neither), ``softmax_aux`` (sinks, replicated) ``[H]`` or ``[H, S_sink]``. With ``P``
+devices on the axis, device ``r`` holds global queries ``r * Sq_loc + i`` and keys ``r * Skv_loc + j``.
 
 The result on each device is ``flash_attention`` (docs/flash_attention.md) of the *global* (concatenated)
 sequences, restricted to the local queries: same logits, soft cap, bottom-right alignment on the
@@ -24,45 +19,62 @@ ring). Full specification, including the inner block every ring step computes: `
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import jax
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
-from ejkernel.modules.operations._validation import describe, typechecked
+from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     check_bool,
     check_qkv,
     check_softmax_aux,
+    describe,
     normalize_segment_ids,
     normalize_sliding_window,
     normalize_soft_cap,
     resolve_softmax_scale,
+    typechecked,
 )
-from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
 
 
-@dataclasses.dataclass(frozen=True)
-class RingAttentionConfig:
-    """Block sizes of the inner (per ring step) blockwise attention; None: the backend's heuristic."""
+@canonical_call
+class RingAttentionCall:
+    """A validated ``ring_attention`` call (the local shards): what every backend receives (see above)."""
 
-    fwd_params: FwdParams | None = None
-    bwd_params: BwdParams | None = None
-    platform: str = "auto"
-    backend: str = "any"
+    query: Float[jax.Array, "batch q_len num_heads head_dim"] = array_field()
+    key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"] = array_field()
+    value: Float[jax.Array, "batch kv_len num_kv_heads v_head_dim"] = array_field()
+    q_segment_ids: Int[jax.Array, "batch q_len"] | None = array_field()
+    """int32; given together with ``kv_segment_ids`` or not at all."""
+    kv_segment_ids: Int[jax.Array, "batch kv_len"] | None = array_field()
+    softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = array_field()
+    softmax_scale: float = 1.0
+    causal: bool = False
+    sliding_window: tuple[int, int] | None = None
+    logits_soft_cap: float | None = None
+    axis_name: str | None = None
+    """The mesh axis the sequence is sharded over; None: one device."""
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
+
+    @property
+    def dropout_prob(self) -> float:
+        """Ring attention has no dropout (read by code shared with ``FlashAttentionCall``)."""
+        return 0.0
 
 
 class RingAttention(RegistryOperation):
     """Sequence-parallel attention over a ring of devices (see the module docstring)."""
 
     algorithm = "ring_attention"
-    config_type = RingAttentionConfig
 
     def validate(
         self, query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *,
-        softmax_scale=None, causal=False, sliding_window=None, logits_soft_cap=None, axis_name=None,
-    ):
+        softmax_scale=None, causal=False, sliding_window=None, logits_soft_cap=None, axis_name=None, precision=None,
+    ) -> RingAttentionCall:
         batch, q_len, num_heads, head_dim, kv_len, _ = check_qkv(query, key, value)
         if (q_segment_ids is None) != (kv_segment_ids is None):
             # Unlike flash_attention, no self-attention fill: the key/value shards travel around the ring
@@ -77,18 +89,22 @@ class RingAttention(RegistryOperation):
                 f"{missing}=None"
             )
         q_segment_ids, kv_segment_ids = normalize_segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
-        softmax_aux = check_softmax_aux(softmax_aux, num_heads)
         if axis_name is not None and not isinstance(axis_name, str):
             raise ValueError(f"axis_name must be a mesh axis name (str) or None, got {axis_name!r}")
-        args = (query, key, value, q_segment_ids, kv_segment_ids, softmax_aux)
-        kwargs = dict(
+        return RingAttentionCall(
+            query=query,
+            key=key,
+            value=value,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            softmax_aux=check_softmax_aux(softmax_aux, num_heads),
             softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
             causal=check_bool("causal", causal),
             sliding_window=normalize_sliding_window(sliding_window),
             logits_soft_cap=normalize_soft_cap(logits_soft_cap),
             axis_name=axis_name,
+            precision=resolve_precision(precision, query.dtype),
         )
-        return args, kwargs
 
 
 @typechecked
@@ -105,8 +121,9 @@ def ring_attention(
     sliding_window: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
     axis_name: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
     platform: str = "auto",
-    cfg: RingAttentionConfig | None = None,
+    cfg: Any = None,
 ) -> Float[jax.Array, "batch q_len num_heads v_head_dim"]:
     """Exact attention over a sequence sharded on ``axis_name`` (call inside ``jax.shard_map``).
 
@@ -118,7 +135,12 @@ def ring_attention(
         softmax_scale: logits scale (default ``head_dim ** -0.5``); causal, sliding_window
             (``w`` or ``(left, right)``), logits_soft_cap: as in ``flash_attention``, on global positions.
         axis_name: the mesh axis the sequence is sharded over; None runs on one device.
-        platform: ``"auto"`` or a backend name; cfg: a :class:`RingAttentionConfig`.
+        precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
+            ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
+        platform: ``"auto"`` or a backend name.
+        cfg: one implementation's config (the blocks of every ring step, e.g.
+            ``ejkernel_xla.flash_attention.XlaFlashConfig``); it selects that implementation. None: cached,
+            tuned or heuristic config of the chosen one.
 
     Returns:
         The local shard of the output ``[batch, q_len, num_heads, v_head_dim]`` in query's dtype.
@@ -126,5 +148,5 @@ def ring_attention(
     return execute(
         RingAttention(), query, key, value, q_segment_ids, kv_segment_ids, softmax_aux,
         softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        axis_name=axis_name, platform=platform, cfg=cfg,
+        axis_name=axis_name, precision=precision, platform=platform, cfg=cfg,
     )
