@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -138,12 +137,7 @@ def padded_lengths(blocks: TpuFlashBlocks, sq: int, skv: int) -> tuple[int, int]
             round_up(skv, math.lcm(blocks.fwd_kv, blocks.dkv_kv, blocks.dq_kv)))
 
 
-def _own_field(field: str) -> str:
-    return f"TpuFlashBlocks.{field}"
-
-
-def validate_blocks(blocks: TpuFlashBlocks, sq: int, skv: int, *, q_rows: int, kv_rows: int, kv_lanes: bool,
-                    field_name: Callable[[str], str] = _own_field) -> None:
+def validate_blocks(blocks: TpuFlashBlocks, sq: int, skv: int, *, q_rows: int, kv_rows: int, kv_lanes: bool) -> None:
     """Refuse blocks a TPU cannot tile, naming the config field (before anything is lowered).
 
     Query-side blocks are rows of Q/O tiles and of per-query metadata: a multiple of ``q_rows``. Key-side
@@ -155,7 +149,7 @@ def validate_blocks(blocks: TpuFlashBlocks, sq: int, skv: int, *, q_rows: int, k
         value = getattr(blocks, field)
         if value != sq_pad and value % q_rows:
             raise TpuTilingError(
-                f"{field_name(field)}={value}: a query block must be a multiple of {q_rows} rows "
+                f"TpuFlashBlocks.{field}={value}: a query block must be a multiple of {q_rows} rows "
                 f"(TPU sublane tiles of the query-side arrays) or one block over the padded length {sq_pad}"
             )
     if kv_lanes:
@@ -166,7 +160,7 @@ def validate_blocks(blocks: TpuFlashBlocks, sq: int, skv: int, *, q_rows: int, k
         value = getattr(blocks, field)
         if value != skv_pad and value % need:
             raise TpuTilingError(
-                f"{field_name(field)}={value}: a key/value block must be a multiple of {need} ({why}) "
+                f"TpuFlashBlocks.{field}={value}: a key/value block must be a multiple of {need} ({why}) "
                 f"or one block over the padded length {skv_pad}"
             )
 
@@ -755,18 +749,15 @@ def _block_arrays(query, key, value, q_segment_ids, kv_segment_ids, q_start, kv_
     return arrays
 
 
-def block_static(query, key, value, *, has_segments: bool, softmax_scale, causal, sliding_window, logits_soft_cap,
-                 blocks: TpuFlashBlocks | None = None, precision=None, interpret=False,
-                 field_name: Callable[[str], str] = _own_field, cfg=None) -> _Static:
+def block_static(query, key, value, *, blocks: TpuFlashBlocks, has_segments: bool, softmax_scale, causal,
+                 sliding_window, logits_soft_cap, precision=None, interpret=False) -> _Static:
     """The static description of a ring block (positions as arrays, f32 outputs); ``precision`` that of
     float32 dots (None for 16-bit inputs)."""
     sq, heads = query.shape[1], query.shape[2]
     skv, kv_heads = key.shape[1], key.shape[2]
     rows = _row_multiple(query.dtype, False)
-    if blocks is None:  # TODO(#18): ring attention's old-style config, see the section below
-        blocks, field_name = _ring_config_blocks(cfg, sq, skv, query.dtype, query.shape[3]), _ring_config_field
     # positions travel as [B, 1, S] per-key metadata: key blocks are lane tiles
-    validate_blocks(blocks, sq, skv, q_rows=rows, kv_rows=rows, kv_lanes=True, field_name=field_name)
+    validate_blocks(blocks, sq, skv, q_rows=rows, kv_rows=rows, kv_lanes=True)
     return _Static(
         scale=float(softmax_scale), causal=bool(causal),
         window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
@@ -799,55 +790,6 @@ def block_backward(st: _Static, query, key, value, q_segment_ids, kv_segment_ids
 
 
 
-
-# ---------------------------------------------------------------------------------------------------
-# TODO(#18): ring attention's old-style RingAttentionConfig (fwd_params / bwd_params). Delete this section
-# when ring attention takes TpuFlashBlocks as its config (block_static(blocks=...), heuristic_blocks,
-# candidate_blocks).
-
-_RING_CONFIG_FIELDS = {
-    "fwd_q": "fwd_params.q_blocksize",
-    "fwd_kv": "fwd_params.kv_blocksize",
-    "dkv_q": "bwd_params.q_blocksize",
-    "dkv_kv": "bwd_params.kv_blocksize",
-    "dq_q": "bwd_params.blocksize_m",
-    "dq_kv": "bwd_params.blocksize_n",
-}
-
-
-def _ring_config_field(field: str) -> str:
-    return f"RingAttentionConfig.{_RING_CONFIG_FIELDS[field]}"
-
-
-def _ring_config_blocks(cfg, sq: int, skv: int, dtype, head_dim: int) -> TpuFlashBlocks:
-    """The blocks a RingAttentionConfig sets, the heuristic's where it sets none (dQ: the dK/dV blocks)."""
-    chosen = dataclasses.asdict(heuristic_blocks(sq, skv, dtype, head_dim))
-    given = {}
-    for field, path in _RING_CONFIG_FIELDS.items():
-        group, name = path.split(".")
-        value = getattr(getattr(cfg, group, None), name, None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise TpuTilingError(f"{_ring_config_field(field)}={value!r}: a block size must be a positive int")
-        if value is not None:
-            given[field] = value
-    chosen.update(given)
-    chosen["dq_q"] = given.get("dq_q", chosen["dkv_q"])
-    chosen["dq_kv"] = given.get("dq_kv", chosen["dkv_kv"])
-    return TpuFlashBlocks(**chosen)
-
-
-def blocks_to_config(blocks: TpuFlashBlocks, config_type):
-    from ejkernel.ops.utils.datacarrier import BwdParams, FwdParams
-
-    return config_type(
-        fwd_params=FwdParams(q_blocksize=blocks.fwd_q, kv_blocksize=blocks.fwd_kv),
-        bwd_params=BwdParams(q_blocksize=blocks.dkv_q, kv_blocksize=blocks.dkv_kv, blocksize_m=blocks.dq_q,
-                             blocksize_n=blocks.dq_kv),
-        platform="pallas",
-    )
-
-
-config_space = candidate_blocks
 
 # ---------------------------------------------------------------------------------------------------
 # Micro-benchmark (on a TPU; `python -m ejkernel_pallas.tpu_flash_attention`)
