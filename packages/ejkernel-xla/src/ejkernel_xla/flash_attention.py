@@ -83,12 +83,3 @@ class XlaFlashAttention(Implementation[FlashAttentionCall, XlaFlashConfig]):
 
 
 IMPLEMENTATION = XlaFlashAttention()
-
-
-# TODO(#18): removed once ring_attention takes a canonical call (it builds AttentionParams.of(call)).
-def attention_params(softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob) -> AttentionParams:
-    return AttentionParams(
-        softmax_scale=float(softmax_scale), causal=bool(causal),
-        sliding_window=None if sliding_window is None else (int(sliding_window[0]), int(sliding_window[1])),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), dropout_prob=float(dropout_prob),
-    )
