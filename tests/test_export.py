@@ -265,6 +265,21 @@ def test_export_round_trip_xla_cpu(name, xla_round_trips):
     xla_round_trips[name] = _round_trip(name, "xla", "cpu")
 
 
+def test_exported_forward_differentiates_after_loading():
+    """``serialize(vjp_order=1)`` carries the custom VJP: the loaded forward has ejkernel's gradients."""
+    fn, args = CASES["flash_attention"]("xla")
+    args = tuple(map(jnp.asarray, args))
+    restored = jax.export.deserialize(jax.export.export(jax.jit(fn))(*args).serialize(vjp_order=1))
+
+    def loss(call):
+        return lambda *a: call(*a).astype(jnp.float32).sum()
+
+    expected = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(*args)
+    actual = jax.jit(jax.grad(loss(restored.call), argnums=(0, 1, 2)))(*args)
+    for got, want in zip(actual, expected, strict=True):
+        _assert_same_result(np.asarray(got, np.float64), np.asarray(want, np.float64), want.dtype)
+
+
 # Replayed by a fresh process (each costs a compile there): the custom-VJP gradient, a collective (shard_map)
 # and an integer-indexed gather. export() itself already refused any custom call that is not stable.
 REPLAYED = ("flash_attention_grad", "ring_attention", "page_attention")
