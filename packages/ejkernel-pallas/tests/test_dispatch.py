@@ -70,7 +70,10 @@ def test_interpret_env_values(monkeypatch):
 
 @pytest.mark.parametrize(
     "registrations, implementation",
-    [("pallas_interpret", tpu_flash_attention.IMPLEMENTATION), ("pallas_interpret_gpu", gpu_flash_attention.IMPLEMENTATION)],
+    [
+        ("pallas_interpret", tpu_flash_attention.IMPLEMENTATION),
+        ("pallas_interpret_gpu", gpu_flash_attention.IMPLEMENTATION),
+    ],
 )
 def test_interpret_mode_runs_its_kernels_on_cpu(request, registrations, implementation):
     """``platform="pallas"`` on CPU runs the family the interpret mode registered."""

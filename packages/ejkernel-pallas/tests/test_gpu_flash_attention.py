@@ -112,7 +112,8 @@ def test_float32_dots_run_ieee_unless_default_is_asked_for():
 
     def dot_precisions(dtype, **kw):
         q = jnp.ones((1, 16, 1, 16), dtype)
-        return {eqn.params["precision"] for eqn in equations(lambda q: _kernel()(q, q, q, **kw), q, primitive="dot_general")}
+        dots = equations(lambda q: _kernel()(q, q, q, **kw), q, primitive="dot_general")
+        return {eqn.params["precision"] for eqn in dots}
 
     highest, default = (jax.lax.Precision.HIGHEST,) * 2, (jax.lax.Precision.DEFAULT,) * 2
     assert dot_precisions(jnp.float32) == dot_precisions(jnp.float32, precision="high") == {highest}

@@ -91,7 +91,9 @@ def test_fully_masked_rows_are_zero_with_zero_gradients():
     q_seg = jnp.full((b, s), 3, jnp.int32)
     kv_seg = jnp.where(jnp.arange(s) < 12, 3, 4)[None].astype(jnp.int32)
     q_seg = q_seg.at[:, 5:9].set(9)  # rows 5..8 see nothing
-    fn = lambda q, k, v: _kernel()(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, softmax_scale=0.25)  # noqa: E731
+    fn = lambda q, k, v: _kernel()(  # noqa: E731
+        q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, softmax_scale=0.25
+    )
     out, (dq, dk, dv) = out_and_grads(fn, (0, 1, 2))(q, k, v)
     assert float(jnp.max(jnp.abs(out[:, 5:9]))) == 0.0
     assert bool(jnp.all(jnp.isfinite(dq))) and float(jnp.max(jnp.abs(dq[:, 5:9]))) == 0.0
@@ -164,7 +166,8 @@ def test_float32_dots_take_the_calls_precision():
 
     def dot_precisions(dtype, **kw):
         q = jnp.ones((1, 16, 1, 128), dtype)
-        return {eqn.params["precision"] for eqn in equations(lambda q: _kernel()(q, q, q, **kw), q, primitive="dot_general")}
+        dots = equations(lambda q: _kernel()(q, q, q, **kw), q, primitive="dot_general")
+        return {eqn.params["precision"] for eqn in dots}
 
     highest = (jax.lax.Precision.HIGHEST,) * 2
     assert dot_precisions(jnp.float32) == {highest}

@@ -642,11 +642,14 @@ class GpuFlashAttention(Implementation[FlashAttentionCall, GpuFlashTuning]):
         for refused, what in (
             (call.bias is not None, "bias"),
             (call.attention_mask is not None, "attention_mask"),
-            (call.cum_seqlens_q is not None and call.q_segment_ids is not None, "segment ids together with cum_seqlens"),
+            (call.cum_seqlens_q is not None and call.q_segment_ids is not None,
+             "segment ids together with cum_seqlens"),
             (max(head_dims) > 256, f"head_dim > 256 (query, value: {head_dims})"),
         ):
             if refused:
-                raise UnsupportedFeature(f"pallas GPU flash_attention: {what} is not implemented (platform='xla' takes it)")
+                raise UnsupportedFeature(
+                    f"pallas GPU flash_attention: {what} is not implemented (platform='xla' takes it)"
+                )
 
     def heuristic_config(self, call: FlashAttentionCall) -> GpuFlashTuning:
         return heuristic_tuning(call.query.shape[1], call.key.shape[1])
