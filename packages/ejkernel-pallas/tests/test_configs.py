@@ -51,7 +51,7 @@ def test_executor_config_is_the_tpu_heuristic(pallas_interpret):
             assert block % 16 == 0 and (block % 128 == 0 or block >= seq)
     q, k, v = _qkv(256)
     ring_cfg = executor.choose(RingAttention(), q, k, v, platform="pallas")
-    assert ring_cfg == tpu.TpuFlashBlocks(*(256,) * 6)  # the flash heuristic on the local shards
+    assert ring_cfg == TpuFlashBlocks(*(256,) * 6)  # the flash heuristic on the local shards
     lhs, rhs = jnp.ones((300, 200), jnp.bfloat16), jnp.ones((3, 200, 700), jnp.bfloat16)
     gmm_cfg = executor.choose(GroupedMatmul(), lhs, rhs, jnp.array([100, 100, 100], jnp.int32), platform="pallas")
     assert gmm_cfg == PallasGroupedMatmulConfig(block_m=304, block_k=200, block_n=512)
@@ -104,7 +104,7 @@ def test_bad_blocks_are_refused_naming_the_config_field(pallas_interpret):
         dataclasses.replace(heuristic, dkv_kv=-128)
     with pytest.raises(TypeError, match="cfg must be a ejkernel_pallas.tpu_flash_attention.TpuFlashBlocks"):
         flash_attention(q, k, v, platform="pallas", cfg=GpuFlashTuning())
-    ring_blocks = tpu.TpuFlashBlocks(fwd_q=256, fwd_kv=256, dkv_q=100, dkv_kv=256, dq_q=256, dq_kv=256)
+    ring_blocks = TpuFlashBlocks(fwd_q=256, fwd_kv=256, dkv_q=100, dkv_kv=256, dq_q=256, dq_kv=256)
     with pytest.raises(TpuTilingError, match=r"TpuFlashBlocks\.dkv_q=100: .*multiple of 16"):
         jax.grad(lambda q: ring_attention(q, k, v, cfg=ring_blocks).astype(jnp.float32).sum())(q)
     lhs, rhs, sizes = jnp.ones((300, 200)), jnp.ones((3, 200, 700)), jnp.array([100, 100, 100], jnp.int32)
