@@ -6,7 +6,8 @@ and compare: tokens/s, step time and the loss curves, written to JSON and one PN
 
 ``--attention ejkernel`` runs ``ejkernel.modules.flash_attention`` (whatever backend it picks: Triton or
 Pallas on a GPU, XLA on a CPU); ``--attention jax`` runs ``jax.nn.dot_product_attention`` with
-``implementation="cudnn"`` on a GPU and ``implementation="xla"`` elsewhere (cuDNN needs a GPU);
+``implementation="cudnn"`` on a GPU and ``implementation="xla"`` elsewhere (cuDNN needs a GPU and 16-bit
+inputs; ``--jax-implementation`` overrides);
 ``--attention both`` (the default) trains twice from the same initial weights on the same batches.
 Both are causal grouped-query attention, with an optional sliding window (``--sliding-window W``: each
 token sees itself and the ``W`` tokens before it).
@@ -64,11 +65,12 @@ CONFIGS: dict[str, RunConfig] = {
 }
 
 
-def jax_implementation() -> str:
-    return "cudnn" if jax.default_backend() == "gpu" else "xla"
+def jax_implementation(dtype: str) -> str:
+    """cuDNN where it can run (an NVIDIA GPU, 16-bit inputs); JAX's XLA formula elsewhere."""
+    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
 
 
-def make_attend(choice: str, sliding_window: int | None, platform: str = "auto"):
+def make_attend(choice: str, sliding_window: int | None, platform: str = "auto", jax_impl: str = "xla"):
     """``attend(q, k, v, cache)`` for training: causal GQA over ``[batch, seq, heads, head_dim]``."""
     window = None if sliding_window is None else (sliding_window, 0)
     if choice == "ejkernel":
@@ -77,20 +79,19 @@ def make_attend(choice: str, sliding_window: int | None, platform: str = "auto")
         def attend(q, k, v, cache):
             return flash_attention(q, k, v, causal=True, sliding_window=window, platform=platform), cache
     elif choice == "jax":
-        implementation = jax_implementation()
 
         def attend(q, k, v, cache):
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
-                                               implementation=implementation)
+                                               implementation=jax_impl)
             return out, cache
     else:
         raise ValueError(f"attention choice {choice!r}: expected 'ejkernel' or 'jax'")
     return attend
 
 
-def describe_attention(choice: str, run: RunConfig) -> str:
+def describe_attention(choice: str, run: RunConfig, jax_impl: str) -> str:
     if choice == "jax":
-        return f'jax.nn.dot_product_attention(implementation="{jax_implementation()}")'
+        return f'jax.nn.dot_product_attention(implementation="{jax_impl}")'
     from ejkernel.modules import FlashAttention
 
     cfg = run.model
@@ -103,7 +104,7 @@ def describe_attention(choice: str, run: RunConfig) -> str:
 
 def batches(run: RunConfig, seed: int = 0):
     """Random windows of the training text: ``(inputs, targets)`` int32 ``[batch, seq]`` (same every run)."""
-    text = training_text(max(1 << 20, 4 * run.seq_len * run.batch_size))
+    text = training_text(min(1 << 25, max(1 << 20, run.steps * run.seq_len * run.batch_size)))
     rng = np.random.default_rng(seed)
     while True:
         starts = rng.integers(0, len(text) - run.seq_len - 1, run.batch_size)
@@ -114,7 +115,8 @@ def batches(run: RunConfig, seed: int = 0):
 def build(run: RunConfig, attend, seed: int = 0):
     """The model and optimizer as (graph, state), and a jitted ``step(state, inputs, targets) -> (state, loss)``."""
     model = GPT(run.model, rngs=nnx.Rngs(seed))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, run.learning_rate, run.warmup_steps, max(run.steps, 2))
+    warmup = min(run.warmup_steps, run.steps // 2)  # short runs (--steps) keep a decay phase
+    schedule = optax.warmup_cosine_decay_schedule(0.0, run.learning_rate, warmup, max(run.steps, warmup + 1))
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.95,
                                                                                               weight_decay=0.1)),
                               wrt=nnx.Param)
@@ -135,11 +137,13 @@ def build(run: RunConfig, attend, seed: int = 0):
     return model, state, step
 
 
-def train(run: RunConfig, choice: str, *, progress: bool = True, platform: str = "auto") -> dict[str, Any]:
+def train(run: RunConfig, choice: str, *, progress: bool = True, platform: str = "auto",
+          jax_impl: str | None = None) -> dict[str, Any]:
     """Train once with one attention choice; the first step (compilation) is timed apart from the rest."""
     from tqdm.auto import tqdm
 
-    model, state, step = build(run, make_attend(choice, run.sliding_window, platform))
+    jax_impl = jax_impl or jax_implementation(run.model.dtype)
+    model, state, step = build(run, make_attend(choice, run.sliding_window, platform, jax_impl))
     data = batches(run)
     losses, step_times, compile_s = [], [], 0.0
     tokens_per_step = run.batch_size * run.seq_len
@@ -162,7 +166,7 @@ def train(run: RunConfig, choice: str, *, progress: bool = True, platform: str =
     bar.close()
     median = statistics.median(step_times) if step_times else float("nan")
     return {
-        "attention": describe_attention(choice, run),
+        "attention": describe_attention(choice, run, jax_impl),
         "steps": len(losses),
         "stopped_early": len(losses) < run.steps,
         "first_step_s": compile_s,
@@ -208,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sliding-window", type=int, help="each token sees itself and W tokens before it")
     parser.add_argument("--time-budget-s", type=float, help="per attention choice (0: none)")
     parser.add_argument("--platform", default="auto", help="ejkernel platform (auto, triton, pallas, xla)")
+    parser.add_argument("--jax-implementation", choices=("cudnn", "xla"),
+                        help="of jax.nn.dot_product_attention (default: cudnn on a GPU with 16-bit inputs, else xla)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("gpt-results"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -233,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": {},
     }
     for choice in choices:
-        result["runs"][choice] = train(run, choice, progress=not args.no_progress, platform=args.platform)
+        result["runs"][choice] = train(run, choice, progress=not args.no_progress, platform=args.platform,
+                                       jax_impl=args.jax_implementation)
     result["params"] = next(iter(result["runs"].values()))["params"]
     if len(choices) == 2:
         a, b = (result["runs"][c]["loss"] for c in choices)

@@ -254,17 +254,23 @@ def test_every_public_operation_has_an_export_case():
     assert set(CASES) - {"flash_attention_grad"} <= public
 
 
+# The CPU round trips; on a GPU machine (scripts/device/gpu_tests.sh runs unmarked tests too) -m gpu's do.
+cpu_only = pytest.mark.skipif("jax.default_backend() != 'cpu'", reason="CPU round trips (the GPU has -m gpu's)")
+
+
 @pytest.fixture(scope="module")
 def xla_round_trips():
     """Every CPU round trip, run once; the fresh-process test replays their serialized modules."""
     return {}
 
 
+@cpu_only
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_export_round_trip_xla_cpu(name, xla_round_trips):
     xla_round_trips[name] = _round_trip(name, "xla", "cpu")
 
 
+@cpu_only
 def test_exported_forward_differentiates_after_loading():
     """``serialize(vjp_order=1)`` carries the custom VJP: the loaded forward has ejkernel's gradients."""
     fn, args = CASES["flash_attention"]("xla")
@@ -285,6 +291,7 @@ def test_exported_forward_differentiates_after_loading():
 REPLAYED = ("flash_attention_grad", "ring_attention", "page_attention")
 
 
+@cpu_only
 def test_xla_exports_run_in_a_process_without_ejkernel(tmp_path, xla_round_trips):
     """A serialized XLA-backend program needs jax only: no custom-call targets, nothing of ours imported."""
     for name in REPLAYED:
