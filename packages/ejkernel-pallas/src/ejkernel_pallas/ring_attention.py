@@ -27,6 +27,7 @@ from ejkernel.modules.operations.ring_attention import RingAttentionCall
 
 from ejkernel_pallas import tpu_flash_attention as tpu
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
+from ejkernel_pallas.tpu_flash_attention import TpuFlashBlocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +146,7 @@ def _backward(rs, residuals, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(call: RingAttentionCall, blocks: tpu.TpuFlashBlocks, *, interpret=False) -> jax.Array:
+def ring_attention(call: RingAttentionCall, blocks: TpuFlashBlocks, *, interpret=False) -> jax.Array:
     """The ring of TPU block kernels on a validated call, ``blocks`` tiling the local shards. ``interpret``:
     False (compile with Mosaic), True (Pallas' generic interpreter) or a ``pltpu.InterpretParams``."""
     query = call.query
@@ -170,25 +171,25 @@ def _shard_facts(call: RingAttentionCall) -> tuple[int, int, object, int]:
     return call.query.shape[1], call.key.shape[1], call.query.dtype, call.query.shape[3]
 
 
-class PallasRingAttention(Implementation[RingAttentionCall, tpu.TpuFlashBlocks]):
+class PallasRingAttention(Implementation[RingAttentionCall, TpuFlashBlocks]):
     """The ring over the TPU flash block kernels (see the module docstring); on CPU in interpret mode only."""
 
-    config_type = tpu.TpuFlashBlocks
+    config_type = TpuFlashBlocks
 
     def supports(self, call: RingAttentionCall) -> None:
         if jax.default_backend() not in ("tpu", "cpu"):
             raise UnsupportedFeature("pallas ring_attention uses the TPU block kernels; on GPUs use platform='xla'")
         tpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
 
-    def heuristic_config(self, call: RingAttentionCall) -> tpu.TpuFlashBlocks:
+    def heuristic_config(self, call: RingAttentionCall) -> TpuFlashBlocks:
         """The TPU flash heuristic for the local shard lengths (one block over short shards, multiples of
         128 rows otherwise)."""
         return tpu.heuristic_blocks(*_shard_facts(call))
 
-    def candidate_configs(self, call: RingAttentionCall) -> list[tpu.TpuFlashBlocks]:
+    def candidate_configs(self, call: RingAttentionCall) -> list[TpuFlashBlocks]:
         return tpu.candidate_blocks(*_shard_facts(call))
 
-    def __call__(self, call: RingAttentionCall, config: tpu.TpuFlashBlocks) -> jax.Array:
+    def __call__(self, call: RingAttentionCall, config: TpuFlashBlocks) -> jax.Array:
         return ring_attention(call, config, interpret=tpu_interpret_or_refuse())
 
 
