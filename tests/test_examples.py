@@ -17,6 +17,7 @@ sys.path.insert(0, str(EXAMPLES))
 pytest.importorskip("flax", reason="examples/ need the workspace's dev dependencies (uv sync)")
 
 import paged_generation  # noqa: E402
+import report  # noqa: E402
 import train_gpt  # noqa: E402
 
 # The tiny configurations compare float32 runs on the CPU; on a GPU (whose float32 matmuls may be TF32 and
@@ -41,6 +42,13 @@ def test_train_gpt_tiny_both_attention_choices_agree_and_learn(tmp_path):
     # same weights, same batches, float32: the two attention implementations agree to rounding, every step
     assert result["max_loss_difference"] < 1e-4, result["max_loss_difference"]
 
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{report.START}\nold\n{report.END}\nafter\n")
+    report.main([str(tmp_path / "train_gpt-tiny.json"), "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.startswith(f"before\n{report.START}\nTraining, `tiny`") and text.endswith(f"{report.END}\nafter\n")
+    assert "| ejkernel.modules.flash_attention (platform xla) |" in text and "old" not in text
+
 
 def test_gpu_config_is_a_100m_model_at_long_sequence():
     run = train_gpt.CONFIGS["gpu-100m"]
@@ -60,3 +68,4 @@ def test_paged_generation_tiny_matches_full_recompute(tmp_path):
         assert run["max_relative_logits_error_vs_full_recompute"] < 1e-5
         assert run["tokens_per_s"] > 0
     assert page["sample"] == ragged["sample"]  # the same greedy tokens through either cache layout
+    assert "| ragged_page_attention (prefill and decode) | 4 x 6 |" in report.table([result])
