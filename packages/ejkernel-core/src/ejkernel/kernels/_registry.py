@@ -405,6 +405,14 @@ def _signature_text(implementation: Any) -> str:
 _INTERFACE_METHODS = ("__call__", "supports", "heuristic_config", "candidate_configs")
 
 
+def _evaluated_signature(function: Callable) -> inspect.Signature:
+    """The signature with string annotations evaluated where they can be (else kept as strings)."""
+    try:
+        return inspect.signature(function, eval_str=True)
+    except Exception:  # a name imported under TYPE_CHECKING only: compare the text
+        return inspect.signature(function)
+
+
 def _contract_problems(resolved: list[tuple[KernelSpec, Any]], interface: type) -> list[tuple[KernelSpec, str]]:
     """What makes each implementation deviate from the operation contract (see ``validate_signatures``)."""
     problems: list[tuple[KernelSpec, str]] = []
@@ -424,7 +432,7 @@ def _contract_problems(resolved: list[tuple[KernelSpec, Any]], interface: type) 
                 (spec, f"{name}{actual}: {problem}")
                 for problem in _signature_differences(expected, actual, annotations=False)
             )
-        call_signature = inspect.signature(type(implementation).__call__).parameters
+        call_signature = _evaluated_signature(type(implementation).__call__).parameters
         config_annotation = getattr(call_signature.get("config"), "annotation", inspect.Parameter.empty)
         if config_annotation is not inspect.Parameter.empty and not _types_are_equivalent(
             config_annotation, config_type
