@@ -1,6 +1,8 @@
-"""XLA ``flash_attention`` against the shared conformance suite, plus XLA-specific checks: every feature
-across block borders (small, non-dividing blocks), block-size invariance, the reusable block steps of
-``_blockwise`` (ring attention composes them), and memory growing with S, not S²."""
+"""XLA ``flash_attention`` against the shared conformance suite on both of its paths (dense and blockwise,
+each forced), plus XLA-specific checks: the switch between the paths, the precision reaching the compiled
+program, every feature across block borders (small, non-dividing blocks), block-size invariance, the
+reusable block steps of ``_blockwise`` (ring attention composes them), and the blockwise path's memory
+growing with S, not S²."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from ejkernel.modules import flash_attention
+from ejkernel_xla import flash_attention as xla_flash
 from ejkernel_xla.flash_attention import XlaFlashConfig
 from ejkernel.testing.flash_attention import (
     FlashAttentionConformance,
@@ -23,10 +26,20 @@ from ejkernel_xla import _blockwise
 SMALL_BLOCKS = XlaFlashConfig(block_q=16, block_kv=24, bwd_block_q=24, bwd_block_kv=16)
 
 
-class TestXlaFlashAttention(FlashAttentionConformance):
-    """The whole suite with the heuristic blocks (512: short sequences are one block, 1000 is two)."""
+class TestXlaFlashAttentionDense(FlashAttentionConformance):
+    """The whole suite on the dense path (what the rule picks on a GPU for these shapes)."""
 
     platform = "xla"
+    cfg = XlaFlashConfig(dense=True)
+
+
+class TestXlaFlashAttentionBlockwise(FlashAttentionConformance):
+    """The whole suite on the blockwise path with the heuristic blocks (512: short sequences are one block,
+    1000 is two; what the rule picks on CPU)."""
+
+    platform = "xla"
+    cfg = XlaFlashConfig(dense=False)
+    verify_reference = False  # backend-independent: the dense class runs it
 
 
 class _SmallBlocks(FlashAttentionConformance):
@@ -116,8 +129,8 @@ def test_block_steps_compose_like_ring_attention():
 def _compiled_temp_bytes(seq_len: int, *, backward: bool, heads=1, head_dim=64) -> int:
     shape = jax.ShapeDtypeStruct((1, seq_len, heads, head_dim), jnp.float32)
 
-    def forward(q, k, v):
-        return flash_attention(q, k, v, causal=True, platform="xla")
+    def forward(q, k, v):  # the O(S) path, whatever the rule would pick on this device
+        return flash_attention(q, k, v, causal=True, cfg=XlaFlashConfig(dense=False))
 
     fn = jax.grad(lambda q, k, v: forward(q, k, v).sum(), argnums=(0, 1, 2)) if backward else forward
     return jax.jit(fn).lower(shape, shape, shape).compile().memory_analysis().temp_size_in_bytes
@@ -125,7 +138,7 @@ def _compiled_temp_bytes(seq_len: int, *, backward: bool, heads=1, head_dim=64) 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
 def test_memory_grows_with_s_not_s_squared(backward):
-    """Compiled temp memory at S=32k (CPU) is a tiny fraction of one S x S float32 logits matrix (4 GiB)
+    """Blockwise path: compiled temp memory at S=32k (CPU) is a tiny fraction of one S x S float32 logits matrix (4 GiB)
     and grows linearly: 4x the length costs at most ~4x the memory (numbers: docs/xla_memory.md)."""
     seq_len = 32768
     temp_32k = _compiled_temp_bytes(seq_len, backward=backward)
@@ -153,3 +166,106 @@ def test_spec_example_runs_unchanged():
     assert output.shape == (batch, seq_len, num_heads, head_dim)
     again = flash_attention(q, k, v, causal=True, dropout_prob=0.1, logits_soft_cap=30.0, dropout_seed=0)
     np.testing.assert_array_equal(np.asarray(output), np.asarray(again))
+
+
+# ---- the switch between the paths -------------------------------------------------------------------
+
+GiB = 2**30
+
+
+def _abstract_call(batch, seq, heads=16, head_dim=128, dtype=jnp.bfloat16):
+    from ejkernel.modules.operations.flash_attention import FlashAttentionCall
+
+    x = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype)
+    return FlashAttentionCall(query=x, key=x, value=x)
+
+
+def _budget(monkeypatch, budget):
+    """Pretend the device lets the dense path's S² buffers take ``budget`` bytes (None: a CPU)."""
+    monkeypatch.setattr(xla_flash, "dense_budget_bytes", lambda platform=None: budget)
+
+
+def test_rule_on_the_logits_bytes():
+    """Standard benchmark shapes (bf16, 16 heads, batch * seq = 16384) with an H200's budget (half of the
+    ~105 GiB JAX may allocate): dense up to S=16k (48 GiB of S² buffers, 12 bytes per logit); S=64k
+    (768 GiB) stays blockwise; float32 counts 16 bytes per logit; no budget (CPU): never dense."""
+    budget = int(0.5 * 105 * GiB)
+    for seq in (1024, 2048, 4096, 8192, 16384):
+        call = _abstract_call(16384 // seq, seq)
+        assert xla_flash.dense_peak_bytes(call) == (16384 // seq) * 16 * seq * seq * 12
+        assert xla_flash.dense_fits(call, budget), seq
+    assert not xla_flash.dense_fits(_abstract_call(1, 65536), budget)
+    assert xla_flash.dense_peak_bytes(_abstract_call(1, 4096, dtype=jnp.float32)) == 16 * 4096 * 4096 * 16
+    assert not xla_flash.dense_fits(_abstract_call(1, 128), None)
+    assert xla_flash.dense_budget_bytes("cpu") is None
+
+
+def test_config_decides_before_the_rule(monkeypatch):
+    call = _abstract_call(1, 1024)
+    _budget(monkeypatch, 1 << 40)
+    assert xla_flash.takes_dense_path(call, XlaFlashConfig())
+    assert not xla_flash.takes_dense_path(call, XlaFlashConfig(dense=False))
+    assert not xla_flash.takes_dense_path(call, XlaFlashConfig(block_q=256))  # block sizes select blockwise
+    _budget(monkeypatch, None)
+    assert not xla_flash.takes_dense_path(call, XlaFlashConfig())
+    assert xla_flash.takes_dense_path(call, XlaFlashConfig(dense=True))
+
+
+@pytest.mark.parametrize("budget,program", [(1 << 40, "_dense_primal"), (None, "_flash_primal")], ids=["gpu", "cpu"])
+def test_default_config_traces_the_path_of_the_rule(monkeypatch, budget, program):
+    _budget(monkeypatch, budget)
+    x = jax.ShapeDtypeStruct((1, 72, 2, 16), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: flash_attention(q, k, v, causal=True, platform="xla"))(x, x, x))
+    assert f"name={program}" in jaxpr
+
+
+def test_candidate_configs_offer_both_paths_where_dense_fits(monkeypatch):
+    call = _abstract_call(1, 1024)
+    _budget(monkeypatch, 1 << 40)
+    assert xla_flash.IMPLEMENTATION.candidate_configs(call) == [XlaFlashConfig(dense=True), XlaFlashConfig(dense=False)]
+    _budget(monkeypatch, None)
+    assert xla_flash.IMPLEMENTATION.candidate_configs(call) == []
+
+
+def test_config_rejects_blocks_with_dense():
+    with pytest.raises(ValueError, match="block_q=64"):
+        XlaFlashConfig(dense=True, block_q=64)
+    with pytest.raises(ValueError, match="dense must be"):
+        XlaFlashConfig(dense="yes")
+
+
+# ---- precision in the compiled program --------------------------------------------------------------
+
+
+def _dot_precisions(fn, *args) -> list[str]:
+    """The operand precision of every ``dot_general`` of ``fn``'s lowered StableHLO (DEFAULT if unset)."""
+    import re
+
+    text = jax.jit(fn).lower(*args).as_text()
+    found = []
+    for dot in re.findall(r"stablehlo\.dot_general[^\n]*", text):
+        match = re.search(r"precision = \[(\w+), (\w+)\]", dot)
+        found.append(match.groups() if match else ("DEFAULT", "DEFAULT"))
+    return found
+
+
+@pytest.mark.parametrize("cfg", [XlaFlashConfig(dense=True), SMALL_BLOCKS], ids=["dense", "blockwise"])
+@pytest.mark.parametrize(
+    "dtype,precision,expected",
+    [(jnp.float32, None, "HIGHEST"), (jnp.float32, "default", "DEFAULT"), (jnp.float32, "high", "HIGH"),
+     (jnp.bfloat16, None, "DEFAULT")],
+    ids=["float32", "float32-default", "float32-high", "bfloat16"],
+)
+def test_precision_reaches_the_lowered_program(cfg, dtype, precision, expected):
+    """Every matmul of the lowered program, forward and gradient (the custom VJPs' backward included),
+    carries the call's precision: float32 inputs HIGHEST unless asked otherwise (so no TF32 on a GPU)."""
+    x = jax.ShapeDtypeStruct((1, 40, 2, 16), dtype)
+
+    def forward(q, k, v):
+        return flash_attention(q, k, v, causal=True, precision=precision, cfg=cfg)
+
+    gradient = jax.grad(lambda q, k, v: forward(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    for name, fn, matmuls in (("forward", forward, 2), ("gradient", gradient, 7)):
+        found = _dot_precisions(fn, x, x, x)
+        assert len(found) >= matmuls, f"{name}: {len(found)} dot_general ops"
+        assert set(found) == {(expected, expected)}, f"{name}: {found}"

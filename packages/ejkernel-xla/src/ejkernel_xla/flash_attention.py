@@ -1,11 +1,36 @@
-"""XLA ``flash_attention``: blockwise online-softmax attention with a custom VJP (``_blockwise``).
+"""XLA ``flash_attention``: two exact paths, one switch.
 
-Memory: the forward keeps one [B, H, bq, bk] logits block live at a time and saves only the output and
-the per-row log-sum-exp for the backward, which recomputes the probabilities block by block; apart from
-a bias or an explicit mask (which are S² by themselves, and whose blocks are read the same way) memory
-grows with S. With causal or a sliding window, block pairs that no rule lets meet are skipped
-(``lax.cond`` on position bounds). Every feature of ``docs/flash_attention.md`` is implemented; nothing is
-refused.
+- **Dense** (``_dense``): the whole ``[B, H, Sq, Skv]`` float32 logits at once, one-shot softmax, a
+  hand-written VJP that keeps the probabilities for the backward. A few large fused XLA kernels: the
+  formula ``jax.nn.dot_product_attention(implementation="xla")`` runs. Memory O(S²).
+- **Blockwise** (``_blockwise``): online softmax over [bq, bk] blocks in ``lax.scan`` loops, a custom VJP
+  that saves only the output and the per-row log-sum-exp and recomputes the probabilities block by block;
+  apart from a bias or an explicit mask (S² by themselves, read block by block) memory grows with S. With
+  causal or a sliding window, block pairs that no rule lets meet are skipped.
+
+Where the switch happens: ``XlaFlashConfig.dense`` (True/False force a path; None, the default, is this
+rule, evaluated per call at trace time). Dense when the call runs on a GPU or TPU, no block size is
+configured, and the dense path's S² buffers fit in half of the memory JAX may allocate on the device::
+
+    B*H*Sq*Skv * (4 + 4 + 2*itemsize)  <=  DENSE_MEMORY_SHARE * bytes_limit(device)    (H = query heads)
+
+per element of the logits: the float32 logits and the float32 gradient of the probabilities, plus the
+probabilities (kept for the backward) and the logits' gradient in the inputs' dtype -- the peak of a
+forward+backward (bf16: 12 bytes, 3x the float32 logits; float32: 16; XLA's ``memory_analysis`` agrees,
+docs/xla_memory.md). The other half stays for everything else.
+
+Why: on a GPU the blockwise loops pay per-block kernel launches, loop overhead and small matmuls; the
+dense program does not, and runs about twice as fast where it fits (H200, bf16, D=128: blockwise 35-83
+TFLOP/s, the dense formula 43-163). TPUs: the same rule by the same argument (not measured here). Beyond
+the budget only the blockwise path runs at all (S=64k, B=1, H=16: 256 GiB of float32 logits). CPU: the
+rule never takes the dense path; there the blockwise loops are faster (cache-sized blocks, skipped causal
+blocks: 1.4-7x at S=1k-4k, float32, 4 heads, 2 cores) and host memory is everyone's.
+
+Between a differentiated forward and its backward the dense path keeps its probabilities (``B*H*Sq*Skv``
+elements of the inputs' dtype) -- in a model, per layer; the rule sees one call. For training long
+sequences through many layers pass ``XlaFlashConfig(dense=False)`` (or rematerialize the layer). Under
+``jax.vmap`` the rule sees the per-example shapes. Every feature of ``docs/flash_attention.md`` is
+implemented on both paths; nothing is refused.
 """
 
 from __future__ import annotations
@@ -25,16 +50,44 @@ from ejkernel_xla._blockwise import (
     key_tokens,
     query_tokens,
 )
+from ejkernel_xla._dense import flash_attention_dense
+
+DENSE_MEMORY_SHARE = 0.5
+"""Share of the device memory JAX may allocate (``memory_stats()["bytes_limit"]``) that one call's dense
+S² buffers may take."""
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaFlashConfig:
-    """Block sizes of the blockwise loops (None: 512, or 256 for head_dim > 128; capped at the lengths)."""
+    """Which path runs (module docstring) and the blockwise path's block sizes.
+
+    ``dense``: True = the dense path, False = the blockwise path, None = the rule of the module docstring.
+    Block sizes (None: 512, or 256 for head_dim > 128; capped at the lengths) are the blockwise path's:
+    setting one selects it under the rule, and together with ``dense=True`` is an error.
+    """
 
     block_q: int | None = None
     block_kv: int | None = None
     bwd_block_q: int | None = None
     bwd_block_kv: int | None = None
+    dense: bool | None = None
+
+    def __post_init__(self):
+        if self.dense not in (None, True, False):
+            raise ValueError(f"XlaFlashConfig: dense must be True, False or None (the rule), got {self.dense!r}")
+        if self.dense and self.has_blocks:
+            raise ValueError(
+                f"XlaFlashConfig: dense=True runs no blocks, but block sizes were given ({self.block_fields()}); "
+                "drop them or pass dense=False/None"
+            )
+
+    @property
+    def has_blocks(self) -> bool:
+        return any(v is not None for v in (self.block_q, self.block_kv, self.bwd_block_q, self.bwd_block_kv))
+
+    def block_fields(self) -> str:
+        names = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
+        return ", ".join(f"{n}={getattr(self, n)}" for n in names if getattr(self, n) is not None)
 
     def blocks(self, q_len: int, kv_len: int, head_dim: int) -> BlockSizes:
         return default_block_sizes(
@@ -43,42 +96,85 @@ class XlaFlashConfig:
         )
 
 
+# ---- the switch --------------------------------------------------------------------------------------
+
+
+def dense_peak_bytes(call: FlashAttentionCall) -> int:
+    """Peak bytes of the dense path's S² buffers in a forward+backward: ``B*H*Sq*Skv * (8 + 2*itemsize)``
+    (float32 logits and probability gradient; probabilities and logit gradient in the inputs' dtype)."""
+    batch, q_len, num_heads, _ = call.query.shape
+    return batch * num_heads * q_len * call.key.shape[1] * (8 + 2 * call.query.dtype.itemsize)
+
+
+@functools.cache
+def _device_bytes_limit(platform: str) -> int | None:
+    stats = jax.local_devices(backend=platform)[0].memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def dense_budget_bytes(platform: str | None = None) -> int | None:
+    """The bytes the dense path's S² buffers may take on ``platform`` (default: JAX's default backend);
+    None where the rule never takes the dense path (CPU, or a device that reports no memory limit)."""
+    platform = platform or jax.default_backend()
+    if platform == "cpu":
+        return None
+    limit = _device_bytes_limit(platform)
+    return None if limit is None else int(DENSE_MEMORY_SHARE * limit)
+
+
+def dense_fits(call: FlashAttentionCall, budget: int | None) -> bool:
+    """The rule's inequality (module docstring) for ``budget`` bytes (None: never)."""
+    return budget is not None and dense_peak_bytes(call) <= budget
+
+
+def takes_dense_path(call: FlashAttentionCall, config: XlaFlashConfig) -> bool:
+    """Whether ``config`` runs ``call`` on the dense path (forced, or by the rule)."""
+    if config.dense is not None:
+        return config.dense
+    return not config.has_blocks and dense_fits(call, dense_budget_bytes())
+
+
+# ---- the implementation ------------------------------------------------------------------------------
+
+
 # One compiled program per (shapes, static arguments): eager lax.scan would re-trace its body per call.
 @functools.partial(jax.jit, static_argnames=("params", "blocks"))
 def _flash_jit(
     query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, cum_seqlens_q, cum_seqlens_k,
-    softmax_aux, dropout_seed, *, params: AttentionParams, blocks: BlockSizes,
+    softmax_aux, dropout_seed, *, params: AttentionParams, blocks: BlockSizes | None,
 ):
+    """``blocks=None``: the dense path."""
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
     q_tokens = query_tokens(
         batch, q_len, kv_len, segment_ids=q_segment_ids, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k
     )
     kv_tokens = key_tokens(batch, kv_len, segment_ids=kv_segment_ids, cum_seqlens_k=cum_seqlens_k)
-    return flash_attention_blockwise(
-        query,
-        key,
-        value,
-        params=params,
-        blocks=blocks,
-        bias=bias,
-        softmax_aux=softmax_aux,
-        attention_mask=attention_mask,
-        q_tokens=q_tokens,
-        kv_tokens=kv_tokens,
-        dropout_seed=dropout_seed,
+    common = dict(
+        params=params, bias=bias, softmax_aux=softmax_aux, attention_mask=attention_mask, q_tokens=q_tokens,
+        kv_tokens=kv_tokens, dropout_seed=dropout_seed,
     )
+    if blocks is None:
+        return flash_attention_dense(query, key, value, **common)
+    return flash_attention_blockwise(query, key, value, blocks=blocks, **common)
 
 
 class XlaFlashAttention(Implementation[FlashAttentionCall, XlaFlashConfig]):
     config_type = XlaFlashConfig
 
+    def candidate_configs(self, call: FlashAttentionCall) -> list[XlaFlashConfig]:
+        """Both paths where the dense one fits the device (autotuning times them), else nothing to tune."""
+        if not dense_fits(call, dense_budget_bytes()):
+            return []
+        return [XlaFlashConfig(dense=True), XlaFlashConfig(dense=False)]
+
     def __call__(self, call: FlashAttentionCall, config: XlaFlashConfig) -> jax.Array:
         q_len, kv_len, head_dim = call.query.shape[1], call.key.shape[1], call.query.shape[3]
+        blocks = None if takes_dense_path(call, config) else config.blocks(q_len, kv_len, head_dim)
         return _flash_jit(
             call.query, call.key, call.value, call.bias, call.attention_mask, call.q_segment_ids,
             call.kv_segment_ids, call.cum_seqlens_q, call.cum_seqlens_k, call.softmax_aux, call.dropout_seed,
-            params=AttentionParams.of(call), blocks=config.blocks(q_len, kv_len, head_dim),
+            params=AttentionParams.of(call), blocks=blocks,
         )
 
 

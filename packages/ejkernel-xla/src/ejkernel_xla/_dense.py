@@ -1,0 +1,164 @@
+"""Dense flash attention: the whole ``[B, H, Sq, Skv]`` logits at once, with a hand-written VJP.
+
+The semantics are those of ``docs/flash_attention.md`` (the same per-block math as ``_blockwise``: logits,
+visibility, sinks, dropout). One-shot softmax: float32 logits, row max, ``exp``, row sum (+ the sinks),
+normalized probabilities ``P``; dropout scales the kept ones; ``out = P @ V``.
+
+Saved for the backward: ``P`` (before dropout) in the inputs' dtype, the per-row log-sum-exp and the
+output, so the backward reads ``P`` instead of recomputing the logits (the blockwise backward recomputes
+them: one more matmul and one more pass over the S² elements). Only a soft cap recomputes the logits
+(its derivative needs them). ``dS = P * (dP - rowsum(dO * O))``; every matmul takes its operands in the
+inputs' dtype with float32 accumulation, forward and backward. Plain autodiff of the dense formula
+(``_blockwise.dense_attention``) would run the backward's matmuls in float32 (the float32 logits'
+cotangent meets bfloat16 keys) and differentiate the softmax's division term by term.
+
+Memory: the S² buffers of one call (``XlaFlashConfig.dense``'s rule in ``flash_attention.py`` bounds
+them) and, between a differentiated forward and its backward, ``P``: ``B*H*Sq*Skv`` elements of the
+inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ejkernel_xla._blockwise import (
+    AttentionParams,
+    Tokens,
+    _dropout_keep,
+    _grouped,
+    _logits,
+    _ungrouped,
+    sink_lse,
+    visibility,
+)
+
+
+def _visible(q_tok: Tokens, kv_tok: Tokens, params: AttentionParams, mask) -> jax.Array | None:
+    """bool [B|1, 1|H, Sq, Skv], or None when every key is visible to every query (nothing to select)."""
+    masked = (
+        params.causal
+        or params.sliding_window is not None
+        or mask is not None
+        or q_tok.segment is not None
+        or q_tok.sequence is not None
+    )
+    return visibility(q_tok, kv_tok, params, mask) if masked else None
+
+
+def _forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
+    """``(out [B, Sq, H, Dv]`` in q's dtype, ``P`` [B, Hkv, g, Sq, Skv] in v's dtype, ``lse`` [B, H, Sq]``)``."""
+    batch, q_len, num_heads, _ = q.shape
+    num_kv_heads = k.shape[2]
+    s, _ = _logits(q, k, bias, params)  # float32 [B, Hkv, g, Sq, Skv]
+    visible = _visible(q_tok, kv_tok, params, mask)
+    if visible is not None:
+        s = jnp.where(_grouped(visible, num_kv_heads), s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    sinks = None
+    if aux is not None:
+        sinks = _grouped(sink_lse(aux, batch, num_heads, q_len), num_kv_heads)[..., None]
+        m = jnp.maximum(m, sinks)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # rows that see nothing: exp(-inf - 0) = 0
+    e = jnp.exp(s - m)
+    denominator = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator = denominator + jnp.exp(sinks - m)
+    seen = denominator > 0
+    p = e / jnp.where(seen, denominator, 1.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denominator, 1.0)), -jnp.inf)[..., 0]
+    p_saved = p.astype(v.dtype)
+    p_used = p_saved
+    if params.dropout_prob > 0.0:
+        keep = _grouped(_dropout_keep(q_tok, kv_tok, seed, batch, num_heads, params), num_kv_heads)
+        # from the saved P, as the backward does: both passes use the same rounded probabilities
+        p_used = jnp.where(keep, p_saved.astype(jnp.float32) * (1.0 / (1.0 - params.dropout_prob)), 0.0).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p_used, v, preferred_element_type=jnp.float32)
+    out = out.reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)
+    return out, p_saved, _ungrouped(lse)
+
+
+def _backward(params: AttentionParams, res, d_out):
+    q, k, v, bias, aux, mask, q_tok, kv_tok, seed, out, p, lse = res
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    d_out = d_out.astype(q.dtype)
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    dog = d_out.reshape(batch, q_len, num_kv_heads, group, d_out.shape[-1])
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", dog, v, preferred_element_type=jnp.float32)
+    p_used = p
+    if params.dropout_prob > 0.0:
+        keep = _grouped(_dropout_keep(q_tok, kv_tok, seed, batch, num_heads, params), num_kv_heads)
+        scale = 1.0 / (1.0 - params.dropout_prob)
+        p_used = jnp.where(keep, p.astype(jnp.float32) * scale, 0.0).astype(p.dtype)
+        dp = jnp.where(keep, dp * scale, 0.0)
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p_used.astype(d_out.dtype), dog, preferred_element_type=jnp.float32)
+    ds = p.astype(jnp.float32) * (dp - _grouped(delta, num_kv_heads)[..., None])  # = d(logits after soft cap)
+    ds_raw = ds
+    if params.logits_soft_cap is not None:
+        _, capped = _logits(q, k, None, params)
+        ds_raw = ds * (1.0 - capped * capped)
+    ds_raw = (ds_raw * params.softmax_scale).astype(q.dtype)
+    qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds_raw, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds_raw, qg, preferred_element_type=jnp.float32)
+    dq = dq.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+    dbias = None
+    if bias is not None:
+        dbias = _ungrouped(ds)
+        axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
+        dbias = (jnp.sum(dbias, axis=axes, keepdims=True) if axes else dbias).astype(bias.dtype)
+    d_aux = None
+    if aux is not None:
+        # sinks sit in the denominator only: d aux[h, k] = -sum_{b,i} P_sink[b,h,i,k] * delta[b,h,i]
+        aux2 = aux.astype(jnp.float32)
+        aux2 = aux2[:, None] if aux.ndim == 1 else aux2
+        lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        p_sink = jnp.exp(aux2[None, :, None, :] - lse_safe[..., None])
+        d_aux = -jnp.einsum("bhqk,bhq->hk", p_sink, delta).reshape(aux.shape).astype(aux.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, d_aux
+
+
+def _dense_fwd(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
+    with params.matmuls():
+        out, p, lse = _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
+    return out, (q, k, v, bias, aux, mask, q_tok, kv_tok, seed, out, p, lse)
+
+
+def _dense_bwd(params, res, d_out):
+    with params.matmuls():
+        dq, dk, dv, dbias, d_aux = _backward(params, res, d_out)
+    # mask, tokens and seed are integers/booleans: no cotangent
+    return dq, dk, dv, dbias, d_aux, None, None, None, None
+
+
+def _dense_primal(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
+    with params.matmuls():
+        return _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)[0]
+
+
+_dense = jax.custom_vjp(_dense_primal, nondiff_argnums=(0,))
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def flash_attention_dense(
+    query,
+    key,
+    value,
+    *,
+    params: AttentionParams,
+    bias=None,
+    softmax_aux=None,
+    attention_mask=None,
+    q_tokens: Tokens,
+    kv_tokens: Tokens,
+    dropout_seed=None,
+) -> jax.Array:
+    """Dense attention with the VJP of the module docstring (memory O(S²)); the arguments of
+    ``_blockwise.flash_attention_blockwise`` but no block sizes."""
+    seed = None if params.dropout_prob == 0.0 else jnp.asarray(dropout_seed).astype(jnp.uint32)
+    return _dense(params, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed)
+
+
+__all__ = ["flash_attention_dense"]
