@@ -7,7 +7,6 @@ comparisons. Importing this package is cheap; each suite is its own module
 """
 
 from ejkernel.testing.numerics import (
-    TF32_TOLERANCE,
     TOLERANCES,
     Tolerance,
     assert_close,
@@ -23,7 +22,6 @@ from ejkernel.testing.numerics import (
 )
 
 __all__ = [
-    "TF32_TOLERANCE",
     "TOLERANCES",
     "Tolerance",
     "assert_close",
