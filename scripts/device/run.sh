@@ -2,7 +2,8 @@
 # Run ON THE DEVICE (through the device tool's `run`, with `carry: [".whl"]`), from the repo root:
 #
 #   bash scripts/device/run.sh <command ...>
-#   e.g. bash scripts/device/run.sh python3 -m pytest -m gpu packages/ejkernel-triton/tests
+#   e.g. bash scripts/device/run.sh python3 benchmarks/attention.py --head-dims 128
+#   (every GPU test: bash scripts/device/gpu_tests.sh, which calls this itself)
 #
 # Installs the carried wheels (our distributions with their entry points, plus jax-triton) into
 # /tmp/site without touching the image's packages, puts that first on PYTHONPATH, records the
@@ -16,6 +17,7 @@ if ! ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export EJKERNEL_DEVICE_READY=1  # scripts that call run.sh themselves (gpu_tests.sh) do not install twice
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 OUT=${OUT:-/tmp/out}

@@ -1,0 +1,210 @@
+"""ejkernel's XLA flash attention against ``jax.nn.dot_product_attention(implementation="xla")`` on a GPU.
+
+One command (on the device: ``bash scripts/device/prepare.sh`` here, then run with ``carry: [".whl"]``):
+
+    bash scripts/device/run.sh python3 benchmarks/xla_flash.py --out $OUT     # ~5 min on one H100/H200
+
+1. Memory (first, so the device's peak counter is this part's): forward+backward at S = 16k, 32k, 64k
+   (B=1, H=16, D=128, bf16, causal) through the default config: the path the rule takes, XLA's compiled
+   temp bytes (O(S): about 2x per doubling, never the S² logits), then one S=64k forward+backward run
+   and the device's peak bytes in use.
+2. Speed: the standard shapes (bf16, D=128, 16 heads, batch * seq = 16384, S = 1k..16k, causal and not,
+   forward and forward+backward) for ``ejkernel-xla`` (the default config: the rule of
+   ``ejkernel_xla.flash_attention``), ``ejkernel-xla[blockwise]`` and ``ejkernel-xla[dense]`` (forced) and
+   ``xla``; timing, TFLOP/s and relative errors as in ``attention.py``. The table's last column is
+   ejkernel-xla / xla (issue #14's target: >= 1.0 wherever xla runs).
+
+Writes ``<out>/<device>-<date>-xla-flash.json`` (default ``benchmarks/results``) after every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import attention as bench  # benchmarks/attention.py: timing, inputs, FLOPs, numerics, versions
+
+GiB = 2**30
+
+
+def xla_impls(names: list[str]) -> list[bench.Impl]:
+    from ejkernel.modules import flash_attention
+    from ejkernel_xla.flash_attention import XlaFlashConfig
+
+    def ejkernel(cfg):
+        def attend(q, k, v, causal):
+            return flash_attention(q, k, v, causal=causal, platform="xla", cfg=cfg)
+
+        return attend
+
+    known = {
+        "ejkernel-xla": ejkernel(None),
+        "ejkernel-xla[blockwise]": ejkernel(XlaFlashConfig(dense=False)),
+        "ejkernel-xla[dense]": ejkernel(XlaFlashConfig(dense=True)),
+        "xla": bench._jax_nn("xla"),
+    }
+    return [bench.Impl(name, known[name]) for name in names]
+
+
+def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype) -> str:
+    """Which path the default config takes at this shape on this device."""
+    from ejkernel.modules.operations.flash_attention import FlashAttentionCall
+    from ejkernel_xla.flash_attention import XlaFlashConfig, takes_dense_path
+
+    x = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype)
+    return "dense" if takes_dense_path(FlashAttentionCall(query=x, key=x, value=x), XlaFlashConfig()) else "blockwise"
+
+
+def memory(seqs: list[int], run_seq: int, heads: int, head_dim: int, dtype) -> dict:
+    """Compiled temp bytes of the default config's forward+backward per S, and one run at ``run_seq``."""
+    default, blockwise = (
+        bench.make_step(impl, True, "fwd+bwd") for impl in xla_impls(["ejkernel-xla", "ejkernel-xla[blockwise]"])
+    )
+    step = default
+    rows = []
+    for seq in seqs:
+        x = jax.ShapeDtypeStruct((1, seq, heads, head_dim), dtype)
+        temp, temp_blockwise = (jax.jit(fn).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+                                for fn in (default, blockwise))
+        rows.append(dict(seq=seq, path=rule_path(1, seq, heads, head_dim, dtype), temp_bytes=temp,
+                         blockwise_temp_bytes=temp_blockwise, logits_f32_bytes=heads * seq * seq * 4))
+        print(f"memory S={seq:6d} default config: path={rows[-1]['path']:9s} temp {temp / GiB:8.3f} GiB; "
+              f"blockwise temp {temp_blockwise / GiB:6.3f} GiB; float32 logits {heads * seq * seq * 4 / GiB:,.1f} GiB",
+              flush=True)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(key, (1, run_seq, heads, head_dim), jnp.float32).astype(dtype) for key in keys)
+    stats = jax.devices()[0].memory_stats() or {}
+    before = stats.get("peak_bytes_in_use")
+    start = time.perf_counter()
+    out, grads = jax.jit(step)(q, k, v, do)
+    jax.block_until_ready(grads)
+    seconds = time.perf_counter() - start
+    stats = jax.devices()[0].memory_stats() or {}
+    run = dict(seq=run_seq, seconds_with_compile=seconds, peak_bytes_in_use=stats.get("peak_bytes_in_use"),
+               peak_before=before, bytes_limit=stats.get("bytes_limit"),
+               finite=bool(all(jnp.isfinite(g.astype(jnp.float32)).all() for g in grads)))
+    peak = run["peak_bytes_in_use"]
+    print(f"run S={run_seq} fwd+bwd causal: {seconds:.1f} s with compile, device peak "
+          f"{'?' if peak is None else f'{peak / GiB:.2f} GiB'}, grads finite: {run['finite']}", flush=True)
+    return dict(compiled=rows, run=run)
+
+
+def ratio_table(rows: list[dict], base: str = "ejkernel-xla", against: str = "xla") -> str:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    lines = ["| mode | causal | S | path | " + " | ".join(impls) + f" | {base} / {against} |",
+             "|" + "---|" * (5 + len(impls))]
+    keys = sorted({(r["mode"], r["causal"], r["seq"]) for r in rows}, key=lambda t: (t[0] != "fwd", t[1], t[2]))
+    for mode, causal, seq in keys:
+        cell = {r["impl"]: r for r in rows if (r["mode"], r["causal"], r["seq"]) == (mode, causal, seq)}
+        tflops = {name: cell[name].get("tflops") if name in cell else None for name in impls}
+        ratio = tflops.get(base) / tflops[against] if tflops.get(base) and tflops.get(against) else None
+        path = cell.get(base, {}).get("path", "")
+        lines.append(f"| {mode} | {'yes' if causal else 'no'} | {seq} | {path} | "
+                     + " | ".join(f"{t:.0f}" if t else "—" for t in tflops.values())
+                     + f" | {'—' if ratio is None else f'{ratio:.2f}'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", default="1024,2048,4096,8192,16384")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--causal", default="no,yes")
+    p.add_argument("--impls", default="ejkernel-xla,ejkernel-xla[blockwise],ejkernel-xla[dense],xla")
+    p.add_argument("--tokens", type=int, default=16384, help="batch * seq")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--sets", type=int, default=2, help="input sets rotated through (beat the L2 cache)")
+    p.add_argument("--errors", default="2048", help="seq lengths at which to measure numerics ('' for none)")
+    p.add_argument("--memory-seqs", default="16384,32768,65536", help="'' skips the memory part")
+    p.add_argument("--out", default=str(bench.RESULTS_DIR))
+    args = p.parse_args(argv)
+
+    device = jax.devices()[0]
+    device_kind = getattr(device, "device_kind", device.platform)
+    now = dt.datetime.now(dt.timezone.utc)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{device_kind.lower().replace(' ', '-')}-{now:%Y-%m-%d}-xla-flash.json"
+    dtype = jnp.dtype(args.dtype)
+    from ejkernel_xla.flash_attention import dense_budget_bytes
+
+    budget = dense_budget_bytes()
+    doc = dict(device=device_kind, date=now.isoformat(timespec="seconds"), versions=bench.versions(),
+               dense_budget_bytes=budget,
+               setup=dict(tokens=args.tokens, heads=args.heads, head_dim=args.head_dim, dtype=str(dtype),
+                          warmup=args.warmup, reps=args.reps, calls=args.calls, input_sets=args.sets),
+               memory=None, results=[], numerics=[])
+
+    def save():
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+
+    print(f"# {device_kind}, {now:%Y-%m-%d %H:%M} UTC; dense budget "
+          f"{'none' if budget is None else f'{budget / GiB:.1f} GiB'}", flush=True)
+    if args.memory_seqs:
+        try:
+            doc["memory"] = memory([int(s) for s in args.memory_seqs.split(",")],
+                                   max(int(s) for s in args.memory_seqs.split(",")), args.heads, args.head_dim, dtype)
+        except Exception as exc:  # noqa: BLE001 -- the speed part still runs
+            traceback.print_exc()
+            doc["memory"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        save()
+
+    impls = xla_impls([s for s in args.impls.split(",") if s])
+    error_seqs = {int(s) for s in args.errors.split(",") if s}
+    key = jax.random.key(0)
+    for seq in (int(s) for s in args.seqs.split(",")):
+        batch = max(1, args.tokens // seq)
+        key, sub = jax.random.split(key)
+        inputs = bench.random_inputs(sub, batch, seq, args.heads, args.head_dim, dtype, args.sets)
+        path_here = rule_path(batch, seq, args.heads, args.head_dim, dtype)
+        for causal in (c == "yes" for c in args.causal.split(",")):
+            for impl in impls:
+                if seq in error_seqs:
+                    try:
+                        doc["numerics"].append(dict(impl=impl.name, seq=seq, causal=causal,
+                                                    **bench.errors(impl, *inputs[0], causal)))
+                    except Exception as exc:  # noqa: BLE001
+                        doc["numerics"].append(dict(impl=impl.name, seq=seq, causal=causal, error=str(exc)[:200]))
+                for mode in args.modes.split(","):
+                    row = dict(impl=impl.name, seq=seq, batch=batch, causal=causal, mode=mode)
+                    if impl.name == "ejkernel-xla":
+                        row["path"] = path_here
+                    try:
+                        secs = bench.time_step(bench.make_step(impl, causal, mode), inputs, mode, args.warmup,
+                                               args.reps, args.calls)
+                        flops = bench.attention_flops(batch, args.heads, seq, args.head_dim, causal, mode)
+                        row.update(ms=secs * 1e3, tflops=flops / secs / 1e12)
+                    except Exception as exc:  # noqa: BLE001 -- e.g. out of memory: the row says so
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    doc["results"].append(row)
+                    save()
+                    shown = f"{row['tflops']:7.1f} TFLOP/s {row['ms']:8.3f} ms" if "tflops" in row else row["error"]
+                    print(f"S={seq:5d} B={batch:2d} {'causal' if causal else 'full  '} {mode:7s} {impl.name:24s} "
+                          f"{shown}", flush=True)
+        del inputs
+
+    print()
+    print(ratio_table(doc["results"]))
+    for n in doc["numerics"]:
+        if "error" not in n:
+            print(f"errors S={n['seq']} causal={n['causal']} {n['impl']:24s} out {n['out']:.2e} dq {n['dq']:.2e} "
+                  f"dk {n['dk']:.2e} dv {n['dv']:.2e}")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
