@@ -10,8 +10,8 @@ Loaded with ``-p gpu_suite`` (this folder on ``PYTHONPATH``) and ``-m "not tpu"`
   ``platform`` and the suite's module for shared suites; otherwise the package and the test file's
   name), which travel with the reports from xdist workers.
 - summary: ``--gpu-summary PATH`` writes JSON: device, date, versions, totals, passed/failed/skipped per
-  backend and per (backend, operation), failures with their first line, skip reasons, and which GPU
-  registrations no test exercised.
+  backend and per (backend, operation), failures with their first line, modules that failed to import,
+  skip reasons, and which GPU registrations no test exercised.
 """
 
 from __future__ import annotations
@@ -83,7 +83,12 @@ class _Summary:
     def __init__(self, path: Path):
         self.path = path
         self.tests: dict[str, dict] = {}
+        self.collection_errors: list[dict] = []
         self.started = dt.datetime.now(dt.timezone.utc)
+
+    def pytest_collectreport(self, report):
+        if report.failed:  # a module that cannot even be imported here: its tests are missing from the counts
+            self.collection_errors.append({"module": report.nodeid, "message": _first_line(report)})
 
     def pytest_runtest_logreport(self, report):
         props = dict(report.user_properties)
@@ -128,6 +133,7 @@ class _Summary:
                 b: {op: dict(c) for op, c in sorted(ops.items())} for b, ops in sorted(per_operation.items())
             },
             "failures": failures,
+            "collection_errors": self.collection_errors,
             "skip_reasons": {b: dict(c.most_common()) for b, c in sorted(skips.items())},
             "gpu_registrations": {b: sorted(ops) for b, ops in sorted(registered.items())},
             "registered_but_untested": sorted(
