@@ -10,8 +10,8 @@ One command (on the device: ``bash scripts/device/prepare.sh`` here, then run wi
    and the device's peak bytes in use.
 2. Speed: the standard shapes (bf16, D=128, 16 heads, batch * seq = 16384, S = 1k..16k, causal and not,
    forward and forward+backward) for ``ejkernel-xla`` (the default config: the rule of
-   ``ejkernel_xla.flash_attention``), ``ejkernel-xla[blockwise]`` and ``ejkernel-xla[dense]`` (forced) and
-   ``xla``; timing, TFLOP/s and relative errors as in ``attention.py``. The table's last column is
+   ``ejkernel_xla.flash_attention``; the table names the path it took), ``ejkernel-xla[blockwise]`` (forced;
+   ``ejkernel-xla[dense]`` on request) and ``xla``; timing, TFLOP/s and relative errors as in ``attention.py``. The table's last column is
    ejkernel-xla / xla (issue #14's target: >= 1.0 wherever xla runs).
 
 Writes ``<out>/<device>-<date>-xla-flash.json`` (default ``benchmarks/results``) after every measurement.
@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", default="1024,2048,4096,8192,16384")
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--causal", default="no,yes")
-    p.add_argument("--impls", default="ejkernel-xla,ejkernel-xla[blockwise],ejkernel-xla[dense],xla")
+    p.add_argument("--impls", default="ejkernel-xla,ejkernel-xla[blockwise],xla",
+                   help="subset of ejkernel-xla, ejkernel-xla[blockwise], ejkernel-xla[dense], xla")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
