@@ -112,6 +112,27 @@ def operation_sections(page: str) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def _nav_pages(items) -> set[str]:
+    pages = set()
+    for item in items:
+        values = item.values() if isinstance(item, dict) else [item]
+        for value in values:
+            pages |= _nav_pages(value) if isinstance(value, list) else {value}
+    return pages
+
+
+def on_config(config):
+    """A page that ``mkdocs.yml``'s nav does not list yet (a new guide) joins the Guides section."""
+    docs = Path(config["docs_dir"])
+    listed = _nav_pages(config["nav"])
+    missing = sorted(p.relative_to(docs).as_posix() for p in docs.rglob("*.md"))
+    missing = [page for page in missing if page not in listed]
+    if missing:
+        guides = next(item["Guides"] for item in config["nav"] if isinstance(item, dict) and "Guides" in item)
+        guides.extend(missing)
+    return config
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     src = page.file.src_uri
     if src in OPERATION_PAGES:
