@@ -123,6 +123,7 @@ def _backward(params: AttentionParams, res, d_out):
 def _dense_fwd(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
     with params.matmuls():
         out, p, lse = _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
+    lse = None if aux is None else lse  # only the sinks' gradient reads it
     return out, (q, k, v, bias, aux, mask, q_tok, kv_tok, seed, out, p, lse)
 
 
