@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-import jax
+import jax  # noqa: F401  (read by the skipif condition below)
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
