@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The examples' GPU runs and the GPU export tests, ON THE DEVICE (through the device tool's `run`, after
-# `bash scripts/device/prepare.sh` here, with `carry: [".whl"]`), from the repo root:
+# `EXTRA_WHEELS="flax==0.12.12" bash scripts/device/prepare.sh` here -- the flax of uv.lock, which the
+# examples were written against, over the image's own -- with `carry: [".whl"]`), from the repo root:
 #
 #   bash scripts/device/run_examples.sh              # ~5-7 min on one H100
 #
