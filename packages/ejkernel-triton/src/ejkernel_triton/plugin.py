@@ -20,6 +20,8 @@ MIN_JAX_TRITON = "0.3.1"
 # autotune, so no shipped-configs hook is needed.
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_triton.flash_attention:IMPLEMENTATION",
+    "page_attention": "ejkernel_triton.decode.page_attention:IMPLEMENTATION",
+    "ragged_decode_attention": "ejkernel_triton.decode.ragged_decode_attention:IMPLEMENTATION",
 }
 
 

@@ -1,0 +1,343 @@
+"""Split-K decode attention (flash-decoding) as Triton kernels, shared by ``page_attention`` and
+``ragged_decode_attention``: the two differ only in where key ``j`` of sequence ``b`` lives (a page found
+through the block table, or row ``j`` of the sequence's slice of a dense buffer) and in the visible range.
+
+``_split_kernel``: one program per (split, sequence, kv head [, block of its query heads]). The query heads
+of the kv group are the M rows of the tile (GQA/MQA packing), so each key and value is read once for the
+whole group; the program walks its split's keys ``BLOCK_N`` at a time (mask-free steps, then one masked
+tail step), with an online softmax in exp2 units and float32 accumulation. With one split it writes the
+normalized output; with several, each split writes its unnormalized float32 accumulator, running max and
+sum, and ``_combine_kernel`` (one program per sequence and block of heads) merges the valid splits and adds
+the attention sinks. Splits past a sequence's end return at once and are never read.
+
+Paged addressing works for any page size: with pages that hold whole steps (``page_size % BLOCK_N == 0``)
+each step reads one block-table entry, otherwise each key row looks its page up. Page ids that are read are
+clamped into ``[0, num_pages)``: a bad id (the caller's contract, checked by core when the tables are
+concrete) reads some other page instead of faulting; entries past a sequence's last page are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from ejkernel.errors import UnsupportedFeature
+from ejkernel_triton.decode.config import TritonDecodeConfig, block_heads, split_plan
+from ejkernel_triton.flash_attention.common import _tanh, padded_dim
+from ejkernel_triton.launch import launch
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStatic:
+    """What is static about one call (hashable: it keys the custom-VJP and vmap closures)."""
+
+    scale: float
+    softcap: float  # 0.0: none
+    page_size: int  # 0: dense ragged buffer
+    max_len: int  # caps every length; -1: none
+    window_left: int  # -1: none (the ragged op's sliding window; only its left side can hide keys)
+    config: TritonDecodeConfig
+    interpret: bool
+    operation: str  # for the error of a gradient
+
+
+# ---- Triton helpers ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sequence_range(Starts, Ends, b, HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr):
+    """Visible keys ``[lo, hi)`` of sequence ``b``."""
+    hi = tl.load(Ends + b)
+    if MAX_LEN >= 0:
+        hi = tl.minimum(hi, MAX_LEN)
+    lo = hi * 0
+    if HAS_START:
+        lo = tl.load(Starts + b)
+    if WINDOW_LEFT >= 0:  # the query sits at hi - 1
+        lo = tl.maximum(lo, hi - 1 - WINDOW_LEFT)
+    return lo, hi
+
+
+@triton.jit
+def _sink_state(Aux, heads, row_ok, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Initial running max and sum (log2 units) of rows ``heads``: sinks join the denominator only."""
+    if NUM_SINKS > 0:
+        offs_s = tl.arange(0, BLOCK_SINKS)
+        aux = tl.load(Aux + heads[:, None] * NUM_SINKS + offs_s[None, :],
+                      mask=row_ok[:, None] & (offs_s[None, :] < NUM_SINKS), other=float("-inf"))
+        aux = aux.to(tl.float32) * 1.4426950408889634
+        m_i = tl.max(aux, 1)
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        l_i = tl.sum(tl.math.exp2(aux - m_safe[:, None]), 1)
+    else:
+        m_i = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr,
+                HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Element offsets ``[BLOCK_N, BLOCK_D]`` of keys ``n0 + offs_n`` of sequence ``b``, kv head ``kvh``."""
+    if PAGE_SIZE > 0:
+        if PAGE_SIZE % BLOCK_N == 0:  # the step lies in one page: one block-table entry
+            page = tl.load(Tables + b * MAX_PAGES + n0 // PAGE_SIZE)
+            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+            rows = page * PAGE_STRIDE + kvh * HEAD_STRIDE + ((n0 % PAGE_SIZE) + offs_n) * ROW_STRIDE
+        else:
+            tokens = n0 + offs_n
+            if MASKED:
+                page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE, mask=tokens < stop, other=0)
+            else:
+                page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE)
+            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+            rows = page * PAGE_STRIDE + kvh * HEAD_STRIDE + (tokens % PAGE_SIZE) * ROW_STRIDE
+    else:
+        rows = b.to(tl.int64) * SEQ_STRIDE + kvh * HEAD_STRIDE + (n0 + offs_n).to(tl.int64) * ROW_STRIDE
+    return rows[:, None] + offs_d[None, :]
+
+
+@triton.jit
+def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs_d, scale, softcap,
+               MASKED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr,
+               PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr,
+               SEQ_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over keys ``[start, stop)`` (``MASKED``: the last, partial step)."""
+    for n0 in range(start, stop, BLOCK_N):
+        offs = _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                           PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, BLOCK_N)
+        if MASKED:
+            key_ok = (n0 + offs_n) < stop
+            mask = key_ok[:, None] & (offs_d[None, :] < D)
+            k = tl.load(K + offs, mask=mask, other=0.0)
+        elif BLOCK_D != D:
+            k = tl.load(K + offs, mask=offs_d[None, :] < D, other=0.0)
+        else:
+            k = tl.load(K + offs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s * scale / softcap) * 1.4426950408889634
+        else:
+            s = s * (scale * 1.4426950408889634)
+        if MASKED:
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(V + offs, mask=mask, other=0.0)
+        elif BLOCK_D != D:
+            v = tl.load(V + offs, mask=offs_d[None, :] < D, other=0.0)
+        else:
+            v = tl.load(V + offs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# ---- kernels -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, Starts, Ends, Tables, Aux, scale, softcap,  # inputs
+    Out, PartAcc, PartM, PartL,  # outputs (Out with one split, the partials with several)
+    H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
+    HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2) // HEAD_BLOCKS
+    g0 = (tl.program_id(2) % HEAD_BLOCKS) * BLOCK_H
+    lo, hi = _sequence_range(Starts, Ends, b, HAS_START, WINDOW_LEFT, MAX_LEN)
+    s_lo = lo + split * CHUNK
+    s_hi = tl.minimum(hi, s_lo + CHUNK)
+    if NUM_SPLITS > 1:
+        if s_lo >= s_hi:  # past the sequence's end: the combine pass never reads this split
+            return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = g0 + offs_h < GROUP
+    heads = kvh * GROUP + g0 + offs_h
+    rows = b.to(tl.int64) * H + heads
+    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if NUM_SPLITS == 1:
+        m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_H)
+    else:  # sinks join once, in the combine pass
+        m_i, l_i = _sink_state(Aux, heads, row_ok, 0, BLOCK_SINKS, BLOCK_H)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    full_hi = s_lo + tl.maximum(s_hi - s_lo, 0) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, full_hi, offs_n, offs_d, scale,
+                               softcap, False, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
+                               HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION)
+    acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, full_hi, s_hi, offs_n, offs_d, scale,
+                               softcap, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
+                               HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION)
+    out_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    if NUM_SPLITS == 1:
+        # no visible key: the value sum is 0 and so is the output (sinks or not)
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        part = (b.to(tl.int64) * NUM_SPLITS + split) * H + heads
+        tl.store(PartAcc + part[:, None] * D + offs_d[None, :], acc, mask=out_mask)
+        tl.store(PartM + part, m_i, mask=row_ok)
+        tl.store(PartL + part, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    Starts, Ends, Aux, PartAcc, PartM, PartL,  # inputs
+    Out,  # output
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = tl.program_id(1) * BLOCK_H + offs_h
+    row_ok = heads < H
+    lo, hi = _sequence_range(Starts, Ends, b, HAS_START, WINDOW_LEFT, MAX_LEN)
+    valid = (tl.maximum(hi - lo, 0) + CHUNK - 1) // CHUNK  # splits that saw keys
+    m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_H)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    for split in range(0, valid):
+        part = (b.to(tl.int64) * NUM_SPLITS + split) * H + heads
+        m_s = tl.load(PartM + part, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(PartL + part, mask=row_ok, other=0.0)
+        acc_s = tl.load(PartAcc + part[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        beta = tl.math.exp2(m_s - m_safe)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    rows = b.to(tl.int64) * H + heads
+    tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
+
+
+# ---- host side ---------------------------------------------------------------------------------------
+
+_COMBINE_HEADS = 16
+
+
+def _placeholder(dtype):
+    """The argument passed for an absent input (block table, starts, sinks): never read."""
+    return jnp.zeros((1,), dtype)
+
+
+def _forward(q, k, v, starts, ends, tables, aux, st: DecodeStatic):
+    """``q`` [B, H, D]; ``k``/``v`` paged ``[num_pages, Hkv, page_size, D]`` (``st.page_size > 0``) or dense
+    ``[B, S, Hkv, D]``; ``starts`` (dense only) and ``ends`` int32 [B]; ``tables`` int32 [B, max_pages] (paged
+    only); ``aux`` float32 [H, num_sinks] or None. Returns [B, H, D] in q's dtype."""
+    batch, num_heads, head_dim = q.shape
+    paged = st.page_size > 0
+    if paged:
+        num_pages, kv_heads, page_size, _ = k.shape
+        max_pages = tables.shape[1]
+        max_tokens = max_pages * page_size if st.max_len < 0 else min(st.max_len, max_pages * page_size)
+        strides = dict(PAGE_SIZE=page_size, MAX_PAGES=max_pages, NUM_PAGES=num_pages,
+                       PAGE_STRIDE=kv_heads * page_size * head_dim, HEAD_STRIDE=page_size * head_dim,
+                       ROW_STRIDE=head_dim, SEQ_STRIDE=0)
+    else:
+        seq_len, kv_heads = k.shape[1], k.shape[2]
+        max_tokens = seq_len if st.window_left < 0 else min(seq_len, st.window_left + 1)
+        strides = dict(PAGE_SIZE=0, MAX_PAGES=1, NUM_PAGES=1, PAGE_STRIDE=0, HEAD_STRIDE=head_dim,
+                       ROW_STRIDE=kv_heads * head_dim, SEQ_STRIDE=seq_len * kv_heads * head_dim)
+    group = num_heads // kv_heads
+    cfg = st.config
+    chunk, splits = split_plan(max_tokens, cfg.block_n, cfg.num_splits)
+    block_h = block_heads(group)
+    head_blocks = -(-group // block_h)
+    num_sinks = 0 if aux is None else aux.shape[1]
+    bounds = dict(HAS_START=not paged, WINDOW_LEFT=st.window_left, MAX_LEN=st.max_len, NUM_SINKS=num_sinks,
+                  BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()))
+    block_d = padded_dim(head_dim)
+    starts = starts if starts is not None else _placeholder(jnp.int32)
+    tables = tables if tables is not None else _placeholder(jnp.int32)
+    aux = aux if aux is not None else _placeholder(jnp.float32)
+    f32 = jax.ShapeDtypeStruct
+    out_shape = f32(q.shape, q.dtype)
+    if splits == 1:
+        partials = [f32((1,), jnp.float32)] * 3
+    else:
+        partials = [f32((batch, splits, num_heads, head_dim), jnp.float32),
+                    f32((batch, splits, num_heads), jnp.float32), f32((batch, splits, num_heads), jnp.float32)]
+    outs = launch(
+        _split_kernel, [q, k, v, starts, ends, tables, aux, np.float32(st.scale), np.float32(st.softcap)],
+        [out_shape if splits == 1 else f32((1,), q.dtype), *partials], (splits, batch, kv_heads * head_blocks),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages(paged), interpret=st.interpret,
+        H=num_heads, GROUP=group, HEAD_BLOCKS=head_blocks, D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        BLOCK_N=cfg.block_n, CHUNK=chunk, NUM_SPLITS=splits, USE_SOFTCAP=st.softcap > 0,
+        DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", **strides, **bounds)
+    if splits == 1:
+        return outs[0]
+    (out,) = launch(
+        _combine_kernel, [starts, ends, aux, *outs[1:]], [out_shape], (batch, -(-num_heads // _COMBINE_HEADS)),
+        num_warps=4, num_stages=2, interpret=st.interpret, H=num_heads, D=head_dim, BLOCK_D=block_d,
+        BLOCK_H=_COMBINE_HEADS, CHUNK=chunk, NUM_SPLITS=splits, **bounds)
+    return out
+
+
+def _map_rule(call):
+    """vmap rule (jax-triton's primitive has none): one call per element of the vmapped axis."""
+
+    def rule(axis_size, in_batched, *args):
+        full = [a if a is None or batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, batched in zip(args, in_batched)]
+        return jax.lax.map(lambda xs: call(*xs), full), True
+
+    return rule
+
+
+@functools.lru_cache(maxsize=None)
+def _attend_fn(st: DecodeStatic):
+    """Forward-only attention for ``st``: vmappable, and a gradient raises :class:`UnsupportedFeature`."""
+
+    @jax.custom_batching.custom_vmap
+    def batched(q, k, v, starts, ends, tables, aux):
+        return _forward(q, k, v, starts, ends, tables, aux, st)
+
+    batched.def_vmap(_map_rule(batched))
+
+    @jax.custom_vjp
+    def attend(q, k, v, starts, ends, tables, aux):
+        return batched(q, k, v, starts, ends, tables, aux)
+
+    def attend_fwd(*args):
+        return batched(*args), None
+
+    def attend_bwd(_, d_out):
+        raise UnsupportedFeature(f"triton {st.operation} is forward-only (an inference kernel); for gradients "
+                                 "use platform='xla'")
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
+def decode_attention(q, k, v, starts, ends, tables, aux, st: DecodeStatic) -> jax.Array:
+    """See :func:`_forward` for the arguments (None for absent ones)."""
+    return _attend_fn(st)(q, k, v, starts, ends, tables, aux)

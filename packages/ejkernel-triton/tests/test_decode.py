@@ -1,0 +1,246 @@
+"""The Triton decode kernels (page_attention, ragged_decode_attention) on a CPU-only machine: interpreter
+numerics (decode_interpreter_cases.py, in a subprocess), sm_90 lowering, the software pipeline Triton builds
+for the paged loop, and what the implementations and their config accept."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel import UnsupportedFeature
+from ejkernel.modules.operations._precision import resolve_precision
+from ejkernel.modules.operations.page_attention import PageAttention, PageAttentionCall
+from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttention, RaggedDecodeAttentionCall
+from ejkernel_triton import launch, plugin
+from ejkernel_triton.decode import TritonDecodeConfig, config
+from ejkernel_triton.decode.page_attention import IMPLEMENTATION as PAGED
+from ejkernel_triton.decode.ragged_decode_attention import IMPLEMENTATION as RAGGED
+
+CASES_SCRIPT = Path(__file__).with_name("decode_interpreter_cases.py")
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+CUDA_LOWERING = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda13") is None and importlib.util.find_spec("jax_cuda13_plugin") is None,
+    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
+
+
+def _spec(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _paged_call(num_seqs=32, heads=32, kv_heads=8, dim=128, page_size=16, context=4096, dtype=jnp.bfloat16,
+                precision=None, **static):
+    """A call built from shapes alone (backends read shapes, dtypes and static fields before tracing)."""
+    pages = num_seqs * context // page_size
+    cache = _spec((pages, kv_heads, page_size, dim), dtype)
+    return PageAttentionCall(query=_spec((num_seqs, heads, dim), dtype), key_cache=cache, value_cache=cache,
+                             context_lens=_spec((num_seqs,), jnp.int32),
+                             block_tables=_spec((num_seqs, context // page_size), jnp.int32),
+                             attn_scale=dim**-0.5, max_context_len=context,
+                             precision=resolve_precision(precision, dtype), **static)
+
+
+def _ragged_call(batch=4, heads=8, kv_heads=2, dim=64, seq_len=1000, dtype=jnp.bfloat16, precision=None, **static):
+    kv = _spec((batch, seq_len, kv_heads, dim), dtype)
+    bounds = _spec((batch,), jnp.int32)
+    return RaggedDecodeAttentionCall(query=_spec((batch, heads, dim), dtype), key=kv, value=kv, sequence_start=bounds,
+                                     sequence_end=bounds, softmax_scale=dim**-0.5,
+                                     precision=resolve_precision(precision, dtype), **static)
+
+
+# ---- interpreter numerics ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(CASES_SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {row["name"]: row for row in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+
+
+def _case_names():
+    import ast
+
+    for node in ast.parse(CASES_SCRIPT.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
+            return [key.value for key in node.value.keys]
+    raise AssertionError("CASES not found")
+
+
+@pytest.mark.parametrize("name", _case_names())
+def test_interpreter_case_matches_reference(interpreter_results, name):
+    row = interpreter_results[name]
+    assert row["finite"] and row["out"] <= TOLERANCE[row["dtype"]], row
+    assert row.get("empty_rows_zero", True), row  # zero-length contexts / empty ranges give exact zeros
+    assert row.get("gradient", "refused") == "refused", row  # forward-only: a gradient raises
+
+
+# ---- sm_90 lowering and the software pipeline --------------------------------------------------------
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
+
+
+def _lower(fn, *specs) -> str:
+    return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@CUDA_LOWERING
+@pytest.mark.parametrize("page_size,splits", [(16, 5), (64, 1), (12, 3)])
+def test_page_attention_compiles_for_sm90(sm90, page_size, splits):
+    """Pages of 16 (one table entry per step with 16-key steps, per-row lookups with 64), 64 and 12; several
+    splits launch the combine kernel too."""
+    call = _paged_call(num_seqs=4, context=768, page_size=page_size)
+    cfg = TritonDecodeConfig(block_n=64, num_splits=splits)
+    text = _lower(lambda q, k, v, lens, tables: PAGED(
+        PageAttention().validate(q, k, v, lens, tables, attn_logits_soft_cap=30.0, max_context_len=700), cfg),
+        call.query, call.key_cache, call.value_cache, call.context_lens, call.block_tables)
+    assert text.count("triton_kernel_call") == (1 if splits == 1 else 2)
+
+
+@CUDA_LOWERING
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_ragged_decode_attention_compiles_for_sm90(sm90, dtype):
+    call = _ragged_call(dtype=dtype)
+
+    def fn(q, k, v, start, end, aux):
+        call = RaggedDecodeAttention().validate(q, k, v, start, end, aux, sliding_window=(300, 0), logit_soft_cap=20.0)
+        return RAGGED(call, TritonDecodeConfig(num_splits=3))  # the sinks join in the combine kernel
+
+    text = _lower(fn, call.query, call.key, call.value, call.sequence_start, call.sequence_end,
+                  _spec((8, 2), jnp.float32))
+    assert text.count("triton_kernel_call") == 2
+
+
+def _ttgir(kernel, args, constexprs, num_warps, num_stages) -> str:
+    """Triton's TTGIR (after software pipelining) of `kernel` for sm_90."""
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    types = {np.dtype(np.float32): "fp32", np.dtype(np.int32): "i32", np.dtype(jnp.bfloat16): "bf16"}
+    signature = {}
+    for name, arg in zip(kernel.arg_names, args):
+        signature[name] = ("" if isinstance(arg, np.generic) else "*") + types[np.dtype(arg.dtype)]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t[0] == "*"}
+    signature.update({name: "constexpr" for name in constexprs})
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    stages: dict = {}
+    backend.add_stages(stages, options, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                         context)
+    metadata = {"target": target, **options.__dict__}
+    for stage in ("ttir", "ttgir"):
+        module = stages[stage](module, metadata)
+    return str(module)
+
+
+@pytest.mark.parametrize("page_size,prefetch", [(16, 2), (64, 2), (0, 2), (16, 1)])
+def test_key_loop_keeps_prefetch_steps_in_flight(monkeypatch, page_size, prefetch):
+    """The key loop's K and V tiles get `prefetch` shared-memory buffers, paged (the block-table lookup is an
+    indirect load, which Triton 3.6 gives stages of its own) or dense; page_size 0: the ragged op."""
+    from ejkernel_triton.decode import kernels
+
+    launches = []
+
+    def record(kernel, args, out_shapes, grid, *, num_warps, num_stages, interpret, **constexprs):
+        launches.append((kernel, [*args, *out_shapes], constexprs, num_warps, num_stages))
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+
+    monkeypatch.setattr(kernels, "launch", record)
+    cfg = TritonDecodeConfig(block_n=64, num_splits=4, prefetch=prefetch)
+    if page_size:
+        call = _paged_call(num_seqs=2, context=1024, page_size=page_size)
+        jax.eval_shape(lambda c: PAGED(c, cfg), call)
+    else:
+        call = _ragged_call(batch=2, heads=32, kv_heads=8, dim=128, seq_len=1024)
+        jax.eval_shape(lambda c: RAGGED(c, cfg), call)
+    kernel, args, constexprs, num_warps, num_stages = launches[0]  # the split kernel (outputs follow inputs)
+    ttgir = _ttgir(kernel, args, constexprs, num_warps, num_stages)
+    assert f"memdesc<{prefetch}x64x128xbf16" in ttgir, [line for line in ttgir.splitlines() if "x64x128xbf16" in line][:3]
+
+
+# ---- implementations and config ----------------------------------------------------------------------
+
+
+def test_plugin_lists_both_operations():
+    assert plugin.IMPLEMENTATIONS["page_attention"] == "ejkernel_triton.decode.page_attention:IMPLEMENTATION"
+    assert (plugin.IMPLEMENTATIONS["ragged_decode_attention"]
+            == "ejkernel_triton.decode.ragged_decode_attention:IMPLEMENTATION")
+    assert PAGED.config_type is RAGGED.config_type is TritonDecodeConfig
+
+
+@pytest.mark.parametrize("dim", [4, 512])
+def test_refuses_head_dims_outside_8_to_256(dim):
+    with pytest.raises(UnsupportedFeature, match="head_dim"):
+        PAGED.supports(_paged_call(dim=dim, num_seqs=2, context=64))
+    with pytest.raises(UnsupportedFeature, match="head_dim"):
+        RAGGED.supports(_ragged_call(dim=dim))
+
+
+def test_takes_every_precision_and_page_size():
+    """Float32 runs IEEE dots (nothing refused for precision); pages of any size, 4 included."""
+    for precision in ("default", "high", "highest"):
+        PAGED.supports(_paged_call(dtype=jnp.float32, precision=precision, num_seqs=2, context=64))
+        RAGGED.supports(_ragged_call(dtype=jnp.float32, precision=precision))
+    PAGED.supports(_paged_call(page_size=4, num_seqs=2, context=64))
+
+
+@pytest.mark.parametrize(
+    "num_seqs,context",
+    [(32, 4096), (32, 512), (32, 32768), (1, 4096), (8, 4096), (64, 4096)],
+)
+def test_heuristic_fills_the_gpu(num_seqs, context):
+    """Short and long contexts, small and large batches: enough programs for every SM (or chunks of the
+    shortest allowed length), never more splits than blocks of keys."""
+    call = _paged_call(num_seqs=num_seqs, context=context)
+    cfg = PAGED.heuristic_config(call)
+    chunk, splits = config.split_plan(context, cfg.block_n, cfg.num_splits)
+    programs = num_seqs * 8 * splits
+    assert chunk % cfg.block_n == 0 and chunk * splits >= context
+    assert programs >= config.PROGRAMS_PER_SM * config.DEFAULT_SM_COUNT or chunk <= 2 * config.MIN_CHUNK
+    assert cfg in PAGED.candidate_configs(call) and len(PAGED.candidate_configs(call)) > 1
+
+
+def test_ragged_heuristic_counts_the_window():
+    """With a window only its keys can be visible: splits are planned over window + 1 keys, not seq_len."""
+    wide = RAGGED.heuristic_config(_ragged_call(batch=1, seq_len=65536))
+    narrow = RAGGED.heuristic_config(_ragged_call(batch=1, seq_len=65536, sliding_window=(1023, 0)))
+    assert narrow.num_splits < wide.num_splits
+    assert narrow.num_splits <= 1024 // config.MIN_CHUNK
+
+
+def test_split_plan():
+    assert config.split_plan(4096, 64, 5) == (832, 5)
+    assert config.split_plan(100, 64, 8) == (64, 2)  # no split shorter than one block
+    assert config.split_plan(0, 64, 3) == (64, 1)
+
+
+@pytest.mark.parametrize("field,value", [("block_n", 48), ("block_n", 8), ("num_splits", 0), ("num_warps", 3),
+                                         ("prefetch", 0)])
+def test_config_fields_are_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        TritonDecodeConfig(**{field: value})
+
+
+def test_paged_prefetch_takes_twice_the_stages():
+    cfg = TritonDecodeConfig(prefetch=2)
+    assert cfg.num_stages(paged=True) == 5 and cfg.num_stages(paged=False) == 3
