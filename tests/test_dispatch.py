@@ -65,7 +65,7 @@ def probe_backends():
 
 
 def _call(causal=False):
-    return (ProbeCall(jax.numpy.ones((2,)), causal=causal),)
+    return ProbeCall(jax.numpy.ones((2,)), causal=causal)
 
 
 def _ran(resolution):
@@ -77,8 +77,8 @@ def test_auto_falls_back_past_unusable_and_refusing_backends_and_logs_why(probe_
     probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: options.get("causal"))
     probe_backends("cpu_plain", "xla", "any", 0)
     with caplog.at_level(logging.INFO, logger="ejkernel.dispatch"):
-        plain = resolve(ALGORITHM, "auto", _call(causal=False), {})
-        causal = resolve(ALGORITHM, "auto", _call(causal=True), {})
+        plain = resolve(ALGORITHM, "auto", _call(causal=False))
+        causal = resolve(ALGORITHM, "auto", _call(causal=True))
     assert _ran(plain) == "cpu_picky"
     assert [name for name, _ in plain.skipped] == ["triton (gpu_fast)"]
     assert _ran(causal) == "cpu_plain"
@@ -96,19 +96,19 @@ def test_explicit_platform_is_never_replaced(probe_backends):
     probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: options.get("causal"))
     probe_backends("cpu_plain", "xla", "any", 0)
     with pytest.raises(KernelNotFoundError, match="platform='triton' cannot run here: no GPU visible"):
-        resolve(ALGORITHM, "triton", _call(), {})
+        resolve(ALGORITHM, "triton", _call())
     with pytest.raises(UnsupportedFeature, match="platform='pallas' cannot take this call: cpu_picky refuses"):
-        resolve(ALGORITHM, "pallas", _call(causal=True), {})
-    assert _ran(resolve(ALGORITHM, "pallas", _call(causal=False), {})) == "cpu_picky"
+        resolve(ALGORITHM, "pallas", _call(causal=True))
+    assert _ran(resolve(ALGORITHM, "pallas", _call(causal=False))) == "cpu_picky"
     with pytest.raises(KernelNotFoundError, match="platform='cuda'"):
-        resolve(ALGORITHM, "cuda", _call(), {})
+        resolve(ALGORITHM, "cuda", _call())
 
 
 def test_nothing_can_take_the_call_lists_every_reason(probe_backends):
     probe_backends("gpu_fast", "triton", "gpu", 30, unusable="no GPU visible")
     probe_backends("cpu_picky", "pallas", "cpu", 20, refuse=lambda options: True)
     with pytest.raises(KernelNotFoundError) as info:
-        resolve(ALGORITHM, "auto", _call(), {})
+        resolve(ALGORITHM, "auto", _call())
     message = str(info.value)
     assert "pallas (cpu_picky): cpu_picky refuses" in message and "triton (gpu_fast): no GPU visible" in message
 

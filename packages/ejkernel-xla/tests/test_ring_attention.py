@@ -9,7 +9,7 @@ import pytest
 from ejkernel.modules import ring_attention
 from ejkernel.testing.numerics import matmul_precisions
 from ejkernel.testing.ring_attention import RingAttentionConformance, case_inputs
-from ejkernel_xla.flash_attention import XlaFlashConfig
+from ejkernel_xla.flash_attention import XlaBlockConfig
 
 
 class TestXlaRingAttention(RingAttentionConformance):
@@ -21,7 +21,7 @@ def test_matmuls_run_at_the_call_precision(precision):
     """float32 inputs: HIGHEST unless asked otherwise, in the forward and in the custom VJP's backward."""
     arrays, options = case_inputs("full_softcap_sinks", devices=1)
     expected = jax.lax.Precision.HIGHEST if precision is None else jax.lax.Precision.DEFAULT
-    cfg = XlaFlashConfig(block_q=2, block_kv=2)  # several blocks per ring step
+    cfg = XlaBlockConfig(block_q=2, block_kv=2)  # several blocks per ring step
 
     def loss(query):
         return ring_attention(**{**arrays, "query": query}, **options, precision=precision, cfg=cfg).sum()

@@ -58,28 +58,15 @@ S² buffers may take."""
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaFlashConfig:
-    """Which path runs (module docstring) and the blockwise path's block sizes.
+class XlaBlockConfig:
+    """Block sizes of the blockwise loops (None: 512, or 256 for head_dim > 128; capped at the lengths).
 
-    ``dense``: True = the dense path, False = the blockwise path, None = the rule of the module docstring.
-    Block sizes (None: 512, or 256 for head_dim > 128; capped at the lengths) are the blockwise path's:
-    setting one selects it under the rule, and together with ``dense=True`` is an error.
-    """
+    The config of every XLA implementation built on the blockwise kernel alone (ring, MLA extends it)."""
 
     block_q: int | None = None
     block_kv: int | None = None
     bwd_block_q: int | None = None
     bwd_block_kv: int | None = None
-    dense: bool | None = None
-
-    def __post_init__(self):
-        if self.dense not in (None, True, False):
-            raise ValueError(f"XlaFlashConfig: dense must be True, False or None (the rule), got {self.dense!r}")
-        if self.dense and self.has_blocks:
-            raise ValueError(
-                f"XlaFlashConfig: dense=True runs no blocks, but block sizes were given ({self.block_fields()}); "
-                "drop them or pass dense=False/None"
-            )
 
     @property
     def has_blocks(self) -> bool:
@@ -94,6 +81,27 @@ class XlaFlashConfig:
             q_len, kv_len, head_dim, q_block=self.block_q, kv_block=self.block_kv, bwd_q=self.bwd_block_q,
             bwd_kv=self.bwd_block_kv,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaFlashConfig(XlaBlockConfig):
+    """Which path runs (module docstring) and the blockwise path's block sizes.
+
+    ``dense``: True = the dense path, False = the blockwise path, None = the rule of the module docstring.
+    Setting a block size selects the blockwise path under the rule, and together with ``dense=True`` is an
+    error.
+    """
+
+    dense: bool | None = None
+
+    def __post_init__(self):
+        if self.dense not in (None, True, False):
+            raise ValueError(f"XlaFlashConfig: dense must be True, False or None (the rule), got {self.dense!r}")
+        if self.dense and self.has_blocks:
+            raise ValueError(
+                f"XlaFlashConfig: dense=True runs no blocks, but block sizes were given ({self.block_fields()}); "
+                "drop them or pass dense=False/None"
+            )
 
 
 # ---- the switch --------------------------------------------------------------------------------------

@@ -24,12 +24,12 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttentionCall
 from ejkernel_xla._blockwise import AttentionParams, flash_attention_blockwise, key_tokens, query_tokens
-from ejkernel_xla.flash_attention import XlaFlashConfig
+from ejkernel_xla.flash_attention import XlaBlockConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaMlaConfig(XlaFlashConfig):
-    """The blockwise loop's block sizes (as in ``XlaFlashConfig``) and the form: ``absorb=True`` attends in
+class XlaMlaConfig(XlaBlockConfig):
+    """The blockwise loop's block sizes (as in ``XlaBlockConfig``) and the form: ``absorb=True`` attends in
     the latent space (one shared kv head of width ``kv_lora_rank``), ``False`` on expanded per-head
     keys/values, ``None`` whichever costs fewer FLOPs."""
 

@@ -7,7 +7,7 @@ backward makes a second trip round the ring in which key, value *and their gradi
 travel together, so after ``P`` steps every device holds the gradients of its own key/value shard.
 Ring steps that causal / sliding-window masking empties entirely are skipped (``lax.cond``).
 Memory per device: O(local shard) plus one [B, H, bq, bk] logits block. The config is flash attention's
-(``XlaFlashConfig``: the blocks of every ring step); forward and backward run their matmuls at the
+(``XlaBlockConfig``: the blocks of every ring step); forward and backward run their matmuls at the
 call's precision.
 """
 
@@ -29,7 +29,7 @@ from ejkernel_xla._blockwise import (
     pad_tokens,
     sink_lse,
 )
-from ejkernel_xla.flash_attention import XlaFlashConfig
+from ejkernel_xla.flash_attention import XlaBlockConfig
 
 F32 = jnp.float32
 
@@ -238,10 +238,10 @@ _ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1, 2))
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-class XlaRingAttention(Implementation[RingAttentionCall, XlaFlashConfig]):
-    config_type = XlaFlashConfig
+class XlaRingAttention(Implementation[RingAttentionCall, XlaBlockConfig]):
+    config_type = XlaBlockConfig
 
-    def __call__(self, call: RingAttentionCall, config: XlaFlashConfig) -> jax.Array:
+    def __call__(self, call: RingAttentionCall, config: XlaBlockConfig) -> jax.Array:
         blocks = config.blocks(call.query.shape[1], call.key.shape[1], call.query.shape[3])
         return _ring(
             AttentionParams.of(call), blocks, call.axis_name, call.query, call.key, call.value, call.q_segment_ids,

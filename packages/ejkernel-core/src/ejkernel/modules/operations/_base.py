@@ -23,8 +23,6 @@ class RegistryOperation(Kernel):
     """An operation dispatched through ``kernel_registry`` (see the module docstring)."""
 
     algorithm: ClassVar[str]
-    config_type: ClassVar[type | None] = None
-    """Frozen dataclass of the operation's configs; its default instance is the fallback heuristic."""
 
     def __init__(self) -> None:
         super().__init__(name=self.algorithm)
@@ -34,22 +32,21 @@ class RegistryOperation(Kernel):
         """Check and normalize the arguments (ValueError naming the argument); return the canonical call."""
         raise NotImplementedError(f"{type(self).__qualname__} must implement validate()")
 
-    def _validated(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        validated = self.validate(*args, **kwargs)
-        if is_canonical_call(validated):
-            return (validated,), {}
-        return validated  # TODO(#18): old-style (args, kwargs) while operations migrate
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        call = self.validate(*args, **kwargs)
+        if not is_canonical_call(call):
+            raise TypeError(f"{type(self).__qualname__}.validate must return a canonical call, got {type(call).__name__}")
+        return call
 
     # ---- executor hooks --------------------------------------------------------------------
     def prepare(self, *args, platform: Any = "auto", **kwargs) -> tuple[tuple, dict]:
-        args, kwargs = self._validated(args, kwargs)
-        resolution = resolve(self.algorithm, platform, args, kwargs)
-        return args, {**kwargs, "platform": resolution.platform, "provider": resolution.spec.plugin or ""}
+        call = self._call(args, kwargs)
+        resolution = resolve(self.algorithm, platform, call)
+        return (call,), {"platform": resolution.platform, "provider": resolution.spec.plugin or ""}
 
     def explain(self, *args, platform: Any = "auto", **kwargs) -> Resolution:
         """Which implementation would run this call here, and why better-ranked ones were passed over."""
-        args, kwargs = self._validated(args, kwargs)
-        return resolve(self.algorithm, platform, args, kwargs)
+        return resolve(self.algorithm, platform, self._call(args, kwargs))
 
     def spec_for(self, platform: str, provider: str = "") -> KernelSpec:
         """The registered implementation ``prepare`` chose (by platform and providing plugin)."""
@@ -64,36 +61,22 @@ class RegistryOperation(Kernel):
         return self.spec_for(kwargs["platform"], kwargs.get("provider", "")).implementation
 
     def heuristic_cfg(self, inv) -> Any:
-        implementation = self._implementation(inv.kwargs)
-        if _is_contract(inv.args):
-            return implementation.heuristic_config(inv.args[0])
-        hook = _optional_attribute(implementation, "heuristic_cfg")
-        if hook is not None:
-            return hook(inv)
-        return self.config_type() if self.config_type is not None else None
+        (call,) = inv.args
+        return self._implementation(inv.kwargs).heuristic_config(call)
 
     def config_space(self, inv) -> list:
-        implementation = self._implementation(inv.kwargs)
-        if _is_contract(inv.args):
-            return list(implementation.candidate_configs(inv.args[0]))
-        hook = _optional_attribute(implementation, "config_space")
-        return list(hook(inv)) if hook is not None else []
+        (call,) = inv.args
+        return list(self._implementation(inv.kwargs).candidate_configs(call))
 
-    def run(self, *args, cfg: Any = None, platform: str, provider: str = "", **kwargs) -> Any:
+    def run(self, call: Any, *, cfg: Any = None, platform: str, provider: str = "") -> Any:
         implementation = self.spec_for(platform, provider).implementation
-        if _is_contract(args):
-            config_type = implementation.config_type
-            if not isinstance(cfg, config_type):
-                raise TypeError(
-                    f"{self.algorithm}: cfg must be a {config_type.__module__}.{config_type.__qualname__} for "
-                    f"platform={platform!r}, got {cfg!r}"
-                )
-            return implementation(args[0], cfg)
-        return implementation(*args, cfg=cfg, **kwargs)
-
-
-def _is_contract(args: tuple) -> bool:
-    return len(args) == 1 and is_canonical_call(args[0])
+        config_type = implementation.config_type
+        if not isinstance(cfg, config_type):
+            raise TypeError(
+                f"{self.algorithm}: cfg must be a {config_type.__module__}.{config_type.__qualname__} for "
+                f"platform={platform!r}, got {cfg!r}"
+            )
+        return implementation(call, cfg)
 
 
 def execute(operation: RegistryOperation, *args, platform: Any = "auto", cfg: Any = None, **kwargs) -> Any:
@@ -117,4 +100,7 @@ def platform_of_config(algorithm: str, cfg: Any) -> str:
             continue
         if config_type is not None and type(cfg) is config_type:
             return spec.platform.value
-    return "auto"  # TODO(#18): old-style shared configs carry their own platform field
+    raise TypeError(
+        f"{algorithm}: cfg {cfg!r} is no registered implementation's config type; pass the config of the "
+        "implementation you want (e.g. ejkernel_xla.flash_attention.XlaFlashConfig for platform='xla')"
+    )

@@ -1,7 +1,7 @@
 """Choosing which registered implementation runs an operation, and falling back when one cannot.
 
 ``platform="auto"`` walks the implementations registered for the current hardware, best first, and
-takes the first one whose backend plugin is usable here and whose ``check_supported`` accepts the call;
+takes the first one whose backend plugin is usable here and whose ``supports(call)`` accepts the call;
 each one skipped is logged with its reason. An explicit ``platform=`` is honoured or refused with a clear
 error, never silently replaced.
 """
@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ejkernel.errors import KernelNotFoundError, UnsupportedFeature
-from ejkernel.modules.operations._contract import is_canonical_call
 from ejkernel.kernels._registry import (
     Backend,
     KernelSpec,
@@ -64,15 +63,9 @@ def _unusable_reason(spec: KernelSpec) -> str | None:
     return usable_reason(spec.plugin)
 
 
-def _unsupported_reason(spec: KernelSpec, args: tuple, kwargs: dict) -> str | None:
-    if len(args) == 1 and is_canonical_call(args[0]):
-        check, args = spec.implementation.supports, args
-    else:  # TODO(#18): old-style implementations while operations migrate
-        check = _optional_attribute(spec.implementation, "check_supported")
-        if check is None:
-            return None
+def _unsupported_reason(spec: KernelSpec, call: Any) -> str | None:
     try:
-        check(*args, **kwargs)
+        spec.implementation.supports(call)
     except UnsupportedFeature as exc:
         return str(exc) or type(exc).__name__
     return None
@@ -108,7 +101,7 @@ def _elsewhere_reason(spec: KernelSpec, backend: Backend) -> str:
     return _unusable_reason(spec) or f"it targets {spec.backend.value}, and jax runs on {backend.value} here"
 
 
-def resolve(algorithm: str, platform: str | Platform | None, args: tuple, kwargs: dict) -> Resolution:
+def resolve(algorithm: str, platform: str | Platform | None, call: Any) -> Resolution:
     """Pick the implementation of ``algorithm`` for this call (see the module docstring)."""
     requested = _as_platform(platform)
     backend = current_backend()
@@ -130,14 +123,14 @@ def resolve(algorithm: str, platform: str | Platform | None, args: tuple, kwargs
                 f"{algorithm}: platform={requested.value!r} cannot run here: {reason}."
                 " Use platform='auto' to fall back to what runs here." + _install_hint(algorithm)
             )
-        reason = _unsupported_reason(spec, args, kwargs)
+        reason = _unsupported_reason(spec, call)
         if reason is not None:
             raise UnsupportedFeature(f"{algorithm}: platform={requested.value!r} cannot take this call: {reason}")
         return Resolution(spec)
 
     skipped: list[tuple[str, str]] = []
     for spec in candidates:
-        reason = _unusable_reason(spec) or _unsupported_reason(spec, args, kwargs)
+        reason = _unusable_reason(spec) or _unsupported_reason(spec, call)
         if reason is None:
             # Better-ranked kernels for other hardware (a GPU backend on a CPU-only machine) are passed
             # over too: say so, so a user wondering why the fast path did not run finds the reason.
