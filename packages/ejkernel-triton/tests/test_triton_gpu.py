@@ -74,7 +74,7 @@ def test_bf16_many_blocks_matches_float32_reference(d, h, hkv, seq, kw):
 
 def test_varlen_matches_per_sequence_calls():
     lengths = [300, 1, 517, 64]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     total = int(cu[-1]) + 13  # padding rows past the last sequence
     ks = jax.random.split(jax.random.key(3), 3)
     q, k, v = (jax.random.normal(kk, (1, total, 4, 64), jnp.float32).astype(jnp.bfloat16) for kk in ks)

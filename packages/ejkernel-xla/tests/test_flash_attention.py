@@ -99,31 +99,33 @@ def test_block_steps_compose_like_ring_attention():
     """forward_block over two kv shards + combine == the whole; backward_block sums to the full grads."""
     inputs = attention_inputs(1, batch=2, q_len=12, kv_len=20, num_heads=4, num_kv_heads=2, head_dim=16)
     q, k, v = inputs["query"], inputs["key"], inputs["value"]
-    params = _blockwise.AttentionParams(softmax_scale=0.25, causal=True)
+    # float32 at full precision (the blocks run at the precision their params carry; GPUs default to TF32)
+    params = _blockwise.AttentionParams(softmax_scale=0.25, causal=True, precision=jax.lax.Precision.HIGHEST)
     q_tok = _blockwise.query_tokens(2, 12, 20)
     kv_tok = _blockwise.key_tokens(2, 20)
-    shards = [(0, 9), (9, 11)]
-    out, lse = None, None
-    for start, size in shards:
-        part = _blockwise.forward_block(
-            q, k[:, start : start + size], v[:, start : start + size], q_tok,
-            _blockwise.slice_tokens(kv_tok, start, size), params,
-        )
-        out, lse = part if out is None else _blockwise.combine(out, lse, *part)
-    d_out = jax.random.normal(jax.random.key(5), out.shape)
-    expected, _, grads = reference_flash_attention_numpy(q, k, v, causal=True, softmax_scale=0.25, d_out=d_out)
-    assert_close(out, expected, dtype=jnp.float32)
+    with params.matmuls():  # the blocks run inside their caller's precision scope (ring_attention's)
+        shards = [(0, 9), (9, 11)]
+        out, lse = None, None
+        for start, size in shards:
+            part = _blockwise.forward_block(
+                q, k[:, start : start + size], v[:, start : start + size], q_tok,
+                _blockwise.slice_tokens(kv_tok, start, size), params,
+            )
+            out, lse = part if out is None else _blockwise.combine(out, lse, *part)
+        d_out = jax.random.normal(jax.random.key(5), out.shape)
+        expected, _, grads = reference_flash_attention_numpy(q, k, v, causal=True, softmax_scale=0.25, d_out=d_out)
+        assert_close(out, expected, dtype=jnp.float32)
 
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out, out)
-    dq, dks, dvs = jnp.zeros(q.shape), [], []
-    for start, size in shards:
-        dq_part, dk, dv, _ = _blockwise.backward_block(
-            q, k[:, start : start + size], v[:, start : start + size], d_out, lse, delta, q_tok,
-            _blockwise.slice_tokens(kv_tok, start, size), params,
-        )
-        dq, dks, dvs = dq + dq_part, dks + [dk], dvs + [dv]
-    for got, name in zip((dq, jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1)), ("query", "key", "value")):
-        assert_close(got, grads[name], dtype=jnp.float32, gradient=True, name=f"d{name}")
+        delta = jnp.einsum("bqhd,bqhd->bhq", d_out, out)
+        dq, dks, dvs = jnp.zeros(q.shape), [], []
+        for start, size in shards:
+            dq_part, dk, dv, _ = _blockwise.backward_block(
+                q, k[:, start : start + size], v[:, start : start + size], d_out, lse, delta, q_tok,
+                _blockwise.slice_tokens(kv_tok, start, size), params,
+            )
+            dq, dks, dvs = dq + dq_part, dks + [dk], dvs + [dv]
+        for got, name in zip((dq, jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1)), ("query", "key", "value")):
+            assert_close(got, grads[name], dtype=jnp.float32, gradient=True, name=f"d{name}")
 
 
 def _compiled_temp_bytes(seq_len: int, *, backward: bool, heads=1, head_dim=64) -> int:

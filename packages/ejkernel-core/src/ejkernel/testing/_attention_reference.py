@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.ops.utils.dropout import keep_mask
+from ejkernel.testing.numerics import exact_matmuls
 
 
 def _window(sliding_window) -> tuple[int, int] | None:
@@ -67,6 +68,7 @@ def reference_visibility(
     return visible
 
 
+@exact_matmuls
 def reference_attention_weights(
     query,
     key,
@@ -111,6 +113,7 @@ def reference_dropout_keep(batch: int, num_heads: int, q_len: int, kv_len: int, 
     return keep_mask(seed, b, h, i, j, dropout_prob)
 
 
+@exact_matmuls
 def reference_flash_attention(
     query,
     key,
@@ -251,6 +254,7 @@ def reference_flash_attention_numpy(
 # ---- pieces of the other operations' references (paged, ragged, MLA, sparse) ------------------------
 
 
+@exact_matmuls
 def masked_softmax_attention(logits, visible, values, sinks=None):
     """Dense softmax over ``visible`` keys (``logits`` ``[..., H, Q, K]``, ``values`` ``[..., H, K, Dv]``);
     rows without a visible key give zeros; ``sinks`` ``[H, n]`` join the denominator only."""

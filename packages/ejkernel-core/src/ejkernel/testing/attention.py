@@ -17,10 +17,12 @@ from ejkernel.testing.flash_attention import (
     attention_inputs,
     reference_flash_attention,
 )
+from ejkernel.testing.numerics import exact_matmuls
 
 __all__ = ["AttentionConformance", "reference_attention"]
 
 
+@exact_matmuls
 def reference_attention(
     query, key, value, bias=None, softmax_aux=None, *, attention_mask=None, softmax_scale=None,
     logits_soft_cap=None, dropout_prob=0.0, dropout_seed=None, causal=False, sliding_window=None,

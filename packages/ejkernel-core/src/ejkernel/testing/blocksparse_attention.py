@@ -18,6 +18,7 @@ import pytest
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
 from ejkernel.testing._attention_reference import reference_flash_attention
 from ejkernel.testing.numerics import (
+    exact_matmuls,
     DTYPES,
     BadInputChecks,
     Tolerance,
@@ -30,6 +31,7 @@ from ejkernel.testing.numerics import (
 )
 
 
+@exact_matmuls
 def reference_blocksparse_attention(
     query,
     key,

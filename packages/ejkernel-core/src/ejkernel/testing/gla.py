@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ejkernel.testing.numerics import Tolerance, assert_close
+from ejkernel.testing.numerics import exact_matmuls, Tolerance, assert_close
 from ejkernel.testing.recurrent import RecurrentConformance, check_outputs, reference_recurrent
 
 
+@exact_matmuls
 def reference_gla(query, key, value, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, *,
                   softmax_scale=None, reverse=False):
     """The naive recurrence with ``a_t = g_t + g_gamma``."""

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.numerics import Tolerance, check_against_reference, normal_array
+from ejkernel.testing.numerics import exact_matmuls, Tolerance, check_against_reference, normal_array
 
 
+@exact_matmuls
 def reference_grouped_matmul(
     lhs,
     rhs,

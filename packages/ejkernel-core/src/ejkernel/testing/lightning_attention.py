@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.numerics import Tolerance
+from ejkernel.testing.numerics import exact_matmuls, Tolerance
 from ejkernel.testing.recurrent import RecurrentConformance, check_outputs, reference_recurrent
 
 
+@exact_matmuls
 def reference_lightning_attention(query, key, value, initial_state=None, cu_seqlens=None, *, layer_idx, num_layers,
                                   softmax_scale=None, reverse=False):
     """The naive recurrence with ``g_gamma[h] = -(8 / H) * (1 - layer_idx / num_layers) * h``."""

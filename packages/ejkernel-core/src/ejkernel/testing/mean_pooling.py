@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.numerics import Tolerance, check_against_reference, normal_array
+from ejkernel.testing.numerics import exact_matmuls, Tolerance, check_against_reference, normal_array
 
 
+@exact_matmuls
 def reference_mean_pooling(x, cu_seqlens=None, *, chunk_size=32):
     """Dense: a [num_seqs, total_tokens] membership matrix times x, over the lengths; empty -> zeros."""
     del chunk_size

@@ -17,6 +17,7 @@ import pytest
 from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention
 from ejkernel.testing.numerics import (
+    exact_matmuls,
     DTYPES,
     BadInputChecks,
     Tolerance,
@@ -27,6 +28,7 @@ from ejkernel.testing.numerics import (
 )
 
 
+@exact_matmuls
 def reference_multi_head_latent_attention(
     query, key_value, w_kc, w_vc, b_q=None, b_k=None, *, softmax_scale=None, causal=False, cu_seqlens=None
 ):

@@ -18,6 +18,7 @@ import pytest
 from ejkernel.modules.operations.native_sparse_attention import NativeSparseAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention
 from ejkernel.testing.numerics import (
+    exact_matmuls,
     DTYPES,
     BadInputChecks,
     Tolerance,
@@ -79,6 +80,7 @@ def _reference_batch(
     return out
 
 
+@exact_matmuls
 def reference_native_sparse_attention(
     query,
     key,

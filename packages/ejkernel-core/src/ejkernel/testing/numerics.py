@@ -310,6 +310,18 @@ def assert_gradient_refused(fn: Callable[..., jax.Array], inputs: Mapping[str, A
         forward_and_vjp(fn, inputs, wrt, 0)
 
 
+def exact_matmuls(reference: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a reference so its JAX matmuls run at full float32 precision wherever it runs (on NVIDIA GPUs
+    XLA's own default is TF32, ~3e-4 relative error: no yardstick for a float32 kernel)."""
+
+    @functools.wraps(reference)
+    def exact(*args: Any, **kwargs: Any) -> Any:
+        with jax.default_matmul_precision("highest"):
+            return reference(*args, **kwargs)
+
+    return exact
+
+
 def run_jitted(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` as one compiled computation with every input a closed-over constant (eager
     dispatch would compile every primitive separately; constants keep value checks working)."""

@@ -24,6 +24,7 @@ import pytest
 from ejkernel.modules.operations.page_attention import PageAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
 from ejkernel.testing.numerics import (
+    exact_matmuls,
     DTYPES,
     BadInputChecks,
     Tolerance,
@@ -79,6 +80,7 @@ def gather_pages(cache: jax.Array, tables: jax.Array, token_axis: int) -> jax.Ar
 # ---- the reference ---------------------------------------------------------------------------------
 
 
+@exact_matmuls
 def reference_page_attention(
     query,
     key_cache,

@@ -19,6 +19,7 @@ import pytest
 from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
 from ejkernel.testing.numerics import (
+    exact_matmuls,
     DTYPES,
     BadInputChecks,
     Tolerance,
@@ -33,6 +34,7 @@ from ejkernel.testing.numerics import (
 from ejkernel.testing.page_attention import sinks_for
 
 
+@exact_matmuls
 def reference_ragged_decode_attention(
     query,
     key,

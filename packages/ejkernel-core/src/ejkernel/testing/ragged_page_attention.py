@@ -18,6 +18,7 @@ import pytest
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
 from ejkernel.testing.numerics import (
+    exact_matmuls,
     DTYPES,
     BadInputChecks,
     Tolerance,
@@ -32,6 +33,7 @@ from ejkernel.testing.numerics import (
 from ejkernel.testing.page_attention import gather_pages, random_block_tables, sinks_for
 
 
+@exact_matmuls
 def reference_ragged_page_attention(
     queries,
     kv_pages,

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from ejkernel.testing.numerics import (
+    exact_matmuls,
     Tolerance,
     assert_close,
     assert_tree_close,
@@ -47,6 +48,7 @@ def _token_layout(total: int, cu_seqlens):
     return sequence, first, last, exists, backwards
 
 
+@exact_matmuls
 def reference_recurrent(
     query,
     key,

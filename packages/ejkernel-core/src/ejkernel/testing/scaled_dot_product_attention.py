@@ -20,11 +20,12 @@ from ejkernel.testing.flash_attention import (
     reference_flash_attention,
     reference_flash_attention_numpy,
 )
-from ejkernel.testing.numerics import assert_finite, fresh_keys, random_normal
+from ejkernel.testing.numerics import exact_matmuls, assert_finite, fresh_keys, random_normal
 
 __all__ = ["ScaledDotProductAttentionConformance", "reference_scaled_dot_product_attention"]
 
 
+@exact_matmuls
 def reference_scaled_dot_product_attention(
     query, key, value, bias=None, cum_seqlens_q=None, cum_seqlens_k=None, *, attention_mask=None,
     softmax_scale=None, causal=False, sliding_window=None,
