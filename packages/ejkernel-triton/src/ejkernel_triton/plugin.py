@@ -15,8 +15,9 @@ MIN_JAX_TRITON = "0.3.1"
 # algorithm -> "module:IMPLEMENTATION" (an ejkernel.Implementation); priority 15 puts these above the XLA
 # fallback (0) and above Pallas's GPU kernels (10), which the measurements rank below them (README: H100
 # and H200, 2026-11-22, flash attention forward 1.09-1.23 x Pallas, forward+backward 0.98-1.15 x). They
-# register for the GPU; on a CPU-only machine the dispatcher still names them (with check_usable's reason) when it falls back to XLA. With TRITON_INTERPRET=1 they also register for the CPU
-# and run in Triton's interpreter. Tuned blocks per device kind (tuned/flash_attention.json) are read by
+# register for the GPU; on a CPU-only machine the dispatcher still names them (with check_usable's reason)
+# when it falls back to XLA. With TRITON_INTERPRET=1 they also register for the CPU and run in Triton's
+# interpreter. Tuned blocks per device kind (tuned/flash_attention.json) are read by
 # the implementation's heuristic (flash_attention/tuning.py); a device kind with a table has nothing to
 # autotune, so no shipped-configs hook is needed.
 IMPLEMENTATIONS: dict[str, str] = {
