@@ -10,7 +10,8 @@ One command (on the device: ``bash scripts/device/prepare.sh`` here, then run wi
    and the device's peak bytes in use.
 2. Speed: the standard shapes (bf16, D=128, 16 heads, batch * seq = 16384, S = 1k..16k, causal and not,
    forward and forward+backward) for ``ejkernel-xla`` (the default config: the rule of
-   ``ejkernel_xla.flash_attention``; the table names the path it took), ``ejkernel-xla[blockwise]`` (forced;
+   ``ejkernel_xla.flash_attention``: forward+backward and a forward alone have their own memory rules;
+   the table names the path each took), ``ejkernel-xla[blockwise]`` (forced;
    ``ejkernel-xla[dense]`` on request) and ``xla``; timing, TFLOP/s and relative errors as in ``attention.py``. The table's last column is
    ejkernel-xla / xla (issue #14's target: >= 1.0 wherever xla runs).
 
@@ -54,13 +55,15 @@ def xla_impls(names: list[str]) -> list[bench.Impl]:
     return [bench.Impl(name, known[name]) for name in names]
 
 
-def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype) -> str:
-    """Which path the default config takes at this shape on this device."""
+def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype, mode: str = "fwd+bwd") -> str:
+    """Which path the default config takes at this shape on this device: differentiated (``fwd+bwd``) or a
+    forward that is not (``fwd``; its own, smaller memory rule)."""
     from ejkernel.modules.operations.flash_attention import FlashAttentionCall
     from ejkernel_xla.flash_attention import XlaFlashConfig, takes_dense_path
 
     x = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype)
-    return "dense" if takes_dense_path(FlashAttentionCall(query=x, key=x, value=x), XlaFlashConfig()) else "blockwise"
+    call = FlashAttentionCall(query=x, key=x, value=x)
+    return "dense" if takes_dense_path(call, XlaFlashConfig(), differentiated=mode != "fwd") else "blockwise"
 
 
 def memory(seqs: list[int], run_seq: int, heads: int, head_dim: int, dtype) -> dict:
@@ -170,7 +173,6 @@ def main(argv=None) -> int:
         batch = max(1, args.tokens // seq)
         key, sub = jax.random.split(key)
         inputs = bench.random_inputs(sub, batch, seq, args.heads, args.head_dim, dtype, args.sets)
-        path_here = rule_path(batch, seq, args.heads, args.head_dim, dtype)
         for causal in (c == "yes" for c in args.causal.split(",")):
             for impl in impls:
                 if seq in error_seqs:
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
                 for mode in args.modes.split(","):
                     row = dict(impl=impl.name, seq=seq, batch=batch, causal=causal, mode=mode)
                     if impl.name == "ejkernel-xla":
-                        row["path"] = path_here
+                        row["path"] = rule_path(batch, seq, args.heads, args.head_dim, dtype, mode)
                     try:
                         secs = bench.time_step(bench.make_step(impl, causal, mode), inputs, mode, args.warmup,
                                                args.reps, args.calls)

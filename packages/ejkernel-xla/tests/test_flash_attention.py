@@ -221,6 +221,33 @@ def test_default_config_traces_the_path_of_the_rule(monkeypatch, budget, program
     assert f"name={program}" in jaxpr
 
 
+def test_forward_only_rule(monkeypatch):
+    """Where the dense forward fits (``B*H*Sq*Skv * (4 + itemsize)``) but its forward+backward does not, a
+    forward that is not differentiated runs dense and a differentiated one blockwise (forward and backward:
+    the residuals come from the blockwise forward); ``dense=False`` still forces blockwise throughout."""
+    call = _abstract_call(1, 72, heads=2, head_dim=16, dtype=jnp.float32)
+    assert xla_flash.dense_forward_peak_bytes(call) == 2 * 72 * 72 * 8
+    _budget(monkeypatch, xla_flash.dense_forward_peak_bytes(call))  # the forward fits, forward+backward not
+    assert xla_flash.takes_dense_path(call, XlaFlashConfig(), differentiated=False)
+    assert not xla_flash.takes_dense_path(call, XlaFlashConfig())
+    assert not xla_flash.takes_dense_path(call, XlaFlashConfig(dense=False), differentiated=False)
+
+    x = jax.ShapeDtypeStruct((1, 72, 2, 16), jnp.float32)
+    forward = lambda q, k, v, cfg=None: flash_attention(q, k, v, causal=True, platform="xla", cfg=cfg)  # noqa: E731
+    assert "name=_dense_primal_blockwise_vjp" in str(jax.make_jaxpr(forward)(x, x, x))
+    assert "name=_flash_primal" in str(jax.make_jaxpr(lambda *a: forward(*a, cfg=XlaFlashConfig(dense=False)))(x, x, x))
+    # not differentiated: exactly the dense path's program; differentiated: exactly the blockwise path's
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 72, 2, 16), jnp.float32) for key in keys)
+    dense = jax.jit(lambda *a: forward(*a, cfg=XlaFlashConfig(dense=True)))(q, k, v)
+    np.testing.assert_array_equal(jax.jit(forward)(q, k, v), dense)
+    loss = lambda cfg: lambda *a: (forward(*a, cfg=cfg) * a[0]).sum()  # noqa: E731
+    grads = jax.jit(jax.value_and_grad(loss(None), argnums=(0, 1, 2)))(q, k, v)
+    expected = jax.jit(jax.value_and_grad(loss(XlaFlashConfig(dense=False)), argnums=(0, 1, 2)))(q, k, v)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_candidate_configs_offer_both_paths_where_dense_fits(monkeypatch):
     call = _abstract_call(1, 1024)
     _budget(monkeypatch, 1 << 40)

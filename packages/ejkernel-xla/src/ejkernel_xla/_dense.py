@@ -29,13 +29,15 @@ from ejkernel_xla._blockwise import (
     _grouped,
     _logits,
     _ungrouped,
+    weighted_values,
     sink_lse,
     visibility,
 )
 
 
 def _visible(q_tok: Tokens, kv_tok: Tokens, params: AttentionParams, mask) -> jax.Array | None:
-    """bool [B|1, 1|H, Sq, Skv], or None when every key is visible to every query (nothing to select)."""
+    """bool [B|1, 1|H, Sq, Skv], or None when every key is visible to every query (nothing to select).
+    Only what the call asks for is built: causal alone is one comparison of two iotas, as in ``jax.nn``."""
     masked = (
         params.causal
         or params.sliding_window is not None
@@ -43,11 +45,17 @@ def _visible(q_tok: Tokens, kv_tok: Tokens, params: AttentionParams, mask) -> ja
         or q_tok.segment is not None
         or q_tok.sequence is not None
     )
-    return visibility(q_tok, kv_tok, params, mask) if masked else None
+    if not masked:
+        return None
+    # whole sequences unless varlen: every token exists, no existence flags to read
+    return visibility(q_tok, kv_tok, params, mask, all_valid=q_tok.sequence is None)
 
 
-def _forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
-    """``(out [B, Sq, H, Dv]`` in q's dtype, ``P`` [B, Hkv, g, Sq, Skv] in v's dtype, ``lse`` [B, H, Sq]``)``."""
+def _forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, *, residuals: bool):
+    """``(out [B, Sq, H, Dv]`` in q's dtype, ``P`` [B, Hkv, g, Sq, Skv] in v's dtype, ``lse`` [B, H, Sq] or
+    None``)``. Unmasked, without sinks or dropout it is ``jax.nn``'s formula and nothing more: float32
+    logits, row max, ``exp``, row sum, divide, cast, matmul. ``residuals``: also the log-sum-exp (the sinks'
+    gradient reads it)."""
     batch, q_len, num_heads, _ = q.shape
     num_kv_heads = k.shape[2]
     s, _ = _logits(q, k, bias, params)  # float32 [B, Hkv, g, Sq, Skv]
@@ -59,23 +67,27 @@ def _forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, s
     if aux is not None:
         sinks = _grouped(sink_lse(aux, batch, num_heads, q_len), num_kv_heads)[..., None]
         m = jnp.maximum(m, sinks)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # rows that see nothing: exp(-inf - 0) = 0
+    # a row may see nothing only under a mask: then m = -inf, exp(-inf - 0) = 0 and the denominator is 0
+    guarded = visible is not None
+    if guarded:
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(s - m)
     denominator = jnp.sum(e, axis=-1, keepdims=True)
     if sinks is not None:
         denominator = denominator + jnp.exp(sinks - m)
-    seen = denominator > 0
-    p = e / jnp.where(seen, denominator, 1.0)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denominator, 1.0)), -jnp.inf)[..., 0]
-    p_saved = p.astype(v.dtype)
+    safe_denominator = jnp.where(denominator > 0, denominator, 1.0) if guarded else denominator
+    p_saved = (e / safe_denominator).astype(v.dtype)
+    lse = None
+    if residuals and aux is not None:
+        lse = m + jnp.log(safe_denominator)
+        lse = _ungrouped(jnp.where(denominator > 0, lse, -jnp.inf)[..., 0] if guarded else lse[..., 0])
     p_used = p_saved
     if params.dropout_prob > 0.0:
         keep = _grouped(_dropout_keep(q_tok, kv_tok, seed, batch, num_heads, params), num_kv_heads)
         # from the saved P, as the backward does: both passes use the same rounded probabilities
         p_used = jnp.where(keep, p_saved.astype(jnp.float32) * (1.0 / (1.0 - params.dropout_prob)), 0.0).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", p_used, v, preferred_element_type=jnp.float32)
-    out = out.reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)
-    return out, p_saved, _ungrouped(lse)
+    out = weighted_values(p_used, v).reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)
+    return out, p_saved, lse
 
 
 def _backward(params: AttentionParams, res, d_out):
@@ -122,8 +134,7 @@ def _backward(params: AttentionParams, res, d_out):
 
 def _dense_fwd(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
     with params.matmuls():
-        out, p, lse = _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
-    lse = None if aux is None else lse  # only the sinks' gradient reads it
+        out, p, lse = _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, residuals=True)
     return out, (q, k, v, bias, aux, mask, q_tok, kv_tok, seed, out, p, lse)
 
 
@@ -136,7 +147,7 @@ def _dense_bwd(params, res, d_out):
 
 def _dense_primal(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
     with params.matmuls():
-        return _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)[0]
+        return _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, residuals=False)[0]
 
 
 _dense = jax.custom_vjp(_dense_primal, nondiff_argnums=(0,))

@@ -19,6 +19,21 @@ probabilities (kept for the backward) and the logits' gradient in the inputs' dt
 forward+backward (bf16: 12 bytes, 3x the float32 logits; float32: 16; XLA's ``memory_analysis`` agrees,
 docs/xla_memory.md). The other half stays for everything else.
 
+A forward that is not differentiated has its own rule, the same with its own peak::
+
+    B*H*Sq*Skv * (4 + itemsize)  <=  DENSE_MEMORY_SHARE * bytes_limit(device)
+
+(the float32 logits and the probabilities in the inputs' dtype: ``jax.nn``'s forward holds the same). Where
+only this one holds (H100, bf16, 16 heads, S=16k: 24 of ~30 GiB, forward+backward 48) the call runs through
+a custom VJP whose primal -- what runs when nobody differentiates -- is the dense forward, and whose
+forward and backward rules are the blockwise path's (the residuals come from the blockwise forward, so
+the backward always matches the forward it belongs to). ``dense=True/False`` forces both.
+
+The dense forward is ``jax.nn``'s formula and no more where nothing is masked: float32 logits from the
+matmul with keys as the minor axis (no S² transpose), row max, ``exp``, row sum, divide, cast, matmul;
+causal adds one comparison of two iotas. Masks, segments, varlen, sinks and dropout add only their own
+work, and only when given.
+
 Why: on a GPU the blockwise loops pay per-block kernel launches, loop overhead and small matmuls; the
 dense program does not, and runs about twice as fast where it fits (H200, bf16, D=128: blockwise 35-83
 TFLOP/s, the dense formula 43-163). TPUs: the same rule by the same argument (not measured here). Beyond
@@ -39,18 +54,21 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.flash_attention import FlashAttentionCall
 from ejkernel_xla._blockwise import (
     AttentionParams,
     BlockSizes,
+    _flash_bwd,
+    _flash_fwd,
     default_block_sizes,
     flash_attention_blockwise,
     key_tokens,
     query_tokens,
 )
-from ejkernel_xla._dense import flash_attention_dense
+from ejkernel_xla._dense import _dense_primal, flash_attention_dense
 
 DENSE_MEMORY_SHARE = 0.5
 """Share of the device memory JAX may allocate (``memory_stats()["bytes_limit"]``) that one call's dense
@@ -110,8 +128,18 @@ class XlaFlashConfig(XlaBlockConfig):
 def dense_peak_bytes(call: FlashAttentionCall) -> int:
     """Peak bytes of the dense path's S² buffers in a forward+backward: ``B*H*Sq*Skv * (8 + 2*itemsize)``
     (float32 logits and probability gradient; probabilities and logit gradient in the inputs' dtype)."""
+    return _logits_count(call) * (8 + 2 * call.query.dtype.itemsize)
+
+
+def dense_forward_peak_bytes(call: FlashAttentionCall) -> int:
+    """Peak bytes of the dense path's S² buffers in a forward that is not differentiated:
+    ``B*H*Sq*Skv * (4 + itemsize)`` (float32 logits; probabilities in the inputs' dtype)."""
+    return _logits_count(call) * (4 + call.query.dtype.itemsize)
+
+
+def _logits_count(call: FlashAttentionCall) -> int:
     batch, q_len, num_heads, _ = call.query.shape
-    return batch * num_heads * q_len * call.key.shape[1] * (8 + 2 * call.query.dtype.itemsize)
+    return batch * num_heads * q_len * call.key.shape[1]
 
 
 @functools.cache
@@ -130,28 +158,43 @@ def dense_budget_bytes(platform: str | None = None) -> int | None:
     return None if limit is None else int(DENSE_MEMORY_SHARE * limit)
 
 
-def dense_fits(call: FlashAttentionCall, budget: int | None) -> bool:
-    """The rule's inequality (module docstring) for ``budget`` bytes (None: never)."""
-    return budget is not None and dense_peak_bytes(call) <= budget
+def dense_fits(call: FlashAttentionCall, budget: int | None, *, differentiated: bool = True) -> bool:
+    """The rule's inequality (module docstring) for ``budget`` bytes (None: never): forward+backward's
+    peak, or the forward's alone when ``differentiated`` is False."""
+    need = dense_peak_bytes(call) if differentiated else dense_forward_peak_bytes(call)
+    return budget is not None and need <= budget
 
 
-def takes_dense_path(call: FlashAttentionCall, config: XlaFlashConfig) -> bool:
-    """Whether ``config`` runs ``call`` on the dense path (forced, or by the rule)."""
+def takes_dense_path(call: FlashAttentionCall, config: XlaFlashConfig, *, differentiated: bool = True) -> bool:
+    """Whether ``config`` runs ``call`` on the dense path (forced, or by the rule): under differentiation
+    (the default), or a forward that is not differentiated (``differentiated=False``)."""
     if config.dense is not None:
         return config.dense
-    return not config.has_blocks and dense_fits(call, dense_budget_bytes())
+    return not config.has_blocks and dense_fits(call, dense_budget_bytes(), differentiated=differentiated)
 
 
 # ---- the implementation ------------------------------------------------------------------------------
 
 
+def _dense_primal_blockwise_vjp(blocks, params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
+    """Not differentiated: the dense forward. Differentiated: the blockwise forward (its residuals, the
+    output and the log-sum-exp) and backward. For calls whose dense forward fits but whose dense
+    forward+backward does not."""
+    return _dense_primal(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
+
+
+_dense_forward_blockwise_gradient = jax.custom_vjp(_dense_primal_blockwise_vjp, nondiff_argnums=(0, 1))
+_dense_forward_blockwise_gradient.defvjp(_flash_fwd, _flash_bwd)
+
+
 # One compiled program per (shapes, static arguments): eager lax.scan would re-trace its body per call.
-@functools.partial(jax.jit, static_argnames=("params", "blocks"))
+@functools.partial(jax.jit, static_argnames=("params", "blocks", "forward_dense"))
 def _flash_jit(
     query, key, value, bias, attention_mask, q_segment_ids, kv_segment_ids, cum_seqlens_q, cum_seqlens_k,
-    softmax_aux, dropout_seed, *, params: AttentionParams, blocks: BlockSizes | None,
+    softmax_aux, dropout_seed, *, params: AttentionParams, blocks: BlockSizes | None, forward_dense: bool,
 ):
-    """``blocks=None``: the dense path."""
+    """``blocks``: the path under differentiation (None: dense); ``forward_dense``: the path of a forward
+    that is not differentiated (True whenever ``blocks`` is None)."""
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
     q_tokens = query_tokens(
@@ -164,7 +207,12 @@ def _flash_jit(
     )
     if blocks is None:
         return flash_attention_dense(query, key, value, **common)
-    return flash_attention_blockwise(query, key, value, blocks=blocks, **common)
+    if not forward_dense:
+        return flash_attention_blockwise(query, key, value, blocks=blocks, **common)
+    seed = None if params.dropout_prob == 0.0 else jnp.asarray(dropout_seed).astype(jnp.uint32)
+    return _dense_forward_blockwise_gradient(
+        blocks, params, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed
+    )
 
 
 class XlaFlashAttention(Implementation[FlashAttentionCall, XlaFlashConfig]):
@@ -183,6 +231,7 @@ class XlaFlashAttention(Implementation[FlashAttentionCall, XlaFlashConfig]):
             call.query, call.key, call.value, call.bias, call.attention_mask, call.q_segment_ids,
             call.kv_segment_ids, call.cum_seqlens_q, call.cum_seqlens_k, call.softmax_aux, call.dropout_seed,
             params=AttentionParams.of(call), blocks=blocks,
+            forward_dense=blocks is None or takes_dense_path(call, config, differentiated=False),
         )
 
 
