@@ -56,9 +56,19 @@ def _patch_interpreter() -> None:
 
 
 class _HostDtype:
-    # Triton reads a tensor's dtype through its string form ("torch.float16").
-    def __init__(self, dtype: np.dtype):
-        self.name = np.dtype(dtype).name
+    # Triton reads a tensor's dtype through its string form ("torch.float16"). One object per dtype: Triton's
+    # native argument specialization caches the type of a dtype object by its address, so a freed object whose
+    # address a new one of another dtype reuses would come back with the old type (seen: an int32 pointer
+    # typed fp32 after a few hundred launches in one process).
+    _interned: dict[str, _HostDtype] = {}
+
+    def __new__(cls, dtype: np.dtype):
+        name = np.dtype(dtype).name
+        if name not in cls._interned:
+            obj = super().__new__(cls)
+            obj.name = name
+            cls._interned[name] = obj
+        return cls._interned[name]
 
     def __str__(self) -> str:
         return "torch." + self.name
