@@ -1,0 +1,423 @@
+"""Decode attention benchmark: ejkernel's page_attention and ragged_decode_attention (every backend registered
+for the GPU) against JAX's Pallas `decode_attention.gqa` (contiguous KV) and flash-attn3-jax's
+`flash_mha_with_kvcache` with a page table, in one run, with the device's copy bandwidth measured alongside.
+
+One command (on a GPU; through the device tool: `bash scripts/device/run.sh python3 benchmarks/decode.py`):
+
+    python benchmarks/decode.py                       # the standard sweep
+    python benchmarks/decode.py --shapes 32x4096 --no-sweep
+    python benchmarks/decode.py --replot benchmarks/results/X.json
+
+One decode step: every sequence has one new query token (32 query / 8 kv heads, D=128, bf16) and a full
+cache of `context` tokens. Shapes: 32 sequences x 4096 tokens (the standard), contexts 512, 1k, 8k, 32k at 32
+sequences, batches 1, 8, 64 at 4096 tokens; paged caches with pages of 16 and 64 (pages shuffled over the
+cache, as a server's allocator leaves them). GB/s = bytes of K and V read (2·B·ctx·Hkv·D·2) / time.
+Copy bandwidth: `x + 1` over 4 GiB of float32, bytes read + written. Timing as `attention.py`: jit, warm-up,
+median of `--reps` samples, each the mean of `--calls` back-to-back calls, rotating over enough input sets to
+exceed the L2 cache. Numerics: relative L2 error of each output against a float32 reference (shapes up to
+2 GB of cache). `--sweep`: the Triton kernels with other configs at the standard shape.
+
+Writes `benchmarks/results/<gpu>-<date>-decode.json` (after every measurement) and a PNG, prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import versions  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+STANDARD = (32, 4096)
+DEFAULT_SHAPES = "32x4096,32x512,32x1024,32x8192,32x32768,1x4096,8x4096,64x4096"
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    name: str
+    layout: str  # "paged" (ejkernel's [pages, Hkv, page, D]), "fa3-paged" ([pages, page, Hkv, D]),
+    #              "contiguous" ([B, S, Hkv, D]) or "heads-major" ([B, Hkv, S, D])
+    fn: Callable  # (inputs dict) -> out [B, H, D]
+    standard_only: bool = False  # slow or reference-only peers: the standard shape only
+    note: str = ""
+
+
+# ---- inputs ------------------------------------------------------------------------------------------
+
+
+def logical_kv(key, batch, context, kv_heads, dim, dtype):
+    kk, kv = jax.random.split(key)
+    shape = (batch, context, kv_heads, dim)
+    return (jax.random.normal(kk, shape, jnp.float32).astype(dtype),
+            jax.random.normal(kv, shape, jnp.float32).astype(dtype))
+
+
+def layout_inputs(layout, k, v, page_size, seed):
+    """The same logical cache in an implementation's layout (pages shuffled over the cache)."""
+    batch, context, kv_heads, dim = k.shape
+    lens = jnp.full((batch,), context, jnp.int32)
+    if layout in ("contiguous", "heads-major"):
+        if layout == "heads-major":
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return dict(k=k, v=v, lens=lens)
+    pages = context // page_size
+    perm = np.random.default_rng(seed).permutation(batch * pages)
+    inverse = jnp.asarray(np.argsort(perm))
+    tables = jnp.asarray(perm.reshape(batch, pages).astype(np.int32))
+
+    def paged(x):
+        x = x.reshape(batch * pages, page_size, kv_heads, dim)
+        if layout == "paged":
+            x = x.transpose(0, 2, 1, 3)
+        return x[inverse]  # cache[perm[i]] = logical page i
+
+    return dict(k=paged(k), v=paged(v), lens=lens, tables=tables)
+
+
+# ---- implementations ---------------------------------------------------------------------------------
+
+
+def ejkernel_impls(sweep_configs=()) -> list[Impl]:
+    from ejkernel.kernels._registry import kernel_registry
+    from ejkernel.modules import page_attention, ragged_decode_attention
+    from ejkernel.plugins import usable_reason
+
+    impls = []
+    for algorithm in ("page_attention", "ragged_decode_attention"):
+        seen = set()
+        for spec in kernel_registry.find(algorithm, None, "gpu"):
+            platform = spec.platform.value
+            if platform in seen:
+                continue
+            seen.add(platform)
+            reason = usable_reason(spec.plugin)
+            if reason:
+                print(f"# skipping ejkernel {algorithm} platform={platform}: {reason}", file=sys.stderr)
+                continue
+            for cfg in [None, *(sweep_configs if platform == "triton" else ())]:
+                suffix = "" if cfg is None else f"[{cfg_text(cfg)}]"
+                if algorithm == "page_attention":
+                    def fn(x, platform=platform, cfg=cfg):
+                        return page_attention(x["q"], x["k"], x["v"], x["lens"], x["tables"], platform=platform,
+                                              cfg=cfg)
+
+                    impls.append(Impl(f"ejkernel-{platform} paged{suffix}", "paged", fn,
+                                      standard_only=platform != "triton" or cfg is not None))
+                else:
+                    def fn(x, platform=platform, cfg=cfg):
+                        start = jnp.zeros_like(x["lens"])
+                        return ragged_decode_attention(x["q"], x["k"], x["v"], start, x["lens"], platform=platform,
+                                                       cfg=cfg)
+
+                    impls.append(Impl(f"ejkernel-{platform} ragged{suffix}", "contiguous", fn,
+                                      standard_only=platform != "triton" or cfg is not None))
+    return impls
+
+
+def cfg_text(cfg) -> str:
+    return ",".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg))
+
+
+def sweep_configs(batch, context, kv_heads) -> list:
+    """Other configs of the Triton decode kernels around the heuristic's (the standard shape)."""
+    try:
+        from ejkernel_triton.decode.config import TritonDecodeConfig, heuristic_splits
+    except Exception:  # noqa: BLE001
+        return []
+    h = heuristic_splits(batch * kv_heads, context)
+    variants = [(64, h, 1), (64, h, 3), (32, h, 2), (32, h, 4), (128, h, 1), (64, 2 * h, 2), (64, max(1, h // 2), 2)]
+    return [TritonDecodeConfig(block_n=n, num_splits=s, prefetch=p) for n, s, p in variants]
+
+
+def peer_impls() -> list[Impl]:
+    impls = []
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
+
+        def gqa(x):
+            # heads-major cache: gqa's own swapaxes cancels against ours, so the kernel reads it in place
+            return pallas_decode.gqa(x["q"], x["k"].swapaxes(1, 2), x["v"].swapaxes(1, 2))
+
+        impls.append(Impl("jax-pallas-gqa", "heads-major", gqa, note="defaults: k_splits=16, block_k=128"))
+    except Exception as exc:  # noqa: BLE001
+        print(f"# no JAX Pallas gqa: {exc}", file=sys.stderr)
+    try:
+        from flash_attn3_jax import flash_mha_with_kvcache
+
+        def fa3(x, num_splits=1):
+            q = x["q"][:, None]
+            out = flash_mha_with_kvcache(q, x["k"], x["v"], cache_seqlens=x["lens"], page_table=x["tables"],
+                                         softmax_scale=float(q.shape[-1] ** -0.5), num_splits=num_splits)
+            return out[:, 0]
+
+        impls.append(Impl("flash-attn3 paged", "fa3-paged", fa3, note="best of num_splits"))
+    except Exception as exc:  # noqa: BLE001
+        print(f"# no flash-attn3-jax: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def dense(implementation):
+        def fn(x):
+            out = jax.nn.dot_product_attention(x["q"][:, None], x["k"], x["v"], implementation=implementation)
+            return out[:, 0]
+
+        return fn
+
+    impls.append(Impl("xla-dense", "contiguous", dense("xla"), standard_only=True))
+    impls.append(Impl("cudnn-dense", "contiguous", dense("cudnn"), standard_only=True))
+    return impls
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+
+
+def time_calls(step, inputs, warmup, reps, calls) -> float:
+    """Median over `reps` samples of the mean time of `calls` back-to-back calls over rotating inputs (s)."""
+    for i in range(warmup):
+        jax.block_until_ready(step(inputs[i % len(inputs)]))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        last = None
+        for c in range(calls):
+            last = step(inputs[c % len(inputs)])
+        jax.block_until_ready(last)
+        samples.append((time.perf_counter() - t0) / calls)
+    return float(np.median(samples))
+
+
+def copy_bandwidth(warmup=3, reps=10) -> float:
+    """GB/s of `x + 1` over 4 GiB of float32 (bytes read + written)."""
+    x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.float32)
+    step = jax.jit(lambda x: x + 1.0)
+    secs = time_calls(step, [x], warmup, reps, 5)
+    del x
+    return 2 * 4 * (1 << 30) / secs / 1e9
+
+
+def rel_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def reference(q, k, v):
+    """Float32 attention of q [B, H, D] over contiguous k/v [B, S, Hkv, D]."""
+    group = q.shape[1] // k.shape[2]
+    qf = q.astype(jnp.float32).reshape(q.shape[0], k.shape[2], group, q.shape[2])
+    with jax.default_matmul_precision("highest"):
+        logits = jnp.einsum("bkgd,bskd->bkgs", qf, k.astype(jnp.float32)) * q.shape[-1] ** -0.5
+        out = jnp.einsum("bkgs,bskd->bkgd", jax.nn.softmax(logits, axis=-1), v.astype(jnp.float32))
+    return out.reshape(q.shape)
+
+
+# ---- reporting ---------------------------------------------------------------------------------------
+
+
+def series(row) -> str:
+    return row["impl"] + (f" p{row['page_size']}" if row.get("page_size") else "")
+
+
+def markdown_table(doc) -> str:
+    rows = [r for r in doc["results"] if "gbps" in r and "[" not in r["impl"]]
+    names = []
+    for r in rows:
+        if series(r) not in names:
+            names.append(series(r))
+    copy = doc["copy_gbps"]
+    lines = ["| B | context | " + " | ".join(names) + " |", "|" + "---|" * (2 + len(names))]
+    for batch, context in doc["setup"]["shapes"]:
+        cells = []
+        for name in names:
+            hit = [r for r in rows if (r["batch"], r["context"], series(r)) == (batch, context, name)]
+            cells.append(f"{hit[0]['gbps']:.0f} ({100 * hit[0]['gbps'] / copy:.0f} %)" if hit else "—")
+        lines.append(f"| {batch} | {context} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def print_report(doc) -> None:
+    print(f"## {doc['device']}, {doc['date'][:10]}: decode GB/s (share of copy bandwidth {doc['copy_gbps']:.0f} GB/s); "
+          f"{doc['setup']['heads']}/{doc['setup']['kv_heads']} heads, D={doc['setup']['head_dim']}, {doc['setup']['dtype']}")
+    print(markdown_table(doc))
+    sweep = [r for r in doc["results"] if "[" in r["impl"] and "gbps" in r]
+    if sweep:
+        print("\n## config sweep at the standard shape (GB/s)")
+        for r in sorted(sweep, key=lambda r: (series(r).split("[")[0], -r["gbps"])):
+            print(f"{series(r):70s} {r['gbps']:7.0f}  err {r.get('rel_err', float('nan')):.1e}")
+    errors = [r for r in doc["results"] if "error" in r]
+    for r in errors:
+        print(f"ERROR {series(r)} B={r['batch']} ctx={r['context']}: {r['error']}")
+
+
+def plot(doc, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["results"] if "gbps" in r and "[" not in r["impl"]]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    batch0, context0 = doc["setup"].get("standard", STANDARD)
+    for ax, (fixed, vary, value) in zip(axes, (("batch", "context", batch0), ("context", "batch", context0))):
+        names = sorted({series(r) for r in rows})
+        for name in names:
+            pts = sorted((r[vary], r["gbps"]) for r in rows if series(r) == name and r[fixed] == value)
+            if len(pts) > 1:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.axhline(doc["copy_gbps"], color="k", ls="--", lw=1, label="copy bandwidth")
+        ax.axhline(0.85 * doc["copy_gbps"], color="gray", ls=":", lw=1, label="85 % of copy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(vary)
+        ax.set_ylabel("GB/s (K+V bytes / step time)")
+        ax.set_title(f"{fixed} = {value}", fontsize=9)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(f"decode attention, {doc['setup']['heads']}/{doc['setup']['kv_heads']} heads, D={doc['setup']['head_dim']},"
+                 f" {doc['setup']['dtype']} — {doc['device']}, {doc['date'][:10]} (jax {doc['versions'].get('jax')}, "
+                 f"triton {doc['versions'].get('triton')})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.12, 1, 0.94))
+    fig.savefig(path, dpi=110)
+
+
+# ---- main --------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated BATCHxCONTEXT")
+    p.add_argument("--standard", default="32x4096", help="the shape that also runs the config sweep and slow peers")
+    p.add_argument("--page-sizes", default="16,64")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--impls", default="", help="comma-separated name prefixes to keep")
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--rotate-bytes", type=float, default=256e6, help="input sets rotated through: this many bytes")
+    p.add_argument("--error-max-bytes", type=float, default=2e9, help="largest K+V checked against the reference")
+    p.add_argument("--out", default=str(RESULTS_DIR))
+    p.add_argument("--name", default="", help="result file stem (default <gpu>-<date>-decode)")
+    p.add_argument("--replot", default="")
+    args = p.parse_args(argv)
+    if args.replot:
+        doc = json.loads(Path(args.replot).read_text())
+        plot(doc, Path(args.replot).with_suffix(".png"))
+        print_report(doc)
+        return 0
+
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", device.platform)
+    now = dt.datetime.now(dt.timezone.utc)
+    stem = args.name or f"{'-'.join(kind.lower().split()[:2])}-{now:%Y-%m-%d}-decode"
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    standard_shape = tuple(int(v) for v in args.standard.split("x"))
+    page_sizes = [int(s) for s in args.page_sizes.split(",") if s]
+    dtype = jnp.dtype(args.dtype)
+    H, Hkv, D = args.heads, args.kv_heads, args.head_dim
+    sweep = sweep_configs(*standard_shape, Hkv) if args.sweep else []
+    impls = ejkernel_impls(sweep) + peer_impls()
+    if args.impls:
+        impls = [i for i in impls if any(i.name.startswith(s) for s in args.impls.split(","))]
+    print(f"# {kind}, {now:%Y-%m-%d %H:%M} UTC: {', '.join(i.name for i in impls if '[' not in i.name)}", flush=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy_gbps = copy_bandwidth()
+    print(f"# copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
+    rows: list[dict] = []
+
+    def document():
+        return dict(device=kind, date=now.isoformat(timespec="seconds"), versions=versions(), copy_gbps=copy_gbps,
+                    setup=dict(shapes=shapes, standard=standard_shape, page_sizes=page_sizes, heads=H, kv_heads=Hkv, head_dim=D,
+                               dtype=str(dtype), warmup=args.warmup, reps=args.reps, calls=args.calls,
+                               timing="median of reps; each rep = mean of back-to-back calls ended by block_until_ready",
+                               gbps="K+V bytes read (2*B*ctx*Hkv*D*itemsize) / time",
+                               copy="x + 1 over 4 GiB float32, read + write"),
+                    implementations=[i.name for i in impls], results=rows)
+
+    def save():
+        (out_dir / f"{stem}.json").write_text(json.dumps(document(), indent=1))
+
+    key = jax.random.key(0)
+    for batch, context in shapes:
+        standard = (batch, context) == standard_shape
+        kv_bytes = 2 * batch * context * Hkv * D * dtype.itemsize
+        sets = max(1, min(16, math.ceil(args.rotate_bytes / kv_bytes)))
+        key, sub = jax.random.split(key)
+        logical = [logical_kv(jax.random.fold_in(sub, s), batch, context, Hkv, D, dtype) for s in range(sets)]
+        queries = [jax.random.normal(jax.random.fold_in(sub, 100 + s), (batch, H, D), jnp.float32).astype(dtype)
+                   for s in range(sets)]
+        ref = None
+        if kv_bytes <= args.error_max_bytes:
+            ref = jax.jit(reference)(queries[0], *logical[0])
+        groups = []
+        for layout in ("paged", "fa3-paged", "contiguous", "heads-major"):
+            for ps in page_sizes if "paged" in layout else [None]:
+                groups.append((layout, ps))
+        for layout, ps in groups:
+            chosen = [i for i in impls if i.layout == layout and (standard or not i.standard_only)]
+            if not chosen:
+                continue
+            inputs = [dict(q=q, **layout_inputs(layout, k, v, ps, seed=s))
+                      for s, (q, (k, v)) in enumerate(zip(queries, logical))]
+            for impl in chosen:
+                row = dict(impl=impl.name, layout=layout, page_size=ps, batch=batch, context=context, sets=sets)
+                try:
+                    variants = [dict()]
+                    if impl.layout == "fa3-paged":  # generous to the peer: its best split count
+                        from ejkernel_triton.decode.config import heuristic_splits
+
+                        variants = [dict(num_splits=n) for n in sorted({1, heuristic_splits(batch * Hkv, context)})]
+                    best = None
+                    for extra in variants:
+                        step = jax.jit(lambda x, extra=extra, impl=impl: impl.fn(x, **extra))
+                        secs = time_calls(step, inputs, args.warmup, args.reps, args.calls)
+                        if best is None or secs < best[0]:
+                            best = (secs, extra, step)
+                    secs, extra, step = best
+                    row.update(ms=secs * 1e3, gbps=kv_bytes / secs / 1e9, share=kv_bytes / secs / 1e9 / copy_gbps,
+                               **extra)
+                    if ref is not None:
+                        row["rel_err"] = rel_error(step(inputs[0]), ref)
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                rows.append(row)
+                save()
+                shown = (f"{row['gbps']:7.0f} GB/s ({100 * row['share']:3.0f} %) {row['ms']:8.4f} ms "
+                         f"err {row.get('rel_err', float('nan')):.1e}" if "gbps" in row else row["error"])
+                print(f"B={batch:3d} ctx={context:6d} {impl.name + (f' p{ps}' if ps else ''):62s} {shown}", flush=True)
+            del inputs
+        del logical, queries, ref
+
+    save()
+    doc = document()
+    try:
+        plot(doc, out_dir / f"{stem}.png")
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    print()
+    print_report(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
