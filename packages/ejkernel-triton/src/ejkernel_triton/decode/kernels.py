@@ -42,7 +42,7 @@ class DecodeStatic:
     scale: float
     softcap: float  # 0.0: none
     page_size: int  # 0: dense ragged buffer
-    max_len: int  # caps every length; -1: none
+    max_len: int  # caps every length (page_attention's max_context_len); -1: the buffer's length
     window_left: int  # -1: none (the ragged op's sliding window; only its left side can hide keys)
     config: TritonDecodeConfig
     interpret: bool
@@ -54,13 +54,12 @@ class DecodeStatic:
 
 @triton.jit
 def _sequence_range(Starts, Ends, b, HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr):
-    """Visible keys ``[lo, hi)`` of sequence ``b``."""
-    hi = tl.load(Ends + b)
-    if MAX_LEN >= 0:
-        hi = tl.minimum(hi, MAX_LEN)
+    """Visible keys ``[lo, hi)`` of sequence ``b``, inside ``[0, MAX_LEN)`` (bounds that core could not check,
+    traced ones, never send a read out of the buffer)."""
+    hi = tl.minimum(tl.load(Ends + b), MAX_LEN)
     lo = hi * 0
     if HAS_START:
-        lo = tl.load(Starts + b)
+        lo = tl.maximum(tl.load(Starts + b), 0)
     if WINDOW_LEFT >= 0:  # the query sits at hi - 1
         lo = tl.maximum(lo, hi - 1 - WINDOW_LEFT)
     return lo, hi
@@ -258,12 +257,13 @@ def _forward(q, k, v, starts, ends, tables, aux, st: DecodeStatic):
     if paged:
         num_pages, kv_heads, page_size, _ = k.shape
         max_pages = tables.shape[1]
-        max_tokens = max_pages * page_size if st.max_len < 0 else min(st.max_len, max_pages * page_size)
+        max_len = max_tokens = max_pages * page_size if st.max_len < 0 else min(st.max_len, max_pages * page_size)
         strides = dict(PAGE_SIZE=page_size, MAX_PAGES=max_pages, NUM_PAGES=num_pages,
                        PAGE_STRIDE=kv_heads * page_size * head_dim, HEAD_STRIDE=page_size * head_dim,
                        ROW_STRIDE=head_dim, SEQ_STRIDE=0)
     else:
         seq_len, kv_heads = k.shape[1], k.shape[2]
+        max_len = seq_len
         max_tokens = seq_len if st.window_left < 0 else min(seq_len, st.window_left + 1)
         strides = dict(PAGE_SIZE=0, MAX_PAGES=1, NUM_PAGES=1, PAGE_STRIDE=0, HEAD_STRIDE=head_dim,
                        ROW_STRIDE=kv_heads * head_dim, SEQ_STRIDE=seq_len * kv_heads * head_dim)
@@ -273,7 +273,7 @@ def _forward(q, k, v, starts, ends, tables, aux, st: DecodeStatic):
     block_h = block_heads(group)
     head_blocks = -(-group // block_h)
     num_sinks = 0 if aux is None else aux.shape[1]
-    bounds = dict(HAS_START=not paged, WINDOW_LEFT=st.window_left, MAX_LEN=st.max_len, NUM_SINKS=num_sinks,
+    bounds = dict(HAS_START=not paged, WINDOW_LEFT=st.window_left, MAX_LEN=max_len, NUM_SINKS=num_sinks,
                   BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()))
     block_d = padded_dim(head_dim)
     starts = starts if starts is not None else _placeholder(jnp.int32)
