@@ -138,7 +138,7 @@ def sweep_configs(batch, context, kv_heads) -> list:
     except Exception:  # noqa: BLE001
         return []
     h = heuristic_splits(batch * kv_heads, context)
-    variants = [(64, h, 1), (64, h, 3), (32, h, 2), (32, h, 4), (128, h, 1), (64, 2 * h, 2), (64, max(1, h // 2), 2)]
+    variants = [(64, h, 1), (64, h, 3), (64, 2 * h, 2)]
     return [TritonDecodeConfig(block_n=n, num_splits=s, prefetch=p) for n, s, p in variants]
 
 
