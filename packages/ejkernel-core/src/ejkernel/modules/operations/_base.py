@@ -79,9 +79,12 @@ class RegistryOperation(Kernel):
         return implementation(call, cfg)
 
 
-def execute(operation: RegistryOperation, *args, platform: Any = "auto", cfg: Any = None, **kwargs) -> Any:
+def execute(operation: RegistryOperation, /, *args, platform: Any = "auto", cfg: Any = None, **kwargs) -> Any:
     """Run ``operation`` through the process-wide default executor (what public functions call).
 
+    A public function's signature is the only place its operation's keywords are spelled out: its body is
+    ``return execute(Op(), **locals())`` (after ``del``-eting parameters kept only for compatibility), so
+    every parameter reaches ``Op.validate`` by name, and ``platform``/``cfg`` land here.
     A ``cfg`` is one implementation's config type: with ``platform="auto"`` it picks that implementation.
     """
     from ejkernel.ops import get_default_executor

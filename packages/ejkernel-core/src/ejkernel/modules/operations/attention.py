@@ -27,7 +27,7 @@ from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._contract import array_field, canonical_call
-from ejkernel.modules.operations._validation import describe, typechecked
+from ejkernel.modules.operations._validation import check_bool, describe, typechecked
 from ejkernel.modules.operations.flash_attention import FlashAttention, FlashAttentionCall
 
 CallT = TypeVar("CallT")
@@ -72,8 +72,12 @@ class Attention(RegistryOperation):
 
     algorithm = "attention"
 
-    def validate(self, query, key, value, bias=None, softmax_aux=None, **keywords) -> AttentionCall:
+    def validate(
+        self, query, key, value, bias=None, softmax_aux=None, *, deterministic=False, **keywords
+    ) -> AttentionCall:
         """``keywords``: those of :func:`attention`, checked and normalized by ``FlashAttention.validate``."""
+        if check_bool("deterministic", deterministic):
+            keywords["dropout_prob"] = 0.0
         flash_call = FlashAttention().validate(query, key, value, bias, softmax_aux=softmax_aux, **keywords)
         return restricted_call(self.algorithm, AttentionCall, flash_call)
 
@@ -119,21 +123,4 @@ def attention(
     Returns:
         ``out [B, Sq, H, Dv]`` and ``weights [B, H, Sq, Skv]`` (pre-dropout), both in ``query``'s dtype.
     """
-    return execute(
-        Attention(),
-        query,
-        key,
-        value,
-        bias,
-        softmax_aux,
-        attention_mask=attention_mask,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=0.0 if deterministic else dropout_prob,
-        dropout_seed=dropout_seed,
-        causal=causal,
-        sliding_window=sliding_window,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(Attention(), **locals())

@@ -157,21 +157,4 @@ def blocksparse_attention(
         cfg: one implementation's config (XLA: ``ejkernel.NoConfig()``: its blocks are the mask's); it
             selects that implementation. None: the chosen implementation's heuristic.
     """
-    return execute(
-        BlockSparseAttention(),
-        query,
-        key,
-        value,
-        q_segment_ids,
-        kv_segment_ids,
-        softmax_aux,
-        block_mask,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        block_size=block_size,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(BlockSparseAttention(), **locals())

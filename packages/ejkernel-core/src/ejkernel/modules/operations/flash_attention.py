@@ -198,25 +198,4 @@ def flash_attention(
     Returns:
         ``[batch, q_len, num_heads, v_head_dim]`` in ``query``'s dtype.
     """
-    return execute(
-        FlashAttention(),
-        query,
-        key,
-        value,
-        bias,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        dropout_prob=dropout_prob,
-        dropout_seed=dropout_seed,
-        cum_seqlens_q=cum_seqlens_q,
-        cum_seqlens_k=cum_seqlens_k,
-        softmax_aux=softmax_aux,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(FlashAttention(), **locals())

@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations.recurrent import LinearAttentionCall, linear_attention_call
+from ejkernel.modules.operations.recurrent import LinearAttentionCall, RecurrentAttention
 
 
 class GLAttention(RegistryOperation):
@@ -28,11 +28,12 @@ class GLAttention(RegistryOperation):
 
     algorithm = "gla"
 
-    def validate(self, query, key, value, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, *,
-                 softmax_scale=None, reverse=False, precision=None) -> LinearAttentionCall:
-        return linear_attention_call(
-            query, key, value, g=g, g_gamma=g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens,
-            softmax_scale=softmax_scale, reverse=reverse, precision=precision,
+    def validate(
+        self, query, key, value, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, **keywords
+    ) -> LinearAttentionCall:
+        """``keywords``: those of :func:`gla_attention`, checked by ``RecurrentAttention.validate``."""
+        return RecurrentAttention().validate(
+            query, key, value, g, g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens, **keywords
         )
 
 
@@ -66,7 +67,4 @@ def gla_attention(
         cfg: one implementation's config (e.g. ``ejkernel_xla.recurrent.XlaLinearAttentionConfig``); it
             selects that implementation.
     """
-    return execute(
-        GLAttention(), query, key, value, g, g_gamma, initial_state, cu_seqlens,
-        softmax_scale=softmax_scale, reverse=reverse, precision=precision, platform=platform, cfg=cfg,
-    )
+    return execute(GLAttention(), **locals())

@@ -174,16 +174,4 @@ def grouped_matmul(
     Returns:
         ``[m, n]`` in ``preferred_element_type``. Full semantics: ``docs/ops/grouped_matmul.md``.
     """
-    return execute(
-        GroupedMatmul(),
-        lhs,
-        rhs,
-        group_sizes,
-        group_offset,
-        existing_out,
-        preferred_element_type=preferred_element_type,
-        transpose_rhs=transpose_rhs,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(GroupedMatmul(), **locals())

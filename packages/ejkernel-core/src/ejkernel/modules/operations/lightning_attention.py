@@ -23,7 +23,7 @@ from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations.recurrent import LinearAttentionCall, linear_attention_call
+from ejkernel.modules.operations.recurrent import LinearAttentionCall, RecurrentAttention
 
 
 def lightning_decay_slopes(num_heads: int, layer_idx: int, num_layers: int) -> jax.Array:
@@ -45,13 +45,12 @@ class LightningAttention(RegistryOperation):
 
     algorithm = "lightning_attention"
 
-    def validate(self, query, key, value, initial_state=None, cu_seqlens=None, *, layer_idx, num_layers,
-                 softmax_scale=None, reverse=False, precision=None) -> LinearAttentionCall:
+    def validate(
+        self, query, key, value, initial_state=None, cu_seqlens=None, *, layer_idx, num_layers, **keywords
+    ) -> LinearAttentionCall:
+        """``keywords``: those of :func:`lightning_attention`, checked by ``RecurrentAttention.validate``."""
         layer_idx, num_layers = _check_layers(layer_idx, num_layers)
-        call = linear_attention_call(
-            query, key, value, initial_state=initial_state, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
-            reverse=reverse, precision=precision,
-        )
+        call = RecurrentAttention().validate(query, key, value, initial_state=initial_state, cu_seqlens=cu_seqlens, **keywords)
         batch, _, heads, _ = query.shape
         slopes = lightning_decay_slopes(heads, layer_idx, num_layers)
         return dataclasses.replace(call, g_gamma=jnp.broadcast_to(slopes, (batch, heads)))
@@ -86,8 +85,4 @@ def lightning_attention(
         cfg: one implementation's config (e.g. ``ejkernel_xla.recurrent.XlaLinearAttentionConfig``); it
             selects that implementation.
     """
-    return execute(
-        LightningAttention(), query, key, value, initial_state, cu_seqlens,
-        layer_idx=layer_idx, num_layers=num_layers, softmax_scale=softmax_scale, reverse=reverse,
-        precision=precision, platform=platform, cfg=cfg,
-    )
+    return execute(LightningAttention(), **locals())

@@ -89,4 +89,4 @@ def mean_pooling(
     Returns:
         ``[batch, *features]`` (or ``[num_seqs, *features]``) in ``x``'s dtype; empty sequences give zeros.
     """
-    return execute(MeanPooling(), x, cu_seqlens, chunk_size=chunk_size, platform=platform, cfg=cfg)
+    return execute(MeanPooling(), **locals())

@@ -171,21 +171,7 @@ def multi_head_latent_attention(
     Returns:
         ``[batch, seq_len, num_heads, v_head_dim]`` in ``query``'s dtype.
     """
-    return execute(
-        MultiHeadLatentAttention(),
-        query,
-        key_value,
-        w_kc,
-        w_vc,
-        b_q,
-        b_k,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        cu_seqlens=cu_seqlens,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(MultiHeadLatentAttention(), **locals())
 
 
 flash_mla = multi_head_latent_attention

@@ -225,21 +225,4 @@ def native_sparse_attention(
         cfg: one implementation's config (e.g. ``ejkernel_xla.native_sparse_attention.XlaNsaConfig``); it
             selects that implementation. None: the chosen implementation's heuristic.
     """
-    return execute(
-        NativeSparseAttention(),
-        query,
-        key,
-        value,
-        g_cmp,
-        g_slc,
-        g_swa,
-        block_indices,
-        block_counts,
-        softmax_scale=softmax_scale,
-        block_size=block_size,
-        window_size=window_size,
-        cu_seqlens=cu_seqlens,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(NativeSparseAttention(), **locals())

@@ -200,17 +200,4 @@ def page_attention(
         ``[num_seqs, num_heads, head_dim]`` in ``query``'s dtype.
     """
     del num_splits, mask_value, pages_per_compute_block, megacore_mode, inline_seq_dim  # see the module docstring
-    return execute(
-        PageAttention(),
-        query,
-        key_cache,
-        value_cache,
-        context_lens,
-        block_tables,
-        attn_scale=attn_scale,
-        max_context_len=max_context_len,
-        attn_logits_soft_cap=attn_logits_soft_cap,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(PageAttention(), **locals())

@@ -160,18 +160,4 @@ def ragged_decode_attention(
         ``[batch, num_heads, head_dim]`` in ``query``'s dtype.
     """
     del block_size  # see the module docstring
-    return execute(
-        RaggedDecodeAttention(),
-        query,
-        key,
-        value,
-        sequence_start,
-        sequence_end,
-        softmax_aux,
-        softmax_scale=softmax_scale,
-        sliding_window=sliding_window,
-        logit_soft_cap=logit_soft_cap,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(RaggedDecodeAttention(), **locals())

@@ -222,19 +222,4 @@ def ragged_page_attention(
         ``[total_tokens, num_q_heads, head_dim]`` in ``queries``' dtype.
     """
     del compute_dtype, optimized, mask_value, vmem_limit_bytes  # see the module docstring
-    return execute(
-        RaggedPageAttention(),
-        queries,
-        kv_pages,
-        context_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        softmax_aux,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        sliding_window=sliding_window,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(RaggedPageAttention(), **locals())

@@ -80,69 +80,6 @@ class LinearAttentionCall:
     """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
 
 
-def linear_attention_call(
-    query, key, value, *, g=None, gk=None, gv=None, g_gamma=None, initial_state=None, cu_seqlens=None,
-    softmax_scale=None, reverse=False, precision=None,
-) -> LinearAttentionCall:
-    """The checks of the linear family (ValueError naming the argument); returns the normalized call."""
-    check_array("query", query, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, heads, head_dim]")
-    check_array("key", key, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, kv_heads, head_dim]")
-    check_array("value", value, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, kv_heads, value_dim]")
-    check_same_dtype("query", query, key=key, value=value)
-    batch, total, heads, dk = query.shape
-    for name, x in (("key", key), ("value", value)):
-        check_dim(name, x, 0, batch, "batch of query")
-        check_dim(name, x, 1, total, "seq of query")
-    check_dim("key", key, 3, dk, "head_dim of query")
-    check_dim("value", value, 2, key.shape[2], "kv_heads of key")
-    check_gqa("query", heads, "key", key.shape[2], key)
-    dv = value.shape[3]
-    gates = {}
-    for name, x in (("g", g), ("gk", gk), ("gv", gv)):
-        if x is None:
-            gates[name] = None
-            continue
-        last, last_name = (dv, "value_dim") if name == "gv" else (dk, "head_dim")
-        check_array(name, x, dtypes=FLOAT_DTYPES, what=f"(log-space gate [batch, seq, heads, {last_name}])")
-        expected = [(batch, total, heads, last)] + ([(batch, total, heads)] if name == "g" else [])
-        if tuple(x.shape) not in expected:
-            shapes = " or ".join("[" + ", ".join(map(str, s)) + "]" for s in expected)
-            raise ValueError(f"{name} must have shape {shapes} (from query/value), got {describe(x)}")
-        gates[name] = x[..., None] if x.ndim == 3 else x
-    if g_gamma is not None:
-        check_array("g_gamma", g_gamma, dtypes=FLOAT_DTYPES, what="(per-head log decay [heads] or [batch, heads])")
-        if tuple(g_gamma.shape) not in ((heads,), (batch, heads)):
-            raise ValueError(f"g_gamma must have shape [{heads}] or [{batch}, {heads}], got {describe(g_gamma)}")
-        g_gamma = jnp.broadcast_to(g_gamma.astype(jnp.float32), (batch, heads))
-    states = batch
-    if cu_seqlens is not None:
-        check_cum_seqlens("cu_seqlens", cu_seqlens, total, "seq of query")
-        if batch != 1:
-            raise ValueError(f"cu_seqlens needs packed inputs with batch 1 ([1, total_tokens, ...]), got query {describe(query)}")
-        cu_seqlens = cu_seqlens.astype(jnp.int32)
-        states = cu_seqlens.shape[0] - 1
-    if initial_state is not None:
-        rows = "num_seqs" if cu_seqlens is not None else "batch"
-        check_array("initial_state", initial_state, rank=4, dtypes=FLOAT_DTYPES, what=f"[{rows}, heads, head_dim, value_dim]")
-        if tuple(initial_state.shape) != (states, heads, dk, dv):
-            raise ValueError(
-                f"initial_state must have shape [{states}, {heads}, {dk}, {dv}] ([{rows}, heads, head_dim, value_dim]), "
-                f"got {describe(initial_state)}"
-            )
-    return LinearAttentionCall(
-        query=query,
-        key=key,
-        value=value,
-        **gates,
-        g_gamma=g_gamma,
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
-        softmax_scale=resolve_softmax_scale(softmax_scale, dk),
-        reverse=check_bool("reverse", reverse),
-        precision=resolve_precision(precision, query.dtype),
-    )
-
-
 class RecurrentAttention(RegistryOperation):
     """Gated linear attention as a recurrence (see the module docstring)."""
 
@@ -152,9 +89,62 @@ class RecurrentAttention(RegistryOperation):
         self, query, key, value, g=None, g_gamma=None, gk=None, gv=None, initial_state=None, cu_seqlens=None,
         *, softmax_scale=None, reverse=False, precision=None,
     ) -> LinearAttentionCall:
-        return linear_attention_call(
-            query, key, value, g=g, gk=gk, gv=gv, g_gamma=g_gamma, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, softmax_scale=softmax_scale, reverse=reverse, precision=precision,
+        """The checks of the whole linear family (``gla``, ``lightning_attention`` call them too)."""
+        check_array("query", query, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, heads, head_dim]")
+        check_array("key", key, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, kv_heads, head_dim]")
+        check_array("value", value, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, kv_heads, value_dim]")
+        check_same_dtype("query", query, key=key, value=value)
+        batch, total, heads, dk = query.shape
+        for name, x in (("key", key), ("value", value)):
+            check_dim(name, x, 0, batch, "batch of query")
+            check_dim(name, x, 1, total, "seq of query")
+        check_dim("key", key, 3, dk, "head_dim of query")
+        check_dim("value", value, 2, key.shape[2], "kv_heads of key")
+        check_gqa("query", heads, "key", key.shape[2], key)
+        dv = value.shape[3]
+        gates = {}
+        for name, x in (("g", g), ("gk", gk), ("gv", gv)):
+            if x is None:
+                gates[name] = None
+                continue
+            last, last_name = (dv, "value_dim") if name == "gv" else (dk, "head_dim")
+            check_array(name, x, dtypes=FLOAT_DTYPES, what=f"(log-space gate [batch, seq, heads, {last_name}])")
+            expected = [(batch, total, heads, last)] + ([(batch, total, heads)] if name == "g" else [])
+            if tuple(x.shape) not in expected:
+                shapes = " or ".join("[" + ", ".join(map(str, s)) + "]" for s in expected)
+                raise ValueError(f"{name} must have shape {shapes} (from query/value), got {describe(x)}")
+            gates[name] = x[..., None] if x.ndim == 3 else x
+        if g_gamma is not None:
+            check_array("g_gamma", g_gamma, dtypes=FLOAT_DTYPES, what="(per-head log decay [heads] or [batch, heads])")
+            if tuple(g_gamma.shape) not in ((heads,), (batch, heads)):
+                raise ValueError(f"g_gamma must have shape [{heads}] or [{batch}, {heads}], got {describe(g_gamma)}")
+            g_gamma = jnp.broadcast_to(g_gamma.astype(jnp.float32), (batch, heads))
+        states = batch
+        if cu_seqlens is not None:
+            check_cum_seqlens("cu_seqlens", cu_seqlens, total, "seq of query")
+            if batch != 1:
+                raise ValueError(f"cu_seqlens needs packed inputs with batch 1 ([1, total_tokens, ...]), got query {describe(query)}")
+            cu_seqlens = cu_seqlens.astype(jnp.int32)
+            states = cu_seqlens.shape[0] - 1
+        if initial_state is not None:
+            rows = "num_seqs" if cu_seqlens is not None else "batch"
+            check_array("initial_state", initial_state, rank=4, dtypes=FLOAT_DTYPES, what=f"[{rows}, heads, head_dim, value_dim]")
+            if tuple(initial_state.shape) != (states, heads, dk, dv):
+                raise ValueError(
+                    f"initial_state must have shape [{states}, {heads}, {dk}, {dv}] ([{rows}, heads, head_dim, value_dim]), "
+                    f"got {describe(initial_state)}"
+                )
+        return LinearAttentionCall(
+            query=query,
+            key=key,
+            value=value,
+            **gates,
+            g_gamma=g_gamma,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            softmax_scale=resolve_softmax_scale(softmax_scale, dk),
+            reverse=check_bool("reverse", reverse),
+            precision=resolve_precision(precision, query.dtype),
         )
 
 
@@ -199,10 +189,7 @@ def recurrent_attention(
     Returns:
         ``(output [batch, seq, heads, value_dim] in query's dtype, final_state float32)``.
     """
-    return execute(
-        RecurrentAttention(), query, key, value, g, g_gamma, gk, gv, initial_state, cu_seqlens,
-        softmax_scale=softmax_scale, reverse=reverse, precision=precision, platform=platform, cfg=cfg,
-    )
+    return execute(RecurrentAttention(), **locals())
 
 
 recurrent = recurrent_attention

@@ -145,8 +145,4 @@ def ring_attention(
     Returns:
         The local shard of the output ``[batch, q_len, num_heads, v_head_dim]`` in query's dtype.
     """
-    return execute(
-        RingAttention(), query, key, value, q_segment_ids, kv_segment_ids, softmax_aux,
-        softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        axis_name=axis_name, precision=precision, platform=platform, cfg=cfg,
-    )
+    return execute(RingAttention(), **locals())

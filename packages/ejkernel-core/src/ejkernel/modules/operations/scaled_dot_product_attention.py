@@ -101,19 +101,4 @@ def scaled_dot_product_attention(
     Returns:
         ``[B, Sq, H, Dv]`` in ``query``'s dtype.
     """
-    return execute(
-        ScaledDotProductAttention(),
-        query,
-        key,
-        value,
-        bias,
-        cum_seqlens_q,
-        cum_seqlens_k,
-        attention_mask=attention_mask,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        precision=precision,
-        platform=platform,
-        cfg=cfg,
-    )
+    return execute(ScaledDotProductAttention(), **locals())
