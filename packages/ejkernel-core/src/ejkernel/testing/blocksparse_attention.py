@@ -7,8 +7,7 @@ required.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +19,9 @@ from ejkernel.testing._attention_reference import reference_flash_attention
 from ejkernel.testing.numerics import (
     exact_matmuls,
     DTYPES,
-    BadInputChecks,
-    Tolerance,
+    ConformanceSuite,
     assert_close,
     assert_finite,
-    check_against_reference,
     forward_and_vjp,
     normal_array,
     run_jitted,
@@ -90,7 +87,7 @@ CASES = {
 }
 
 
-class BlockSparseAttentionConformance(BadInputChecks):
+class BlockSparseAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = BlockSparseAttention
@@ -103,10 +100,6 @@ class BlockSparseAttentionConformance(BadInputChecks):
         "softmax_aux",
         "block_mask",
     )
-    platform: ClassVar[str]
-    cfg: ClassVar[Any] = None
-    """Config of the implementation under test used for every call (None: its heuristic)."""
-    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
     def call(self, query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, **kw):
         from ejkernel.modules import blocksparse_attention
@@ -128,13 +121,12 @@ class BlockSparseAttentionConformance(BadInputChecks):
 
     def check(self, inputs, static, dtype):
         wrt = tuple(n for n in ("query", "key", "value", "softmax_aux") if inputs.get(n) is not None)
-        check_against_reference(
+        self.check_call(
             lambda **kw: self.call(**kw, **static),
             lambda **kw: reference_blocksparse_attention(**kw, **static),
             inputs,
             wrt,
-            dtype=dtype,
-            tolerances=self.tolerances,
+            dtype,
         )
 
     @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,15 +7,14 @@ as for :class:`~ejkernel.testing.recurrent.RecurrentConformance`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from ejkernel.testing.numerics import exact_matmuls, Tolerance, assert_close
-from ejkernel.testing.recurrent import RecurrentConformance, check_outputs, reference_recurrent
+from ejkernel.testing.numerics import assert_close, exact_matmuls
+from ejkernel.testing.recurrent import RecurrentSuite, reference_recurrent
 
 
 @exact_matmuls
@@ -26,37 +25,24 @@ def reference_gla(query, key, value, g=None, g_gamma=None, initial_state=None, c
                                cu_seqlens=cu_seqlens, softmax_scale=softmax_scale, reverse=reverse)
 
 
-class GLAConformance:
+class GLAConformance(RecurrentSuite):
     """Test base: subclass and set ``platform``."""
 
-    platform: ClassVar[str]
-    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
-    chunk_config: ClassVar[type | None] = None
-    _inputs = RecurrentConformance.make_inputs
-    config = RecurrentConformance.config
-
-    def call(self, **kwargs):
-        from ejkernel.modules import gla_attention
-
-        return gla_attention(**kwargs, platform=self.platform)
-
-    def check(self, inputs, dtype, *, cfg=None, **static):
-        wrt = [name for name, x in inputs.items() if x is not None and jnp.issubdtype(x.dtype, jnp.floating)]
-        fn = functools.partial(self.call, cfg=cfg, **static)
-        check_outputs(fn, functools.partial(reference_gla, **static), inputs, wrt, jnp.dtype(dtype), self.tolerances)
+    operation: ClassVar[str] = "gla_attention"
+    reference = staticmethod(reference_gla)
 
     @pytest.mark.parametrize("shape,chunk_size", [("mha_17", None), ("varlen", 8)])
     def test_forward_and_gradients(self, shape, chunk_size):
-        inputs = self._inputs(11, shape, "float32", gates=("g",), initial_state=shape != "mha_17")
+        inputs = self.make_inputs(11, shape, "float32", gates=("g",), initial_state=shape != "mha_17")
         self.check(inputs, "float32", cfg=self.config(chunk_size))
 
     @pytest.mark.parametrize("shape", ["gqa_odd"])
     def test_bfloat16_reverse_with_g_gamma(self, shape):
-        inputs = self._inputs(12, shape, "bfloat16", gates=("g", "g_gamma"), initial_state=True)
+        inputs = self.make_inputs(12, shape, "bfloat16", gates=("g", "g_gamma"), initial_state=True)
         self.check(inputs, "bfloat16", cfg=self.config(4), reverse=True)
 
     def test_jit_grad_varlen(self):
-        inputs = self._inputs(13, "varlen", "bfloat16", gates=("g",))
+        inputs = self.make_inputs(13, "varlen", "bfloat16", gates=("g",))
 
         def loss(call, query, key, value, g):
             out, final = call(query=query, key=key, value=value, g=g, cu_seqlens=inputs["cu_seqlens"])
@@ -71,7 +57,7 @@ class GLAConformance:
             assert_close(a, b, dtype=jnp.bfloat16, gradient=True, name=name, scale=2.0)
 
     def test_bad_gate_shape(self):
-        inputs = self._inputs(14, "gqa_odd", "float32", gates=("g",))
+        inputs = self.make_inputs(14, "gqa_odd", "float32", gates=("g",))
         with pytest.raises((ValueError, TypeError), match="g"):
             self.call(**{**inputs, "g": inputs["g"][:, :, :2]})
         with pytest.raises((ValueError, TypeError), match="g_gamma"):

@@ -4,16 +4,14 @@ and ``chunk_config`` as for :class:`~ejkernel.testing.recurrent.RecurrentConform
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
 from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.testing.numerics import exact_matmuls, Tolerance
-from ejkernel.testing.recurrent import RecurrentConformance, check_outputs, reference_recurrent
+from ejkernel.testing.numerics import exact_matmuls
+from ejkernel.testing.recurrent import RecurrentSuite, reference_recurrent
 
 
 @exact_matmuls
@@ -27,38 +25,24 @@ def reference_lightning_attention(query, key, value, initial_state=None, cu_seql
                                reverse=reverse)
 
 
-class LightningAttentionConformance:
+class LightningAttentionConformance(RecurrentSuite):
     """Test base: subclass and set ``platform``."""
 
-    platform: ClassVar[str]
-    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
-    chunk_config: ClassVar[type | None] = None
-    _inputs = RecurrentConformance.make_inputs
-    config = RecurrentConformance.config
-
-    def call(self, **kwargs):
-        from ejkernel.modules import lightning_attention
-
-        return lightning_attention(**kwargs, platform=self.platform)
-
-    def check(self, inputs, dtype, *, cfg=None, **static):
-        wrt = [name for name, x in inputs.items() if x is not None and jnp.issubdtype(x.dtype, jnp.floating)]
-        fn = functools.partial(self.call, cfg=cfg, **static)
-        reference = functools.partial(reference_lightning_attention, **static)
-        check_outputs(fn, reference, inputs, wrt, jnp.dtype(dtype), self.tolerances)
+    operation: ClassVar[str] = "lightning_attention"
+    reference = staticmethod(reference_lightning_attention)
 
     @pytest.mark.parametrize("shape,layer", [("gqa_odd", (0, 4)), ("varlen", (3, 4))])
     def test_forward_and_gradients(self, shape, layer):
-        inputs = self._inputs(21, shape, "float32", gates=(), initial_state=True)
+        inputs = self.make_inputs(21, shape, "float32", gates=(), initial_state=True)
         self.check(inputs, "float32", cfg=self.config(8), layer_idx=layer[0], num_layers=layer[1])
 
     @pytest.mark.parametrize("shape", ["mha_17"])
     def test_bfloat16_reverse_default_chunk(self, shape):
-        inputs = self._inputs(22, shape, "bfloat16", gates=())
+        inputs = self.make_inputs(22, shape, "bfloat16", gates=())
         self.check(inputs, "bfloat16", layer_idx=1, num_layers=3, reverse=True)
 
     def test_bad_layer_arguments(self):
-        inputs = self._inputs(23, "mha_17", "float32", gates=())
+        inputs = self.make_inputs(23, "mha_17", "float32", gates=())
         for layer_idx, num_layers in ((4, 4), (-1, 4), (0, 0)):
             with pytest.raises(ValueError, match="layer_idx"):
                 self.call(**inputs, layer_idx=layer_idx, num_layers=num_layers)

@@ -6,8 +6,7 @@ implementation under test); every gradient is required.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +18,8 @@ from ejkernel.testing._attention_reference import masked_softmax_attention
 from ejkernel.testing.numerics import (
     exact_matmuls,
     DTYPES,
-    BadInputChecks,
-    Tolerance,
+    ConformanceSuite,
     assert_close,
-    check_against_reference,
     normal_array,
     run_jitted,
 )
@@ -67,15 +64,11 @@ CASES = {
 WRT = ("query", "key_value", "w_kc", "w_vc")
 
 
-class MultiHeadLatentAttentionConformance(BadInputChecks):
+class MultiHeadLatentAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = MultiHeadLatentAttention
     operation_arguments: ClassVar[tuple[str, ...]] = ("query", "key_value", "w_kc", "w_vc", "b_q", "b_k")
-    platform: ClassVar[str]
-    cfg: ClassVar[Any] = None
-    """Config of the implementation under test used for every call (None: its heuristic)."""
-    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
     def call(self, query, key_value, w_kc, w_vc, b_q=None, b_k=None, **kw):
         from ejkernel.modules import multi_head_latent_attention
@@ -104,13 +97,12 @@ class MultiHeadLatentAttentionConformance(BadInputChecks):
 
     def check(self, inputs, dtype, **static):
         wrt = WRT + (("b_q", "b_k") if inputs["b_q"] is not None else ())
-        return check_against_reference(
+        return self.check_call(
             lambda **kw: self.call(**kw, **static),
             lambda **kw: reference_multi_head_latent_attention(**kw, **static),
             inputs,
             wrt,
-            dtype=dtype,
-            tolerances=self.tolerances,
+            dtype,
         )
 
     @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,8 +7,7 @@ required.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,8 @@ from ejkernel.testing._attention_reference import masked_softmax_attention
 from ejkernel.testing.numerics import (
     exact_matmuls,
     DTYPES,
-    BadInputChecks,
-    Tolerance,
+    ConformanceSuite,
     assert_close,
-    check_against_reference,
     normal_array,
     run_jitted,
 )
@@ -135,7 +132,7 @@ CASES = {
 }
 
 
-class NativeSparseAttentionConformance(BadInputChecks):
+class NativeSparseAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = NativeSparseAttention
@@ -149,10 +146,6 @@ class NativeSparseAttentionConformance(BadInputChecks):
         "block_indices",
         "block_counts",
     )
-    platform: ClassVar[str]
-    cfg: ClassVar[Any] = None
-    """Config of the implementation under test used for every call (None: its heuristic)."""
-    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
     def call(self, query, key, value, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16, **kw):
         from ejkernel.modules import native_sparse_attention
@@ -183,13 +176,12 @@ class NativeSparseAttentionConformance(BadInputChecks):
 
     def check(self, inputs, static, dtype):
         wrt = tuple(n for n in ("query", "key", "value", "g_cmp", "g_slc", "g_swa") if inputs.get(n) is not None)
-        return check_against_reference(
+        return self.check_call(
             lambda **kw: self.call(**kw, **static),
             lambda **kw: reference_native_sparse_attention(**kw, **static),
             inputs,
             wrt,
-            dtype=dtype,
-            tolerances=self.tolerances,
+            dtype,
         )
 
     @pytest.mark.parametrize("dtype", DTYPES)

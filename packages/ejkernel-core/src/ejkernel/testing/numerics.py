@@ -352,6 +352,67 @@ class BadInputChecks:
             self.call(**dict(zip(self.operation_arguments, positional, strict=True)), **call)
 
 
+class ConformanceSuite(BadInputChecks):
+    """Base of the operation suites: the knobs a backend's test class sets, and :meth:`check_call`.
+
+    ``platform`` (required); ``cfg``, a config of the implementation under test used for every call (None:
+    its heuristic); ``supports_gradients`` (False: a forward-only backend, whose gradients must raise);
+    ``tolerances`` (None: :data:`TOLERANCES`); ``compiler_options`` (:data:`INTERPRET_COMPILER_OPTIONS` for
+    interpret-mode kernels)."""
+
+    platform: ClassVar[str]
+    cfg: ClassVar[Any] = None
+    supports_gradients: ClassVar[bool] = True
+    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+    compiler_options: ClassVar[Mapping[str, Any] | None] = None
+
+    def check_call(
+        self,
+        fn: Callable[..., jax.Array],
+        reference: Callable[..., jax.Array],
+        inputs: Mapping[str, Any],
+        wrt: Sequence[str],
+        dtype: Any,
+        *,
+        scale: float = 1.0,
+    ) -> jax.Array:
+        """:func:`check_against_reference` with the suite's options; a forward-only backend is checked
+        forward only and must refuse the gradients of ``wrt``."""
+        options = dict(dtype=dtype, tolerances=self.tolerances, scale=scale, compiler_options=self.compiler_options)
+        if not self.supports_gradients:
+            out = check_against_reference(fn, reference, inputs, (), **options)
+            assert_gradient_refused(fn, inputs, wrt)
+            return out
+        return check_against_reference(fn, reference, inputs, wrt, **options)
+
+    def gradients_of(self, *names: str) -> tuple[str, ...]:
+        """``names`` where the backend takes gradients, else nothing."""
+        return names if self.supports_gradients else ()
+
+    def assert_matmul_precision(self, inputs: Mapping[str, Any], wrt: str, precision: Any, expected: Any) -> None:
+        """Every matmul of the call with ``precision=precision``, and of its gradient w.r.t. ``wrt``, runs at
+        ``expected``."""
+
+        def loss(x):
+            return self.call(**{**inputs, wrt: x}, precision=precision).sum()
+
+        found = matmul_precisions(jax.grad(loss), inputs[wrt])
+        assert found and all(p == expected for p in found), found
+
+
+def call_precision_cases():
+    """``pytest.mark.parametrize("dtype,precision,expected", ...)`` over the precision policy's cases of a
+    matmul-precision test: float32 runs at HIGHEST unless the call asks otherwise, bfloat16 at DEFAULT."""
+    import pytest
+
+    highest, default = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
+    return pytest.mark.parametrize(
+        "dtype,precision,expected",
+        [("float32", None, highest), ("float32", "default", default), ("bfloat16", None, default)],
+        ids=["float32", "float32-asked-default", "bfloat16"],
+    )
+
+
 def matmul_precisions(fn: Callable[..., Any], *args: Any) -> list[Any]:
     """The :class:`jax.lax.Precision` of every matmul (``dot_general``, ``ragged_dot_general``) in
     ``fn(*args)``'s jaxpr, nested jaxprs (scan, cond, custom VJP, ...) included; ``DEFAULT`` where none was

@@ -13,8 +13,8 @@ gradient raises instead of returning something wrong.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +24,11 @@ import pytest
 from ejkernel.modules.operations.page_attention import PageAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
 from ejkernel.testing.numerics import (
-    exact_matmuls,
     DTYPES,
-    BadInputChecks,
-    Tolerance,
+    ConformanceSuite,
     assert_close,
     assert_finite,
-    assert_gradient_refused,
-    check_against_reference,
+    exact_matmuls,
     forward_and_vjp,
     normal_array,
     run_jitted,
@@ -118,7 +115,7 @@ SHAPES = {
 }
 
 
-class PageAttentionConformance(BadInputChecks):
+class PageAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform`` (see the module docstring)."""
 
     operation_type: ClassVar[type] = PageAttention
@@ -129,13 +126,6 @@ class PageAttentionConformance(BadInputChecks):
         "context_lens",
         "block_tables",
     )
-    platform: ClassVar[str]
-    cfg: ClassVar[Any] = None
-    """Config of the implementation under test used for every call (None: its heuristic)."""
-    supports_gradients: ClassVar[bool] = True
-    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
-    compiler_options: ClassVar[Mapping[str, Any] | None] = None
-    """XLA options for the compiled checks (``numerics.INTERPRET_COMPILER_OPTIONS`` for interpret-mode kernels)."""
 
     def call(self, **kwargs):
         from ejkernel.modules import page_attention
@@ -154,30 +144,13 @@ class PageAttentionConformance(BadInputChecks):
         )
 
     def check(self, inputs, dtype, scale=1.0, **static):
-        wrt = ("query", "key_cache", "value_cache")
-        fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
-        if not self.supports_gradients:
-            check_against_reference(
-                fn,
-                lambda **kw: reference_page_attention(**kw, **static),
-                inputs,
-                (),
-                dtype=dtype,
-                tolerances=self.tolerances,
-                scale=scale,
-                compiler_options=self.compiler_options,
-            )
-            assert_gradient_refused(fn, inputs, wrt)
-            return
-        check_against_reference(
-            fn,
+        self.check_call(
+            lambda **kw: self.call(**kw, **static),
             lambda **kw: reference_page_attention(**kw, **static),
             inputs,
-            wrt,
-            dtype=dtype,
-            tolerances=self.tolerances,
+            ("query", "key_cache", "value_cache"),
+            dtype,
             scale=scale,
-            compiler_options=self.compiler_options,
         )
 
     @pytest.mark.parametrize("dtype", DTYPES)
@@ -198,7 +171,7 @@ class PageAttentionConformance(BadInputChecks):
     def test_empty_sequences_give_zeros(self):
         inputs = self.make_inputs(5, SHAPES["mha"], "float32")
         inputs["context_lens"] = inputs["context_lens"].at[1:].set(0)
-        wrt = ("query",) if self.supports_gradients else ()
+        wrt = self.gradients_of("query")
         out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5, self.compiler_options)
         np.testing.assert_array_equal(np.asarray(out[1:]), 0.0)
         assert np.abs(np.asarray(out[0])).sum() > 0

@@ -1,15 +1,13 @@
 """Reference and conformance suite of ``ragged_decode_attention`` (semantics: the module docstring of
 ``ejkernel.modules.operations.ragged_decode_attention``).
 
-Subclass :class:`RaggedDecodeAttentionConformance` and set ``platform`` (and optionally ``cfg``, a config of
-that implementation used for every call); forward-only backends set ``supports_gradients = False``
-(gradients must then raise).
+Subclass :class:`RaggedDecodeAttentionConformance` and set ``platform``; the other knobs (``cfg``,
+``supports_gradients``, ...) are :class:`~ejkernel.testing.numerics.ConformanceSuite`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +17,11 @@ import pytest
 from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
 from ejkernel.testing.numerics import (
-    exact_matmuls,
     DTYPES,
-    BadInputChecks,
-    Tolerance,
+    ConformanceSuite,
     assert_close,
     assert_finite,
-    assert_gradient_refused,
-    check_against_reference,
+    exact_matmuls,
     forward_and_vjp,
     normal_array,
     run_jitted,
@@ -73,7 +68,7 @@ CASES = {
 }
 
 
-class RaggedDecodeAttentionConformance(BadInputChecks):
+class RaggedDecodeAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = RaggedDecodeAttention
@@ -85,11 +80,6 @@ class RaggedDecodeAttentionConformance(BadInputChecks):
         "sequence_end",
         "softmax_aux",
     )
-    platform: ClassVar[str]
-    cfg: ClassVar[Any] = None
-    """Config of the implementation under test used for every call (None: its heuristic)."""
-    supports_gradients: ClassVar[bool] = True
-    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
 
     def call(self, query, key, value, sequence_start, sequence_end, softmax_aux=None, **kw):
         from ejkernel.modules import ragged_decode_attention
@@ -119,12 +109,7 @@ class RaggedDecodeAttentionConformance(BadInputChecks):
     def check(self, inputs, dtype, **static):
         wrt = ("query", "key", "value") + (("softmax_aux",) if inputs["softmax_aux"] is not None else ())
         fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
-        reference = lambda **kw: reference_ragged_decode_attention(**kw, **static)  # noqa: E731
-        if not self.supports_gradients:
-            check_against_reference(fn, reference, inputs, (), dtype=dtype, tolerances=self.tolerances)
-            assert_gradient_refused(fn, inputs, wrt)
-            return
-        check_against_reference(fn, reference, inputs, wrt, dtype=dtype, tolerances=self.tolerances)
+        self.check_call(fn, lambda **kw: reference_ragged_decode_attention(**kw, **static), inputs, wrt, dtype)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):
@@ -144,8 +129,8 @@ class RaggedDecodeAttentionConformance(BadInputChecks):
         inputs = self.make_inputs(5, CASES["gqa"], "float32", num_sinks=0)
         inputs["sequence_end"] = inputs["sequence_start"].at[0].set(45)  # rows 1..3: start == end
         inputs["sequence_start"] = inputs["sequence_start"].at[0].set(0)
-        wrt = ("query", "key") if self.supports_gradients else ()
-        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5)
+        wrt = self.gradients_of("query", "key")
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5, self.compiler_options)
         np.testing.assert_array_equal(np.asarray(out[1:]), 0.0)
         for name, grad in grads.items():
             assert_finite(grad, f"d {name}")

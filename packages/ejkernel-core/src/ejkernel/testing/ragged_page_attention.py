@@ -1,14 +1,12 @@
 """Reference and conformance suite of ``ragged_page_attention`` (``docs/ops/ragged_page_attention.md``).
 
-Subclass :class:`RaggedPageAttentionConformance` and set ``platform`` (and optionally ``cfg``, a config of
-that implementation used for every call); forward-only backends set ``supports_gradients = False``
-(gradients must then raise).
+Subclass :class:`RaggedPageAttentionConformance` and set ``platform``; the other knobs (``cfg``,
+``supports_gradients``, ...) are :class:`~ejkernel.testing.numerics.ConformanceSuite`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +16,11 @@ import pytest
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
 from ejkernel.testing.numerics import (
-    exact_matmuls,
     DTYPES,
-    BadInputChecks,
-    Tolerance,
+    ConformanceSuite,
     assert_close,
     assert_finite,
-    assert_gradient_refused,
-    check_against_reference,
+    exact_matmuls,
     forward_and_vjp,
     normal_array,
     run_jitted,
@@ -84,7 +79,7 @@ CASES = {
 }
 
 
-class RaggedPageAttentionConformance(BadInputChecks):
+class RaggedPageAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = RaggedPageAttention
@@ -97,13 +92,6 @@ class RaggedPageAttentionConformance(BadInputChecks):
         "num_seqs",
         "softmax_aux",
     )
-    platform: ClassVar[str]
-    cfg: ClassVar[Any] = None
-    """Config of the implementation under test used for every call (None: its heuristic)."""
-    supports_gradients: ClassVar[bool] = True
-    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
-    compiler_options: ClassVar[Mapping[str, Any] | None] = None
-    """XLA options for the compiled checks (``numerics.INTERPRET_COMPILER_OPTIONS`` for interpret-mode kernels)."""
 
     def call(self, queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, **kw):
         from ejkernel.modules import ragged_page_attention
@@ -143,13 +131,7 @@ class RaggedPageAttentionConformance(BadInputChecks):
     def check(self, inputs, dtype, **static):
         wrt = ("queries", "kv_pages") + (("softmax_aux",) if inputs["softmax_aux"] is not None else ())
         fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
-        reference = lambda **kw: reference_ragged_page_attention(**kw, **static)  # noqa: E731
-        options = dict(dtype=dtype, tolerances=self.tolerances, compiler_options=self.compiler_options)
-        if not self.supports_gradients:
-            check_against_reference(fn, reference, inputs, (), **options)
-            assert_gradient_refused(fn, inputs, wrt)
-            return
-        check_against_reference(fn, reference, inputs, wrt, **options)
+        self.check_call(fn, lambda **kw: reference_ragged_page_attention(**kw, **static), inputs, wrt, dtype)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):
@@ -168,7 +150,7 @@ class RaggedPageAttentionConformance(BadInputChecks):
 
     def test_padding_rows_are_zero(self):
         inputs = self.make_inputs(5, CASES["mixed_gqa"], "float32", num_sinks=0)
-        wrt = ("queries",) if self.supports_gradients else ()
+        wrt = self.gradients_of("queries")
         out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5, self.compiler_options)
         used = int(inputs["query_start_loc"][int(inputs["num_seqs"][0])])
         np.testing.assert_array_equal(np.asarray(out[used:]), 0.0)

@@ -15,8 +15,8 @@ takes a chunk size, ``chunk_config`` (overriding ``config`` for any other config
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -152,9 +152,14 @@ SHAPES = {
 }
 
 
-class RecurrentConformance:
-    """Test base: subclass and set ``platform`` (see the module docstring)."""
+class RecurrentSuite:
+    """What the suites of ``recurrent`` and of the operations built on it (``gla_attention``,
+    ``lightning_attention``) share: inputs, chunk configs, and the check against ``reference``."""
 
+    operation: ClassVar[str]
+    """The public function of ``ejkernel.modules`` under test."""
+    reference: ClassVar[Callable[..., Any]]
+    """Its float64-ready reference (a ``staticmethod``)."""
     platform: ClassVar[str]
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
     chunk_config: ClassVar[type | None] = None
@@ -168,9 +173,9 @@ class RecurrentConformance:
         return self.chunk_config(chunk_size=chunk_size)
 
     def call(self, **kwargs):
-        from ejkernel.modules import recurrent_attention
+        import ejkernel.modules
 
-        return recurrent_attention(**kwargs, platform=self.platform)
+        return getattr(ejkernel.modules, self.operation)(**kwargs, platform=self.platform)
 
     def make_inputs(self, seed, shape, dtype, *, gates=("g",), initial_state=False, scalar_g=False):
         batch, total, heads, kv_heads, dk, dv, bounds = SHAPES[shape]
@@ -197,8 +202,15 @@ class RecurrentConformance:
     def check(self, inputs, dtype, *, cfg=None, scale=1.0, **static):
         wrt = [name for name, x in inputs.items() if x is not None and jnp.issubdtype(x.dtype, jnp.floating)]
         fn = functools.partial(self.call, cfg=cfg, **static)
-        reference = functools.partial(reference_recurrent, **static)
+        reference = functools.partial(self.reference, **static)
         check_outputs(fn, reference, inputs, wrt, jnp.dtype(dtype), self.tolerances, scale=scale)
+
+
+class RecurrentConformance(RecurrentSuite):
+    """Test base: subclass and set ``platform`` (see the module docstring)."""
+
+    operation: ClassVar[str] = "recurrent_attention"
+    reference = staticmethod(reference_recurrent)
 
     # ---- numerics -----------------------------------------------------------------------------------
 
