@@ -8,10 +8,34 @@ import os
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax._src.mesh import AbstractDevice, AbstractMesh
 
 from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.testing.flash_attention import reference_flash_attention
+from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
+
+
+class InterpretedConformance:
+    """Mixin (first base) of a shared conformance suite run through ``platform="pallas"`` on CPU: every test
+    runs the TPU kernels in interpret mode, compiled without XLA's CPU optimizations (the interpreted kernels
+    are compile-bound on CPU)."""
+
+    platform = "pallas"
+    compiler_options = INTERPRET_COMPILER_OPTIONS
+
+    @pytest.fixture(autouse=True)
+    def _interpret_mode(self, pallas_interpret):
+        yield
+
+
+FLOAT32_DOTS_TAKE_THE_CALLS_PRECISION = pytest.mark.parametrize(
+    "dtype,precision,expected",
+    [("float32", None, jax.lax.Precision.HIGHEST), ("float32", "high", jax.lax.Precision.HIGH),
+     ("bfloat16", None, jax.lax.Precision.DEFAULT)],
+)
+"""The cases of a kernel's precision test: Mosaic's default dot is bf16 passes, so a float32 call's
+precision must reach the kernel's dots, and a bfloat16 call's dots stay at DEFAULT."""
 
 
 def normal(key, shape, dtype=jnp.float32):

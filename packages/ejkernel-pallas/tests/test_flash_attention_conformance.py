@@ -7,19 +7,13 @@ GPU kernels are covered by ``test_gpu_flash_attention.py`` here and by the suite
 from __future__ import annotations
 
 import pytest
+from pallas_test_helpers import InterpretedConformance
 
 from ejkernel.testing.flash_attention import FlashAttentionConformance
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
 
 
-class TestPallasTpuFlashAttentionConformance(FlashAttentionConformance):
-    platform = "pallas"
-    compiler_options = INTERPRET_COMPILER_OPTIONS  # the interpreted kernels are compile-bound on CPU
+class TestPallasTpuFlashAttentionConformance(InterpretedConformance, FlashAttentionConformance):
     verify_reference = False  # backend-independent, run by the XLA suite
-
-    @pytest.fixture(autouse=True)
-    def _interpret_mode(self, pallas_interpret):
-        yield
 
 
 @pytest.mark.gpu

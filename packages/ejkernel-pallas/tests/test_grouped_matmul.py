@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from pallas_test_helpers import abstract_device, normal, out_and_grads, rel_err
+from pallas_test_helpers import InterpretedConformance, abstract_device, normal, out_and_grads, rel_err
 
 from ejkernel.modules.operations.grouped_matmul import GroupedMatmul
 from ejkernel.testing.grouped_matmul import GroupedMatmulConformance, reference_grouped_matmul
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS, matmul_precisions
+from ejkernel.testing.numerics import matmul_precisions
 from ejkernel_pallas.grouped_matmul import PallasGroupedMatmulConfig, run_grouped_matmul
 
 
@@ -79,15 +79,8 @@ def test_every_dot_forward_and_backward_runs_at_the_precision(dtype, precision, 
     assert len(found) == 3 and set(found) == {expected}, found
 
 
-class TestPallasGroupedMatmulConformance(GroupedMatmulConformance):
+class TestPallasGroupedMatmulConformance(InterpretedConformance, GroupedMatmulConformance):
     """The shared suite through ``ejkernel.modules.grouped_matmul(platform="pallas")`` in interpret mode."""
-
-    platform = "pallas"
-    compiler_options = INTERPRET_COMPILER_OPTIONS  # the interpreted kernels are compile-bound on CPU
-
-    @pytest.fixture(autouse=True)
-    def _interpret_mode(self, pallas_interpret):
-        yield
 
 
 def test_tpu_faithful_interpreter_finds_no_races():

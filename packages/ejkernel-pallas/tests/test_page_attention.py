@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
-from pallas_test_helpers import abstract_device
+from pallas_test_helpers import FLOAT32_DOTS_TAKE_THE_CALLS_PRECISION, InterpretedConformance, abstract_device
 
 from ejkernel.modules import PageAttentionCall
 from ejkernel.modules import page_attention as public_page_attention
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS, matmul_precisions
+from ejkernel.testing.numerics import matmul_precisions
 from ejkernel.testing.page_attention import SHAPES, PageAttentionConformance
 from ejkernel_pallas.page_attention import page_attention
 
 
-class TestPallasPageAttentionConformance(PageAttentionConformance):
-    platform = "pallas"
-    compiler_options = INTERPRET_COMPILER_OPTIONS  # the interpreted kernels are compile-bound on CPU
+class TestPallasPageAttentionConformance(InterpretedConformance, PageAttentionConformance):
     supports_gradients = False  # an inference kernel: a gradient raises UnsupportedFeature
-
-    @pytest.fixture(autouse=True)
-    def _interpret_mode(self, pallas_interpret):
-        yield
 
 
 def test_lowers_for_tpu():
@@ -42,11 +35,7 @@ def test_lowers_for_tpu():
     assert text.count("tpu_custom_call") == 1
 
 
-@pytest.mark.parametrize(
-    "dtype,precision,expected",
-    [("float32", None, jax.lax.Precision.HIGHEST), ("float32", "high", jax.lax.Precision.HIGH),
-     ("bfloat16", None, jax.lax.Precision.DEFAULT)],
-)
+@FLOAT32_DOTS_TAKE_THE_CALLS_PRECISION
 def test_float32_dots_take_the_calls_precision(pallas_interpret, dtype, precision, expected):
     """Mosaic's default dot is bf16 passes: a float32 call's precision reaches both dots of the kernel."""
     inputs = PageAttentionConformance().make_inputs(1, SHAPES["mha"], dtype)

@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import jax
 import pytest
-from pallas_test_helpers import full_conformance
+from pallas_test_helpers import InterpretedConformance, full_conformance
 
 from ejkernel.modules import ring_attention
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS, matmul_precisions
+from ejkernel.testing.numerics import matmul_precisions
 from ejkernel.testing.ring_attention import RingAttentionConformance, case_inputs
 
 
-class TestPallasRingAttentionConformance(RingAttentionConformance):
-    platform = "pallas"
-    compiler_options = INTERPRET_COMPILER_OPTIONS  # the interpreted kernels are compile-bound on CPU
+class TestPallasRingAttentionConformance(InterpretedConformance, RingAttentionConformance):
     # Under shard_map only the TPU-faithful interpreter runs (NOTES.md), at a cost growing with devices x
     # ring steps: 8 devices take ~150 s on 2 cores, 4 devices (3 hops, all cases) a quarter of the run time.
     devices = 8 if full_conformance() else 4
-
-    @pytest.fixture(autouse=True)
-    def _interpret_mode(self, pallas_interpret):
-        yield
 
 
 @pytest.mark.parametrize("precision, expected", [(None, jax.lax.Precision.HIGHEST), ("high", jax.lax.Precision.HIGH)])
