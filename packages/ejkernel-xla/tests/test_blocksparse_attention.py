@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from ejkernel.testing.blocksparse_attention import CASES, BlockSparseAttentionConformance
-from ejkernel.testing.numerics import matmul_precisions
-
-HIGHEST, DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
+from ejkernel.testing.numerics import call_precision_cases, matmul_precisions
 
 
 class TestXlaBlockSparseAttention(BlockSparseAttentionConformance):
     platform = "xla"
 
-    @pytest.mark.parametrize(
-        "dtype,precision,expected",
-        [("float32", None, HIGHEST), ("float32", "default", DEFAULT), ("bfloat16", None, DEFAULT)],
-        ids=["float32", "float32-asked-default", "bfloat16"],
-    )
+    @call_precision_cases()
     def test_matmuls_run_at_the_call_precision(self, dtype, precision, expected):
         inputs, static = self.make_inputs(8, CASES["gqa_per_head"], dtype)
         inputs["softmax_aux"] = jnp.zeros((4, 2), dtype)

@@ -13,10 +13,8 @@ from ejkernel.testing.multi_head_latent_attention import (
     MultiHeadLatentAttentionConformance,
     reference_multi_head_latent_attention,
 )
-from ejkernel.testing.numerics import assert_close, matmul_precisions, run_jitted
+from ejkernel.testing.numerics import assert_close, call_precision_cases, matmul_precisions, run_jitted
 from ejkernel_xla.multi_head_latent_attention import XlaMlaConfig
-
-HIGHEST, DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
 
 
 class TestXlaMultiHeadLatentAttention(MultiHeadLatentAttentionConformance):
@@ -31,11 +29,7 @@ class TestXlaMultiHeadLatentAttention(MultiHeadLatentAttentionConformance):
         assert_close(out, expected, dtype="float32", name=f"absorb={absorb}")
 
     @pytest.mark.parametrize("absorb", [True, False], ids=["latent-space", "expanded"])
-    @pytest.mark.parametrize(
-        "dtype,precision,expected",
-        [("float32", None, HIGHEST), ("float32", "default", DEFAULT), ("bfloat16", None, DEFAULT)],
-        ids=["float32", "float32-asked-default", "bfloat16"],
-    )
+    @call_precision_cases()
     def test_matmuls_run_at_the_call_precision(self, absorb, dtype, precision, expected):
         inputs = self.make_inputs(12, CASES["expanded_rope"], dtype)
         cfg = XlaMlaConfig(absorb=absorb)

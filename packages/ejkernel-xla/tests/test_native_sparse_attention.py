@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from ejkernel.testing.native_sparse_attention import CASES, NativeSparseAttentionConformance
-from ejkernel.testing.numerics import matmul_precisions
+from ejkernel.testing.numerics import call_precision_cases, matmul_precisions
 from ejkernel_xla.native_sparse_attention import XlaNsaConfig
-
-HIGHEST, DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
 
 
 class TestXlaNativeSparseAttention(NativeSparseAttentionConformance):
@@ -23,11 +20,7 @@ class TestXlaNativeSparseAttention(NativeSparseAttentionConformance):
         inputs, static = self.make_inputs(8, CASES["gqa"], "float32", gates=("g_cmp", "g_slc", "g_swa"), indices=False)
         self.check(inputs, {**static, "window_size": 5}, "float32")
 
-    @pytest.mark.parametrize(
-        "dtype,precision,expected",
-        [("float32", None, HIGHEST), ("float32", "default", DEFAULT), ("bfloat16", None, DEFAULT)],
-        ids=["float32", "float32-asked-default", "bfloat16"],
-    )
+    @call_precision_cases()
     def test_matmuls_run_at_the_call_precision(self, dtype, precision, expected):
         inputs, static = self.make_inputs(9, CASES["gqa"], dtype, gates=("g_cmp", "g_slc", "g_swa"), indices=False)
         counts = inputs.pop("block_counts")

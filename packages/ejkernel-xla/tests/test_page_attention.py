@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from ejkernel.modules import page_attention
-from ejkernel.testing.numerics import assert_close, matmul_precisions, run_jitted
+from ejkernel.testing.numerics import assert_close, run_jitted
 from ejkernel.testing.page_attention import SHAPES, PageAttentionConformance, reference_page_attention
 from ejkernel_xla.page_attention import XlaPageAttentionConfig
 
@@ -28,11 +28,7 @@ def test_every_block_pages_agrees():
 @pytest.mark.parametrize("precision", [None, "default", "highest"])
 def test_matmuls_run_at_the_call_precision(precision):
     """float32 inputs: HIGHEST unless asked otherwise, in the forward and in the gradient's matmuls."""
-    inputs = PageAttentionConformance().make_inputs(12, SHAPES["mha"], "float32")
+    suite = TestXlaPageAttention()
+    inputs = suite.make_inputs(12, SHAPES["mha"], "float32")
     expected = jax.lax.Precision.HIGHEST if precision in (None, "highest") else jax.lax.Precision.DEFAULT
-
-    def loss(query):
-        return page_attention(**{**inputs, "query": query}, precision=precision, platform="xla").sum()
-
-    found = matmul_precisions(jax.grad(loss), inputs["query"])
-    assert found and all(p == expected for p in found), found
+    suite.assert_matmul_precision(inputs, "query", precision, expected)

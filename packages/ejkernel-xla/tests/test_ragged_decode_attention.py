@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from ejkernel.testing.numerics import assert_close, matmul_precisions, run_jitted
+from ejkernel.testing.numerics import assert_close, run_jitted
 from ejkernel.testing.ragged_decode_attention import (
     CASES,
     RaggedDecodeAttentionConformance,
@@ -33,9 +33,4 @@ def test_matmuls_run_at_the_call_precision(precision):
     suite = TestXlaRaggedDecodeAttention()
     inputs = suite.make_inputs(12, CASES["mqa"], "float32")
     expected = jax.lax.Precision.HIGHEST if precision is None else jax.lax.Precision.DEFAULT
-
-    def loss(query):
-        return suite.call(**{**inputs, "query": query}, precision=precision).sum()
-
-    found = matmul_precisions(jax.grad(loss), inputs["query"])
-    assert found and all(p == expected for p in found), found
+    suite.assert_matmul_precision(inputs, "query", precision, expected)

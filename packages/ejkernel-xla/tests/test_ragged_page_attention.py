@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from ejkernel.testing.numerics import assert_close, matmul_precisions, run_jitted
+from ejkernel.testing.numerics import assert_close, run_jitted
 from ejkernel.testing.ragged_page_attention import (
     CASES,
     RaggedPageAttentionConformance,
@@ -33,9 +33,4 @@ def test_matmuls_run_at_the_call_precision(precision):
     suite = TestXlaRaggedPageAttention()
     inputs = suite.make_inputs(12, CASES["decode_mha"], "float32")
     expected = jax.lax.Precision.HIGHEST if precision is None else jax.lax.Precision.DEFAULT
-
-    def loss(queries):
-        return suite.call(**{**inputs, "queries": queries}, precision=precision).sum()
-
-    found = matmul_precisions(jax.grad(loss), inputs["queries"])
-    assert found and all(p == expected for p in found), found
+    suite.assert_matmul_precision(inputs, "queries", precision, expected)

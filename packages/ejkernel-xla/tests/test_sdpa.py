@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from ejkernel.modules import scaled_dot_product_attention
 from ejkernel.testing.flash_attention import attention_inputs
-from ejkernel.testing.numerics import matmul_precisions
+from ejkernel.testing.numerics import call_precision_cases, matmul_precisions
 from ejkernel.testing.scaled_dot_product_attention import ScaledDotProductAttentionConformance
-
-HIGHEST, DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
 
 
 class TestXlaScaledDotProductAttention(ScaledDotProductAttentionConformance):
     platform = "xla"
 
 
-@pytest.mark.parametrize(
-    "dtype,precision,expected",
-    [(jnp.float32, None, HIGHEST), (jnp.float32, "default", DEFAULT), (jnp.bfloat16, None, DEFAULT)],
-    ids=["float32", "float32-asked-default", "bfloat16"],
-)
+@call_precision_cases()
 def test_matmuls_run_at_the_call_precision(dtype, precision, expected):
     inputs = attention_inputs(37, batch=1, q_len=10, num_heads=2, head_dim=16, dtype=dtype)
 
