@@ -121,13 +121,7 @@ class BlockSparseAttentionConformance(ConformanceSuite):
 
     def check(self, inputs, static, dtype):
         wrt = tuple(n for n in ("query", "key", "value", "softmax_aux") if inputs.get(n) is not None)
-        self.check_call(
-            lambda **kw: self.call(**kw, **static),
-            lambda **kw: reference_blocksparse_attention(**kw, **static),
-            inputs,
-            wrt,
-            dtype,
-        )
+        self.check_call(reference_blocksparse_attention, inputs, wrt, dtype, **static)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):

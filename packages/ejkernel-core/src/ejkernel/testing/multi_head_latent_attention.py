@@ -97,13 +97,7 @@ class MultiHeadLatentAttentionConformance(ConformanceSuite):
 
     def check(self, inputs, dtype, **static):
         wrt = WRT + (("b_q", "b_k") if inputs["b_q"] is not None else ())
-        return self.check_call(
-            lambda **kw: self.call(**kw, **static),
-            lambda **kw: reference_multi_head_latent_attention(**kw, **static),
-            inputs,
-            wrt,
-            dtype,
-        )
+        return self.check_call(reference_multi_head_latent_attention, inputs, wrt, dtype, **static)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):

@@ -176,13 +176,7 @@ class NativeSparseAttentionConformance(ConformanceSuite):
 
     def check(self, inputs, static, dtype):
         wrt = tuple(n for n in ("query", "key", "value", "g_cmp", "g_slc", "g_swa") if inputs.get(n) is not None)
-        return self.check_call(
-            lambda **kw: self.call(**kw, **static),
-            lambda **kw: reference_native_sparse_attention(**kw, **static),
-            inputs,
-            wrt,
-            dtype,
-        )
+        return self.check_call(reference_native_sparse_attention, inputs, wrt, dtype, **static)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):

@@ -368,16 +368,19 @@ class ConformanceSuite(BadInputChecks):
 
     def check_call(
         self,
-        fn: Callable[..., jax.Array],
         reference: Callable[..., jax.Array],
         inputs: Mapping[str, Any],
         wrt: Sequence[str],
         dtype: Any,
         *,
         scale: float = 1.0,
+        **static: Any,
     ) -> jax.Array:
-        """:func:`check_against_reference` with the suite's options; a forward-only backend is checked
-        forward only and must refuse the gradients of ``wrt``."""
+        """:func:`check_against_reference` of ``self.call`` and ``reference``, both given ``**inputs`` and the
+        keywords ``static``, with the suite's options; a forward-only backend is checked forward only and
+        must refuse the gradients of ``wrt``."""
+        fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
+        reference = functools.partial(reference, **static)
         options = dict(dtype=dtype, tolerances=self.tolerances, scale=scale, compiler_options=self.compiler_options)
         if not self.supports_gradients:
             out = check_against_reference(fn, reference, inputs, (), **options)

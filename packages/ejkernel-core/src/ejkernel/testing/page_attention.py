@@ -144,14 +144,8 @@ class PageAttentionConformance(ConformanceSuite):
         )
 
     def check(self, inputs, dtype, scale=1.0, **static):
-        self.check_call(
-            lambda **kw: self.call(**kw, **static),
-            lambda **kw: reference_page_attention(**kw, **static),
-            inputs,
-            ("query", "key_cache", "value_cache"),
-            dtype,
-            scale=scale,
-        )
+        wrt = ("query", "key_cache", "value_cache")
+        self.check_call(reference_page_attention, inputs, wrt, dtype, scale=scale, **static)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):

@@ -108,8 +108,7 @@ class RaggedDecodeAttentionConformance(ConformanceSuite):
 
     def check(self, inputs, dtype, **static):
         wrt = ("query", "key", "value") + (("softmax_aux",) if inputs["softmax_aux"] is not None else ())
-        fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
-        self.check_call(fn, lambda **kw: reference_ragged_decode_attention(**kw, **static), inputs, wrt, dtype)
+        self.check_call(reference_ragged_decode_attention, inputs, wrt, dtype, **static)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):

@@ -130,8 +130,7 @@ class RaggedPageAttentionConformance(ConformanceSuite):
 
     def check(self, inputs, dtype, **static):
         wrt = ("queries", "kv_pages") + (("softmax_aux",) if inputs["softmax_aux"] is not None else ())
-        fn = lambda **kw: self.call(**kw, **static)  # noqa: E731
-        self.check_call(fn, lambda **kw: reference_ragged_page_attention(**kw, **static), inputs, wrt, dtype)
+        self.check_call(reference_ragged_page_attention, inputs, wrt, dtype, **static)
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_forward_and_gradients(self, dtype):
