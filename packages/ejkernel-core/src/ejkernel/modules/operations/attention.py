@@ -19,8 +19,7 @@ O(S²): use ``flash_attention`` for long sequences. Full page: ``docs/ops/attent
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 from jaxtyping import Bool, Float, Int
@@ -28,23 +27,7 @@ from jaxtyping import Bool, Float, Int
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import check_bool, describe, typechecked
-from ejkernel.modules.operations.flash_attention import FlashAttention, FlashAttentionCall
-
-CallT = TypeVar("CallT")
-
-
-def restricted_call(algorithm: str, call_type: type[CallT], flash_call: FlashAttentionCall, **extra: Any) -> CallT:
-    """The call of an operation whose features are a subset of flash_attention's, from a validated
-    ``flash_attention`` call: the fields ``call_type`` has, plus ``extra``. A flash_attention feature the
-    operation lacks must be unused (ValueError naming it)."""
-    fields = {f.name for f in dataclasses.fields(call_type)}
-    # static fields first: a dropout_prob names the feature better than the seed it implies
-    for f in sorted(dataclasses.fields(FlashAttentionCall), key=lambda f: f.metadata.get("array", False)):
-        value = getattr(flash_call, f.name)
-        if f.name not in fields and (value is not None if f.default is None else value != f.default):
-            raise ValueError(f"{algorithm} has no {f.name} (flash_attention has), got {describe(value)}")
-    return call_type(**{name: getattr(flash_call, name) for name in fields - extra.keys()}, **extra)
-
+from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
 
 @canonical_call
 class AttentionCall:

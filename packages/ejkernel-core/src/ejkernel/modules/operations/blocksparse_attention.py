@@ -34,8 +34,7 @@ from jaxtyping import Bool, Float, Int
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import check_array, check_positive_int, describe, typechecked
-from ejkernel.modules.operations.attention import restricted_call
-from ejkernel.modules.operations.flash_attention import FlashAttention
+from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
 
 
 @canonical_call

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from ejkernel.modules.operations._validation import (
     check_bool,
     check_qkv,
     check_softmax_aux,
+    describe,
     normalize_attention_mask,
     normalize_cum_seqlens,
     normalize_dropout,
@@ -92,6 +93,22 @@ class FlashAttentionCall:
             or self.attention_mask is not None
             or self.cum_seqlens_q is not None
         )
+
+
+CallT = TypeVar("CallT")
+
+
+def restricted_call(algorithm: str, call_type: type[CallT], flash_call: FlashAttentionCall, **extra: Any) -> CallT:
+    """The call of an operation whose features are a subset of flash_attention's, from a validated
+    ``flash_attention`` call: the fields ``call_type`` has, plus ``extra``. A flash_attention feature the
+    operation lacks must be unused (ValueError naming it)."""
+    fields = {f.name for f in dataclasses.fields(call_type)}
+    # static fields first: a dropout_prob names the feature better than the seed it implies
+    for f in sorted(dataclasses.fields(FlashAttentionCall), key=lambda f: f.metadata.get("array", False)):
+        value = getattr(flash_call, f.name)
+        if f.name not in fields and (value is not None if f.default is None else value != f.default):
+            raise ValueError(f"{algorithm} has no {f.name} (flash_attention has), got {describe(value)}")
+    return call_type(**{name: getattr(flash_call, name) for name in fields - extra.keys()}, **extra)
 
 
 # ---- the operation ---------------------------------------------------------------------------------

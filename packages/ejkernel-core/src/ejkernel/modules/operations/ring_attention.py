@@ -26,18 +26,8 @@ from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._contract import array_field, canonical_call
-from ejkernel.modules.operations._precision import resolve_precision
-from ejkernel.modules.operations._validation import (
-    check_bool,
-    check_qkv,
-    check_softmax_aux,
-    describe,
-    normalize_segment_ids,
-    normalize_sliding_window,
-    normalize_soft_cap,
-    resolve_softmax_scale,
-    typechecked,
-)
+from ejkernel.modules.operations._validation import describe, typechecked
+from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
 
 
 @canonical_call
@@ -75,7 +65,6 @@ class RingAttention(RegistryOperation):
         self, query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *,
         softmax_scale=None, causal=False, sliding_window=None, logits_soft_cap=None, axis_name=None, precision=None,
     ) -> RingAttentionCall:
-        batch, q_len, num_heads, head_dim, kv_len, _ = check_qkv(query, key, value)
         if (q_segment_ids is None) != (kv_segment_ids is None):
             # Unlike flash_attention, no self-attention fill: the key/value shards travel around the ring
             # and must carry their own segment ids, so both sides are required.
@@ -88,23 +77,14 @@ class RingAttention(RegistryOperation):
                 f"shards; for self-attention pass the same shard as both); got {given} {describe(present)} and "
                 f"{missing}=None"
             )
-        q_segment_ids, kv_segment_ids = normalize_segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
         if axis_name is not None and not isinstance(axis_name, str):
             raise ValueError(f"axis_name must be a mesh axis name (str) or None, got {axis_name!r}")
-        return RingAttentionCall(
-            query=query,
-            key=key,
-            value=value,
-            q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            softmax_aux=check_softmax_aux(softmax_aux, num_heads),
-            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
-            causal=check_bool("causal", causal),
-            sliding_window=normalize_sliding_window(sliding_window),
-            logits_soft_cap=normalize_soft_cap(logits_soft_cap),
-            axis_name=axis_name,
-            precision=resolve_precision(precision, query.dtype),
+        flash_call = FlashAttention().validate(
+            query, key, value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
+            softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            precision=precision,
         )
+        return restricted_call(self.algorithm, RingAttentionCall, flash_call, axis_name=axis_name)
 
 
 @typechecked

@@ -23,8 +23,7 @@ from jaxtyping import Bool, Float, Int
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations.attention import restricted_call
-from ejkernel.modules.operations.flash_attention import FlashAttention
+from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
 
 
 @canonical_call
