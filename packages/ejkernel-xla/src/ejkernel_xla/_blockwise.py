@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.modules.operations._precision import matmul_precision
-from ejkernel.ops.utils.dropout import keep_mask
+from ejkernel.ops.utils.dropout import keep_mask, seed_bits
 
 # ---- token descriptions ---------------------------------------------------------------------------
 
@@ -592,7 +592,7 @@ def flash_attention_blockwise(
     dropout_seed=None,
 ) -> jax.Array:
     """Blockwise attention with a custom VJP (memory O(S) besides bias/mask); see the module docstring."""
-    seed = None if params.dropout_prob == 0.0 else jnp.asarray(dropout_seed).astype(jnp.uint32)
+    seed = None if params.dropout_prob == 0.0 else seed_bits(dropout_seed)
     return _flash(blocks, params, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed)
 
 
@@ -637,7 +637,7 @@ def _dense_attention(query, key, value, *, params, bias, softmax_aux, attention_
     weights = e / jnp.where(denominator > 0, denominator, 1.0)
     p = weights
     if params.dropout_prob > 0.0:
-        seed = jnp.asarray(dropout_seed).astype(jnp.uint32)
+        seed = seed_bits(dropout_seed)
         keep = _grouped(_dropout_keep(q_tokens, kv_tokens, seed, batch, num_heads, params), num_kv_heads)
         p = jnp.where(keep, weights / (1.0 - params.dropout_prob), 0.0)
     out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(value.dtype), value, preferred_element_type=jnp.float32)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ejkernel.ops.utils.dropout import seed_bits
 from ejkernel_xla._blockwise import (
     AttentionParams,
     Tokens,
@@ -169,7 +170,7 @@ def flash_attention_dense(
 ) -> jax.Array:
     """Dense attention with the VJP of the module docstring (memory O(S²)); the arguments of
     ``_blockwise.flash_attention_blockwise`` but no block sizes."""
-    seed = None if params.dropout_prob == 0.0 else jnp.asarray(dropout_seed).astype(jnp.uint32)
+    seed = None if params.dropout_prob == 0.0 else seed_bits(dropout_seed)
     return _dense(params, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed)
 
 

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.flash_attention import FlashAttentionCall
+from ejkernel.ops.utils.dropout import seed_bits
 from ejkernel_xla._blockwise import (
     AttentionParams,
     BlockSizes,
@@ -209,7 +210,7 @@ def _flash_jit(
         return flash_attention_dense(query, key, value, **common)
     if not forward_dense:
         return flash_attention_blockwise(query, key, value, blocks=blocks, **common)
-    seed = None if params.dropout_prob == 0.0 else jnp.asarray(dropout_seed).astype(jnp.uint32)
+    seed = None if params.dropout_prob == 0.0 else seed_bits(dropout_seed)
     return _dense_forward_blockwise_gradient(
         blocks, params, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed
     )
@@ -229,7 +230,8 @@ class XlaFlashAttention(Implementation[FlashAttentionCall, XlaFlashConfig]):
         blocks = None if takes_dense_path(call, config) else config.blocks(q_len, kv_len, head_dim)
         return _flash_jit(
             call.query, call.key, call.value, call.bias, call.attention_mask, call.q_segment_ids,
-            call.kv_segment_ids, call.cum_seqlens_q, call.cum_seqlens_k, call.softmax_aux, call.dropout_seed,
+            call.kv_segment_ids, call.cum_seqlens_q, call.cum_seqlens_k, call.softmax_aux,
+            None if call.dropout_seed is None else seed_bits(call.dropout_seed),  # any int: its low 32 bits
             params=AttentionParams.of(call), blocks=blocks,
             forward_dense=blocks is None or takes_dense_path(call, config, differentiated=False),
         )
