@@ -31,6 +31,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import jax
@@ -68,26 +69,36 @@ def _jax_pallas_mha() -> Callable | None:
     return attend
 
 
+def usable_gpu_platforms(algorithm: str) -> list[str]:
+    """The platforms that register ``algorithm`` for the GPU and can run here, best first (each one passed
+    over is named on stderr with its reason)."""
+    from ejkernel.kernels._registry import kernel_registry
+    from ejkernel.plugins import usable_reason
+
+    platforms = []
+    for spec in kernel_registry.find(algorithm, None, "gpu"):
+        platform = spec.platform.value
+        if platform in platforms:
+            continue
+        reason = usable_reason(spec.plugin)
+        if reason:
+            print(f"# skipping ejkernel {algorithm} platform={platform}: {reason}", file=sys.stderr)
+            continue
+        platforms.append(platform)
+    return platforms
+
+
 def _ejkernel_impls() -> list[Impl]:
     """One entry per platform that has flash_attention registered for the GPU and is usable here."""
     try:
-        from ejkernel.kernels._registry import kernel_registry
         from ejkernel.modules.operations.flash_attention import flash_attention
-        from ejkernel.plugins import usable_reason
+
+        platforms = usable_gpu_platforms("flash_attention")
     except Exception:
         traceback.print_exc()
         return []
     impls = []
-    seen = set()
-    for spec in kernel_registry.find("flash_attention", None, "gpu"):
-        platform = spec.platform.value
-        if platform in seen:
-            continue
-        seen.add(platform)
-        reason = usable_reason(spec.plugin)
-        if reason:
-            print(f"# skipping ejkernel platform={platform}: {reason}", file=sys.stderr)
-            continue
+    for platform in platforms:
 
         def attend(q, k, v, causal, platform=platform):
             return flash_attention(q, k, v, causal=causal, platform=platform)
@@ -159,26 +170,33 @@ def random_inputs(key, batch, seq, heads, head_dim, dtype, sets):
     return out
 
 
-def time_step(step, inputs, mode, warmup, reps, calls) -> float:
-    """Median over `reps` samples of the mean time of `calls` back-to-back calls (seconds)."""
-    args = [x if mode == "fwd+bwd" else x[:3] for x in inputs]
+def time_calls(run: Callable[[int], Any], warmup: int, reps: int, calls: int) -> float:
+    """Median over `reps` samples of the mean time of `calls` back-to-back calls ``run(i)`` (seconds); ``run``
+    picks its inputs from the call number ``i`` (rotating input sets beat the L2 cache)."""
     for i in range(warmup):
-        jax.block_until_ready(step(*args[i % len(args)]))
+        jax.block_until_ready(run(i))
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
         last = None
         for c in range(calls):
-            last = step(*args[c % len(args)])
+            last = run(c)
         jax.block_until_ready(last)
         samples.append((time.perf_counter() - t0) / calls)
     return float(np.median(samples))
 
 
+def time_step(step, inputs, mode, warmup, reps, calls) -> float:
+    """:func:`time_calls` of an attention step over rotating (q, k, v[, do]) input sets."""
+    args = [x if mode == "fwd+bwd" else x[:3] for x in inputs]
+    return time_calls(lambda c: step(*args[c % len(args)]), warmup, reps, calls)
+
+
 # ---- numerics ----------------------------------------------------------------------------------------
 
 
-def _rel(a, b) -> float:
+def relative_error(a, b) -> float:
+    """Relative L2 error of ``a`` against ``b`` in float64 (inf when ``a`` is not finite)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if not np.all(np.isfinite(a)):
         return float("inf")
@@ -194,7 +212,7 @@ def errors(impl: Impl, q, k, v, do, causal) -> dict[str, float]:
 
     ref = jax.jit(functools.partial(grads, _jax_nn("xla")))(*(x.astype(jnp.float32) for x in (q, k, v, do)))
     got = jax.jit(functools.partial(grads, impl.fn))(q, k, v, do)
-    return {name: _rel(g, r) for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+    return {name: relative_error(g, r) for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
 
 
 # ---- reporting ---------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import datetime as dt
 import json
 import math
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import versions  # noqa: E402
+from attention import relative_error, time_calls, usable_gpu_platforms, versions  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STANDARD = (32, 4096)
@@ -91,22 +90,11 @@ def layout_inputs(layout, k, v, page_size, seed):
 
 
 def ejkernel_impls(sweep_configs=()) -> list[Impl]:
-    from ejkernel.kernels._registry import kernel_registry
     from ejkernel.modules import page_attention, ragged_decode_attention
-    from ejkernel.plugins import usable_reason
 
     impls = []
     for algorithm in ("page_attention", "ragged_decode_attention"):
-        seen = set()
-        for spec in kernel_registry.find(algorithm, None, "gpu"):
-            platform = spec.platform.value
-            if platform in seen:
-                continue
-            seen.add(platform)
-            reason = usable_reason(spec.plugin)
-            if reason:
-                print(f"# skipping ejkernel {algorithm} platform={platform}: {reason}", file=sys.stderr)
-                continue
+        for platform in usable_gpu_platforms(algorithm):
             for cfg in [None, *(sweep_configs if platform == "triton" else ())]:
                 suffix = "" if cfg is None else f"[{cfg_text(cfg)}]"
                 if algorithm == "page_attention":
@@ -186,35 +174,13 @@ def peer_impls() -> list[Impl]:
 # ---- timing ------------------------------------------------------------------------------------------
 
 
-def time_calls(step, inputs, warmup, reps, calls) -> float:
-    """Median over `reps` samples of the mean time of `calls` back-to-back calls over rotating inputs (s)."""
-    for i in range(warmup):
-        jax.block_until_ready(step(inputs[i % len(inputs)]))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        last = None
-        for c in range(calls):
-            last = step(inputs[c % len(inputs)])
-        jax.block_until_ready(last)
-        samples.append((time.perf_counter() - t0) / calls)
-    return float(np.median(samples))
-
-
 def copy_bandwidth(warmup=3, reps=10) -> float:
     """GB/s of `x + 1` over 4 GiB of float32 (bytes read + written)."""
     x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.float32)
     step = jax.jit(lambda x: x + 1.0)
-    secs = time_calls(step, [x], warmup, reps, 5)
+    secs = time_calls(lambda c: step(x), warmup, reps, 5)
     del x
     return 2 * 4 * (1 << 30) / secs / 1e9
-
-
-def rel_error(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    if not np.all(np.isfinite(out)):
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def reference(q, k, v):
@@ -390,14 +356,14 @@ def main(argv=None) -> int:
                     best = None
                     for extra in variants:
                         step = jax.jit(lambda x, extra=extra, impl=impl: impl.fn(x, **extra))
-                        secs = time_calls(step, inputs, args.warmup, args.reps, args.calls)
+                        secs = time_calls(lambda c: step(inputs[c % len(inputs)]), args.warmup, args.reps, args.calls)
                         if best is None or secs < best[0]:
                             best = (secs, extra, step)
                     secs, extra, step = best
                     row.update(ms=secs * 1e3, gbps=kv_bytes / secs / 1e9, share=kv_bytes / secs / 1e9 / copy_gbps,
                                **extra)
                     if ref is not None:
-                        row["rel_err"] = rel_error(step(inputs[0]), ref)
+                        row["rel_err"] = relative_error(step(inputs[0]), ref)
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
                 rows.append(row)
