@@ -2,7 +2,8 @@
 blocks, with a custom VJP (memory O(S): the forward saves the output and the row log-sum-exp only).
 
 Compute blocks are the mask's blocks, so there is nothing to tune (``NoConfig``). A block pair the mask
-disables is skipped with ``lax.cond`` (real savings when not vmapped; under ``vmap`` the cond becomes a
+disables, or that causal / the sliding window leave empty (``ejkernel.ops.utils.block_sparse.
+effective_block_mask``, the block semantics shared by every backend), is skipped with ``lax.cond`` (real savings when not vmapped; under ``vmap`` the cond becomes a
 select and costs the dense amount). Matmuls run at the call's precision, forward and backward. Every
 feature is implemented; nothing is refused.
 """
@@ -17,6 +18,7 @@ from jax import lax
 
 from ejkernel.modules.operations._contract import Implementation, NoConfig
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
+from ejkernel.ops.utils.block_sparse import effective_block_mask
 from ejkernel_xla._blockwise import (
     AttentionParams,
     _blocked_tokens,
@@ -152,7 +154,7 @@ def _blocksparse_jit(call: BlockSparseAttentionCall) -> jax.Array:
     kv_tok = key_tokens(batch, kv_len, segment_ids=call.kv_segment_ids)
     return _blocksparse(
         AttentionParams.of(call), call.q_block_size, call.kv_block_size, call.query, call.key, call.value,
-        call.softmax_aux, call.block_mask, q_tok, kv_tok,
+        call.softmax_aux, effective_block_mask(call), q_tok, kv_tok,
     )
 
 

@@ -20,6 +20,11 @@ side -> the other one, ``precision``); ``block_size`` becomes ``(q_block_size, k
   with no visible key give zeros. Output ``[batch, q_len, num_heads, v_head_dim]`` in ``query``'s dtype.
 
 Gradients: ``query``, ``key``, ``value`` and ``softmax_aux`` (required of every backend).
+
+Block masks: :func:`causal_block_mask`, :func:`local_block_mask` and :func:`chunked_block_mask` build the
+``[1, 1, q_blocks, kv_blocks]`` patterns; any other boolean block mask is passed as is. A block mask gates
+whole blocks only: token-exact causal / local attention also passes ``causal`` / ``sliding_window``.
+Backends get their visiting schedule from ``ejkernel.ops.utils.block_sparse`` (``block_schedule``).
 """
 
 from __future__ import annotations
@@ -29,12 +34,20 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import RegistryOperation, execute
 from ejkernel.modules.operations._contract import array_field, canonical_call
-from ejkernel.modules.operations._validation import check_array, check_positive_int, describe, typechecked
+from ejkernel.modules.operations._validation import (
+    check_array,
+    check_positive_int,
+    describe,
+    normalize_sliding_window,
+    typechecked,
+)
 from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
+from ejkernel.ops.utils.block_sparse import reachable_blocks
 
 
 @canonical_call
@@ -83,6 +96,65 @@ def check_block_mask(block_mask: Any, batch: int, num_heads: int, blocks: tuple[
             f"block_mask must have shape [{batch} or 1, {num_heads} or 1, {blocks[0]}, {blocks[1]}] "
             f"(ceil(q_len / {block_size[0]}), ceil(kv_len / {block_size[1]})), got {describe(block_mask)}"
         )
+
+
+def _mask_blocks(q_len: Any, kv_len: Any, block_size: Any) -> tuple[int, int, int, int]:
+    check_positive_int("q_len", q_len)
+    check_positive_int("kv_len", kv_len)
+    q_block, kv_block = normalize_block_size(block_size)
+    return int(q_len), int(kv_len), q_block, kv_block
+
+
+def causal_block_mask(q_len: int, kv_len: int, block_size: int | tuple[int, int] = 128) -> jax.Array:
+    """bool ``[1, 1, q_blocks, kv_blocks]``: the blocks holding a key ``j <= p`` for some query of the
+    block (end-aligned position ``p = i + kv_len - q_len``). With ``causal=True`` in the call this is
+    causal attention that never visits a block above the diagonal; with ``causal=False``, block-causal."""
+    q_len, kv_len, q_block, kv_block = _mask_blocks(q_len, kv_len, block_size)
+    return jnp.asarray(reachable_blocks(q_len, kv_len, q_block, kv_block, causal=True))[None, None]
+
+
+def local_block_mask(
+    q_len: int, kv_len: int, block_size: int | tuple[int, int] = 128, window: int | tuple[int, int] = 128
+) -> jax.Array:
+    """bool ``[1, 1, q_blocks, kv_blocks]``: the blocks holding a key in ``[p - left, p + right]`` for some
+    query of the block (``window``: ``w`` or ``(left, right)``, as ``sliding_window``). Token-exact local
+    attention also passes ``sliding_window=window`` to the call."""
+    q_len, kv_len, q_block, kv_block = _mask_blocks(q_len, kv_len, block_size)
+    window = normalize_sliding_window(window)
+    if window is None:
+        raise ValueError("local_block_mask: window must be a non-negative int or a (left, right) pair, got None")
+    return jnp.asarray(reachable_blocks(q_len, kv_len, q_block, kv_block, causal=False, sliding_window=window))[
+        None, None
+    ]
+
+
+def chunked_block_mask(
+    q_len: int, kv_len: int, block_size: int | tuple[int, int] = 128, chunk_size: int = 128
+) -> jax.Array:
+    """bool ``[1, 1, q_blocks, kv_blocks]``: chunked attention (query at end-aligned position ``p`` sees the
+    keys of its chunk ``[c * chunk_size, (c + 1) * chunk_size)``, ``c = p // chunk_size``; with
+    ``causal=True`` in the call, only the earlier ones). Token-exact only when no block straddles a chunk
+    boundary, so that is required (``chunk_size`` a multiple of both block sizes, and ``kv_len - q_len`` of
+    the query block size unless every query shares one chunk); a ``ValueError`` says which side does not fit."""
+    q_len, kv_len, q_block, kv_block = _mask_blocks(q_len, kv_len, block_size)
+    check_positive_int("chunk_size", chunk_size)
+    offset = kv_len - q_len
+
+    def chunk_of_blocks(side, length, block, shift):
+        first = np.arange(math.ceil(length / block)) * block
+        last = np.minimum(first + block, length) - 1
+        first_chunk, last_chunk = (first + shift) // chunk_size, (last + shift) // chunk_size
+        if np.any(first_chunk != last_chunk):
+            raise ValueError(
+                f"chunked_block_mask: a {side} block of {block} tokens straddles a chunk boundary (chunk_size="
+                f"{chunk_size}, kv_len - q_len = {offset}); the block mask could not be token-exact. Use a "
+                f"chunk_size that is a multiple of the block sizes (and of the query block size's alignment)"
+            )
+        return first_chunk
+
+    q_chunks = chunk_of_blocks("query", q_len, q_block, offset)
+    kv_chunks = chunk_of_blocks("key", kv_len, kv_block, 0)
+    return jnp.asarray(q_chunks[:, None] == kv_chunks[None, :])[None, None]
 
 
 class BlockSparseAttention(RegistryOperation):
