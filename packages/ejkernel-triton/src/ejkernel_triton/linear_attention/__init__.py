@@ -1,0 +1,135 @@
+"""Chunked gated linear attention as Triton kernels: ``recurrent``, ``gla`` and ``lightning_attention``
+(one :class:`~ejkernel.modules.operations.recurrent.LinearAttentionCall`, one implementation).
+
+Supported, forward and backward (gradients of q, k, v, every gate given and the initial state; the final
+state's cotangent flows back): per-dimension key gates ``g`` and ``gk`` [B, T, H, K], scalar gates
+``g`` [B, T, H, 1], ``g_gamma``, GQA (kv heads repeated before the kernels), ``reverse`` (the sequence
+flipped around the kernels), any length (padded to whole chunks of 64 with neutral tokens), initial and
+final state, head dims up to 256, bf16/fp16/fp32 (float32 with IEEE dots). Refused with
+:class:`ejkernel.UnsupportedFeature` (the dispatcher falls back to XLA): varlen ``cu_seqlens``, the
+value-dimension gate ``gv``, head dims above 256.
+
+All key-dimension gates are summed into one float32 log gate ``a`` [B, T, H, K] (``g`` + ``gk`` +
+``g_gamma``, broadcast); autodiff of that sum hands each gate its gradient. Modules: ``forward``
+(chunk states, outputs), ``backward`` (state gradients, dv, dq/dk/dg), ``vjp`` (launches, custom VJP,
+vmap rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.recurrent import LinearAttentionCall
+from ejkernel_triton.interpret import interpreting
+from ejkernel_triton.linear_attention.forward import CHUNK
+from ejkernel_triton.linear_attention.vjp import StaticParams, linear_attention
+
+__all__ = ["IMPLEMENTATION", "TritonLinearAttention", "TritonLinearAttentionConfig"]
+
+MAX_HEAD_DIM = 256
+
+
+def _power_of_two(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"TritonLinearAttentionConfig.{name} must be a power of two >= 16, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonLinearAttentionConfig:
+    """Tiles of the key and value dims (the chunk is fixed at 64 tokens) and the launch shape.
+
+    ``block_k``/``block_v``: None picks min(64, head dim rounded up to a power of two >= 16)."""
+
+    block_k: int | None = None
+    block_v: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_k", "block_v"):
+            if getattr(self, name) is not None:
+                _power_of_two(name, getattr(self, name))
+        for name in ("num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
+
+
+def _block(dim: int, chosen: int | None) -> int:
+    if chosen is not None:
+        return chosen
+    return max(16, min(64, 1 << (dim - 1).bit_length()))
+
+
+def key_log_gate(call: LinearAttentionCall) -> jax.Array:
+    """``g + gk + g_gamma`` as float32 [B, T, H, K] (zeros without gates)."""
+    batch, total, heads, dk = call.query.shape
+    total_gate = jnp.zeros((), jnp.float32)
+    if call.g is not None:
+        total_gate = total_gate + call.g.astype(jnp.float32)
+    if call.gk is not None:
+        total_gate = total_gate + call.gk.astype(jnp.float32)
+    if call.g_gamma is not None:
+        total_gate = total_gate + call.g_gamma.astype(jnp.float32)[:, None, :, None]
+    return jnp.broadcast_to(total_gate, (batch, total, heads, dk))
+
+
+class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAttentionConfig]):
+    """Triton kernels through jax-triton (see the module docstring).
+
+    Precision: float32 inputs run IEEE float32 dots; bf16/fp16 dots take exact products of the inputs'
+    dtype (decayed queries and keys rounded to it, as flash attention rounds its probabilities) with
+    float32 accumulation and float32 states, gates and cumulative sums; nothing is refused for its precision.
+    """
+
+    config_type = TritonLinearAttentionConfig
+
+    def supports(self, call: LinearAttentionCall) -> None:
+        if call.cu_seqlens is not None:
+            raise UnsupportedFeature("triton linear attention: varlen cu_seqlens is not implemented (use the XLA backend)")
+        if call.gv is not None:
+            raise UnsupportedFeature("triton linear attention: the value-dimension gate gv is not implemented "
+                                     "(use the XLA backend)")
+        dk, dv = call.query.shape[-1], call.value.shape[-1]
+        if dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+            raise UnsupportedFeature(f"triton linear attention: head dims {dk}/{dv} above {MAX_HEAD_DIM}")
+
+    def heuristic_config(self, call: LinearAttentionCall) -> TritonLinearAttentionConfig:
+        return TritonLinearAttentionConfig()
+
+    def candidate_configs(self, call: LinearAttentionCall) -> Sequence[TritonLinearAttentionConfig]:
+        return (TritonLinearAttentionConfig(), TritonLinearAttentionConfig(block_k=32, block_v=64),
+                TritonLinearAttentionConfig(num_warps=8))
+
+    def __call__(self, call: LinearAttentionCall, config: TritonLinearAttentionConfig) -> tuple[jax.Array, jax.Array]:
+        q, k, v = call.query, call.key, call.value
+        batch, total, heads, dk = q.shape
+        group = heads // k.shape[2]
+        if group > 1:
+            k = jnp.repeat(k, group, axis=2)
+            v = jnp.repeat(v, group, axis=2)
+        a = key_log_gate(call)
+        arrays = [q, k, v, a]
+        if call.reverse:
+            arrays = [jnp.flip(x, axis=1) for x in arrays]
+        padded = -(-total // CHUNK) * CHUNK
+        if padded != total:  # neutral tokens at the end: zero keys and gates leave the state as it is
+            arrays = [jnp.pad(x, [(0, 0), (0, padded - total), (0, 0), (0, 0)]) for x in arrays]
+        st = StaticParams(scale=float(call.softmax_scale), block_k=_block(dk, config.block_k),
+                          block_v=_block(v.shape[-1], config.block_v), num_warps=config.num_warps,
+                          num_stages=config.num_stages, interpret=interpreting())
+        o, final = linear_attention(*arrays, call.initial_state, st)
+        o = o[:, :total]
+        if call.reverse:
+            o = jnp.flip(o, axis=1)
+        return o, final
+
+
+IMPLEMENTATION = TritonLinearAttention()
+"""Registered for ``recurrent``, ``gla`` and ``lightning_attention``."""

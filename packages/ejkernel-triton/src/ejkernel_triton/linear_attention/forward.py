@@ -1,0 +1,152 @@
+"""Forward kernels of chunked gated linear attention: the chunk states and the outputs.
+
+Arrays (after `vjp.prepare`): q, k [B, T, H, K]; v [B, T, H, V] with T a multiple of the chunk (64);
+``gc`` float32 [B, T, H, K], the log gates cumulated inside each chunk (row r of a chunk holds the sum of
+the chunk's gates up to and including r). Per chunk ``n`` with entering state ``h_n`` [K, V]::
+
+    h_{n+1} = exp(gc_last) * h_n + sum_s (k_s * exp(gc_last - gc_s)) v_s^T
+    o_t     = (scale q_t * exp(gc_t)) h_n + sum_{s <= t in the chunk} A[t, s] v_s
+    A[t, s] = sum_k scale q_t[k] k_s[k] exp(gc_t[k] - gc_s[k])
+
+Every exponent the kernels form is <= 0 for decaying gates (log gates <= 0), however strong: across
+sub-chunks of 16 the pair factor splits at a reference row between the two tokens; inside a sub-chunk
+it is formed pair by pair (``_diag_pairs``). ``_state_kernel`` runs the recurrence over chunks (one program
+per K x V tile and head) and writes every ``h_n``; ``_output_kernel`` is parallel over chunks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+CHUNK = 64
+"""Tokens per chunk."""
+SUB_CHUNK = 16
+"""Tokens per sub-chunk: pairs inside one are formed exactly, pair by pair."""
+
+
+@triton.jit
+def _state_kernel(
+    K_, V_, GC, H0, NUM_CHUNKS,  # inputs
+    HS, HT,  # outputs: h_n per chunk (entering), final state (float32)
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    ik = tl.program_id(0)
+    iv = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    head = bh % H
+    offs_k = ik * BK + tl.arange(0, BK)
+    offs_v = iv * BV + tl.arange(0, BV)
+    offs_t = tl.arange(0, BT)
+    mk = offs_k < K
+    mv = offs_v < V
+    mkv = mk[:, None] & mv[None, :]
+    T = NUM_CHUNKS * BT
+    k_base = K_ + b * T * H * K + head * K
+    g_base = GC + b * T * H * K + head * K
+    v_base = V_ + b * T * H * V + head * V
+    state_offs = offs_k[:, None] * V + offs_v[None, :]
+    if HAS_H0:
+        state = tl.load(H0 + bh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    for n in range(NUM_CHUNKS):
+        tl.store(HS + ((b * NUM_CHUNKS + n) * H + head) * K * V + state_offs, state.to(HS.dtype.element_ty),
+                 mask=mkv)
+        rows = n * BT + offs_t
+        k = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
+        g = tl.load(g_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
+        g_last = tl.load(g_base + (n * BT + BT - 1) * (H * K) + offs_k, mask=mk, other=0.0)
+        v = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :], mask=mv[None, :], other=0.0)
+        k_decayed = (k.to(tl.float32) * tl.exp(g_last[None, :] - g)).to(v.dtype)
+        state = state * tl.exp(g_last)[:, None]
+        state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
+    tl.store(HT + bh.to(tl.int64) * K * V + state_offs, state, mask=mkv)
+
+
+@triton.jit
+def across_sub_chunks(x, x_gates, y, y_gates, offs_t, BC: tl.constexpr, NC: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """``sum_k x_t[k] y_s[k] exp(gx_t[k] - gy_s[k])`` [BT, BT] for pairs in different sub-chunks, s before t.
+
+    The factor splits at the first row of t's sub-chunk, ``r``: ``exp(gx_t - g_r) * exp(g_r - gy_s)``,
+    both <= 0 for decays. ``x_gates``/``y_gates`` are gc [BT, BK]; rows of x outside sub-chunk i and
+    columns of y not before it are zeroed for sub-chunk i's matmul."""
+    acc = tl.zeros([x.shape[0], x.shape[0]], dtype=tl.float32)
+    sub = offs_t // BC
+    for i in tl.static_range(1, NC):
+        ref = tl.sum(tl.where((offs_t == i * BC)[:, None], x_gates, 0.0), 0)  # gc of row i * BC
+        rows = (sub == i)[:, None]
+        cols = (sub < i)[:, None]
+        xi = tl.where(rows, x * tl.exp(tl.where(rows, x_gates - ref[None, :], 0.0)), 0.0)
+        yi = tl.where(cols, y * tl.exp(tl.where(cols, ref[None, :] - y_gates, 0.0)), 0.0)
+        acc = tl.dot(xi.to(y.dtype), tl.trans(yi.to(y.dtype)), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _output_kernel(
+    Q, K_, V_, GC, HS, scale, NUM_CHUNKS,  # inputs
+    O, A,  # outputs: o [B, T, H, V]; A [B, T, H, BT] float32 (scale included; zero above the diagonal)
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    n = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    head = bh % H
+    T = NUM_CHUNKS * BT
+    offs_t = tl.arange(0, BT)
+    offs_v = iv * BV + tl.arange(0, BV)
+    mv = offs_v < V
+    rows = n * BT + offs_t
+    seq_offs = b * T * (H * K) + head * K  # row 0 of this sequence and head
+    qk_offs = seq_offs + rows[:, None] * (H * K)
+    sub_first = (offs_t // BC) * BC  # first row of each row's sub-chunk
+    acc_o = tl.zeros([BT, BV], dtype=tl.float32)
+    acc_a = tl.zeros([BT, BT], dtype=tl.float32)
+    h_base = HS + ((b * NUM_CHUNKS + n) * H + head) * K * V
+    for k0 in tl.static_range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < K
+        q = tl.load(Q + qk_offs + offs_k[None, :], mask=mk[None, :], other=0.0)
+        k = tl.load(K_ + qk_offs + offs_k[None, :], mask=mk[None, :], other=0.0)
+        g = tl.load(GC + qk_offs + offs_k[None, :], mask=mk[None, :], other=0.0)
+        q_scaled = q.to(tl.float32) * scale
+        h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        acc_o = tl.dot((q_scaled * tl.exp(g)).to(h.dtype), h, acc_o, input_precision=DOT_PRECISION)
+        acc_a += across_sub_chunks(q_scaled, g, k, g, offs_t, BC, BT // BC, DOT_PRECISION)
+        acc_a += _diag_pairs(q_scaled, g, K_ + seq_offs, GC + seq_offs, n * BT + sub_first, offs_t, offs_k, mk,
+                             H * K, BC)
+    v = tl.load(V_ + (b * T + rows[:, None]) * (H * V) + head * V + offs_v[None, :], mask=mv[None, :], other=0.0)
+    acc_o = tl.dot(acc_a.to(v.dtype), v, acc_o, input_precision=DOT_PRECISION)
+    tl.store(O + (b * T + rows[:, None]) * (H * V) + head * V + offs_v[None, :], acc_o.to(O.dtype.element_ty),
+             mask=mv[None, :])
+    if iv == 0:
+        tl.store(A + (b * T + rows[:, None]) * (H * BT) + head * BT + offs_t[None, :], acc_a)
+
+
+@triton.jit
+def _diag_pairs(x, x_gates, Y, GY, src_first, offs_t, offs_k, mk, row_stride, BC: tl.constexpr):
+    """[BT, BT]: ``sum_k x_t[k] y_s[k] exp(gx_t[k] - gy_s[k])`` for s <= t in the same sub-chunk, zero
+    elsewhere; column j of every sub-chunk at once (row t reads y at its sub-chunk's row j). `Y`/`GY`
+    point at row 0 of the sequence (column offset included); `src_first`: absolute first row of t's sub-chunk."""
+    acc = tl.zeros([x.shape[0], x.shape[0]], dtype=tl.float32)
+    local = offs_t % BC
+    for j in range(BC):
+        src = src_first + j
+        y = tl.load(Y + src[:, None] * row_stride + offs_k[None, :], mask=mk[None, :], other=0.0).to(tl.float32)
+        gy = tl.load(GY + src[:, None] * row_stride + offs_k[None, :], mask=mk[None, :], other=0.0)
+        on = (local >= j)[:, None]
+        col = tl.sum(x * y * tl.exp(tl.where(on, x_gates - gy, 0.0)), 1)
+        col = tl.where(local >= j, col, 0.0)
+        target = offs_t - local + j  # the column of pair (t, src) in the chunk
+        acc += tl.where(offs_t[None, :] == target[:, None], col[:, None], 0.0)
+    return acc
+
+
+def grid_state(k_dim: int, v_dim: int, block_k: int, block_v: int, batch_heads: int):
+    return (triton.cdiv(k_dim, block_k), triton.cdiv(v_dim, block_v), batch_heads)
