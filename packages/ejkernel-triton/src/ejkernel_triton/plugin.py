@@ -24,6 +24,9 @@ IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_triton.flash_attention:IMPLEMENTATION",
     "page_attention": "ejkernel_triton.decode.page_attention:IMPLEMENTATION",
     "ragged_decode_attention": "ejkernel_triton.decode.ragged_decode_attention:IMPLEMENTATION",
+    "gla": "ejkernel_triton.linear_attention:IMPLEMENTATION",
+    "lightning_attention": "ejkernel_triton.linear_attention:IMPLEMENTATION",
+    "recurrent": "ejkernel_triton.linear_attention:IMPLEMENTATION",
 }
 
 
