@@ -52,11 +52,34 @@ def _visible(q_tok: Tokens, kv_tok: Tokens, params: AttentionParams, mask) -> ja
     return visibility(q_tok, kv_tok, params, mask, all_valid=q_tok.sequence is None)
 
 
-def _forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, *, residuals: bool):
+EMPTY_ROW_GUARDS = ("constants", "selects")
+"""How the forward keeps a row with no visible key finite (zeros, not NaN) when something is masked.
+
+``"constants"`` (the default): the row max is clamped from below by ``_ROW_MAX_FLOOR`` and the denominator
+padded by ``_DENOMINATOR_PAD``; both are operations with constants on the row statistics, which XLA's GPU
+softmax fusion (the Triton "normalization diamond") accepts: logits -> one fused softmax kernel -> P, as
+for ``jax.nn``. ``"selects"``: ``where(isfinite(max), max, 0)`` and ``where(denominator > 0, ...)``; XLA
+does not fuse those, and the softmax runs as three passes over the S² logits (row max, row sum, divide):
+the causal forward ran at 0.85-0.90x ``jax.nn``'s on an H100. Kept to compare both on the device
+(``benchmarks/xla_flash.py``); the sinks' forward always uses it (their per-head term on the row max is
+not a constant, which XLA's softmax fusion does not accept either way)."""
+
+_ROW_MAX_FLOOR = -1e30
+"""Clamp of the row max: a row whose logits are all -inf (nothing visible) gets exp(-inf - floor) = 0 in
+every column; a visible row's max is a real logit, far above it. (A row whose every visible logit lies
+below -1e30, reachable only through a bias of that size, reads as empty: zeros.)"""
+
+_DENOMINATOR_PAD = 1e-30
+"""Added to the row sum: 0 + pad for an empty row (0 / pad = 0); a visible row's sum is >= 1 (its max
+term is exp(0)), where adding 1e-30 leaves the float32 value unchanged."""
+
+
+def _forward(params: AttentionParams, guard: str, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, *, residuals: bool):
     """``(out [B, Sq, H, Dv]`` in q's dtype, ``P`` [B, Hkv, g, Sq, Skv] in v's dtype, ``lse`` [B, H, Sq] or
     None``)``. Unmasked, without sinks or dropout it is ``jax.nn``'s formula and nothing more: float32
-    logits, row max, ``exp``, row sum, divide, cast, matmul. ``residuals``: also the log-sum-exp (the sinks'
-    gradient reads it)."""
+    logits, row max, ``exp``, row sum, divide, cast, matmul; masked, the same with ``-inf`` at the hidden
+    logits and ``guard`` (``EMPTY_ROW_GUARDS``) for rows that see nothing. ``residuals``: also the
+    log-sum-exp (the sinks' gradient reads it)."""
     batch, q_len, num_heads, _ = q.shape
     num_kv_heads = k.shape[2]
     s, _ = _logits(q, k, bias, params)  # float32 [B, Hkv, g, Sq, Skv]
@@ -64,24 +87,34 @@ def _forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, s
     if visible is not None:
         s = jnp.where(_grouped(visible, num_kv_heads), s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    sinks = None
-    if aux is not None:
-        sinks = _grouped(sink_lse(aux, batch, num_heads, q_len), num_kv_heads)[..., None]
-        m = jnp.maximum(m, sinks)
-    # a row may see nothing only under a mask: then m = -inf, exp(-inf - 0) = 0 and the denominator is 0
-    guarded = visible is not None
-    if guarded:
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(s - m)
-    denominator = jnp.sum(e, axis=-1, keepdims=True)
-    if sinks is not None:
-        denominator = denominator + jnp.exp(sinks - m)
-    safe_denominator = jnp.where(denominator > 0, denominator, 1.0) if guarded else denominator
-    p_saved = (e / safe_denominator).astype(v.dtype)
     lse = None
-    if residuals and aux is not None:
-        lse = m + jnp.log(safe_denominator)
-        lse = _ungrouped(jnp.where(denominator > 0, lse, -jnp.inf)[..., 0] if guarded else lse[..., 0])
+    if aux is None and (visible is None or guard == "constants"):
+        # one fused softmax kernel on a GPU (EMPTY_ROW_GUARDS); unmasked rows need no guard at all
+        if visible is not None:
+            m = jnp.maximum(m, _ROW_MAX_FLOOR)
+        e = jnp.exp(s - m)
+        denominator = jnp.sum(e, axis=-1, keepdims=True)
+        if visible is not None:
+            denominator = denominator + _DENOMINATOR_PAD
+        p_saved = (e / denominator).astype(v.dtype)
+    else:
+        sinks = None
+        if aux is not None:
+            sinks = _grouped(sink_lse(aux, batch, num_heads, q_len), num_kv_heads)[..., None]
+            m = jnp.maximum(m, sinks)
+        # a row may see nothing only under a mask: then m = -inf, exp(-inf - 0) = 0 and the denominator is 0
+        guarded = visible is not None
+        if guarded:
+            m = jnp.where(jnp.isfinite(m), m, 0.0)
+        e = jnp.exp(s - m)
+        denominator = jnp.sum(e, axis=-1, keepdims=True)
+        if sinks is not None:
+            denominator = denominator + jnp.exp(sinks - m)
+        safe_denominator = jnp.where(denominator > 0, denominator, 1.0) if guarded else denominator
+        p_saved = (e / safe_denominator).astype(v.dtype)
+        if residuals and aux is not None:
+            lse = m + jnp.log(safe_denominator)
+            lse = _ungrouped(jnp.where(denominator > 0, lse, -jnp.inf)[..., 0] if guarded else lse[..., 0])
     p_used = p_saved
     if params.dropout_prob > 0.0:
         keep = _grouped(_dropout_keep(q_tok, kv_tok, seed, batch, num_heads, params), num_kv_heads)
@@ -133,25 +166,25 @@ def _backward(params: AttentionParams, res, d_out):
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, d_aux
 
 
-def _dense_fwd(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
+def _dense_fwd(params, guard, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
     with params.matmuls():
-        out, p, lse = _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, residuals=True)
+        out, p, lse = _forward(params, guard, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, residuals=True)
     return out, (q, k, v, bias, aux, mask, q_tok, kv_tok, seed, out, p, lse)
 
 
-def _dense_bwd(params, res, d_out):
+def _dense_bwd(params, guard, res, d_out):
     with params.matmuls():
         dq, dk, dv, dbias, d_aux = _backward(params, res, d_out)
     # mask, tokens and seed are integers/booleans: no cotangent
     return dq, dk, dv, dbias, d_aux, None, None, None, None
 
 
-def _dense_primal(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
+def _dense_primal(params, guard, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
     with params.matmuls():
-        return _forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, residuals=False)[0]
+        return _forward(params, guard, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, residuals=False)[0]
 
 
-_dense = jax.custom_vjp(_dense_primal, nondiff_argnums=(0,))
+_dense = jax.custom_vjp(_dense_primal, nondiff_argnums=(0, 1))
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
@@ -167,11 +200,15 @@ def flash_attention_dense(
     q_tokens: Tokens,
     kv_tokens: Tokens,
     dropout_seed=None,
+    empty_row_guard: str = "constants",
 ) -> jax.Array:
     """Dense attention with the VJP of the module docstring (memory O(S²)); the arguments of
-    ``_blockwise.flash_attention_blockwise`` but no block sizes."""
+    ``_blockwise.flash_attention_blockwise`` but no block sizes. ``empty_row_guard``: one of
+    ``EMPTY_ROW_GUARDS`` (the default is the fast one; the other is there to be measured against)."""
+    if empty_row_guard not in EMPTY_ROW_GUARDS:
+        raise ValueError(f"empty_row_guard must be one of {EMPTY_ROW_GUARDS}, got {empty_row_guard!r}")
     seed = None if params.dropout_prob == 0.0 else seed_bits(dropout_seed)
-    return _dense(params, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed)
+    return _dense(params, empty_row_guard, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed)
 
 
-__all__ = ["flash_attention_dense"]
+__all__ = ["EMPTY_ROW_GUARDS", "flash_attention_dense"]

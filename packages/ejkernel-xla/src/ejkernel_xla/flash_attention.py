@@ -181,7 +181,7 @@ def _dense_primal_blockwise_vjp(blocks, params, q, k, v, bias, aux, mask, q_tok,
     """Not differentiated: the dense forward. Differentiated: the blockwise forward (its residuals, the
     output and the log-sum-exp) and backward. For calls whose dense forward fits but whose dense
     forward+backward does not."""
-    return _dense_primal(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
+    return _dense_primal(params, "constants", q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
 
 
 _dense_forward_blockwise_gradient = jax.custom_vjp(_dense_primal_blockwise_vjp, nondiff_argnums=(0, 1))
