@@ -114,11 +114,11 @@ class AttentionConformance(AttentionSuiteBase):
             self.operation(**inputs)
 
     def test_flash_features_it_lacks_are_refused(self):
-        """Through the executor (no public signature in the way): varlen and segments are flash_attention's."""
+        """Through the executor, which binds to the public signature: segments are flash_attention's."""
         from ejkernel.modules import Attention
         from ejkernel.ops import get_default_executor
 
         inputs = attention_inputs(47, batch=1, q_len=8, num_heads=2, head_dim=16)
         args = [inputs[name] for name in ("query", "key", "value")]
-        with pytest.raises(ValueError, match="q_segment_ids"):
+        with pytest.raises(TypeError, match="attention: got an unexpected keyword argument 'q_segment_ids'"):
             get_default_executor()(Attention(), *args, q_segment_ids=jnp.zeros((1, 8), jnp.int32), platform=self.platform)

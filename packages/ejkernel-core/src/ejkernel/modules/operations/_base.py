@@ -1,16 +1,39 @@
 """Base class of the public operations: a :class:`~ejkernel.ops.Kernel` whose implementations live in
 the kernel registry, one per platform, contributed by backend plugins.
 
-An operation subclass states its algorithm name and turns the public keywords into its frozen canonical
-call in ``validate`` (see ``_contract``); this class resolves the platform (``_dispatch.resolve``) in
-``prepare`` -- so the executor's cache key holds the chosen platform -- and forwards the heuristic config,
-the autotuning candidates and the call to that implementation (an :class:`Implementation`).
+An operation subclass states its algorithm name and turns the public arguments into its frozen canonical
+call (see ``_contract``); this class resolves the platform (``_dispatch.resolve``) in ``prepare`` -- so the
+executor's cache key holds the chosen platform -- and forwards the heuristic config, the autotuning
+candidates and the call to that implementation (an :class:`Implementation`).
+
+**The keywords appear once per operation: in its public function's signature.** An operation is written
+
+    class MyOp(RegistryOperation):
+        algorithm = "my_op"
+
+        def canonicalize(self, args: Arguments) -> MyOpCall:   # args.x, args.scale, ... (defaults applied)
+            check_array("x", args.x, rank=2)
+            return args.build(MyOpCall, scale=resolve_scale(args.scale, args.x))  # other fields as given
+
+    @public_function(MyOp)                 # MyOp.signature := my_op's signature less platform and cfg
+    @typechecked
+    def my_op(x, scale=None, *, platform="auto", cfg=None):
+        return execute(MyOp(), **locals())
+
+``MyOp().validate(*args, **kwargs)`` (what the executor, other operations and tests call) binds the
+arguments to that signature, applies its defaults and passes them to ``canonicalize`` as one
+:class:`Arguments`; an operation built on another one forwards them whole
+(``Other().validate(**args)``). An operation that still overrides ``validate`` with its own keyword list
+keeps working; adopting the mechanism means renaming it ``canonicalize(self, args)``, reading ``args.<name>``
+and decorating the public function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar, TypeVar
 
 from ejkernel.errors import KernelNotFoundError
 from ejkernel.kernels._registry import KernelSpec, current_backend, kernel_registry
@@ -19,18 +42,106 @@ from ejkernel.modules.operations._dispatch import Resolution, _optional_attribut
 from ejkernel.ops import Kernel
 
 
+F = TypeVar("F", bound=Callable)
+CallT = TypeVar("CallT")
+
+_DISPATCH_PARAMETERS = ("platform", "cfg")
+"""Parameters of every public function that choose the implementation; no part of the canonical call."""
+
+
+class Arguments(Mapping[str, Any]):
+    """A public call's arguments by name, every default applied: read ``args.name`` (or ``args["name"]``);
+    ``Other().validate(**args)`` forwards them all."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no argument {name!r} (arguments: {', '.join(self._values)})") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Arguments are read-only; pass normalized values to build()")
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Arguments({', '.join(self._values)})"
+
+    def without(self, *names: str) -> dict[str, Any]:
+        """The arguments less ``names`` (to forward to an operation that lacks them)."""
+        return {name: value for name, value in self._values.items() if name not in names}
+
+    def build(self, call_type: type[CallT], /, **normalized: Any) -> CallT:
+        """``call_type`` from ``normalized`` for the fields given there and the arguments as passed for the
+        others (a field that is neither is a TypeError: the operation forgot to normalize it)."""
+        values = {}
+        for field in dataclasses.fields(call_type):
+            if field.name in normalized:
+                values[field.name] = normalized.pop(field.name)
+            elif field.name in self._values:
+                values[field.name] = self._values[field.name]
+            else:
+                raise TypeError(f"{call_type.__name__}.{field.name} is neither an argument nor normalized")
+        if normalized:
+            raise TypeError(f"{call_type.__name__} has no field(s) {', '.join(normalized)}")
+        return call_type(**values)
+
+
+def public_function(operation: type[RegistryOperation]) -> Callable[[F], F]:
+    """Declare the decorated function the public function of ``operation``: its signature, less
+    ``platform`` and ``cfg``, becomes ``operation.signature``, the one list of the operation's arguments
+    that ``operation.validate`` binds every call to (see the module docstring). Returns the function as is."""
+
+    def declare(function: F) -> F:
+        signature = inspect.signature(function)
+        parameters = [p for name, p in signature.parameters.items() if name not in _DISPATCH_PARAMETERS]
+        operation.signature = signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty)
+        return function
+
+    return declare
+
+
 class RegistryOperation(Kernel):
     """An operation dispatched through ``kernel_registry`` (see the module docstring)."""
 
     algorithm: ClassVar[str]
+    signature: ClassVar[inspect.Signature | None] = None
+    """The public function's parameters (set by :func:`public_function`)."""
 
     def __init__(self) -> None:
         super().__init__(name=self.algorithm)
 
     # ---- to override -----------------------------------------------------------------------
+    def canonicalize(self, args: Arguments) -> Any:
+        """Check and normalize ``args`` (ValueError naming the argument); return the canonical call."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement canonicalize(args)")
+
     def validate(self, *args, **kwargs) -> Any:
-        """Check and normalize the arguments (ValueError naming the argument); return the canonical call."""
-        raise NotImplementedError(f"{type(self).__qualname__} must implement validate()")
+        """The canonical call of the public call ``(*args, **kwargs)`` (the public function's arguments,
+        less ``platform``/``cfg``): bound to :attr:`signature`, defaults applied, then :meth:`canonicalize`."""
+        signature = type(self).signature
+        if signature is None:
+            raise NotImplementedError(
+                f"{type(self).__qualname__} has no signature: decorate its public function with @public_function"
+            )
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self.algorithm}: {error}") from None
+        bound.apply_defaults()
+        return self.canonicalize(Arguments(bound.arguments))
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         call = self.validate(*args, **kwargs)

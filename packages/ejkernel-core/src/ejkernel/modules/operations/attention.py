@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from jaxtyping import Bool, Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import check_bool, describe, typechecked
 from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
@@ -55,16 +55,15 @@ class Attention(RegistryOperation):
 
     algorithm = "attention"
 
-    def validate(
-        self, query, key, value, bias=None, softmax_aux=None, *, deterministic=False, **keywords
-    ) -> AttentionCall:
-        """``keywords``: those of :func:`attention`, checked and normalized by ``FlashAttention.validate``."""
-        if check_bool("deterministic", deterministic):
+    def canonicalize(self, args: Arguments) -> AttentionCall:
+        """Every argument but ``deterministic`` is checked and normalized by ``FlashAttention.validate``."""
+        keywords = args.without("deterministic")
+        if check_bool("deterministic", args.deterministic):
             keywords["dropout_prob"] = 0.0
-        flash_call = FlashAttention().validate(query, key, value, bias, softmax_aux=softmax_aux, **keywords)
-        return restricted_call(self.algorithm, AttentionCall, flash_call)
+        return restricted_call(self.algorithm, AttentionCall, FlashAttention().validate(**keywords))
 
 
+@public_function(Attention)
 @typechecked
 def attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],

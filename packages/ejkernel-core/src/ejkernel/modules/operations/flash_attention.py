@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Bool, Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
@@ -120,53 +120,33 @@ class FlashAttention(RegistryOperation):
 
     algorithm = "flash_attention"
 
-    def validate(
-        self,
-        query,
-        key,
-        value,
-        bias=None,
-        *,
-        attention_mask=None,
-        q_segment_ids=None,
-        kv_segment_ids=None,
-        softmax_scale=None,
-        causal=False,
-        sliding_window=None,
-        logits_soft_cap=None,
-        dropout_prob=0.0,
-        dropout_seed=None,
-        cum_seqlens_q=None,
-        cum_seqlens_k=None,
-        softmax_aux=None,
-        precision=None,
-    ) -> FlashAttentionCall:
-        batch, q_len, num_heads, head_dim, kv_len, _ = check_qkv(query, key, value)
-        check_bias(bias, batch, num_heads, q_len, kv_len)
-        dropout_prob, dropout_seed = normalize_dropout(dropout_prob, dropout_seed)
-        q_segment_ids, kv_segment_ids = normalize_segment_ids(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
-        cum_seqlens_q, cum_seqlens_k = normalize_cum_seqlens(cum_seqlens_q, cum_seqlens_k, batch, q_len, kv_len)
-        return FlashAttentionCall(
-            query=query,
-            key=key,
-            value=value,
-            bias=bias,
-            attention_mask=normalize_attention_mask(attention_mask, batch, num_heads, q_len, kv_len),
+    def canonicalize(self, args: Arguments) -> FlashAttentionCall:
+        batch, q_len, num_heads, head_dim, kv_len, _ = check_qkv(args.query, args.key, args.value)
+        check_bias(args.bias, batch, num_heads, q_len, kv_len)
+        dropout_prob, dropout_seed = normalize_dropout(args.dropout_prob, args.dropout_seed)
+        q_segment_ids, kv_segment_ids = normalize_segment_ids(
+            args.q_segment_ids, args.kv_segment_ids, batch, q_len, kv_len
+        )
+        cum_seqlens_q, cum_seqlens_k = normalize_cum_seqlens(args.cum_seqlens_q, args.cum_seqlens_k, batch, q_len, kv_len)
+        return args.build(
+            FlashAttentionCall,
+            attention_mask=normalize_attention_mask(args.attention_mask, batch, num_heads, q_len, kv_len),
             q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids,
             cum_seqlens_q=cum_seqlens_q,
             cum_seqlens_k=cum_seqlens_k,
-            softmax_aux=check_softmax_aux(softmax_aux, num_heads),
+            softmax_aux=check_softmax_aux(args.softmax_aux, num_heads),
             dropout_seed=dropout_seed,
-            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
-            causal=check_bool("causal", causal),
-            sliding_window=normalize_sliding_window(sliding_window),
-            logits_soft_cap=normalize_soft_cap(logits_soft_cap),
+            softmax_scale=resolve_softmax_scale(args.softmax_scale, head_dim),
+            causal=check_bool("causal", args.causal),
+            sliding_window=normalize_sliding_window(args.sliding_window),
+            logits_soft_cap=normalize_soft_cap(args.logits_soft_cap),
             dropout_prob=dropout_prob,
-            precision=resolve_precision(precision, query.dtype),
+            precision=resolve_precision(args.precision, args.query.dtype),
         )
 
 
+@public_function(FlashAttention)
 @typechecked
 def flash_attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
@@ -67,19 +67,12 @@ class GroupedMatmul(RegistryOperation):
 
     algorithm = "grouped_matmul"
 
-    def validate(
-        self,
-        lhs,
-        rhs,
-        group_sizes,
-        group_offset=None,
-        existing_out=None,
-        *,
-        preferred_element_type=None,
-        transpose_rhs=False,
-        precision=None,
-    ) -> GroupedMatmulCall:
-        transpose_rhs = check_bool("transpose_rhs", transpose_rhs)
+    def canonicalize(self, args: Arguments) -> GroupedMatmulCall:
+        lhs, rhs, group_sizes, group_offset, existing_out = (
+            args.lhs, args.rhs, args.group_sizes, args.group_offset, args.existing_out
+        )
+        transpose_rhs = check_bool("transpose_rhs", args.transpose_rhs)
+        preferred_element_type = args.preferred_element_type
         check_array("lhs", lhs, rank=2, dtypes=FLOAT_DTYPES, what="[m, k]")
         rhs_layout = "[num_groups, n, k] (transpose_rhs=True)" if transpose_rhs else "[num_groups, k, n]"
         check_array("rhs", rhs, rank=3, dtypes=FLOAT_DTYPES, what=rhs_layout)
@@ -128,18 +121,17 @@ class GroupedMatmul(RegistryOperation):
             check_array("existing_out", existing_out, rank=2, dtypes=[out_dtype], what=f"[m, n] of {out_dtype.name}")
             if existing_out.shape != (m, n):
                 raise ValueError(f"existing_out must have shape [{m}, {n}] (m of lhs, n of rhs), got {describe(existing_out)}")
-        return GroupedMatmulCall(
-            lhs=lhs,
-            rhs=rhs,
+        return args.build(
+            GroupedMatmulCall,
             group_sizes=group_sizes.astype(jnp.int32),
             group_offset=group_offset,
-            existing_out=existing_out,
             preferred_element_type=out_dtype,
             transpose_rhs=transpose_rhs,
-            precision=resolve_precision(precision, lhs.dtype),
+            precision=resolve_precision(args.precision, lhs.dtype),
         )
 
 
+@public_function(GroupedMatmul)
 @typechecked
 def grouped_matmul(
     lhs: Float[jax.Array, "m k"],

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import (
     FLOAT_DTYPES,
@@ -52,8 +52,9 @@ class MeanPooling(RegistryOperation):
 
     algorithm = "mean_pooling"
 
-    def validate(self, x, cu_seqlens=None, *, chunk_size=32) -> MeanPoolingCall:
-        check_positive_int("chunk_size", chunk_size)
+    def canonicalize(self, args: Arguments) -> MeanPoolingCall:
+        x, cu_seqlens = args.x, args.cu_seqlens
+        check_positive_int("chunk_size", args.chunk_size)
         if cu_seqlens is None:
             check_array("x", x, dtypes=FLOAT_DTYPES, what="[batch, seq, *features]")
             if x.ndim < 2:
@@ -67,6 +68,7 @@ class MeanPooling(RegistryOperation):
         return MeanPoolingCall(x=x, cu_seqlens=cu_seqlens)
 
 
+@public_function(MeanPooling)
 @typechecked
 def mean_pooling(
     x: Float[jax.Array, "..."],

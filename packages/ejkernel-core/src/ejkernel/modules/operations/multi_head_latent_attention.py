@@ -28,7 +28,7 @@ from typing import Any
 import jax
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
@@ -71,20 +71,8 @@ class MultiHeadLatentAttention(RegistryOperation):
 
     algorithm = "multi_head_latent_attention"
 
-    def validate(
-        self,
-        query,
-        key_value,
-        w_kc,
-        w_vc,
-        b_q=None,
-        b_k=None,
-        *,
-        softmax_scale=None,
-        causal=False,
-        cu_seqlens=None,
-        precision=None,
-    ) -> MultiHeadLatentAttentionCall:
+    def canonicalize(self, args: Arguments) -> MultiHeadLatentAttentionCall:
+        query, key_value, w_kc, w_vc, b_q, b_k = args.query, args.key_value, args.w_kc, args.w_vc, args.b_q, args.b_k
         check_array("query", query, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq_len, num_heads, head_dim]")
         check_array("key_value", key_value, rank=3, dtypes=FLOAT_DTYPES, what="[batch, seq_len, kv_lora_rank]")
         check_array("w_kc", w_kc, rank=3, dtypes=FLOAT_DTYPES, what="[kv_lora_rank, num_kv_heads, head_dim]")
@@ -120,20 +108,16 @@ class MultiHeadLatentAttention(RegistryOperation):
                 raise ValueError(
                     f"b_q must have shape {list(expected[0])} or {list(expected[1])} (from query and b_k), got {describe(b_q)}"
                 )
-        return MultiHeadLatentAttentionCall(
-            query=query,
-            key_value=key_value,
-            w_kc=w_kc,
-            w_vc=w_vc,
-            b_q=b_q,
-            b_k=b_k,
-            cu_seqlens=normalize_packed_seqlens(cu_seqlens, query),
-            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim + rope_dim),
-            causal=check_bool("causal", causal),
-            precision=resolve_precision(precision, query.dtype),
+        return args.build(
+            MultiHeadLatentAttentionCall,
+            cu_seqlens=normalize_packed_seqlens(args.cu_seqlens, query),
+            softmax_scale=resolve_softmax_scale(args.softmax_scale, head_dim + rope_dim),
+            causal=check_bool("causal", args.causal),
+            precision=resolve_precision(args.precision, query.dtype),
         )
 
 
+@public_function(MultiHeadLatentAttention)
 @typechecked
 def multi_head_latent_attention(
     query: Float[jax.Array, "batch seq_len num_heads head_dim"],

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
@@ -103,23 +103,11 @@ class NativeSparseAttention(RegistryOperation):
 
     algorithm = "native_sparse_attention"
 
-    def validate(
-        self,
-        query,
-        key,
-        value,
-        g_cmp=None,
-        g_slc=None,
-        g_swa=None,
-        block_indices=None,
-        block_counts=16,
-        *,
-        softmax_scale=None,
-        block_size=64,
-        window_size=0,
-        cu_seqlens=None,
-        precision=None,
-    ) -> NativeSparseAttentionCall:
+    def canonicalize(self, args: Arguments) -> NativeSparseAttentionCall:
+        query, key, value, g_cmp, g_slc, g_swa = args.query, args.key, args.value, args.g_cmp, args.g_slc, args.g_swa
+        block_indices, block_counts, block_size, window_size = (
+            args.block_indices, args.block_counts, args.block_size, args.window_size
+        )
         batch, seq_len, num_heads, head_dim, _, num_kv_heads = check_qkv(query, key, value)
         check_dim("key", key, 1, seq_len, "seq_len of query (NSA is causal self-attention)")
         tokens = ((batch, "batch of query"), (seq_len, "seq_len of query"))
@@ -168,24 +156,20 @@ class NativeSparseAttention(RegistryOperation):
             raise ValueError(
                 f"block_counts must be an int >= 0 or an int array [batch, seq_len, num_kv_heads], got {block_counts!r}"
             )
-        return NativeSparseAttentionCall(
-            query=query,
-            key=key,
-            value=value,
-            g_cmp=g_cmp,
-            g_slc=g_slc,
-            g_swa=g_swa,
+        return args.build(
+            NativeSparseAttentionCall,
             block_indices=block_indices,
             block_counts=block_counts,
-            cu_seqlens=normalize_packed_seqlens(cu_seqlens, query),
-            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
+            cu_seqlens=normalize_packed_seqlens(args.cu_seqlens, query),
+            softmax_scale=resolve_softmax_scale(args.softmax_scale, head_dim),
             block_size=int(block_size),
             num_selected_blocks=num_selected,
             window_size=int(window_size),
-            precision=resolve_precision(precision, query.dtype),
+            precision=resolve_precision(args.precision, query.dtype),
         )
 
 
+@public_function(NativeSparseAttention)
 @typechecked
 def native_sparse_attention(
     query: Float[jax.Array, "batch seq_len num_heads head_dim"],

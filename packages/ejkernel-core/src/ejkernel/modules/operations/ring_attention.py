@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import describe, typechecked
 from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
@@ -61,10 +61,9 @@ class RingAttention(RegistryOperation):
 
     algorithm = "ring_attention"
 
-    def validate(
-        self, query, key, value, q_segment_ids=None, kv_segment_ids=None, softmax_aux=None, *,
-        softmax_scale=None, causal=False, sliding_window=None, logits_soft_cap=None, axis_name=None, precision=None,
-    ) -> RingAttentionCall:
+    def canonicalize(self, args: Arguments) -> RingAttentionCall:
+        """Its own rules (both segment-id sides, ``axis_name``), then ``FlashAttention.validate``'s."""
+        q_segment_ids, kv_segment_ids, axis_name = args.q_segment_ids, args.kv_segment_ids, args.axis_name
         if (q_segment_ids is None) != (kv_segment_ids is None):
             # Unlike flash_attention, no self-attention fill: the key/value shards travel around the ring
             # and must carry their own segment ids, so both sides are required.
@@ -79,14 +78,11 @@ class RingAttention(RegistryOperation):
             )
         if axis_name is not None and not isinstance(axis_name, str):
             raise ValueError(f"axis_name must be a mesh axis name (str) or None, got {axis_name!r}")
-        flash_call = FlashAttention().validate(
-            query, key, value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
-            softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            precision=precision,
-        )
+        flash_call = FlashAttention().validate(**args.without("axis_name"))
         return restricted_call(self.algorithm, RingAttentionCall, flash_call, axis_name=axis_name)
 
 
+@public_function(RingAttention)
 @typechecked
 def ring_attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],

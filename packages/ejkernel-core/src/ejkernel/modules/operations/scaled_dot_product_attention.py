@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import jax
 from jaxtyping import Bool, Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._validation import typechecked
 from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
@@ -54,17 +54,12 @@ class ScaledDotProductAttention(RegistryOperation):
 
     algorithm = "scaled_dot_product_attention"
 
-    def validate(
-        self, query, key, value, bias=None, cum_seqlens_q=None, cum_seqlens_k=None, **keywords
-    ) -> ScaledDotProductAttentionCall:
-        """``keywords``: those of :func:`scaled_dot_product_attention`, checked and normalized by
-        ``FlashAttention.validate``."""
-        flash_call = FlashAttention().validate(
-            query, key, value, bias, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k, **keywords
-        )
-        return restricted_call(self.algorithm, ScaledDotProductAttentionCall, flash_call)
+    def canonicalize(self, args: Arguments) -> ScaledDotProductAttentionCall:
+        """The arguments are checked and normalized by ``FlashAttention.validate``."""
+        return restricted_call(self.algorithm, ScaledDotProductAttentionCall, FlashAttention().validate(**args))
 
 
+@public_function(ScaledDotProductAttention)
 @typechecked
 def scaled_dot_product_attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],
