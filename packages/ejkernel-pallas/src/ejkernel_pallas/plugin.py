@@ -19,6 +19,7 @@ _KERNELS = {
         "tpu": "ejkernel_pallas.tpu_flash_attention:IMPLEMENTATION",
         "gpu": "ejkernel_pallas.gpu_flash_attention:IMPLEMENTATION",
     },
+    "blocksparse_attention": {"tpu": "ejkernel_pallas.blocksparse_attention:IMPLEMENTATION"},
     "grouped_matmul": {"tpu": "ejkernel_pallas.grouped_matmul:IMPLEMENTATION"},
     "page_attention": {"tpu": "ejkernel_pallas.page_attention:IMPLEMENTATION"},
     "ragged_page_attention": {"tpu": "ejkernel_pallas.ragged_page_attention:IMPLEMENTATION"},

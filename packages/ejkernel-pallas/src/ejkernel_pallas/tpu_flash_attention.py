@@ -591,10 +591,7 @@ def _attention_bwd(st: _Static, residuals, d_out):
             reduce_axes = tuple(axis for axis, size in ((0, bb), (1, bh)) if size == 1)
             grads[name] = jnp.sum(dbias, axis=reduce_axes, keepdims=True).astype(value.dtype)
         elif name == "sinks":
-            # d/d sink_k = -sum_i P_sink[i, k] * delta_i with P_sink = exp(sink_k - lse_i).
-            sinks = value[:, 0, :].astype(jnp.float32)  # [H, K]
-            p_sink = jnp.exp(sinks[None, :, None, :] - lse)  # [B, H, Sq, K]
-            grads[name] = (-jnp.sum(p_sink * delta, axis=(0, 2)))[:, None, :].astype(value.dtype)
+            grads[name] = sink_gradient(value, lse, delta)
         elif jnp.issubdtype(value.dtype, jnp.floating):
             grads[name] = jnp.zeros_like(value)
         else:
@@ -603,6 +600,15 @@ def _attention_bwd(st: _Static, residuals, d_out):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def sink_gradient(sinks, lse, delta):
+    """Gradient of the sinks ``[H, 1, K]`` from the forward's ``lse`` and ``delta = <dO, O>`` ``[B, H, Sq, 1]``:
+    d/d sink_k = -sum_i P_sink[i, k] * delta_i with P_sink = exp(sink_k - lse_i) (a cheap reduction outside
+    the kernels; also used by the block-sparse kernels)."""
+    values = sinks[:, 0, :].astype(jnp.float32)  # [H, K]
+    p_sink = jnp.exp(values[None, :, None, :] - lse)  # [B, H, Sq, K]
+    return (-jnp.sum(p_sink * delta, axis=(0, 2)))[:, None, :].astype(sinks.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -14,7 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
+from ejkernel.modules.operations.blocksparse_attention import (
+    BlockSparseAttention,
+    causal_block_mask,
+    chunked_block_mask,
+    local_block_mask,
+)
 from ejkernel.testing._attention_reference import reference_flash_attention
 from ejkernel.testing.numerics import (
     exact_matmuls,
@@ -87,6 +92,18 @@ CASES = {
 }
 
 
+def mask_form(form, q_len, kv_len, block):
+    """``(block_mask, call keywords)`` of a mask form built by the public builders: token-exact causal,
+    local (sliding window) and chunked-causal attention."""
+    if form == "causal":
+        return causal_block_mask(q_len, kv_len, block), dict(causal=True)
+    if form == "local":
+        return local_block_mask(q_len, kv_len, block, (9, 3)), dict(causal=False, sliding_window=(9, 3))
+    if form == "chunked":
+        return chunked_block_mask(q_len, kv_len, block, 16), dict(causal=True)
+    raise ValueError(form)
+
+
 class BlockSparseAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
@@ -139,6 +156,16 @@ class BlockSparseAttentionConformance(ConformanceSuite):
         inputs.update(softmax_aux=normal_array(33, (4, 2)), q_segment_ids=segments, kv_segment_ids=segments)
         static.update(sliding_window=(7, 2), logits_soft_cap=5.0, softmax_scale=0.3)
         self.check(inputs, static, "float32")
+
+    @pytest.mark.parametrize("form", ["causal", "local", "chunked"])
+    def test_mask_forms_odd_lengths(self, form):
+        """The builders' masks at odd lengths (ragged last blocks on both sides, Sq != Skv) against the
+        reference under the same mask. Causal runs 45 queries over 29 keys: its first 16 queries see no key
+        (rows masked at token level inside visited blocks: zeros, finite gradients)."""
+        q_len, kv_len = (45, 29) if form == "causal" else (29, 45)
+        inputs, _ = self.make_inputs(9, (1, q_len, kv_len, 2, 1, 16, 16, (8, 8), 1), "float32")
+        block_mask, rules = mask_form(form, q_len, kv_len, (8, 8))
+        self.check(inputs, dict(block_size=(8, 8), block_mask=block_mask, **rules), "float32")
 
     def test_large_logits(self):
         inputs, static = self.make_inputs(4, CASES["rect_shared"], "float32", scale=40.0)

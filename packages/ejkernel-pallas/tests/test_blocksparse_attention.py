@@ -1,0 +1,69 @@
+"""Pallas TPU block-sparse attention on CPU in interpret mode: the shared conformance suite, and the
+kernels' visited-block counts against the mask's non-empty blocks (brute force over token masks)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pallas_test_helpers import InterpretedConformance
+
+from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
+from ejkernel.testing.blocksparse_attention import BlockSparseAttentionConformance, mask_form, random_block_mask
+from ejkernel_pallas import blocksparse_attention as tpu_blocksparse
+
+
+class TestPallasTpuBlockSparseAttention(InterpretedConformance, BlockSparseAttentionConformance):
+    verify_reference = False  # backend-independent, run by the XLA suite
+
+
+def non_empty_blocks(block_mask, q_len, kv_len, q_block, kv_block, *, causal, window):
+    """bool ``[B', H', q_blocks, kv_blocks]``: blocks whose token mask (block mask expanded, AND causal /
+    window, end-aligned) has a visible pair, brute force."""
+    p = np.arange(q_len)[:, None] + kv_len - q_len
+    j = np.arange(kv_len)[None, :]
+    rules = np.ones((q_len, kv_len), bool)
+    if causal:
+        rules &= j <= p
+    if window is not None:
+        rules &= (j >= p - window[0]) & (j <= p + window[1])
+    tokens = np.asarray(block_mask).repeat(q_block, 2).repeat(kv_block, 3)[:, :, :q_len, :kv_len] & rules
+    nq, nk = math.ceil(q_len / q_block), math.ceil(kv_len / kv_block)
+    padded = np.zeros((*tokens.shape[:2], nq * q_block, nk * kv_block), bool)
+    padded[:, :, :q_len, :kv_len] = tokens
+    return padded.reshape(*tokens.shape[:2], nq, q_block, nk, kv_block).any(axis=(3, 5))
+
+
+@pytest.mark.parametrize("form", ["random", "causal", "local"])
+def test_kernels_visit_exactly_the_non_empty_blocks(form):
+    """Every kernel (forward, dQ, dK/dV) does work on exactly the blocks with a visible pair: the grid steps
+    that run a block's body are counted by a debug output in interpret mode."""
+    batch, q_len, kv_len, heads, kv_heads, block = 2, 45, 37, 4, 2, (8, 8)
+    if form == "random":
+        block_mask, rules = random_block_mask(3, batch, heads, q_len, kv_len, *block, density=0.4), dict(causal=True)
+    else:
+        block_mask, rules = mask_form(form, q_len, kv_len, block)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((batch, kv_len, kv_heads, 16)), jnp.float32)
+    call = BlockSparseAttention().validate(q, k, k, block_mask=block_mask, block_size=block, **rules)
+    expected = non_empty_blocks(block_mask, q_len, kv_len, *block, causal=call.causal, window=call.sliding_window)
+    expected = np.broadcast_to(expected, (batch, heads, *expected.shape[2:]))
+    visits = tpu_blocksparse.visited_blocks(call)
+    np.testing.assert_array_equal(visits["forward"], expected.sum(-1))
+    np.testing.assert_array_equal(visits["dq"], expected.sum(-1))
+    per_kv_head = expected.reshape(batch, kv_heads, heads // kv_heads, *expected.shape[2:]).sum(axis=(2, 3))
+    np.testing.assert_array_equal(visits["dkv"], per_kv_head)
+    assert visits["forward"].sum() < expected[..., :, :].size  # the mask leaves blocks out: skipping is tested
+
+
+def test_tiling_rules_on_a_tpu():
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    call = BlockSparseAttention().validate(q, q, q, block_size=(128, 128))
+    assert tpu_blocksparse.tiling_problem(call) is None
+    assert "q_block_size=8" in tpu_blocksparse.tiling_problem(BlockSparseAttention().validate(q, q, q, block_size=(8, 128)))
+    seg = jnp.zeros((1, 256), jnp.int32)
+    call = BlockSparseAttention().validate(q, q, q, seg, seg, block_size=(128, 64))
+    assert "lanes" in tpu_blocksparse.tiling_problem(call)
