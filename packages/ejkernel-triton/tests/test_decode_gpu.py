@@ -126,8 +126,8 @@ def test_auto_dispatch_takes_the_triton_kernel_on_the_gpu(monkeypatch):
     from ejkernel_triton.decode import kernels
 
     calls = []
-    original = kernels._forward
-    monkeypatch.setattr(kernels, "_forward", lambda *a: calls.append(1) or original(*a))
+    original = kernels.split_decode
+    monkeypatch.setattr(kernels, "split_decode", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     kernels._attend_fn.cache_clear()
     q = _normal(jax.random.key(0), (2, 8, 64))
     cache = _normal(jax.random.key(1), (8, 2, 16, 64))

@@ -27,6 +27,9 @@ IMPLEMENTATIONS: dict[str, str] = {
     "gla": "ejkernel_triton.linear_attention:IMPLEMENTATION",
     "lightning_attention": "ejkernel_triton.linear_attention:IMPLEMENTATION",
     "recurrent": "ejkernel_triton.linear_attention:IMPLEMENTATION",
+    "blocksparse_attention": "ejkernel_triton.blocksparse_attention:IMPLEMENTATION",
+    "mean_pooling": "ejkernel_triton.mean_pooling:IMPLEMENTATION",
+    "ragged_page_attention": "ejkernel_triton.ragged_page_attention:IMPLEMENTATION",
 }
 
 

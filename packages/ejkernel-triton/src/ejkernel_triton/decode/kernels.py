@@ -47,6 +47,7 @@ class DecodeStatic:
     config: TritonDecodeConfig
     interpret: bool
     operation: str  # for the error of a gradient
+    interleaved: bool = False  # paged K/V interleaved on the head axis: [num_pages, page_size, 2 * Hkv, D]
 
 
 # ---- Triton helpers ----------------------------------------------------------------------------------
@@ -63,6 +64,15 @@ def _sequence_range(Starts, Ends, b, HAS_START: tl.constexpr, WINDOW_LEFT: tl.co
     if WINDOW_LEFT >= 0:  # the query sits at hi - 1
         lo = tl.maximum(lo, hi - 1 - WINDOW_LEFT)
     return lo, hi
+
+
+@triton.jit
+def _split_base(lo, ALIGN_LO: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First key of split 0: ``lo``, or ``lo`` rounded down to a step boundary (paged steps that must not
+    straddle pages when a window starts the range mid-page)."""
+    if ALIGN_LO:
+        return lo // BLOCK_N * BLOCK_N
+    return lo
 
 
 @triton.jit
@@ -107,17 +117,22 @@ def _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED: tl.constexpr, 
 
 
 @triton.jit
-def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs_d, scale, softcap,
+def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs_d, scale, softcap, first,
                MASKED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr,
                PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr,
-               SEQ_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax over keys ``[start, stop)`` (``MASKED``: the last, partial step)."""
+               SEQ_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               V_SHIFT: tl.constexpr, LOWER: tl.constexpr):
+    """Online softmax over keys ``[start, stop)`` (``MASKED``: the last, partial step; ``LOWER``: keys below
+    ``first`` are masked too, for ranges that start inside a step). ``V_SHIFT``: elements from a key to its
+    value when both live in one buffer."""
     for n0 in range(start, stop, BLOCK_N):
         offs = _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, BLOCK_N)
         if MASKED:
             key_ok = (n0 + offs_n) < stop
+            if LOWER:
+                key_ok = key_ok & ((n0 + offs_n) >= first)
             mask = key_ok[:, None] & (offs_d[None, :] < D)
             k = tl.load(K + offs, mask=mask, other=0.0)
         elif BLOCK_D != D:
@@ -138,11 +153,11 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
-            v = tl.load(V + offs, mask=mask, other=0.0)
+            v = tl.load(V + V_SHIFT + offs, mask=mask, other=0.0)
         elif BLOCK_D != D:
-            v = tl.load(V + offs, mask=offs_d[None, :] < D, other=0.0)
+            v = tl.load(V + V_SHIFT + offs, mask=offs_d[None, :] < D, other=0.0)
         else:
-            v = tl.load(V + offs)
+            v = tl.load(V + V_SHIFT + offs)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -153,21 +168,22 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, Starts, Ends, Tables, Aux, scale, softcap,  # inputs
+    Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs
     Out, PartAcc, PartM, PartL,  # outputs (Out with one split, the partials with several)
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr,
 ):
     split = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2) // HEAD_BLOCKS
     g0 = (tl.program_id(2) % HEAD_BLOCKS) * BLOCK_H
     lo, hi = _sequence_range(Starts, Ends, b, HAS_START, WINDOW_LEFT, MAX_LEN)
-    s_lo = lo + split * CHUNK
+    s_lo = _split_base(lo, ALIGN_LO, BLOCK_N) + split * CHUNK
     s_hi = tl.minimum(hi, s_lo + CHUNK)
     if NUM_SPLITS > 1:
         if s_lo >= s_hi:  # past the sequence's end: the combine pass never reads this split
@@ -178,19 +194,30 @@ def _split_kernel(
     row_ok = g0 + offs_h < GROUP
     heads = kvh * GROUP + g0 + offs_h
     rows = b.to(tl.int64) * H + heads
-    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_rows = rows
+    if HAS_QROWS:  # the query of sequence b is row QRows[b] of a packed [tokens, H, D] array
+        q_rows = tl.load(QRows + b).to(tl.int64) * H + heads
+    q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     if NUM_SPLITS == 1:
         m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_H)
     else:  # sinks join once, in the combine pass
         m_i, l_i = _sink_state(Aux, heads, row_ok, 0, BLOCK_SINKS, BLOCK_H)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    full_hi = s_lo + tl.maximum(s_hi - s_lo, 0) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, full_hi, offs_n, offs_d, scale,
-                               softcap, False, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
-                               HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION)
-    acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, full_hi, s_hi, offs_n, offs_d, scale,
-                               softcap, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
-                               HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION)
+    if ALIGN_LO:  # steps start on BLOCK_N boundaries (one page per step); keys below lo are masked
+        acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, s_hi, offs_n, offs_d, scale,
+                                   softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                                   PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
+                                   V_SHIFT, True)
+    else:
+        full_hi = s_lo + tl.maximum(s_hi - s_lo, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, full_hi, offs_n, offs_d, scale,
+                                   softcap, lo, False, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                                   PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
+                                   V_SHIFT, False)
+        acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, full_hi, s_hi, offs_n, offs_d, scale,
+                                   softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                                   PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
+                                   V_SHIFT, False)
     out_mask = row_ok[:, None] & (offs_d[None, :] < D)
     if NUM_SPLITS == 1:
         # no visible key: the value sum is 0 and so is the output (sinks or not)
@@ -209,7 +236,7 @@ def _combine_kernel(
     Out,  # output
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr,
-    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, ALIGN_LO: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -217,7 +244,7 @@ def _combine_kernel(
     heads = tl.program_id(1) * BLOCK_H + offs_h
     row_ok = heads < H
     lo, hi = _sequence_range(Starts, Ends, b, HAS_START, WINDOW_LEFT, MAX_LEN)
-    valid = (tl.maximum(hi - lo, 0) + CHUNK - 1) // CHUNK  # splits that saw keys
+    valid = (tl.maximum(hi - _split_base(lo, ALIGN_LO, BLOCK_N), 0) + CHUNK - 1) // CHUNK  # splits that saw keys
     m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_H)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     mask = row_ok[:, None] & (offs_d[None, :] < D)
@@ -248,13 +275,28 @@ def _placeholder(dtype):
     return jnp.zeros((1,), dtype)
 
 
-def _forward(q, k, v, starts, ends, tables, aux, st: DecodeStatic):
+def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=None):
     """``q`` [B, H, D]; ``k``/``v`` paged ``[num_pages, Hkv, page_size, D]`` (``st.page_size > 0``) or dense
     ``[B, S, Hkv, D]``; ``starts`` (dense only) and ``ends`` int32 [B]; ``tables`` int32 [B, max_pages] (paged
-    only); ``aux`` float32 [H, num_sinks] or None. Returns [B, H, D] in q's dtype."""
-    batch, num_heads, head_dim = q.shape
+    only); ``aux`` float32 [H, num_sinks] or None. Returns [B, H, D] in q's dtype.
+
+    ``st.interleaved``: ``k`` is ``[num_pages, page_size, 2 * Hkv, D]`` with the value of kv head ``h`` at
+    ``2h + 1`` (``v`` is ignored). ``q_rows`` int32 [B]: ``q`` is a packed ``[tokens, H, D]`` array and sequence
+    ``b``'s query is its row ``q_rows[b]`` (the batch is then ``len(ends)``)."""
+    batch = ends.shape[0]
+    num_heads, head_dim = q.shape[1:]
     paged = st.page_size > 0
-    if paged:
+    v_shift = 0
+    if st.interleaved:
+        num_pages, page_size, combined, _ = k.shape
+        kv_heads = combined // 2
+        v, v_shift = k, head_dim
+        max_pages = tables.shape[1]
+        max_len = max_tokens = max_pages * page_size if st.max_len < 0 else min(st.max_len, max_pages * page_size)
+        strides = dict(PAGE_SIZE=page_size, MAX_PAGES=max_pages, NUM_PAGES=num_pages,
+                       PAGE_STRIDE=page_size * combined * head_dim, HEAD_STRIDE=2 * head_dim,
+                       ROW_STRIDE=combined * head_dim, SEQ_STRIDE=0)
+    elif paged:
         num_pages, kv_heads, page_size, _ = k.shape
         max_pages = tables.shape[1]
         max_len = max_tokens = max_pages * page_size if st.max_len < 0 else min(st.max_len, max_pages * page_size)
@@ -269,29 +311,36 @@ def _forward(q, k, v, starts, ends, tables, aux, st: DecodeStatic):
                        ROW_STRIDE=kv_heads * head_dim, SEQ_STRIDE=seq_len * kv_heads * head_dim)
     group = num_heads // kv_heads
     cfg = st.config
+    # a window starts the range mid-page: paged steps then start on step boundaries (one more step of keys)
+    align_lo = paged and st.window_left >= 0
+    if paged and st.window_left >= 0:
+        max_tokens = min(max_tokens, st.window_left + cfg.block_n)
     chunk, splits = split_plan(max_tokens, cfg.block_n, cfg.num_splits)
     block_h = block_heads(group)
     head_blocks = -(-group // block_h)
     num_sinks = 0 if aux is None else aux.shape[1]
     bounds = dict(HAS_START=not paged, WINDOW_LEFT=st.window_left, MAX_LEN=max_len, NUM_SINKS=num_sinks,
-                  BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()))
+                  BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()), ALIGN_LO=align_lo,
+                  BLOCK_N=cfg.block_n)
     block_d = padded_dim(head_dim)
     starts = starts if starts is not None else _placeholder(jnp.int32)
     tables = tables if tables is not None else _placeholder(jnp.int32)
     aux = aux if aux is not None else _placeholder(jnp.float32)
+    has_q_rows = q_rows is not None
+    q_rows = q_rows if has_q_rows else _placeholder(jnp.int32)
     f32 = jax.ShapeDtypeStruct
-    out_shape = f32(q.shape, q.dtype)
+    out_shape = f32((batch, num_heads, head_dim), q.dtype)
     if splits == 1:
         partials = [f32((1,), jnp.float32)] * 3
     else:
         partials = [f32((batch, splits, num_heads, head_dim), jnp.float32),
                     f32((batch, splits, num_heads), jnp.float32), f32((batch, splits, num_heads), jnp.float32)]
     outs = launch(
-        _split_kernel, [q, k, v, starts, ends, tables, aux, np.float32(st.scale), np.float32(st.softcap)],
+        _split_kernel, [q, k, v, starts, ends, tables, aux, q_rows, np.float32(st.scale), np.float32(st.softcap)],
         [out_shape if splits == 1 else f32((1,), q.dtype), *partials], (splits, batch, kv_heads * head_blocks),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages(paged), interpret=st.interpret,
         H=num_heads, GROUP=group, HEAD_BLOCKS=head_blocks, D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-        BLOCK_N=cfg.block_n, CHUNK=chunk, NUM_SPLITS=splits, USE_SOFTCAP=st.softcap > 0,
+        CHUNK=chunk, NUM_SPLITS=splits, USE_SOFTCAP=st.softcap > 0, V_SHIFT=v_shift, HAS_QROWS=has_q_rows,
         DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", **strides, **bounds)
     if splits == 1:
         return outs[0]
@@ -313,31 +362,36 @@ def _map_rule(call):
     return rule
 
 
-@functools.lru_cache(maxsize=None)
-def _attend_fn(st: DecodeStatic):
-    """Forward-only attention for ``st``: vmappable, and a gradient raises :class:`UnsupportedFeature`."""
+def forward_only(forward, operation: str):
+    """``forward`` (positional array arguments, None for absent ones) made vmappable, with a gradient that
+    raises :class:`UnsupportedFeature` (these are inference kernels). Callers cache the result per static."""
 
     @jax.custom_batching.custom_vmap
-    def batched(q, k, v, starts, ends, tables, aux):
-        return _forward(q, k, v, starts, ends, tables, aux, st)
+    def batched(*args):
+        return forward(*args)
 
     batched.def_vmap(_map_rule(batched))
 
     @jax.custom_vjp
-    def attend(q, k, v, starts, ends, tables, aux):
-        return batched(q, k, v, starts, ends, tables, aux)
+    def attend(*args):
+        return batched(*args)
 
     def attend_fwd(*args):
         return batched(*args), None
 
     def attend_bwd(_, d_out):
-        raise UnsupportedFeature(f"triton {st.operation} is forward-only (an inference kernel); for gradients "
+        raise UnsupportedFeature(f"triton {operation} is forward-only (an inference kernel); for gradients "
                                  "use platform='xla'")
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
 
 
+@functools.lru_cache(maxsize=None)
+def _attend_fn(st: DecodeStatic):
+    return forward_only(functools.partial(split_decode, st=st), st.operation)
+
+
 def decode_attention(q, k, v, starts, ends, tables, aux, st: DecodeStatic) -> jax.Array:
-    """See :func:`_forward` for the arguments (None for absent ones)."""
+    """See :func:`split_decode` for the arguments (None for absent ones)."""
     return _attend_fn(st)(q, k, v, starts, ends, tables, aux)

@@ -1,0 +1,99 @@
+"""The config of Triton ``ragged_page_attention`` (:class:`TritonRaggedPageConfig`), its heuristic and
+autotuning space.
+
+A mixed batch runs two launches: the decode rows (``q_len == 1``) through the split-K decode kernels of
+``ejkernel_triton.decode`` (fields ``decode_*``, a :class:`~ejkernel_triton.decode.TritonDecodeConfig`), the
+prefill chunks through a flash-style kernel over pages (fields ``block_m``, ``block_n``, ``num_warps``,
+``prefetch``): ``block_m`` rows of (query token, query head of the kv group) pairs per program, so every head
+of a kv group is served from one read of each page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ejkernel_triton.decode import config as decode_tuning
+from ejkernel_triton.decode.config import TritonDecodeConfig
+
+MAX_GROUP = 128
+"""Largest query-heads-per-kv-head group the prefill tile holds (its rows are tokens x group)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonRaggedPageConfig:
+    """``block_m``: rows of the prefill tile (query tokens x the kv group's heads, padded to a power of two;
+    a power of two >= 16). ``block_n``: keys per prefill step (a power of two >= 16). ``num_warps``,
+    ``prefetch``: the prefill kernel's warps and K/V steps in flight. ``decode_*``: the decode rows' split-K
+    config (see :class:`~ejkernel_triton.decode.TritonDecodeConfig`)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    prefetch: int = 2
+    decode_block_n: int = 64
+    decode_num_splits: int = 1
+    decode_num_warps: int = 4
+    decode_prefetch: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TritonRaggedPageConfig.{field.name} must be a positive int, got {value!r}")
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"TritonRaggedPageConfig.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"TritonRaggedPageConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+        try:
+            self.decode_config()
+        except ValueError as error:  # name this config's field, not the decode config's
+            raise ValueError(str(error).replace("TritonDecodeConfig.", "TritonRaggedPageConfig.decode_")) from None
+
+    def decode_config(self) -> TritonDecodeConfig:
+        return TritonDecodeConfig(block_n=self.decode_block_n, num_splits=self.decode_num_splits,
+                                  num_warps=self.decode_num_warps, prefetch=self.decode_prefetch)
+
+    def num_stages(self) -> int:
+        """Triton's stages for ``prefetch`` buffers of the paged loop (see ``TritonDecodeConfig.num_stages``)."""
+        return 2 * self.prefetch + 1
+
+
+def padded_group(group: int) -> int:
+    return 1 << (group - 1).bit_length()
+
+
+def heuristic_config(max_num_seqs: int, kv_heads: int, group: int, max_tokens: int, head_dim: int,
+                     dtype) -> TritonRaggedPageConfig:
+    """Prefill: 128-row tiles (64 for rows wider than 256 bytes), 64-key steps (fewer for wide rows), 8 warps, two steps in
+    flight. Decode: the decode package's heuristic for ``max_num_seqs`` sequences (every slot may be a
+    decode row)."""
+    decode = decode_tuning.heuristic_config(
+        max_num_seqs * kv_heads * -(-group // decode_tuning.block_heads(group)), max_tokens, head_dim, dtype)
+    wide_rows = head_dim * np.dtype(dtype).itemsize > 256  # float32 or D > 128: half the tile (registers)
+    block_m = max(64 if wide_rows else 128, padded_group(group))
+    block_n = decode_tuning.default_block_n(head_dim, dtype)
+    return TritonRaggedPageConfig(block_m=block_m, block_n=block_n, num_warps=8 if block_m >= 128 else 4,
+                                  prefetch=2, decode_block_n=decode.block_n, decode_num_splits=decode.num_splits,
+                                  decode_num_warps=decode.num_warps, decode_prefetch=decode.prefetch)
+
+
+def candidate_configs(max_num_seqs: int, kv_heads: int, group: int, max_tokens: int, head_dim: int,
+                      dtype) -> list[TritonRaggedPageConfig]:
+    """The heuristic first, then other prefill tiles and decode splits (autotuning only)."""
+    base = heuristic_config(max_num_seqs, kv_heads, group, max_tokens, head_dim, dtype)
+    out = [base]
+    for block_m, num_warps in ((64, 4), (128, 8), (128, 4)):
+        for block_n in (32, 64):
+            for splits in sorted({max(1, base.decode_num_splits // 2), base.decode_num_splits,
+                                  base.decode_num_splits * 2}):
+                if block_m < padded_group(group):
+                    continue
+                config = dataclasses.replace(base, block_m=block_m, num_warps=num_warps, block_n=block_n,
+                                             decode_num_splits=splits)
+                if config not in out:
+                    out.append(config)
+    return out

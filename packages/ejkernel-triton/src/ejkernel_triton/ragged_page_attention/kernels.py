@@ -1,0 +1,239 @@
+"""Triton ``ragged_page_attention``: a mixed batch of prefill chunks and decode rows over one paged cache.
+
+The batch is split by what each sequence needs (on the device, from ``query_start_loc``; shapes stay static):
+
+- decode rows (``q_len == 1``): the split-K decode kernels of ``ejkernel_triton.decode`` (one program per
+  split, sequence and kv head; the kv group's query heads are the rows of the tile), reading the query from
+  its packed row and the interleaved K/V pages in place; their ``[max_num_seqs, H, D]`` result is scattered
+  into the packed output (one row per decode sequence).
+- prefill chunks (``q_len > 1``) and the padding rows: ``_prefill_kernel``, one program per (query tile,
+  kv head). A tile is up to ``BLOCK_Q`` consecutive query tokens of one sequence times the ``GROUP`` query
+  heads of the kv head (``BLOCK_M = BLOCK_Q * GROUP_P`` rows), so each page is read once for the whole
+  group. It walks the keys ``BLOCK_N`` at a time through the block table: mask-free steps while every row
+  sees every key (below the tile's first position, no window), then masked steps (causal, window, end).
+  Padding rows form a last pseudo-sequence with no keys: they get zeros. The tile list is computed on the
+  device (``tile_table``); tiles past its end return at once.
+
+Page ids that are read are clamped into ``[0, num_pages)`` as in the decode kernels (a bad id reads some other
+page); entries past a sequence's last page are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from ejkernel_triton.decode.kernels import (
+    DecodeStatic,
+    _kv_offsets,
+    _placeholder,
+    _sink_state,
+    forward_only,
+    split_decode,
+)
+from ejkernel_triton.flash_attention.common import _tanh, padded_dim
+from ejkernel_triton.launch import launch
+from ejkernel_triton.ragged_page_attention.config import TritonRaggedPageConfig, padded_group
+
+TILE_FIELDS = 5
+"""Columns of the tile table: table row (sequence), first row, end row, position of the first row, kv length."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPageStatic:
+    scale: float
+    softcap: float  # 0.0: none
+    window: int | None  # None: none; else a query sees keys p - window < j <= p
+    config: TritonRaggedPageConfig
+    interpret: bool
+
+
+@triton.jit
+def _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, start, stop, pos, kv_len, offs_n, offs_d, scale,
+                  softcap, MASKED: tl.constexpr, WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr,
+                  NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr,
+                  ROW_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of the tile's rows over keys ``[start, stop)``; ``MASKED``: per-row causal/window masks."""
+    for n0 in range(start, stop, BLOCK_N):
+        offs = _kv_offsets(Tables, seq, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                           PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, 0, BLOCK_N)
+        keys = n0 + offs_n
+        if MASKED:
+            key_ok = keys < stop
+            load_mask = key_ok[:, None] & (offs_d[None, :] < D)
+            k = tl.load(KV + offs, mask=load_mask, other=0.0)
+        elif BLOCK_D != D:
+            k = tl.load(KV + offs, mask=offs_d[None, :] < D, other=0.0)
+        else:
+            k = tl.load(KV + offs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s * scale / softcap) * 1.4426950408889634
+        else:
+            s = s * (scale * 1.4426950408889634)
+        if MASKED:
+            visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)
+            if WINDOW >= 0:
+                visible = visible & (pos[:, None] - keys[None, :] < WINDOW)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(KV + D + offs, mask=load_mask, other=0.0)
+        elif BLOCK_D != D:
+            v = tl.load(KV + D + offs, mask=offs_d[None, :] < D, other=0.0)
+        else:
+            v = tl.load(KV + D + offs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, KV, Tiles, Tables, Aux, scale, softcap,  # inputs
+    Out,  # output
+    H: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr,
+    NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr,
+    WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(Tiles + tile * 5)
+    row0 = tl.load(Tiles + tile * 5 + 1)
+    row1 = tl.load(Tiles + tile * 5 + 2)
+    pos0 = tl.load(Tiles + tile * 5 + 3)
+    kv_len = tl.load(Tiles + tile * 5 + 4)
+    if row1 <= row0:  # past the last tile
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    token = offs_m // GROUP_P
+    g = offs_m % GROUP_P
+    row = row0 + token
+    row_ok = (row < row1) & (g < GROUP)
+    heads = kvh * GROUP + g
+    q_rows = row.to(tl.int64) * H + heads
+    io_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=io_mask, other=0.0)
+    pos = pos0 + token
+    m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = tl.minimum(kv_len, pos0 + (row1 - row0))  # past the tile's last position nothing is visible
+    if WINDOW >= 0:
+        lo = tl.maximum(pos0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, lo, hi, pos, kv_len, offs_n, offs_d,
+                                      scale, softcap, True, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES,
+                                      NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP, DOT_PRECISION)
+    else:
+        # keys <= pos0 (and < kv_len) are visible to every row of the tile: no mask
+        full_hi = tl.maximum(tl.minimum(pos0 + 1, hi), 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, 0, full_hi, pos, kv_len, offs_n,
+                                      offs_d, scale, softcap, False, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                                      MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
+                                      DOT_PRECISION)
+        acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, full_hi, hi, pos, kv_len, offs_n,
+                                      offs_d, scale, softcap, True, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                                      MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
+                                      DOT_PRECISION)
+    # rows without a visible key (padding rows, empty windows) have a value sum of 0: zeros
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(Out + q_rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=io_mask)
+
+
+# ---- host side ---------------------------------------------------------------------------------------
+
+
+def max_tiles(total_tokens: int, max_num_seqs: int, block_q: int) -> int:
+    """Static bound on the tiles: each sequence's partial last tile adds one, and so do the padding rows."""
+    return -(-total_tokens // block_q) + max_num_seqs + 1
+
+
+def tile_table(query_start_loc, context_lens, num_seqs, total_tokens: int, block_q: int):
+    """``(tiles [max_tiles, TILE_FIELDS] int32, is_decode [max_num_seqs] bool)``: the prefill kernel's tiles
+    (sequences with ``q_len > 1``, then the padding rows as a sequence with no keys), and which sequences
+    are decode rows (active, ``q_len == 1``)."""
+    num_slots = context_lens.shape[0]
+    starts = query_start_loc.astype(jnp.int32)
+    q_lens = starts[1:] - starts[:-1]
+    active = jnp.arange(num_slots) < num_seqs[0]
+    is_decode = active & (q_lens == 1)
+    counts = jnp.where(active & (q_lens > 1), -(-q_lens // block_q), 0)
+    pad_start = starts[num_seqs[0]]
+    counts = jnp.concatenate([counts, (-(-(total_tokens - pad_start) // block_q))[None]])
+    first_row = jnp.concatenate([starts[:-1], pad_start[None]])
+    end_row = jnp.concatenate([starts[1:], jnp.full((1,), total_tokens, jnp.int32)])
+    kv_lens = jnp.concatenate([context_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    ends = jnp.cumsum(counts)
+    tile = jnp.arange(max_tiles(total_tokens, num_slots, block_q), dtype=jnp.int32)
+    owner = jnp.searchsorted(ends, tile, side="right")
+    live = owner <= num_slots
+    owner = jnp.minimum(owner, num_slots)
+    local = tile - (ends - counts)[owner]
+    row0 = first_row[owner] + local * block_q
+    row1 = jnp.minimum(row0 + block_q, end_row[owner])
+    pos0 = kv_lens[owner] - (end_row[owner] - first_row[owner]) + local * block_q
+    tiles = jnp.stack([jnp.minimum(owner, num_slots - 1), jnp.where(live, row0, 0), jnp.where(live, row1, 0),
+                       pos0, kv_lens[owner]], axis=1).astype(jnp.int32)
+    return tiles, is_decode
+
+
+def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, aux,
+                        st: RaggedPageStatic):
+    """``aux``: sinks float32 [H, num_sinks] or None. Returns [total_tokens, H, D] in queries' dtype."""
+    total_tokens, num_heads, head_dim = queries.shape
+    num_pages, page_size, combined, _ = kv_pages.shape
+    kv_heads = combined // 2
+    group = num_heads // kv_heads
+    max_num_seqs, max_pages = block_tables.shape
+    cfg = st.config
+    group_p = padded_group(group)
+    block_m = max(cfg.block_m, group_p)
+    tiles, is_decode = tile_table(query_start_loc, context_lens, num_seqs, total_tokens, block_m // group_p)
+    num_sinks = 0 if aux is None else aux.shape[1]
+    strides = dict(PAGE_SIZE=page_size, MAX_PAGES=max_pages, NUM_PAGES=num_pages,
+                   PAGE_STRIDE=page_size * combined * head_dim, HEAD_STRIDE=2 * head_dim,
+                   ROW_STRIDE=combined * head_dim)
+    (prefill,) = launch(
+        _prefill_kernel,
+        [queries, kv_pages, tiles, block_tables, aux if aux is not None else _placeholder(jnp.float32),
+         np.float32(st.scale), np.float32(st.softcap)],
+        [jax.ShapeDtypeStruct(queries.shape, queries.dtype)], (tiles.shape[0], kv_heads),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages(), interpret=st.interpret,
+        H=num_heads, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, D=head_dim, BLOCK_D=padded_dim(head_dim),
+        BLOCK_N=cfg.block_n, WINDOW=-1 if st.window is None else st.window, USE_SOFTCAP=st.softcap > 0,
+        NUM_SINKS=num_sinks, BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()),
+        DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32", **strides)
+    # decode rows: the split-K kernels, sequences that are not decode rows see no keys (and are not scattered)
+    starts = query_start_loc[:-1]
+    ends = jnp.where(is_decode, context_lens, 0).astype(jnp.int32)
+    q_rows = jnp.clip(jnp.where(is_decode, starts, 0), 0, max(total_tokens - 1, 0)).astype(jnp.int32)
+    dst = DecodeStatic(scale=st.scale, softcap=st.softcap, page_size=page_size, max_len=-1,
+                       window_left=-1 if st.window is None else st.window - 1, config=cfg.decode_config(),
+                       interpret=st.interpret, operation="ragged_page_attention", interleaved=True)
+    decoded = split_decode(queries, kv_pages, None, None, ends, block_tables, aux, dst, q_rows=q_rows)
+    return prefill.at[jnp.where(is_decode, starts, total_tokens)].set(decoded, mode="drop")
+
+
+@functools.lru_cache(maxsize=None)
+def _attend_fn(st: RaggedPageStatic):
+    return forward_only(functools.partial(ragged_page_forward, st=st), "ragged_page_attention")
+
+
+def ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, aux,
+                          st: RaggedPageStatic) -> jax.Array:
+    return _attend_fn(st)(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, aux)
