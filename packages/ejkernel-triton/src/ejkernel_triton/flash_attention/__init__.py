@@ -8,8 +8,9 @@ to XLA): ``bias``, ``attention_mask``, head dims outside 8-256.
 
 Modules: ``tuning`` (:class:`TritonFlashConfig`, shipped per-device tables, heuristic, autotuning space,
 which forward kernel a call takes), ``common`` (static parameters and Triton helpers both passes share),
-``forward`` (the pointer kernel and Hopper's TMA + warp-specialized kernel), ``backward`` (dK/dV, dQ,
-delta), ``vjp`` (custom VJP and vmap rules). Kernels are launched by ``ejkernel_triton.launch`` (jax-triton,
+``tiles`` (the per-tile forward, dK/dV and dQ steps and the online softmax, shared with the block-sparse
+kernels), ``forward`` (the pointer kernel and Hopper's TMA + warp-specialized kernel), ``backward`` (dK/dV,
+dQ, delta), ``vjp`` (custom VJP and vmap rules, the sinks' gradient). Kernels are launched by ``ejkernel_triton.launch`` (jax-triton,
 its own custom call for TMA, or ``ejkernel_triton.interpret`` on the host).
 """
 

@@ -18,7 +18,6 @@ import triton.language as tl
 from ejkernel_triton.flash_attention.common import (
     StaticParams,
     dropout_head_hash,
-    dropout_scale,
     kernel_meta,
     kv_range,
     num_sequences,
@@ -26,21 +25,11 @@ from ejkernel_triton.flash_attention.common import (
     placeholder,
     q_range,
     query_block,
-    scores,
     seed_arg,
     sequence_bounds,
-    visible,
 )
+from ejkernel_triton.flash_attention.tiles import dkv_tile, dq_tile
 from ejkernel_triton.launch import launch
-
-
-@triton.jit
-def _softcap_grad(ds, s, softcap, USE_SOFTCAP: tl.constexpr):
-    """Chain rule through the soft cap: s (log2 units) = cap * tanh(x / cap) * log2(e), so dx = ds * (1 - tanh^2)."""
-    if USE_SOFTCAP:
-        capped = s * (0.6931471805599453 / softcap)  # back to natural units, over the cap: tanh
-        ds = ds * (1.0 - capped * capped)
-    return ds
 
 
 @triton.jit
@@ -53,48 +42,11 @@ def _dkv_block_loop(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr
                     USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     for m0 in range(start, stop, BLOCK_Q):
-        rows = m0 + offs_q
-        if MASKED:
-            q = tl.load(q_ptrs + m0 * stride_q_seq, mask=(rows[:, None] < q_len) & (offs_d[None, :] < D),
-                        other=0.0)
-            do = tl.load(do_ptrs + m0 * stride_do_seq,
-                         mask=(rows[:, None] < q_len) & (offs_dv[None, :] < DV), other=0.0)
-            lse = tl.load(lse_ptr + rows, mask=rows < q_len, other=float("inf"))
-            delta = tl.load(delta_ptr + rows, mask=rows < q_len, other=0.0)
-        else:
-            if BLOCK_D != D:
-                q = tl.load(q_ptrs + m0 * stride_q_seq, mask=offs_d[None, :] < D, other=0.0)
-            else:
-                q = tl.load(q_ptrs + m0 * stride_q_seq)
-            if BLOCK_DV != DV:
-                do = tl.load(do_ptrs + m0 * stride_do_seq, mask=offs_dv[None, :] < DV, other=0.0)
-            else:
-                do = tl.load(do_ptrs + m0 * stride_do_seq)
-            lse = tl.load(lse_ptr + rows)
-            delta = tl.load(delta_ptr + rows)
-        # Transposed scores [keys, queries]: dK and dV then need no transposes of the accumulators.
-        st = scores(k, q, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
-        pt = tl.math.exp2(st - lse[None, :])
-        if MASKED:
-            if HAS_SEGMENTS:
-                q_seg = tl.load(q_seg_ptr + rows, mask=rows < q_len, other=-2)
-            else:
-                q_seg = rows
-            ok = visible(rows[None, :], cols[:, None], q_len, k_len, None, q_seg[None, :],
-                          CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False)
-            if HAS_SEGMENTS:
-                ok = ok & (q_seg[None, :] == k_seg[:, None])
-            pt = tl.where(ok, pt, 0.0)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if DROPOUT:
-            keep = dropout_scale(head_hash, (q_start + rows)[None, :], (k_start + cols)[:, None],
-                                  DROP_THRESHOLD, DROP_SCALE)
-            dv = tl.dot((pt * keep).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dpt = dpt * keep
-        else:
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dst = _softcap_grad(pt * (dpt - delta[None, :]), st, softcap, USE_SOFTCAP)
-        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk, dv = dkv_tile(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr, m0, cols, offs_q, offs_d, offs_dv, q_len,
+            k_len, k_seg, stride_q_seq, stride_do_seq, qk_scale, softcap, head_hash, q_start, k_start, D, DV, BLOCK_D,
+            BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, MASKED, DOT_PRECISION, DROPOUT,
+            DROP_THRESHOLD, DROP_SCALE)
     return dk, dv
 
 
@@ -184,33 +136,11 @@ def _dq_block_loop(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v
                    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
                    DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     for n0 in range(start, stop, BLOCK_KV):
-        cols = n0 + offs_kv
-        if MASKED:
-            k = tl.load(k_ptrs + n0 * stride_k_seq, mask=(cols[:, None] < k_len) & (offs_d[None, :] < D),
-                        other=0.0)
-            v = tl.load(v_ptrs + n0 * stride_v_seq, mask=(cols[:, None] < k_len) & (offs_dv[None, :] < DV),
-                        other=0.0)
-        else:
-            if BLOCK_D != D:
-                k = tl.load(k_ptrs + n0 * stride_k_seq, mask=offs_d[None, :] < D, other=0.0)
-            else:
-                k = tl.load(k_ptrs + n0 * stride_k_seq)
-            if BLOCK_DV != DV:
-                v = tl.load(v_ptrs + n0 * stride_v_seq, mask=offs_dv[None, :] < DV, other=0.0)
-            else:
-                v = tl.load(v_ptrs + n0 * stride_v_seq)
-        s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
-        p = tl.math.exp2(s - lse[:, None])
-        if MASKED:
-            ok = visible(rows[:, None], cols[None, :], q_len, k_len, k_seg_ptr, q_seg[:, None],
-                          CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS)
-            p = tl.where(ok, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if DROPOUT:
-            dp = dp * dropout_scale(head_hash, (q_start + rows)[:, None], (k_start + cols)[None, :],
-                                     DROP_THRESHOLD, DROP_SCALE)
-        ds = _softcap_grad(p * (dp - delta[:, None]), s, softcap, USE_SOFTCAP)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = dq_tile(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, n0, rows, offs_kv, offs_d, offs_dv,
+            q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, head_hash, q_start, k_start, D, DV, BLOCK_D, BLOCK_DV,
+            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, MASKED, DOT_PRECISION, DROPOUT,
+            DROP_THRESHOLD, DROP_SCALE)
     return dq
 
 
@@ -317,7 +247,7 @@ def _delta_kernel(
     tl.store(Delta + (batch * NUM_HEADS + head) * SEQ_Q + q_start + rows, delta, mask=rows < q_len)
 
 
-def _delta(out, do, cu_q, st: StaticParams):
+def row_delta(out, do, cu_q, st: StaticParams):
     """delta_i = <dO_i, O_i> in float32, [B, H, Sq]."""
     if out.dtype != jnp.float32:  # one cheap pass, left to XLA
         return jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
@@ -341,7 +271,7 @@ def run_backward(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, seed, st: Sta
     has_seg = q_seg is not None
     meta = kernel_meta(q, k, v, st, has_seg, varlen)
     n_seq = num_sequences(q, cu_q)
-    delta = _delta(out, do, cu_q, st)
+    delta = row_delta(out, do, cu_q, st)
     args = (q, k, v, do, lse, delta, q_seg if has_seg else placeholder(), kv_seg if has_seg else placeholder(),
             cu_q if varlen else placeholder(), cu_k if varlen else placeholder(), seed_arg(seed),
             np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, skv)

@@ -18,7 +18,6 @@ import triton.language as tl
 from ejkernel_triton.flash_attention.common import (
     StaticParams,
     dropout_head_hash,
-    dropout_scale,
     kernel_meta,
     kv_range,
     num_sequences,
@@ -26,49 +25,9 @@ from ejkernel_triton.flash_attention.common import (
     query_block,
     scores,
     seed_arg,
-    visible,
 )
+from ejkernel_triton.flash_attention.tiles import fwd_tile, sink_blocks, sink_state, softmax_update, store_rows
 from ejkernel_triton.launch import launch
-
-
-@triton.jit
-def _softmax_update(s, m_i, l_i, acc):
-    """One online-softmax step over logits `s` (log2 units): the block's numerators and the running max,
-    sum and accumulator rescaled to the new max."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
-
-
-@triton.jit
-def _sink_state(Aux, head, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Initial running max and sum of a query block: attention sinks only add to the denominator."""
-    if NUM_SINKS > 0:
-        offs_s = tl.arange(0, BLOCK_SINKS)
-        aux = tl.load(Aux + head * NUM_SINKS + offs_s, mask=offs_s < NUM_SINKS, other=float("-inf"))
-        aux = aux.to(tl.float32) * 1.4426950408889634
-        aux_max = tl.max(aux, 0)
-        m_i = tl.zeros([BLOCK_Q], dtype=tl.float32) + aux_max
-        l_i = tl.zeros([BLOCK_Q], dtype=tl.float32) + tl.sum(tl.math.exp2(aux - aux_max), 0)
-    else:
-        m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    return m_i, l_i
-
-
-@triton.jit
-def _store_rows(o_ptrs, lse_ptrs, acc, m_i, l_i, o_mask, row_mask):
-    """Normalize and store a query block's output and log-sum-exp (log2 units)."""
-    # With no visible key the row's value sum is 0: output zeros, and an infinite lse makes every
-    # recomputed probability of the backward pass exactly 0.
-    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    tl.store(o_ptrs, (acc / safe_l[:, None]).to(o_ptrs.dtype.element_ty), mask=o_mask)
-    tl.store(lse_ptrs, tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("inf")), mask=row_mask)
-
-
 
 
 @triton.jit
@@ -81,31 +40,11 @@ def _fwd_block_loop(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq
                     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
                     DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     for n0 in range(start, stop, BLOCK_KV):
-        cols = n0 + offs_kv
-        if MASKED:
-            k = tl.load(k_ptrs + n0 * stride_k_seq, mask=(cols[:, None] < k_len) & (offs_d[None, :] < D),
-                        other=0.0)
-        elif BLOCK_D != D:
-            k = tl.load(k_ptrs + n0 * stride_k_seq, mask=offs_d[None, :] < D, other=0.0)
-        else:
-            k = tl.load(k_ptrs + n0 * stride_k_seq)
-        s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
-        if MASKED:
-            ok = visible(rows[:, None], cols[None, :], q_len, k_len, k_seg_ptr, q_seg[:, None],
-                          CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS)
-            s = tl.where(ok, s, float("-inf"))
-        p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc)
-        if MASKED:
-            v = tl.load(v_ptrs + n0 * stride_v_seq, mask=(cols[:, None] < k_len) & (offs_dv[None, :] < DV),
-                        other=0.0)
-        elif BLOCK_DV != DV:
-            v = tl.load(v_ptrs + n0 * stride_v_seq, mask=offs_dv[None, :] < DV, other=0.0)
-        else:
-            v = tl.load(v_ptrs + n0 * stride_v_seq)
-        if DROPOUT:  # the denominator keeps every probability; only the values see the mask
-            p = p * dropout_scale(head_hash, (q_start + rows)[:, None], (k_start + cols)[None, :],
-                                   DROP_THRESHOLD, DROP_SCALE)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc, m_i, l_i = fwd_tile(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, n0, rows, offs_kv, offs_d, offs_dv,
+            q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap, head_hash, q_start, k_start, D, DV, BLOCK_D,
+            BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, MASKED, DOT_PRECISION, DROPOUT,
+            DROP_THRESHOLD, DROP_SCALE)
     return acc, m_i, l_i
 
 
@@ -154,7 +93,7 @@ def _fwd_kernel(
     head_hash = dropout_head_hash(Seed, seq_idx if not IS_VARLEN else 0 * seq_idx, head) if DROPOUT else 0
 
     acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=tl.float32)
-    m_i, l_i = _sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
+    m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
 
     lo, hi, full_lo, full_hi = kv_range(m0, q_len, k_len, BLOCK_Q, BLOCK_KV, CAUSAL, WINDOW_LEFT,
                                          WINDOW_RIGHT, HAS_SEGMENTS)
@@ -176,7 +115,7 @@ def _fwd_kernel(
 
     o_ptrs = (O + batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
               + rows[:, None] * stride_os + offs_dv[None, :])
-    _store_rows(o_ptrs, LSE + (batch * NUM_HEADS + head) * SEQ_Q + q_start + rows, acc, m_i, l_i,
+    store_rows(o_ptrs, LSE + (batch * NUM_HEADS + head) * SEQ_Q + q_start + rows, acc, m_i, l_i,
                 (rows[:, None] < q_len) & (offs_dv[None, :] < DV), rows < q_len)
 
 
@@ -210,11 +149,11 @@ def _fwd_tma_kernel(
                                        block_shape=[BLOCK_KV, D])
     q = q_desc.load([batch * SEQ_Q + m0, head * D])
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
-    m_i, l_i = _sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
+    m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
     for n0 in tl.range(0, SEQ_KV, BLOCK_KV, warp_specialize=True):
         k = k_desc.load([batch * SEQ_KV + n0, kv_head * D])
         s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, "tf32")
-        p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc)
+        p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
         v = v_desc.load([batch * SEQ_KV + n0, kv_head * D])
         acc = tl.dot(p.to(v.dtype), v, acc)
 
@@ -222,12 +161,8 @@ def _fwd_tma_kernel(
     offs_d = tl.arange(0, D)
     row0 = batch.to(tl.int64) * SEQ_Q  # element offsets of large batches overflow int32
     o_ptrs = O + (row0 + rows[:, None]) * (NUM_HEADS * D) + head * D + offs_d[None, :]
-    _store_rows(o_ptrs, LSE + (batch.to(tl.int64) * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
+    store_rows(o_ptrs, LSE + (batch.to(tl.int64) * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
                 (rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), rows < SEQ_Q)
-
-
-def _sink_blocks(num_sinks: int) -> int:
-    return max(2, triton.next_power_of_2(max(num_sinks, 1)))
 
 
 def forward_tma(q, k, v, aux, st: StaticParams):
@@ -243,7 +178,7 @@ def forward_tma(q, k, v, aux, st: StaticParams):
         _fwd_tma_kernel, args, out_shapes, (triton.cdiv(sq, config.fwd_block_q), b, h),
         num_warps=config.fwd_num_warps, num_stages=config.fwd_num_stages, zeroed_outputs=(), interpret=st.interpret,
         tma=True, NUM_HEADS=h, GROUP=h // k.shape[2], D=d, BLOCK_Q=config.fwd_block_q, BLOCK_KV=config.fwd_block_kv,
-        USE_SOFTCAP=st.softcap > 0, NUM_SINKS=num_sinks, BLOCK_SINKS=_sink_blocks(num_sinks))
+        USE_SOFTCAP=st.softcap > 0, NUM_SINKS=num_sinks, BLOCK_SINKS=sink_blocks(num_sinks))
 
 
 def run_forward(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: StaticParams):
@@ -267,4 +202,4 @@ def run_forward(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: StaticParams)
         _fwd_kernel, args, out_shapes, grid, num_warps=config.fwd_num_warps, num_stages=config.fwd_num_stages,
         zeroed_outputs=(0, 1) if varlen else (), interpret=st.interpret, **meta,
         BLOCK_Q=config.fwd_block_q, BLOCK_KV=config.fwd_block_kv, NUM_SINKS=num_sinks,
-        BLOCK_SINKS=_sink_blocks(num_sinks), REVERSE_BLOCKS=st.causal and not varlen)
+        BLOCK_SINKS=sink_blocks(num_sinks), REVERSE_BLOCKS=st.causal and not varlen)

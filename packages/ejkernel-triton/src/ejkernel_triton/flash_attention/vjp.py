@@ -18,17 +18,18 @@ from ejkernel_triton.flash_attention.common import LOG2E, StaticParams
 from ejkernel_triton.flash_attention.forward import run_forward
 
 
-def _fold_batch_rule(call, batch_like: int, num_out: int, foldable: bool = True):
+def fold_batch_rule(call, batch_like: int, num_out: int, foldable: bool = True, varlen_args: int = 2):
     """vmap rule: fold the vmapped axis into the batch axis of the first `batch_like` arguments.
 
-    The remaining arguments (cum_seqlens, sinks, seed) must be unbatched for that; otherwise, for varlen
-    (one packed sequence per call) and with dropout (its mask hashes the batch index), the rule loops over
-    the vmapped axis with `lax.map`.
+    The remaining arguments (cum_seqlens, sinks, seed; block-sparse schedules) must be unbatched for that;
+    otherwise, for varlen (the `varlen_args` arguments after the batch-like ones, cum_seqlens, given: one
+    packed sequence per call) and with dropout (its mask hashes the batch index), the rule loops over the
+    vmapped axis with `lax.map`.
     """
 
     def rule(axis_size, in_batched, *args):
         shared_batched = any(bool(x) for x in jax.tree.leaves(in_batched[batch_like:]))
-        varlen = any(a is not None for a in args[batch_like:batch_like + 2])
+        varlen = any(a is not None for a in args[batch_like:batch_like + varlen_args])
         if shared_batched or varlen or not foldable:
             bcast = [jax.tree.map(lambda a, bt: a if bt else jnp.broadcast_to(a, (axis_size, *a.shape)), x, bx)
                      if x is not None else None for x, bx in zip(args, in_batched)]
@@ -50,6 +51,14 @@ def _fold_batch_rule(call, batch_like: int, num_out: int, foldable: bool = True)
 
 
 
+def sink_gradient(aux, lse, delta):
+    """The sinks' gradient [H, num_sinks] from the forward's lse [B, H, Sq] (log2 units) and the backward's
+    delta_i = <dO_i, O_i> [B, H, Sq]: d aux[h, s] = -sum_i P_sink[i, s] * delta_i, P_sink = exp(aux - lse)."""
+    p_sink = jnp.exp2(aux[None, :, None, :] * LOG2E - lse[..., None])
+    p_sink = jnp.where(delta[..., None] == 0.0, 0.0, p_sink)
+    return -jnp.einsum("bhsk,bhs->hk", p_sink, delta).astype(aux.dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _batched_calls(st: StaticParams):
     """The forward and backward kernel calls for `st`, each with its vmap rule."""
@@ -60,13 +69,13 @@ def _batched_calls(st: StaticParams):
     def fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed):
         return tuple(run_forward(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st))
 
-    fwd.def_vmap(_fold_batch_rule(fwd, 5, 2, foldable))
+    fwd.def_vmap(fold_batch_rule(fwd, 5, 2, foldable))
 
     @jax.custom_batching.custom_vmap
     def bwd(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, seed):
         return tuple(run_backward(q, k, v, do, lse, out, q_seg, kv_seg, cu_q, cu_k, seed, st))
 
-    bwd.def_vmap(_fold_batch_rule(bwd, 8, 4, foldable))
+    bwd.def_vmap(fold_batch_rule(bwd, 8, 4, foldable))
     return fwd, bwd
 
 
@@ -83,21 +92,12 @@ def _attention_fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: StaticPara
 
 
 def _attention_bwd(st: StaticParams, res, d_out):
-    return out, (q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse)
-
-
-def _attention_bwd(st: _Static, res, d_out):
     q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse = res
     _, bwd = _batched_calls(st)
     d_out = d_out.astype(q.dtype)
     # delta_i = <dO_i, O_i> = sum_j P_ij dP_ij comes back with the gradients (the sinks' need it).
     dq, dk, dv, delta = bwd(q, k, v, d_out, lse, out, q_seg, kv_seg, cu_q, cu_k, seed)
-    d_aux = None
-    if aux is not None:
-        # d aux[h, s] = -sum_i P_sink[i, s] * delta_i, with P_sink = exp(aux - lse) (lse in log2 units).
-        p_sink = jnp.exp2(aux[None, :, None, :] * LOG2E - lse[..., None])
-        p_sink = jnp.where(delta[..., None] == 0.0, 0.0, p_sink)
-        d_aux = -jnp.einsum("bhsk,bhs->hk", p_sink, delta).astype(aux.dtype)
+    d_aux = sink_gradient(aux, lse, delta) if aux is not None else None
     return dq, dk, dv, None, None, None, None, d_aux, None
 
 

@@ -1,0 +1,291 @@
+"""The block-sparse kernels: forward (`_fwd_kernel`), dK/dV (`_dkv_kernel`) and dQ (`_dq_kernel`).
+
+Each program walks a schedule (`ejkernel.ops.utils.block_sparse.block_schedule`, reordered by
+:func:`kernel_schedule`) instead of a contiguous range: the forward and dQ programs own a query tile and
+visit the key blocks of its mask row, the dK/dV programs own a key tile and visit the query blocks of its
+mask column (the transposed schedule), looping over the query heads of their kv head's group (GQA without
+repeated kv, no atomics). A disabled block is never loaded. Kernel tiles divide the mask's blocks, so a
+visited mask block is ``block_size // tile`` consecutive tiles; the full blocks come first and run the
+unmasked tile step, the partial ones (a causal/window boundary, a ragged tail, segment ids) the masked one.
+The tile steps, online softmax, sinks and stores are flash attention's (`flash_attention.tiles`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from ejkernel.ops.utils.block_sparse import block_schedule
+from ejkernel_triton.flash_attention.backward import row_delta
+from ejkernel_triton.flash_attention.common import StaticParams, kernel_meta, placeholder
+from ejkernel_triton.flash_attention.tiles import dkv_tile, dq_tile, fwd_tile, sink_blocks, sink_state, store_rows
+from ejkernel_triton.launch import launch
+
+_FLASH_ONLY = ("IS_VARLEN", "DROPOUT", "DROP_THRESHOLD", "DROP_SCALE")
+
+
+def kernel_schedule(call, by: str):
+    """(indices, num_full, counts) of ``block_schedule(call, by=by)`` with each row's full blocks first
+    (ascending), then its partial ones (ascending): a kernel runs ``[0, num_full)`` unmasked and
+    ``[num_full, counts)`` masked. int32 ``[mask_batch, mask_heads, rows, max_visits]``, ``[..., rows]`` x2."""
+    schedule = block_schedule(call, by=by)
+    valid = jnp.arange(schedule.indices.shape[-1], dtype=jnp.int32) < schedule.counts[..., None]
+    order = jnp.argsort(jnp.where(valid, schedule.partial.astype(jnp.int8), 2), axis=-1, stable=True)
+    indices = jnp.take_along_axis(schedule.indices, order, axis=-1).astype(jnp.int32)
+    num_full = jnp.sum(valid & ~schedule.partial, axis=-1, dtype=jnp.int32)
+    return indices, num_full, schedule.counts.astype(jnp.int32)
+
+
+@triton.jit
+def _schedule_row(Indices, NumFull, Counts, batch, head, row, MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr,
+                  ROWS: tl.constexpr, MAX_VISITS: tl.constexpr):
+    """(visits pointer, number of full visits, number of visits) of schedule row `row` for (batch, head).
+    A mask of batch or heads 1 is shared; `batch % MASK_BATCH` also maps a vmap-folded batch back."""
+    sched = ((batch % MASK_BATCH) * MASK_HEADS + head % MASK_HEADS) * ROWS + row
+    return Indices + sched.to(tl.int64) * MAX_VISITS, tl.load(NumFull + sched), tl.load(Counts + sched)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, QSeg, KSeg, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs, scalars
+    O, LSE,  # outputs
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
+    Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+):
+    m0 = tl.program_id(0) * BLOCK_Q
+    batch = tl.program_id(1)
+    head = tl.program_id(2)
+    b64 = batch.to(tl.int64)  # element offsets of large batches overflow int32
+    kv_head = head // GROUP
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_kv = tl.arange(0, BLOCK_KV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = m0 + offs_q
+
+    q = tl.load(Q + b64 * SEQ_Q * stride_qs + head * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
+                mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), other=0.0)
+    k_ptrs = K + b64 * SEQ_KV * stride_ks + kv_head * stride_kh + offs_kv[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + b64 * SEQ_KV * stride_vs + kv_head * stride_vh + offs_kv[:, None] * stride_vs + offs_dv[None, :]
+    k_seg_ptr = KSeg + b64 * SEQ_KV
+    if HAS_SEGMENTS:
+        q_seg = tl.load(QSeg + b64 * SEQ_Q + rows, mask=rows < SEQ_Q, other=-2)
+    else:
+        q_seg = rows
+
+    acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=tl.float32)
+    m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
+    visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
+                                            MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
+    TILES: tl.constexpr = KV_BLOCK_SIZE // BLOCK_KV
+    for i in range(0, num_full * TILES):
+        n0 = tl.load(visits + i // TILES) * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        acc, m_i, l_i = fwd_tile(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, n0, rows, offs_kv, offs_d, offs_dv, SEQ_Q,
+            SEQ_KV, k_seg_ptr, q_seg, qk_scale, softcap, 0, 0, 0, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, False, DOT_PRECISION, False, 0, 1.0)
+    for i in range(num_full * TILES, count * TILES):
+        n0 = tl.load(visits + i // TILES) * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        acc, m_i, l_i = fwd_tile(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, n0, rows, offs_kv, offs_d, offs_dv, SEQ_Q,
+            SEQ_KV, k_seg_ptr, q_seg, qk_scale, softcap, 0, 0, 0, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION, False, 0, 1.0)
+
+    o_ptrs = O + b64 * SEQ_Q * stride_os + head * stride_oh + rows[:, None] * stride_os + offs_dv[None, :]
+    store_rows(o_ptrs, LSE + (b64 * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
+               (rows[:, None] < SEQ_Q) & (offs_dv[None, :] < DV), rows < SEQ_Q)
+
+
+@triton.jit
+def _dkv_kernel(
+    Q, K, V, DO, LSE, Delta, QSeg, KSeg, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,
+    DKOut, DVOut,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
+    Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+):
+    n0 = tl.program_id(0) * BLOCK_KV
+    batch = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    b64 = batch.to(tl.int64)
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_kv = tl.arange(0, BLOCK_KV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = n0 + offs_kv
+
+    k_base = K + b64 * SEQ_KV * stride_ks + kv_head * stride_kh
+    v_base = V + b64 * SEQ_KV * stride_vs + kv_head * stride_vh
+    k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :],
+                mask=(cols[:, None] < SEQ_KV) & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(v_base + cols[:, None] * stride_vs + offs_dv[None, :],
+                mask=(cols[:, None] < SEQ_KV) & (offs_dv[None, :] < DV), other=0.0)
+    if HAS_SEGMENTS:
+        k_seg = tl.load(KSeg + b64 * SEQ_KV + cols, mask=cols < SEQ_KV, other=-1)
+    else:
+        k_seg = cols
+    q_seg_ptr = QSeg + b64 * SEQ_Q
+
+    dk = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_KV, BLOCK_DV], dtype=tl.float32)
+    TILES: tl.constexpr = Q_BLOCK_SIZE // BLOCK_Q
+    # Every query head of this kv head's group adds to the same dK/dV; each follows its own mask column.
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        q_ptrs = Q + b64 * SEQ_Q * stride_qs + head * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
+        do_ptrs = DO + b64 * SEQ_Q * stride_os + head * stride_oh + offs_q[:, None] * stride_os + offs_dv[None, :]
+        row_offset = (b64 * NUM_HEADS + head) * SEQ_Q
+        visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, n0 // KV_BLOCK_SIZE,
+                                                MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
+        for i in range(0, num_full * TILES):
+            m0 = tl.load(visits + i // TILES) * Q_BLOCK_SIZE + (i % TILES) * BLOCK_Q
+            dk, dv = dkv_tile(
+                dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_offset, Delta + row_offset, q_seg_ptr, m0, cols, offs_q,
+                offs_d, offs_dv, SEQ_Q, SEQ_KV, k_seg, stride_qs, stride_os, qk_scale, softcap, 0, 0, 0, D, DV,
+                BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, False,
+                DOT_PRECISION, False, 0, 1.0)
+        for i in range(num_full * TILES, count * TILES):
+            m0 = tl.load(visits + i // TILES) * Q_BLOCK_SIZE + (i % TILES) * BLOCK_Q
+            dk, dv = dkv_tile(
+                dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_offset, Delta + row_offset, q_seg_ptr, m0, cols, offs_q,
+                offs_d, offs_dv, SEQ_Q, SEQ_KV, k_seg, stride_qs, stride_os, qk_scale, softcap, 0, 0, 0, D, DV,
+                BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True,
+                DOT_PRECISION, False, 0, 1.0)
+
+    dk = dk * qk_scale
+    dk_ptrs = DKOut + b64 * SEQ_KV * stride_ks + kv_head * stride_kh + cols[:, None] * stride_ks + offs_d[None, :]
+    tl.store(dk_ptrs, dk.to(DKOut.dtype.element_ty), mask=(cols[:, None] < SEQ_KV) & (offs_d[None, :] < D))
+    dv_ptrs = DVOut + b64 * SEQ_KV * stride_vs + kv_head * stride_vh + cols[:, None] * stride_vs + offs_dv[None, :]
+    tl.store(dv_ptrs, dv.to(DVOut.dtype.element_ty), mask=(cols[:, None] < SEQ_KV) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, Delta, QSeg, KSeg, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,
+    DQ,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
+    Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+):
+    m0 = tl.program_id(0) * BLOCK_Q
+    batch = tl.program_id(1)
+    head = tl.program_id(2)
+    b64 = batch.to(tl.int64)
+    kv_head = head // GROUP
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_kv = tl.arange(0, BLOCK_KV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = m0 + offs_q
+    row_ok = rows < SEQ_Q
+
+    q = tl.load(Q + b64 * SEQ_Q * stride_qs + head * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(DO + b64 * SEQ_Q * stride_os + head * stride_oh + rows[:, None] * stride_os + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    row_offset = (b64 * NUM_HEADS + head) * SEQ_Q
+    lse = tl.load(LSE + row_offset + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + row_offset + rows, mask=row_ok, other=0.0)
+    k_ptrs = K + b64 * SEQ_KV * stride_ks + kv_head * stride_kh + offs_kv[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + b64 * SEQ_KV * stride_vs + kv_head * stride_vh + offs_kv[:, None] * stride_vs + offs_dv[None, :]
+    k_seg_ptr = KSeg + b64 * SEQ_KV
+    if HAS_SEGMENTS:
+        q_seg = tl.load(QSeg + b64 * SEQ_Q + rows, mask=row_ok, other=-2)
+    else:
+        q_seg = rows
+
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
+                                            MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
+    TILES: tl.constexpr = KV_BLOCK_SIZE // BLOCK_KV
+    for i in range(0, num_full * TILES):
+        n0 = tl.load(visits + i // TILES) * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        dq = dq_tile(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, n0, rows, offs_kv, offs_d, offs_dv, SEQ_Q,
+            SEQ_KV, k_seg_ptr, q_seg, qk_scale, softcap, 0, 0, 0, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, False, DOT_PRECISION, False, 0, 1.0)
+    for i in range(num_full * TILES, count * TILES):
+        n0 = tl.load(visits + i // TILES) * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        dq = dq_tile(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, n0, rows, offs_kv, offs_d, offs_dv, SEQ_Q,
+            SEQ_KV, k_seg_ptr, q_seg, qk_scale, softcap, 0, 0, 0, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION, False, 0, 1.0)
+    dq = dq * qk_scale
+    tl.store(DQ + b64 * SEQ_Q * stride_qs + head * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+def _meta(q, k, v, st: StaticParams, has_segments: bool, schedule, q_block_size: int, kv_block_size: int) -> dict:
+    """Constexprs of the three kernels: flash attention's (`common.kernel_meta`) and the schedule's shape."""
+    meta = {name: value for name, value in kernel_meta(q, k, v, st, has_segments, False).items()
+            if name not in _FLASH_ONLY}
+    mask_batch, mask_heads, rows, max_visits = schedule[0].shape
+    return dict(meta, MASK_BATCH=mask_batch, MASK_HEADS=mask_heads, ROWS=rows, MAX_VISITS=max_visits,
+                Q_BLOCK_SIZE=q_block_size, KV_BLOCK_SIZE=kv_block_size)
+
+
+def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_block_size: int, kv_block_size: int):
+    """(out [B, Sq, H, Dv], lse [B, H, Sq] float32, log2 units); `q_schedule`: `kernel_schedule(call, "q")`."""
+    b, sq, h, _ = q.shape
+    dv = v.shape[-1]
+    config = st.config
+    has_seg = q_seg is not None
+    num_sinks = aux.shape[-1] if aux is not None else 0
+    args = (q, k, v, q_seg if has_seg else placeholder(), kv_seg if has_seg else placeholder(),
+            aux if aux is not None else jnp.zeros((1,), jnp.float32), *q_schedule,
+            np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, k.shape[1])
+    out_shapes = (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+    return launch(
+        _fwd_kernel, args, out_shapes, (triton.cdiv(sq, config.fwd_block_q), b, h),
+        num_warps=config.fwd_num_warps, num_stages=config.fwd_num_stages, zeroed_outputs=(), interpret=st.interpret,
+        **_meta(q, k, v, st, has_seg, q_schedule, q_block_size, kv_block_size),
+        BLOCK_Q=config.fwd_block_q, BLOCK_KV=config.fwd_block_kv, NUM_SINKS=num_sinks,
+        BLOCK_SINKS=sink_blocks(num_sinks))
+
+
+def run_backward(q, k, v, do, lse, out, q_seg, kv_seg, q_schedule, kv_schedule, st: StaticParams,
+                 q_block_size: int, kv_block_size: int):
+    """(dq, dk, dv, delta): the gradients of q, k, v and delta_i = <dO_i, O_i> (the sinks' gradient needs it)."""
+    b, sq, h, _ = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    config = st.config
+    has_seg = q_seg is not None
+    delta = row_delta(out, do, None, st)
+    inputs = (q, k, v, do, lse, delta, q_seg if has_seg else placeholder(), kv_seg if has_seg else placeholder())
+    scalars = (np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, skv)
+    dk, dv = launch(
+        _dkv_kernel, (*inputs, *kv_schedule, *scalars),
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        (triton.cdiv(skv, config.dkv_block_kv), b, hkv), num_warps=config.bwd_num_warps,
+        num_stages=config.bwd_num_stages, zeroed_outputs=(), interpret=st.interpret,
+        **_meta(q, k, v, st, has_seg, kv_schedule, q_block_size, kv_block_size),
+        BLOCK_Q=config.dkv_block_q, BLOCK_KV=config.dkv_block_kv)
+    (dq,) = launch(
+        _dq_kernel, (*inputs, *q_schedule, *scalars), (jax.ShapeDtypeStruct(q.shape, q.dtype),),
+        (triton.cdiv(sq, config.dq_block_q), b, h), num_warps=config.bwd_num_warps,
+        num_stages=config.bwd_num_stages, zeroed_outputs=(), interpret=st.interpret,
+        **_meta(q, k, v, st, has_seg, q_schedule, q_block_size, kv_block_size),
+        BLOCK_Q=config.dq_block_q, BLOCK_KV=config.dq_block_kv)
+    return dq, dk, dv, delta

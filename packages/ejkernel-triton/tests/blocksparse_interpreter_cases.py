@@ -1,0 +1,102 @@
+"""Numerics of the Triton block-sparse kernels through Triton's interpreter, on the host (run by
+test_blocksparse.py in a subprocess: TRITON_INTERPRET=1 must be set before triton is imported).
+
+Each case runs the forward and the gradients of q, k, v (and the sinks) of a fresh random problem through
+the Triton implementation (small tiles, so mask blocks span several kernel tiles), compares them with the
+float64 reference of the shared suite (``reference_blocksparse_attention``) and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention  # noqa: E402
+from ejkernel.testing.blocksparse_attention import random_block_mask, reference_blocksparse_attention  # noqa: E402
+from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig  # noqa: E402
+
+SMALL_TILES = TritonBlockSparseConfig(16, 16, 4, 1, 16, 16, 16, 16, 4, 1)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))  # a zero reference needs exact zeros
+
+
+def case(name, *, seed, b=1, sq=45, skv=45, h=2, hkv=1, d=64, dv=None, dtype=jnp.float32, blocks=(32, 16),
+         mask_batch=1, mask_heads=None, sinks=0, segments=False, vmap=False, config=SMALL_TILES, **kw):
+    dv = dv or d
+    ks = jax.random.split(jax.random.key(seed), 5)
+    lead = (2,) if vmap else ()
+    q = jax.random.normal(ks[0], (*lead, b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (*lead, b, skv, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (*lead, b, skv, hkv, dv), jnp.float32).astype(dtype)
+    mask = random_block_mask(seed, mask_batch, h if mask_heads is None else mask_heads, sq, skv, *blocks)
+    static = dict(block_mask=mask, block_size=blocks, **kw)
+    extra = {}
+    if sinks:
+        extra["softmax_aux"] = jax.random.normal(ks[3], (h, sinks), jnp.float32)
+    if segments:
+        rng = np.random.default_rng(seed)
+        seg = jnp.asarray(np.sort(rng.integers(0, 3, (b, sq)), axis=1), jnp.int32)
+        extra.update(q_segment_ids=seg, kv_segment_ids=seg)
+
+    def triton(q, k, v, aux):
+        args = dict(extra, softmax_aux=aux) if sinks else extra
+        call = BlockSparseAttention().validate(q, k, v, **args, **static)
+        return IMPLEMENTATION(call, config or IMPLEMENTATION.heuristic_config(call))
+
+    def reference(q, k, v, aux):
+        args = dict(extra, softmax_aux=aux) if sinks else dict(extra)
+        args = {n: (a.astype(jnp.float64) if n == "softmax_aux" else a) for n, a in args.items()}
+        return reference_blocksparse_attention(q.astype(jnp.float64), k.astype(jnp.float64),
+                                               v.astype(jnp.float64), **args, **static)
+
+    aux = extra.get("softmax_aux", jnp.zeros((h, 1), jnp.float32))
+    fn, ref_fn = (jax.vmap(triton, (0, 0, 0, None)), jax.vmap(reference, (0, 0, 0, None))) if vmap else (triton, reference)
+    start = time.time()
+    out, vjp = jax.vjp(fn, q, k, v, aux)
+    d_out = jax.random.normal(ks[4], out.shape, jnp.float32).astype(dtype)
+    dq, dk, dv_, d_aux = vjp(d_out)
+    ref, ref_vjp = jax.vjp(ref_fn, q, k, v, aux.astype(jnp.float64))
+    rdq, rdk, rdv, rd_aux = ref_vjp(d_out.astype(jnp.float64))
+    row = dict(name=name, dtype=jnp.dtype(dtype).name, out=_rel(out, ref), dq=_rel(dq, rdq), dk=_rel(dk, rdk),
+               dv=_rel(dv_, rdv), d_aux=_rel(d_aux, rd_aux) if sinks else 0.0,
+               finite=bool(all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in (out, dq, dk, dv_))),
+               seconds=round(time.time() - start, 2))
+    if not vmap and not segments and mask_batch == 1:
+        # The suite's mask turns one whole mask row off: its outputs and query gradients are exact zeros.
+        r0 = (mask.shape[2] // 2) * blocks[0]
+        rows = slice(r0, r0 + blocks[0])
+        row["masked_rows_zero"] = bool(np.all(np.asarray(out[:, rows]) == 0) and np.all(np.asarray(dq[:, rows]) == 0))
+    print(json.dumps(row), flush=True)
+
+
+CASES = {
+    # per-head mask, GQA 2:1, causal, two sinks, ragged tails on both axes, mask blocks of 2 and 1 kernel tiles
+    "gqa_causal_sinks_ragged": dict(seed=1, sinks=2, causal=True),
+    # rectangular, non-causal, shared mask, v head dim 128, fp16, mask blocks of 1 x 2 kernel tiles
+    "rect_noncausal_fp16": dict(seed=2, b=2, sq=20, skv=50, h=2, hkv=2, dv=128, dtype=jnp.float16, blocks=(16, 32),
+                                mask_heads=1, causal=False),
+    # sliding window + soft cap + scale + segment ids + one sink, the heuristic config (fp32: 32-blocks -> 16)
+    "window_softcap_segments": dict(seed=3, sq=40, skv=40, blocks=(16, 16), sinks=1, segments=True, causal=True,
+                                    sliding_window=(7, 2), logits_soft_cap=5.0, softmax_scale=0.3, config=None),
+    # vmap over q/k/v with a per-batch mask (the vmapped axis folds into the batch: schedule of b % mask_batch)
+    "vmap_batch_mask": dict(seed=4, b=2, sq=33, skv=33, blocks=(16, 16), mask_batch=2, vmap=True, causal=True),
+}
+
+if __name__ == "__main__":
+    for case_name, params in CASES.items():
+        case(case_name, **params)

@@ -1,0 +1,163 @@
+"""The Triton block-sparse attention on a CPU-only machine: interpreter numerics (every gradient, sinks
+included; blocksparse_interpreter_cases.py, in a subprocess), sm_90 lowering, the schedule order the kernels
+rely on, and what the implementation and its config accept."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel import UnsupportedFeature
+from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
+from ejkernel.ops.utils.block_sparse import effective_block_mask
+from ejkernel.testing.blocksparse_attention import random_block_mask
+from ejkernel_triton import launch, plugin
+from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig
+from ejkernel_triton.blocksparse_attention.kernels import kernel_schedule
+
+CASES_SCRIPT = Path(__file__).with_name("blocksparse_interpreter_cases.py")
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+CUDA_LOWERING = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda13") is None and importlib.util.find_spec("jax_cuda13_plugin") is None,
+    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
+
+
+def _call(q_len=256, kv_len=256, heads=4, kv_heads=2, dim=64, v_dim=None, dtype=jnp.bfloat16, block_size=128,
+          mask=None, **kw):
+    q = jnp.zeros((1, q_len, heads, dim), dtype)
+    k = jnp.zeros((1, kv_len, kv_heads, dim), dtype)
+    v = jnp.zeros((1, kv_len, kv_heads, v_dim or dim), dtype)
+    return BlockSparseAttention().validate(q, k, v, block_mask=mask, block_size=block_size, **kw)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(CASES_SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {row["name"]: row for row in map(json.loads, filter(lambda s: s.startswith("{"), proc.stdout.splitlines()))}
+
+
+def _case_names():
+    import ast
+
+    for node in ast.parse(CASES_SCRIPT.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
+            return [key.value for key in node.value.keys]
+    raise AssertionError("CASES not found")
+
+
+@pytest.mark.parametrize("name", _case_names())
+def test_interpreter_case_matches_reference(interpreter_results, name):
+    row = interpreter_results[name]
+    assert row["finite"], row
+    for quantity in ("out", "dq", "dk", "dv", "d_aux"):
+        assert row[quantity] <= TOLERANCE[row["dtype"]], (quantity, row)
+    assert row.get("masked_rows_zero", True), row
+
+
+def test_registered():
+    assert plugin.IMPLEMENTATIONS["blocksparse_attention"] == "ejkernel_triton.blocksparse_attention:IMPLEMENTATION"
+
+
+@pytest.mark.parametrize("by", ["q", "kv"])
+def test_schedule_puts_full_blocks_first_and_visits_every_kept_block(by):
+    mask = random_block_mask(0, 1, 2, 200, 300, 32, 16, density=0.4)
+    call = _call(200, 300, heads=2, kv_heads=1, block_size=(32, 16), mask=mask, causal=True, sliding_window=(90, 10))
+    indices, num_full, counts = map(np.asarray, kernel_schedule(call, by))
+    effective = np.asarray(effective_block_mask(call))
+    if by == "kv":
+        effective = effective.swapaxes(2, 3)
+    assert counts.sum() == effective.sum()  # one visit per kept block, none for a disabled one
+    q_full = {"q": np.arange(7) * 32 + 31 < 200, "kv": np.arange(19) * 16 + 15 < 300}[by]
+    for (b, h, r), count in np.ndenumerate(counts):
+        visited = indices[b, h, r, :count]
+        assert sorted(visited.tolist()) == np.flatnonzero(effective[b, h, r]).tolist()
+        full, partial = visited[: num_full[b, h, r]], visited[num_full[b, h, r]:]
+        assert list(full) == sorted(full) and list(partial) == sorted(partial)
+        if by == "q" and not q_full[r]:  # a ragged last query block masks every visit
+            assert num_full[b, h, r] == 0
+    assert num_full.sum() > 0 and (counts - num_full).sum() > 0
+
+
+def test_segment_ids_mask_every_block():
+    seg = jnp.zeros((1, 256), jnp.int32)
+    call = _call(q_segment_ids=seg, kv_segment_ids=seg, causal=False)
+    _, num_full, counts = kernel_schedule(call, "q")
+    assert int(num_full.sum()) == 0 and int(counts.sum()) == 4
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dim=32), "head dims"),
+    (dict(dim=128, v_dim=96), "head dims"),
+    (dict(q_len=48, block_size=(8, 16)), "q_block_size=8"),
+    (dict(kv_len=72, block_size=(16, 24)), "kv_block_size=24"),
+])
+def test_refused_calls(kw, match):
+    with pytest.raises(UnsupportedFeature, match=match):
+        IMPLEMENTATION.supports(_call(**kw))
+
+
+@pytest.mark.parametrize("block_size", [128, (64, 32), (48, 80), (256, 16)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_heuristic_tiles_divide_the_mask_blocks(block_size, dtype):
+    call = _call(q_len=512, kv_len=512, dtype=dtype, block_size=block_size)
+    IMPLEMENTATION.supports(call)
+    configs = [IMPLEMENTATION.heuristic_config(call), *IMPLEMENTATION.candidate_configs(call)]
+    for config in configs:
+        assert isinstance(config, TritonBlockSparseConfig)
+        for name in ("fwd_block_q", "dkv_block_q", "dq_block_q"):
+            assert call.q_block_size % getattr(config, name) == 0, (name, config)
+        for name in ("fwd_block_kv", "dkv_block_kv", "dq_block_kv"):
+            assert call.kv_block_size % getattr(config, name) == 0, (name, config)
+
+
+def test_config_that_does_not_divide_the_mask_blocks_is_an_error():
+    call = _call(block_size=(32, 128))
+    with pytest.raises(ValueError, match="fwd_block_q=64 must divide"):
+        IMPLEMENTATION(call, TritonBlockSparseConfig(64, 64, 4, 2, 32, 64, 32, 64, 4, 1))
+
+
+@pytest.fixture
+def _sm90(monkeypatch):
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
+
+
+def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, **kw):
+    spec = jax.ShapeDtypeStruct
+    q, k = spec((2, 640, heads, dim), dtype), spec((2, 600, kv_heads, dim), dtype)
+    mask = random_block_mask(0, 2, heads, 640, 600, 128, 128, density=0.3)
+    seg = jnp.zeros((2, 640), jnp.int32)
+
+    def loss(q, k, v, aux):
+        extra = dict(softmax_aux=aux if sinks else None)
+        if segments:
+            extra.update(q_segment_ids=seg, kv_segment_ids=seg[:, :600])
+        call = BlockSparseAttention().validate(q, k, v, block_mask=mask, **extra, **kw)
+        return IMPLEMENTATION(call, IMPLEMENTATION.heuristic_config(call)).astype(jnp.float32).sum()
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, k, spec((heads, 2), jnp.float32)).lower(
+        lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
+@CUDA_LOWERING
+@pytest.mark.usefixtures("_sm90")
+@pytest.mark.parametrize("dtype,dim,kw", [
+    (jnp.bfloat16, 128, dict(causal=True)),
+    (jnp.float32, 64, dict(causal=False, sliding_window=(200, 0), logits_soft_cap=20.0, sinks=True,
+                           segments=True)),
+], ids=["bf16-d128-causal", "fp32-d64-window-softcap-sinks-segments"])
+def test_fwd_bwd_compile_for_sm90(dtype, dim, kw):
+    text = _lower(dtype, dim, 8, 2, **kw)
+    # forward, dK/dV and dQ kernels; float32 adds the delta kernel
+    assert text.count("triton_kernel_call") >= (4 if dtype == jnp.float32 else 3)
