@@ -1,0 +1,269 @@
+"""Block-sparse attention benchmark: ejkernel's Triton block-sparse kernels at 10 / 25 / 50 % block density
+against our dense Triton flash attention (same shape, every block) and the XLA block-sparse implementation,
+forward and forward+backward, at S = 8k and 16k; and the Triton mean_pooling against XLA's.
+
+One command (on a GPU; through the device tool: `bash scripts/device/run.sh python3 benchmarks/blocksparse.py`):
+
+    python benchmarks/blocksparse.py                          # the standard sweep (~60 s on an H200)
+    python benchmarks/blocksparse.py --seqs 16384 --densities 0.1 --no-xla
+    python benchmarks/blocksparse.py --replot benchmarks/results/X.json
+
+Shapes: batch 1, 16 heads (kv heads 16), D=128, bf16, 128 x 128 mask blocks, non-causal; per-head random
+masks with the diagonal blocks on and the rest on with probability density (the exact kept fraction is
+recorded). The mask is a jit argument (a schedule built at run time: its cost is inside every timing; the
+schedule alone is timed too, `schedule_ms`). TFLOP/s count the kept blocks only (4·D per kept (q, k) pair,
+x3.5 for forward+backward), the dense kernel's all pairs, so equal TFLOP/s means time proportional to the
+kept blocks. Targets (issue #12): at 10 % density and S=16k, time <= 1/5 of the dense kernel's, and kept-block
+TFLOP/s >= dense TFLOP/s / 1.3. Timing as `attention.py` (`time_calls`: jit, warm-up, median of `--reps`
+samples of `--calls` back-to-back calls over rotating input sets). Numerics: relative L2 error of the
+Triton output against XLA block-sparse on the first input set (S=8k).
+
+Writes `<out>/<gpu>-<date>-blocksparse.json` (after every measurement) and a PNG, prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import relative_error, time_calls, versions  # noqa: E402
+
+BLOCK = 128
+
+
+def block_mask(seed: int, heads: int, seq: int, density: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = math.ceil(seq / BLOCK)
+    mask = rng.random((1, heads, n, n)) < density
+    mask[:, :, np.arange(n), np.arange(n)] = True
+    return mask
+
+
+def make_step(kind: str, mode: str):
+    from ejkernel.modules import blocksparse_attention, flash_attention
+
+    if kind == "flash":
+        def attend(q, k, v, mask):
+            del mask
+            return flash_attention(q, k, v, causal=False, platform="triton")
+    else:
+        def attend(q, k, v, mask):
+            return blocksparse_attention(q, k, v, block_mask=mask, block_size=BLOCK, causal=False, platform=kind)
+    if mode == "fwd":
+        return jax.jit(attend)
+
+    def fwd_bwd(q, k, v, mask, do):
+        out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, mask), q, k, v)
+        return out, pullback(do)
+
+    return jax.jit(fwd_bwd)
+
+
+def schedule_step():
+    from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
+    from ejkernel_triton.blocksparse_attention.kernels import kernel_schedule
+
+    def schedules(q, k, v, mask):
+        call = BlockSparseAttention().validate(q, k, v, block_mask=mask, block_size=BLOCK, causal=False)
+        return kernel_schedule(call, "q"), kernel_schedule(call, "kv")
+
+    return jax.jit(schedules)
+
+
+def random_inputs(seed, batch, seq, heads, dim, dtype, sets):
+    out = []
+    for s in range(sets):
+        ks = jax.random.split(jax.random.key(seed * 100 + s), 4)
+        out.append(tuple(jax.random.normal(kk, (batch, seq, heads, dim), jnp.float32).astype(dtype) for kk in ks))
+    return out
+
+
+def mean_pooling_rows(args) -> list[dict]:
+    """Triton vs XLA mean_pooling, varlen bf16 [T, F]: forward and forward+backward GB/s (bytes of x read,
+    plus dx written for the backward)."""
+    from ejkernel.modules import mean_pooling
+
+    rows = []
+    for tokens, features, seqs in ((1 << 20, 1024, 64), (1 << 16, 4096, 4)):
+        cu = jnp.asarray(np.linspace(0, tokens, seqs + 1).astype(np.int32))
+        xs = [jax.random.normal(jax.random.key(i), (tokens, features), jnp.float32).astype(jnp.bfloat16)
+              for i in range(2)]
+        for platform in ("triton", "xla"):
+            fwd = jax.jit(lambda x, p=platform: mean_pooling(x, cu_seqlens=cu, platform=p))
+            both = jax.jit(lambda x, p=platform: jax.grad(
+                lambda x: mean_pooling(x, cu_seqlens=cu, platform=p).astype(jnp.float32).sum())(x))
+            for mode, step, nbytes in (("fwd", fwd, 2 * tokens * features), ("fwd+bwd", both, 4 * tokens * features)):
+                try:
+                    seconds = time_calls(lambda c, s=step: s(xs[c % 2]), args.warmup, args.reps, args.calls)
+                    rows.append(dict(op="mean_pooling", impl=platform, mode=mode, tokens=tokens, features=features,
+                                     seqs=seqs, ms=seconds * 1e3, gbps=nbytes / seconds / 1e9))
+                except Exception as exc:  # noqa: BLE001 -- one failing row must not end the run
+                    rows.append(dict(op="mean_pooling", impl=platform, mode=mode, tokens=tokens,
+                                     features=features, seqs=seqs, error=f"{type(exc).__name__}: {exc}"[:300]))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["results"] if r.get("ms")]
+    combos = sorted({(r["seq"], r["mode"]) for r in rows})
+    fig, axes = plt.subplots(2, max(1, len(combos)), figsize=(4.2 * max(1, len(combos)), 6.4), squeeze=False)
+    for col, (seq, mode) in enumerate(combos):
+        for impl in ("triton", "xla"):
+            pts = sorted((r["density"], r["ms"], r["tflops"]) for r in rows
+                         if (r["seq"], r["mode"], r["impl"]) == (seq, mode, impl))
+            if pts:
+                axes[0, col].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{impl} block-sparse")
+                axes[1, col].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=f"{impl} block-sparse")
+        dense = [r for r in rows if (r["seq"], r["mode"], r["impl"]) == (seq, mode, "triton-flash-dense")]
+        if dense:
+            axes[0, col].axhline(dense[0]["ms"], color="k", ls="--", label="triton flash (dense)")
+            axes[1, col].axhline(dense[0]["tflops"], color="k", ls="--", label="triton flash (dense)")
+        axes[0, col].set_title(f"S={seq} {mode}", fontsize=9)
+        axes[0, col].set_yscale("log")
+        axes[0, col].set_ylabel("ms")
+        axes[1, col].set_ylabel("TFLOP/s (kept blocks)")
+        axes[1, col].set_xlabel("block density")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(f"block-sparse attention, {doc['device']}, {doc['date'][:10]} (B=1, H=16, D=128, bf16, "
+                 f"128-blocks)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    fig.savefig(path, dpi=110)
+
+
+def print_report(doc: dict) -> None:
+    print(f"## {doc['device']}, {doc['date'][:10]}: block-sparse attention (B=1, H=16, D=128, bf16, 128-blocks)")
+    print("| S | mode | density (kept) | impl | ms | TFLOP/s kept | x dense time |")
+    print("|---|---|---|---|---|---|---|")
+    for r in doc["results"]:
+        if r.get("ms"):
+            print(f"| {r['seq']} | {r['mode']} | {r['density']} ({r['kept']:.3f}) | {r['impl']} | {r['ms']:.3f} | "
+                  f"{r['tflops']:.1f} | {r.get('vs_dense_time', float('nan')):.3f} |")
+        else:
+            print(f"| {r['seq']} | {r['mode']} | {r['density']} | {r['impl']} | error: {r.get('error', '')[:80]} |")
+    for t in doc.get("targets", []):
+        print(f"target S={t['seq']} {t['mode']} density {t['density']}: speedup {t['speedup']:.2f}x (>= 5), "
+              f"kept-block TFLOP/s / dense {t['tflops_ratio']:.2f} (>= {1 / 1.3:.2f}): "
+              f"{'MET' if t['met'] else 'NOT MET'}")
+    for r in doc.get("mean_pooling", []):
+        if r.get("ms"):
+            print(f"mean_pooling {r['impl']:6s} {r['mode']:7s} T={r['tokens']} F={r['features']} N={r['seqs']}: "
+                  f"{r['ms']:.3f} ms, {r['gbps']:.0f} GB/s")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--no-xla", action="store_true", help="skip the XLA block-sparse baseline")
+    parser.add_argument("--xla-max-seq", type=int, default=16384)
+    parser.add_argument("--no-mean-pooling", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--replot", type=Path)
+    args = parser.parse_args(argv)
+    if args.replot:
+        doc = json.loads(args.replot.read_text())
+        plot(doc, args.replot.with_suffix(".png"))
+        print_report(doc)
+        return 0
+
+    device = jax.devices()[0]
+    now = dt.datetime.now(dt.timezone.utc)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{device.device_kind.replace(' ', '-')}-{now:%Y-%m-%d}-blocksparse"
+    doc = dict(device=device.device_kind, date=now.isoformat(), versions=versions(), setup=dict(
+        batch=1, heads=args.heads, head_dim=args.head_dim, dtype="bfloat16", block=BLOCK, causal=False,
+        warmup=args.warmup, reps=args.reps, calls=args.calls), results=[], targets=[], numerics=[])
+    json_path = args.out / f"{stem}.json"
+
+    def save():
+        json_path.write_text(json.dumps(doc, indent=1))
+
+    h, d = args.heads, args.head_dim
+    for seq in args.seqs:
+        inputs = random_inputs(seq, 1, seq, h, d, jnp.bfloat16, sets=2)
+        dense_pairs = float(h) * seq * seq
+        for mode in args.modes:
+            factor = 4.0 * d * (3.5 if mode == "fwd+bwd" else 1.0)
+            dense_ms = None
+            runs = [("triton-flash-dense", "flash", 1.0)]
+            runs += [(impl, impl, density) for density in args.densities for impl in ("triton", "xla")
+                     if impl == "triton" or (not args.no_xla and seq <= args.xla_max_seq)]
+            steps = {}
+            for name, kind, density in runs:
+                mask = jnp.asarray(block_mask(7, h, seq, density)) if kind != "flash" else jnp.ones((1,), bool)
+                kept = float(np.mean(np.asarray(mask))) if kind != "flash" else 1.0
+                row = dict(seq=seq, mode=mode, impl=name, density=density, kept=kept)
+                try:
+                    step = steps.setdefault(kind, make_step(kind, mode))
+                    sets = [(*x[:3], mask, x[3]) if mode == "fwd+bwd" else (*x[:3], mask) for x in inputs]
+                    reps, calls = (3, 1) if kind == "xla" else (args.reps, args.calls)
+                    seconds = time_calls(lambda c: step(*sets[c % len(sets)]), args.warmup, reps, calls)
+                    row.update(ms=seconds * 1e3, tflops=factor * dense_pairs * kept / seconds / 1e12)
+                    if kind == "flash":
+                        dense_ms, dense_tflops = row["ms"], row["tflops"]
+                    elif dense_ms:
+                        row["vs_dense_time"] = row["ms"] / dense_ms
+                        row["tflops_vs_dense"] = row["tflops"] / dense_tflops
+                    if kind == "triton" and mode == "fwd":
+                        sched = schedule_step()
+                        row["schedule_ms"] = 1e3 * time_calls(lambda c: sched(*sets[c % 2][:4]), 2, 5, 3)
+                except Exception as exc:  # noqa: BLE001 -- one failing row must not end the run
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                    traceback.print_exc()
+                doc["results"].append(row)
+                print(json.dumps(row), flush=True)
+                if kind == "triton" and density == 0.1 and row.get("ms") and dense_ms:
+                    speedup, ratio = dense_ms / row["ms"], row["tflops"] / dense_tflops
+                    doc["targets"].append(dict(seq=seq, mode=mode, density=density, speedup=speedup,
+                                               tflops_ratio=ratio, met=speedup >= 5 and ratio >= 1 / 1.3))
+                save()
+        if seq == min(args.seqs) and not args.no_xla:
+            try:  # numerics: Triton against XLA block-sparse, forward, first input set, 25 % density
+                q, k, v, _ = inputs[0]
+                mask = jnp.asarray(block_mask(7, h, seq, 0.25))
+                got = make_step("triton", "fwd")(q, k, v, mask)
+                ref = make_step("xla", "fwd")(q, k, v, mask)
+                doc["numerics"].append(dict(seq=seq, density=0.25, out_vs_xla=relative_error(got, ref)))
+            except Exception as exc:  # noqa: BLE001
+                doc["numerics"].append(dict(seq=seq, error=f"{type(exc).__name__}: {exc}"[:400]))
+            print(json.dumps(doc["numerics"][-1]), flush=True)
+        del inputs
+    if not args.no_mean_pooling:
+        doc["mean_pooling"] = mean_pooling_rows(args)
+    save()
+    try:
+        plot(doc, json_path.with_suffix(".png"))
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    print_report(doc)
+    print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
