@@ -133,6 +133,10 @@ class _Static:
     exact_delta: bool = False
     dropout_prob: float = 0.0
     precision: lax.Precision | None = None  # of the float32 dots (see the module docstring)
+    # block-sparse attention (ejkernel_pallas.blocksparse_attention): the (mask_batch, mask_heads) of the
+    # schedules "sched_q" / "sched_kv" that drive the block loops instead of the causal/window ranges
+    schedule_dims: tuple[int, int] | None = None
+    schedule_width: int = 0  # entries per schedule row (a power of two)
 
     @property
     def statically_masked(self) -> bool:
@@ -236,6 +240,25 @@ def _run_ranges(body, ranges, carry):
     return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
 
 
+def _run_schedule(row, body, carry):
+    """``body(masked, block, carry)`` over one row of a block-sparse schedule: ``row[0]`` visits, entry
+    ``1 + s`` = ``2 * block + partial`` (``ejkernel_pallas.blocksparse_attention.gpu_schedule``)."""
+
+    def step(s, carry):
+        entry = row[1 + s]
+        block = entry // 2
+        return lax.cond(entry % 2 == 1, lambda c: body(True, block, c), lambda c: body(False, block, c), carry)
+
+    return lax.fori_loop(0, row[0], step, carry)
+
+
+def _loop(r, schedule: str, body, ranges, carry):
+    """The block loop of a kernel: the schedule's row when the call is block-sparse, else ``ranges``."""
+    if schedule in r:
+        return _run_schedule(r[schedule], body, carry)
+    return _run_ranges(body, ranges, carry)
+
+
 def _dot(st: _Static, a, b, a_axis: int, b_axis: int):
     """``a`` times ``b`` (2-D tiles) contracting ``a_axis`` with ``b_axis``, accumulated in float32."""
     dims = (((a_axis,), (b_axis,)), ((), ()))
@@ -319,7 +342,7 @@ def _fwd_kernel(*refs, st: _Static, names):
         return m_new, l_new, acc
 
     ranges = _kv_ranges(st, qi, block_q, block_kv, num_kv)
-    m, l, acc = _run_ranges(body, ranges, (m_init, l_init, acc_init))
+    m, l, acc = _loop(r, "sched_q", body, ranges, (m_init, l_init, acc_init))
     has_mass = l > 0.0
     safe_l = jnp.where(has_mass, l, 1.0)
     r["out"][...] = jnp.where(has_mass[:, None], acc / safe_l[:, None], 0.0).astype(r["out"].dtype)
@@ -380,7 +403,7 @@ def _dkv_kernel(*refs, st: _Static, names):
         return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = _run_ranges(body, _q_ranges(st, kj, block_q, block_kv, num_q), init)
+    dk, dv = _loop(r, "sched_kv", body, _q_ranges(st, kj, block_q, block_kv, num_q), init)
     r["dk_out"][...] = (dk * st.scale).astype(r["dk_out"].dtype)
     r["dv_out"][...] = dv.astype(r["dv_out"].dtype)
 
@@ -412,7 +435,7 @@ def _dq_kernel(*refs, st: _Static, names):
             ds = ds * cap_grad
         return dq + _dot(st, ds.astype(k.dtype), k, 1, 0)
 
-    dq = _run_ranges(body, _kv_ranges(st, qi, block_q, block_kv, num_kv), jnp.zeros(q.shape, jnp.float32))
+    dq = _loop(r, "sched_q", body, _kv_ranges(st, qi, block_q, block_kv, num_kv), jnp.zeros(q.shape, jnp.float32))
     r["dq_out"][...] = (dq * st.scale).astype(r["dq_out"].dtype)
 
 
@@ -430,7 +453,12 @@ def _spec_table(st: _Static, bq: int, whole_q: int, whole_kv: int, d: int, dv: i
     q_vec = (lambda i, b, h: (b, 0)) if q_whole else (lambda i, b, h: (b, i))
     kv_vec = (lambda i, b, h: (b, 0)) if kv_whole else (lambda i, b, h: (b, i))
     lse_index = (lambda i, b, h: (b, h, 0)) if q_whole else (lambda i, b, h: (b, h, i))
-    return {
+    table = {}
+    if st.schedule_dims is not None:  # one schedule row per program: (b, h, its block) of [B', H', rows, W]
+        mb, mh = st.schedule_dims
+        row = lambda i, b, h: (b if mb > 1 else 0, h if mh > 1 else 0, i, 0)  # noqa: E731
+        table["sched_q"] = table["sched_kv"] = pl.BlockSpec((None, None, None, st.schedule_width), row)
+    return table | {
         "q": pl.BlockSpec((None, q_rows, None, d), q_index),
         "do": pl.BlockSpec((None, q_rows, None, dv), q_index),
         "out": pl.BlockSpec((None, q_rows, None, dv), q_index),
@@ -452,6 +480,7 @@ def _spec_table(st: _Static, bq: int, whole_q: int, whole_kv: int, d: int, dv: i
 
 
 _META = ("q_pos", "kv_pos", "q_seg", "kv_seg", "seed")
+_SCHEDULES = ("sched_q", "sched_kv")  # block-sparse: the forward and dQ use sched_q, the dK/dV pass sched_kv
 
 
 def _forward(st: _Static, arrays: dict):
@@ -460,7 +489,7 @@ def _forward(st: _Static, arrays: dict):
     skv_pad, dv = v.shape[1], v.shape[3]
     t = st.tuning
     table = _spec_table(st, t.fwd_q, sq_pad, skv_pad, d, dv, q_whole=False, kv_whole=True, bkv=t.fwd_kv)
-    names = [n for n in ("q", "k", "v", *_META, "sinks") if n in arrays]
+    names = [n for n in ("q", "k", "v", *_META, "sinks", "sched_q") if n in arrays]
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, st=st, names=names + ["out", "lse_out"]),
         grid=(sq_pad // t.fwd_q, batch, heads),
@@ -492,14 +521,16 @@ def _backward(st: _Static, arrays: dict, out, lse, d_out):
     if st.exact_delta:
         inputs["o"] = out
     names = [n for n in ("q", "k", "v", "do", "o", "lse", "delta", *_META) if n in inputs]
+    dkv_names = names + [n for n in ("sched_kv",) if n in inputs]
+    dq_names = names + [n for n in ("sched_q",) if n in inputs]
     params = pltriton.CompilerParams(num_warps=t.bwd_warps, num_stages=t.bwd_stages)
 
     table = _spec_table(st, t.dkv_q, sq_pad, skv_pad, d, dv, q_whole=True, kv_whole=False, bkv=t.dkv_kv)
     grad_dtype = k.dtype if st.groups == 1 else jnp.float32
     dk, dv_ = pl.pallas_call(
-        functools.partial(_dkv_kernel, st=st, names=names + ["dk_out", "dv_out"]),
+        functools.partial(_dkv_kernel, st=st, names=dkv_names + ["dk_out", "dv_out"]),
         grid=(skv_pad // t.dkv_kv, batch, heads),
-        in_specs=[table[n] for n in names],
+        in_specs=[table[n] for n in dkv_names],
         out_specs=[table["dk"], table["dv"]],
         out_shape=[
             jax.ShapeDtypeStruct((batch, skv_pad, heads, d), grad_dtype),
@@ -508,22 +539,22 @@ def _backward(st: _Static, arrays: dict, out, lse, d_out):
         compiler_params=params,
         interpret=st.interpret,
         name="ejkernel_gpu_flash_dkv",
-    )(*[inputs[n] for n in names])
+    )(*[inputs[n] for n in dkv_names])
     if st.groups > 1:
         dk = dk.reshape(batch, skv_pad, kv_heads, st.groups, d).sum(axis=3).astype(k.dtype)
         dv_ = dv_.reshape(batch, skv_pad, kv_heads, st.groups, dv).sum(axis=3).astype(v.dtype)
 
     table = _spec_table(st, t.dq_q, sq_pad, skv_pad, d, dv, q_whole=False, kv_whole=True, bkv=t.dq_kv)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, st=st, names=names + ["dq_out"]),
+        functools.partial(_dq_kernel, st=st, names=dq_names + ["dq_out"]),
         grid=(sq_pad // t.dq_q, batch, heads),
-        in_specs=[table[n] for n in names],
+        in_specs=[table[n] for n in dq_names],
         out_specs=table["q"],
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,
         interpret=st.interpret,
         name="ejkernel_gpu_flash_dq",
-    )(*[inputs[n] for n in names])
+    )(*[inputs[n] for n in dq_names])
     return dq, dk, dv_
 
 

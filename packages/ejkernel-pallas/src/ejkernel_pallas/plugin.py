@@ -19,7 +19,11 @@ _KERNELS = {
         "tpu": "ejkernel_pallas.tpu_flash_attention:IMPLEMENTATION",
         "gpu": "ejkernel_pallas.gpu_flash_attention:IMPLEMENTATION",
     },
-    "blocksparse_attention": {"tpu": "ejkernel_pallas.blocksparse_attention:IMPLEMENTATION"},
+    # on the GPU the Triton backend's kernel (priority 15) ranks above this one where both are installed
+    "blocksparse_attention": {
+        "tpu": "ejkernel_pallas.blocksparse_attention:IMPLEMENTATION",
+        "gpu": "ejkernel_pallas.blocksparse_attention_gpu:IMPLEMENTATION",
+    },
     "grouped_matmul": {"tpu": "ejkernel_pallas.grouped_matmul:IMPLEMENTATION"},
     "page_attention": {"tpu": "ejkernel_pallas.page_attention:IMPLEMENTATION"},
     "ragged_page_attention": {"tpu": "ejkernel_pallas.ragged_page_attention:IMPLEMENTATION"},

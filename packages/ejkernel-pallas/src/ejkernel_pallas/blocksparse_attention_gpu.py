@@ -1,0 +1,159 @@
+"""Block-sparse attention for NVIDIA GPUs in Pallas (Triton lowering), forward and backward.
+
+The kernels are those of :mod:`ejkernel_pallas.gpu_flash_attention` (one program per query block for the
+forward and dQ, per key block and query head for dK/dV; the same logits, masks, online softmax, sinks,
+soft cap, GQA), with their block loop driven by the shared schedules
+(``ejkernel.ops.utils.block_sparse.block_schedule``) instead of the causal/window ranges: each program reads
+its row of the schedule (:func:`gpu_schedule`: the count, then ``2 * block + partial`` per visit) and loops
+over exactly the blocks the mask leaves non-empty, masking tokens only in partial ones. Time is therefore
+proportional to the kept blocks.
+
+Kernel blocks are the mask's blocks, which Triton needs as powers of two >= 16 (others are refused with
+``UnsupportedFeature``; the XLA or Triton backends take them). :class:`GpuBlockSparseTuning` holds the
+launch parameters (warps, stages). Float32 precision as in the GPU flash kernels (IEEE dots unless the
+call asks for ``"default"``).
+
+Dispatcher ranking on the GPU: the Triton backend (priority 15) ranks above this one (Pallas, 10) when
+both register ``blocksparse_attention``; measurements on the device decide whether that should change
+(``scripts/device/blocksparse_pallas.sh``, packages/ejkernel-pallas/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
+from ejkernel.ops.utils.block_sparse import BlockSchedule, block_schedule
+
+from ejkernel_pallas import gpu_flash_attention as gpu
+from ejkernel_pallas.interpret import gpu_interpret_or_refuse
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSparseTuning:
+    """Triton launch parameters of the forward (``fwd_*``) and of both backward kernels (``bwd_*``); the
+    blocks are the call's mask blocks."""
+
+    fwd_warps: int = 4
+    fwd_stages: int = 2
+    bwd_warps: int = 4
+    bwd_stages: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GpuBlockSparseTuning.{field.name} must be a positive int, got {value!r}")
+            if field.name.endswith("_warps") and value & (value - 1):
+                raise ValueError(f"GpuBlockSparseTuning.{field.name}={value}: num_warps must be a power of two")
+
+
+def heuristic_tuning(call: BlockSparseAttentionCall) -> GpuBlockSparseTuning:
+    """4 warps (8 for 128 x 128 forward tiles, as the GPU flash sweep's 128 x 128 tiling), 2 stages."""
+    big = call.q_block_size * call.kv_block_size >= 128 * 128
+    return GpuBlockSparseTuning(fwd_warps=8 if big else 4, fwd_stages=3 if big else 2)
+
+
+def candidate_tunings(call: BlockSparseAttentionCall) -> list[GpuBlockSparseTuning]:
+    return list(dict.fromkeys([
+        heuristic_tuning(call), GpuBlockSparseTuning(), GpuBlockSparseTuning(fwd_warps=8, fwd_stages=3),
+        GpuBlockSparseTuning(bwd_stages=3), GpuBlockSparseTuning(fwd_warps=8, bwd_warps=8),
+    ]))
+
+
+def gpu_schedule(schedule: BlockSchedule, width: int) -> jax.Array:
+    """int32 ``[mask_batch, mask_heads, rows, width]``: per row the count, then ``2 * block + partial`` per
+    visit (zeros after); ``width`` (a power of two, Triton blocks) >= 1 + max_visits."""
+    entries = 2 * schedule.indices + schedule.partial.astype(jnp.int32)
+    row = jnp.concatenate([schedule.counts[..., None], entries], axis=3).astype(jnp.int32)
+    return gpu._pad_axis(row, 3, width)
+
+
+def refusal(call: BlockSparseAttentionCall) -> str | None:
+    """Why these kernels cannot take the call, or None."""
+    for name, size in (("q_block_size", call.q_block_size), ("kv_block_size", call.kv_block_size)):
+        if size < 16 or size & (size - 1):
+            return f"{name}={size}: Triton blocks are powers of two >= 16 (the kernel blocks are the mask's)"
+    head_dims = (call.query.shape[-1], call.value.shape[-1])
+    if max(head_dims) > 256:
+        return f"head_dim > 256 (query, value: {head_dims})"
+    return None
+
+
+def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuBlockSparseTuning, interpret: bool):
+    query, key, value = call.query, call.key, call.value
+    batch, sq, heads, d = query.shape
+    skv, kv_heads, dv = key.shape[1], key.shape[2], value.shape[3]
+    mask_batch, mask_heads, q_blocks, kv_blocks = call.block_mask.shape
+    bq, bkv = call.q_block_size, call.kv_block_size
+    sq_pad, skv_pad = q_blocks * bq, kv_blocks * bkv
+    d_pad, dv_pad = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(dv))
+    width = pl.next_power_of_2(1 + max(s.indices.shape[3] for s in schedules))
+    arrays = {
+        "q": gpu._pad_axis(gpu._pad_axis(query, 1, sq_pad), 3, d_pad),
+        "k": gpu._pad_axis(gpu._pad_axis(key, 1, skv_pad), 3, d_pad),
+        "v": gpu._pad_axis(gpu._pad_axis(value, 1, skv_pad), 3, dv_pad),
+        "sched_q": gpu_schedule(schedules[0], width),
+        "sched_kv": gpu_schedule(schedules[1], width),
+    }
+    if call.q_segment_ids is not None:
+        arrays["q_seg"] = gpu._pad_axis(call.q_segment_ids, 1, sq_pad)
+        arrays["kv_seg"] = gpu._pad_axis(call.kv_segment_ids, 1, skv_pad)
+    num_sinks = 0
+    if call.softmax_aux is not None:
+        sinks = call.softmax_aux.reshape(heads, -1)
+        num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
+        arrays["sinks"] = gpu._pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
+    blocks = gpu.GpuFlashTuning(
+        fwd_q=bq, fwd_kv=bkv, fwd_warps=tuning.fwd_warps, fwd_stages=tuning.fwd_stages, dkv_q=bq, dkv_kv=bkv,
+        dq_q=bq, dq_kv=bkv, bwd_warps=tuning.bwd_warps, bwd_stages=tuning.bwd_stages,
+    )
+    st = gpu._Static(
+        scale=call.softmax_scale, causal=call.causal, window=call.sliding_window, soft_cap=call.logits_soft_cap,
+        sq=sq, skv=skv, q_offset=skv - sq, groups=heads // kv_heads, varlen=False,
+        has_segments=call.q_segment_ids is not None, num_sinks=num_sinks, tuning=blocks, interpret=interpret,
+        exact_delta=query.dtype == jnp.float32, precision=gpu._float32_precision(call),
+        schedule_dims=(mask_batch, mask_heads), schedule_width=width,
+    )
+    out = gpu._attention(st, arrays)
+    return out[:, :sq, :, :dv]
+
+
+_run_jit = jax.jit(_run, static_argnames=("tuning", "interpret"))
+
+
+def blocksparse_attention(call: BlockSparseAttentionCall, tuning: GpuBlockSparseTuning, *, interpret: bool = False):
+    """GPU block-sparse attention of a validated call (``interpret=True``: Pallas' interpreter on CPU). The
+    schedules are built before the jitted program (numpy for a concrete mask)."""
+    schedules = (block_schedule(call, by="q"), block_schedule(call, by="kv"))
+    return _run_jit(call, schedules, tuning=tuning, interpret=interpret)
+
+
+class GpuBlockSparseAttention(Implementation[BlockSparseAttentionCall, GpuBlockSparseTuning]):
+    """The Triton-lowered Pallas kernels (see the module docstring); on CPU in interpret mode only."""
+
+    config_type = GpuBlockSparseTuning
+
+    def supports(self, call: BlockSparseAttentionCall) -> None:
+        gpu_interpret_or_refuse()
+        problem = refusal(call)
+        if problem is not None:
+            raise UnsupportedFeature(f"pallas GPU blocksparse_attention: {problem}")
+
+    def heuristic_config(self, call: BlockSparseAttentionCall) -> GpuBlockSparseTuning:
+        return heuristic_tuning(call)
+
+    def candidate_configs(self, call: BlockSparseAttentionCall) -> list[GpuBlockSparseTuning]:
+        return candidate_tunings(call)
+
+    def __call__(self, call: BlockSparseAttentionCall, config: GpuBlockSparseTuning) -> jax.Array:
+        return blocksparse_attention(call, config, interpret=gpu_interpret_or_refuse())
+
+
+IMPLEMENTATION = GpuBlockSparseAttention()
