@@ -18,12 +18,22 @@ from ejkernel_pallas import blocksparse_attention_gpu as gpu_blocksparse
 CI_TESTS = {"test_window_soft_cap_sinks_and_segments"}
 
 
-class TestPallasGpuBlockSparseInterpreted(BlockSparseAttentionConformance):
-    """The GPU kernels interpreted on CPU. The suite's mask blocks below 16 are refused (Triton blocks are
-    powers of two >= 16), so the whole-suite run reports those as skips."""
+class Blocks16:
+    """The suite's cases with their mask blocks raised to 16 (Triton blocks are powers of two >= 16; same
+    lengths, so ragged tails, rows masked whole and GQA stay; coarser masks)."""
+
+    mask_form_block = (16, 16)
+
+    def make_inputs(self, seed, case, dtype, *, scale=1.0):
+        batch, q_len, kv_len, heads, kv_heads, head_dim, v_dim, block, mask_heads = case
+        case = (batch, q_len, kv_len, heads, kv_heads, head_dim, v_dim, (16, 16), mask_heads)
+        return super().make_inputs(seed, case, dtype, scale=scale)
+
+
+class TestPallasGpuBlockSparseInterpreted(Blocks16, BlockSparseAttentionConformance):
+    """The GPU kernels interpreted on CPU."""
 
     platform = "pallas"
-    allow_unsupported = True
     verify_reference = False
     compiler_options = INTERPRET_COMPILER_OPTIONS
 
@@ -33,19 +43,12 @@ class TestPallasGpuBlockSparseInterpreted(BlockSparseAttentionConformance):
             pytest.skip("CI-sized run: EJKERNEL_PALLAS_CONFORMANCE=1 runs the whole suite")
         yield
 
-    def make_inputs(self, seed, case, dtype, *, scale=1.0):
-        # the suite's cases with their mask blocks raised to Triton's 16 (same lengths, coarser masks)
-        batch, q_len, kv_len, heads, kv_heads, head_dim, v_dim, block, mask_heads = case
-        case = (batch, q_len, kv_len, heads, kv_heads, head_dim, v_dim, (16, 16), mask_heads)
-        return super().make_inputs(seed, case, dtype, scale=scale)
-
 
 @pytest.mark.gpu
-class TestPallasGpuBlockSparse(BlockSparseAttentionConformance):
-    """On an NVIDIA GPU (``pytest -m gpu``): the suite's small mask blocks are refused (skips naming why)."""
+class TestPallasGpuBlockSparse(Blocks16, BlockSparseAttentionConformance):
+    """On an NVIDIA GPU (``pytest -m gpu``)."""
 
     platform = "pallas"
-    allow_unsupported = True
 
 
 def test_refuses_blocks_triton_cannot_tile(pallas_interpret_gpu):
