@@ -102,6 +102,30 @@ def heuristic_splits(work: int, max_tokens: int, sms: int | None = None) -> int:
     return max(1, min(by_work, by_length))
 
 
+RESIDENT_PROGRAMS = 3
+"""Split programs one SM holds at once (bf16, D=128, 64-key steps, two in flight: 72 KB of shared memory
+each, sm_90 TTGIR; NOTES.md)."""
+WAVE_FILL = 0.9
+"""Share of the last wave's slots that :func:`wave_splits` asks to be busy."""
+
+
+def wave_splits(work: int, max_tokens: int, sms: int | None = None, resident: int = RESIDENT_PROGRAMS) -> int:
+    """Splits that make whole waves (a schedule candidate, NOTES.md "decode schedule"; not the default until
+    measured): the fewest splits whose programs fill at least ``WAVE_FILL`` of every wave's
+    ``sms x resident`` slots, chunks >= ``MIN_CHUNK``; without one, the best-filled count."""
+    slots = (sms or sm_count()) * resident
+    most = max(1, max_tokens // MIN_CHUNK)
+    best, best_fill = 1, 0.0
+    for splits in range(1, most + 1):
+        programs = max(work, 1) * splits
+        fill = programs / (math.ceil(programs / slots) * slots)
+        if fill >= WAVE_FILL:
+            return splits
+        if fill > best_fill + 1e-9:
+            best, best_fill = splits, fill
+    return best
+
+
 def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype) -> TritonDecodeConfig:
     block_n = default_block_n(head_dim, dtype)
     return TritonDecodeConfig(block_n=block_n, num_splits=heuristic_splits(work, max_tokens), num_warps=4,
