@@ -50,9 +50,33 @@ def xla_impls(names: list[str]) -> list[bench.Impl]:
         "ejkernel-xla": ejkernel(None),
         "ejkernel-xla[blockwise]": ejkernel(XlaFlashConfig(dense=False)),
         "ejkernel-xla[dense]": ejkernel(XlaFlashConfig(dense=True)),
+        "ejkernel-xla[dense:selects]": dense_variant("selects"),
         "xla": bench._jax_nn("xla"),
+        "cudnn": bench._jax_nn("cudnn"),
     }
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown --impls {unknown}; known: {', '.join(known)}")
     return [bench.Impl(name, known[name]) for name in names]
+
+
+def dense_variant(empty_row_guard: str):
+    """The dense path with another ``empty_row_guard`` (``ejkernel_xla._dense.EMPTY_ROW_GUARDS``): the
+    formulations compared in one process. Plain q, k, v (no masks or sinks), as the timed calls pass them;
+    otherwise what ``XlaFlashAttention`` does for ``XlaFlashConfig(dense=True)``."""
+    from ejkernel.modules.operations._precision import resolve_precision
+    from ejkernel_xla._blockwise import AttentionParams, key_tokens, query_tokens
+    from ejkernel_xla._dense import flash_attention_dense
+
+    def attend(q, k, v, causal):
+        batch, q_len, _, head_dim = q.shape
+        kv_len = k.shape[1]
+        params = AttentionParams(softmax_scale=head_dim**-0.5, causal=causal,
+                                 precision=resolve_precision(None, q.dtype))
+        return flash_attention_dense(q, k, v, params=params, q_tokens=query_tokens(batch, q_len, kv_len),
+                                     kv_tokens=key_tokens(batch, kv_len), empty_row_guard=empty_row_guard)
+
+    return attend
 
 
 def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype, mode: str = "fwd+bwd") -> str:
@@ -66,19 +90,25 @@ def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype, mode: str 
     return "dense" if takes_dense_path(call, XlaFlashConfig(), differentiated=mode != "fwd") else "blockwise"
 
 
-def memory(seqs: list[int], run_seq: int, heads: int, head_dim: int, dtype) -> dict:
-    """Compiled temp bytes of the default config's forward+backward per S, and one run at ``run_seq``."""
+def memory(seqs: list[int], run_seq: int, heads: int, head_dim: int, dtype, save=lambda part: None) -> dict:
+    """Compiled temp bytes of the default config's forward+backward per S, and one run at ``run_seq``;
+    ``save(part)`` after each of them (a run cut short keeps what it measured)."""
     default, blockwise = (
         bench.make_step(impl, True, "fwd+bwd") for impl in xla_impls(["ejkernel-xla", "ejkernel-xla[blockwise]"])
     )
     step = default
     rows = []
+    def temp_bytes(fn, x):
+        return jax.jit(fn).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+
     for seq in seqs:
         x = jax.ShapeDtypeStruct((1, seq, heads, head_dim), dtype)
-        temp, temp_blockwise = (jax.jit(fn).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
-                                for fn in (default, blockwise))
-        rows.append(dict(seq=seq, path=rule_path(1, seq, heads, head_dim, dtype), temp_bytes=temp,
-                         blockwise_temp_bytes=temp_blockwise, logits_f32_bytes=heads * seq * seq * 4))
+        path = rule_path(1, seq, heads, head_dim, dtype)
+        temp = temp_bytes(default, x)
+        temp_blockwise = temp if path == "blockwise" else temp_bytes(blockwise, x)  # the same program
+        rows.append(dict(seq=seq, path=path, temp_bytes=temp, blockwise_temp_bytes=temp_blockwise,
+                         logits_f32_bytes=heads * seq * seq * 4))
+        save(dict(compiled=rows))
         print(f"memory S={seq:6d} default config: path={rows[-1]['path']:9s} temp {temp / GiB:8.3f} GiB; "
               f"blockwise temp {temp_blockwise / GiB:6.3f} GiB; float32 logits {heads * seq * seq * 4 / GiB:,.1f} GiB",
               flush=True)
@@ -100,19 +130,37 @@ def memory(seqs: list[int], run_seq: int, heads: int, head_dim: int, dtype) -> d
     return dict(compiled=rows, run=run)
 
 
-def ratio_table(rows: list[dict], base: str = "ejkernel-xla", against: str = "xla") -> str:
+def ratios(rows: list[dict], against: str = "xla") -> list[dict]:
+    """Per (mode, causal, S): every ejkernel implementation's time ratio ``against`` (>1: ejkernel faster),
+    i.e. its TFLOP/s over ``against``'s (the same FLOPs)."""
+    out = []
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["mode"], r["causal"], r["seq"]), {})[r["impl"]] = r
+    for (mode, causal, seq), cell in cells.items():
+        base = cell.get(against, {}).get("tflops")
+        for name, r in cell.items():
+            if name.startswith("ejkernel") and base and r.get("tflops"):
+                out.append(dict(mode=mode, causal=causal, seq=seq, impl=name, path=r.get("path"),
+                                against=against, ratio=r["tflops"] / base))
+    return out
+
+
+def ratio_table(rows: list[dict], against: str = "xla") -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    lines = ["| mode | causal | S | path | " + " | ".join(impls) + f" | {base} / {against} |",
-             "|" + "---|" * (5 + len(impls))]
+    mine = [n for n in impls if n.startswith("ejkernel")]
+    lines = ["| mode | causal | S | path | " + " | ".join(impls) + " | "
+             + " | ".join(f"{n} / {against}" for n in mine) + " |",
+             "|" + "---|" * (4 + len(impls) + len(mine))]
     keys = sorted({(r["mode"], r["causal"], r["seq"]) for r in rows}, key=lambda t: (t[0] != "fwd", t[1], t[2]))
     for mode, causal, seq in keys:
         cell = {r["impl"]: r for r in rows if (r["mode"], r["causal"], r["seq"]) == (mode, causal, seq)}
         tflops = {name: cell[name].get("tflops") if name in cell else None for name in impls}
-        ratio = tflops.get(base) / tflops[against] if tflops.get(base) and tflops.get(against) else None
-        path = cell.get(base, {}).get("path", "")
+        base = tflops.get(against)
+        shown = [f"{tflops[n] / base:.2f}" if tflops.get(n) and base else "—" for n in mine]
+        path = cell.get("ejkernel-xla", {}).get("path", "")
         lines.append(f"| {mode} | {'yes' if causal else 'no'} | {seq} | {path} | "
-                     + " | ".join(f"{t:.0f}" if t else "—" for t in tflops.values())
-                     + f" | {'—' if ratio is None else f'{ratio:.2f}'} |")
+                     + " | ".join(f"{t:.0f}" if t else "—" for t in tflops.values()) + " | " + " | ".join(shown) + " |")
     return "\n".join(lines)
 
 
@@ -122,7 +170,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--causal", default="no,yes")
     p.add_argument("--impls", default="ejkernel-xla,ejkernel-xla[blockwise],xla",
-                   help="subset of ejkernel-xla, ejkernel-xla[blockwise], ejkernel-xla[dense], xla")
+                   help="comma-separated, of: ejkernel-xla (the default config), ejkernel-xla[blockwise], "
+                        "ejkernel-xla[dense] (forced), ejkernel-xla[dense:selects] (forced, the old empty-row "
+                        "guard: ejkernel_xla._dense.EMPTY_ROW_GUARDS), xla, cudnn (jax.nn implementations)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -132,7 +182,10 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--sets", type=int, default=2, help="input sets rotated through (beat the L2 cache)")
     p.add_argument("--errors", default="2048", help="seq lengths at which to measure numerics ('' for none)")
+    p.add_argument("--errors-impls", default="", help="comma-separated impls whose numerics to measure "
+                   "('' = all of --impls)")
     p.add_argument("--memory-seqs", default="16384,32768,65536", help="'' skips the memory part")
+    p.add_argument("--tag", default="", help="suffix of the JSON's name (several runs on one day)")
     p.add_argument("--out", default=str(bench.RESULTS_DIR))
     args = p.parse_args(argv)
 
@@ -141,7 +194,8 @@ def main(argv=None) -> int:
     now = dt.datetime.now(dt.timezone.utc)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{device_kind.lower().replace(' ', '-')}-{now:%Y-%m-%d}-xla-flash.json"
+    tag = f"-{args.tag}" if args.tag else ""
+    path = out_dir / f"{device_kind.lower().replace(' ', '-')}-{now:%Y-%m-%d}-xla-flash{tag}.json"
     dtype = jnp.dtype(args.dtype)
     from ejkernel_xla.flash_attention import dense_budget_bytes
 
@@ -150,17 +204,23 @@ def main(argv=None) -> int:
                dense_budget_bytes=budget,
                setup=dict(tokens=args.tokens, heads=args.heads, head_dim=args.head_dim, dtype=str(dtype),
                           warmup=args.warmup, reps=args.reps, calls=args.calls, input_sets=args.sets),
-               memory=None, results=[], numerics=[])
+               memory=None, results=[], ratios=[], numerics=[])
 
     def save():
+        doc["ratios"] = ratios(doc["results"])
         path.write_text(json.dumps(doc, indent=1) + "\n")
 
     print(f"# {device_kind}, {now:%Y-%m-%d %H:%M} UTC; dense budget "
           f"{'none' if budget is None else f'{budget / GiB:.1f} GiB'}", flush=True)
     if args.memory_seqs:
         try:
+            def save_memory(part):
+                doc["memory"] = part
+                save()
+
             doc["memory"] = memory([int(s) for s in args.memory_seqs.split(",")],
-                                   max(int(s) for s in args.memory_seqs.split(",")), args.heads, args.head_dim, dtype)
+                                   max(int(s) for s in args.memory_seqs.split(",")), args.heads, args.head_dim, dtype,
+                                   save=save_memory)
         except Exception as exc:  # noqa: BLE001 -- the speed part still runs
             traceback.print_exc()
             doc["memory"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -168,14 +228,15 @@ def main(argv=None) -> int:
 
     impls = xla_impls([s for s in args.impls.split(",") if s])
     error_seqs = {int(s) for s in args.errors.split(",") if s}
+    error_impls = set(filter(None, args.errors_impls.split(","))) or {i.name for i in impls}
     key = jax.random.key(0)
-    for seq in (int(s) for s in args.seqs.split(",")):
+    for seq in (int(s) for s in args.seqs.split(",") if s):
         batch = max(1, args.tokens // seq)
         key, sub = jax.random.split(key)
         inputs = bench.random_inputs(sub, batch, seq, args.heads, args.head_dim, dtype, args.sets)
         for causal in (c == "yes" for c in args.causal.split(",")):
             for impl in impls:
-                if seq in error_seqs:
+                if seq in error_seqs and impl.name in error_impls:
                     try:
                         doc["numerics"].append(dict(impl=impl.name, seq=seq, causal=causal,
                                                     **bench.errors(impl, *inputs[0], causal)))
@@ -185,6 +246,8 @@ def main(argv=None) -> int:
                     row = dict(impl=impl.name, seq=seq, batch=batch, causal=causal, mode=mode)
                     if impl.name == "ejkernel-xla":
                         row["path"] = rule_path(batch, seq, args.heads, args.head_dim, dtype, mode)
+                    elif impl.name.startswith("ejkernel-xla["):
+                        row["path"] = "blockwise" if "blockwise" in impl.name else "dense"
                     try:
                         secs = bench.time_step(bench.make_step(impl, causal, mode), inputs, mode, args.warmup,
                                                args.reps, args.calls)
@@ -195,15 +258,17 @@ def main(argv=None) -> int:
                     doc["results"].append(row)
                     save()
                     shown = f"{row['tflops']:7.1f} TFLOP/s {row['ms']:8.3f} ms" if "tflops" in row else row["error"]
-                    print(f"S={seq:5d} B={batch:2d} {'causal' if causal else 'full  '} {mode:7s} {impl.name:24s} "
+                    print(f"S={seq:5d} B={batch:2d} {'causal' if causal else 'full  '} {mode:7s} {impl.name:28s} "
                           f"{shown}", flush=True)
         del inputs
 
+    save()
     print()
-    print(ratio_table(doc["results"]))
+    if doc["results"]:
+        print(ratio_table(doc["results"]))
     for n in doc["numerics"]:
         if "error" not in n:
-            print(f"errors S={n['seq']} causal={n['causal']} {n['impl']:24s} out {n['out']:.2e} dq {n['dq']:.2e} "
+            print(f"errors S={n['seq']} causal={n['causal']} {n['impl']:28s} out {n['out']:.2e} dq {n['dq']:.2e} "
                   f"dk {n['dk']:.2e} dv {n['dv']:.2e}")
     print(f"\nwrote {path}")
     return 0

@@ -132,6 +132,9 @@ def _backward(params: AttentionParams, res, d_out):
     d_out = d_out.astype(q.dtype)
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     dog = d_out.reshape(batch, q_len, num_kv_heads, group, d_out.shape[-1])
+    # (``scores(dog, v)`` would give dP keys-minor under GQA too -- XLA's GPU program then reads it without
+    # an S² transpose, one kernel fewer -- but its float32 sums no longer cancel delta's exactly where a row
+    # sees one key: dq = 1e-7 instead of 0, which the suite's relative error at q_len = kv_len = 1 rejects)
     dp = jnp.einsum("bqkgd,bskd->bkgqs", dog, v, preferred_element_type=jnp.float32)
     p_used = p
     if params.dropout_prob > 0.0:
