@@ -3,6 +3,8 @@ CPU (CI-sized subset; all of it on the device with ``-m gpu``) and the lowering 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,9 @@ from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttenti
 from ejkernel.testing.blocksparse_attention import BlockSparseAttentionConformance, random_block_mask
 from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
 from ejkernel_pallas import blocksparse_attention_gpu as gpu_blocksparse
+from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
 
-CI_TESTS = {"test_window_soft_cap_sinks_and_segments"}
+CI_TESTS = set()  # CI runs test_kernel_blocks_walk_the_mask_blocks (every feature) instead
 
 
 class Blocks16:
@@ -49,6 +52,45 @@ class TestPallasGpuBlockSparse(Blocks16, BlockSparseAttentionConformance):
     """On an NVIDIA GPU (``pytest -m gpu``)."""
 
     platform = "pallas"
+
+
+def test_kernel_blocks_walk_the_mask_blocks():
+    """32 x 32 mask blocks walked in 16-row / 16-column kernel tiles (a different tiling per pass), with
+    causal + window + soft cap + sinks + segments + GQA + per-head masks + a row all off, odd lengths; against
+    the reference, in interpret mode."""
+    from ejkernel.testing.blocksparse_attention import reference_blocksparse_attention
+    from ejkernel.testing.numerics import assert_close, forward_and_vjp
+
+    rng = np.random.default_rng(4)
+    batch, q_len, kv_len, heads, kv_heads, dim = 1, 77, 93, 4, 2, 32
+    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((batch, kv_len, kv_heads, dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((batch, kv_len, kv_heads, dim)), jnp.float32)
+    aux = jnp.asarray(rng.standard_normal((heads, 2)), jnp.float32)
+    seg_q = jnp.asarray((np.arange(q_len) >= 30)[None], jnp.int32)
+    seg_kv = jnp.asarray((np.arange(kv_len) >= 46)[None], jnp.int32)
+    mask = random_block_mask(5, batch, heads, q_len, kv_len, 32, 32, density=0.6)
+    static = dict(block_mask=mask, block_size=(32, 32), causal=True, sliding_window=(50, 4), logits_soft_cap=4.0)
+    tuning = GpuFlashTuning(fwd_q=32, fwd_kv=16, dkv_q=16, dkv_kv=32, dq_q=16, dq_kv=16)
+
+    def kernel(query, key, value, softmax_aux):
+        call = BlockSparseAttention().validate(query, key, value, seg_q, seg_kv, softmax_aux, **static)
+        return gpu_blocksparse.blocksparse_attention(call, tuning, interpret=True)
+
+    def reference(query, key, value, softmax_aux):
+        return reference_blocksparse_attention(query, key, value, seg_q, seg_kv, softmax_aux, **static)
+
+    inputs = dict(query=q, key=k, value=v, softmax_aux=aux)
+    wrt = tuple(inputs)
+    out, grads, _ = forward_and_vjp(kernel, inputs, wrt, 3, INTERPRET_COMPILER_OPTIONS)
+    want, want_grads, _ = forward_and_vjp(reference, inputs, wrt, 3)
+    assert_close(out, want, dtype="float32")
+    for name in wrt:
+        assert_close(grads[name], want_grads[name], dtype="float32", gradient=True)
+    with pytest.raises(ValueError, match="GpuFlashTuning.fwd_kv=64"):
+        gpu_blocksparse.check_tuning(
+            dataclasses.replace(tuning, fwd_kv=64), BlockSparseAttention().validate(q, k, v, **static)
+        )
 
 
 def test_refuses_blocks_triton_cannot_tile(pallas_interpret_gpu):

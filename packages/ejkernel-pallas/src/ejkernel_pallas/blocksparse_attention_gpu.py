@@ -8,9 +8,11 @@ its row of the schedule (:func:`gpu_schedule`: the count, then ``2 * block + par
 over exactly the blocks the mask leaves non-empty, masking tokens only in partial ones. Time is therefore
 proportional to the kept blocks.
 
-Kernel blocks are the mask's blocks, which Triton needs as powers of two >= 16 (others are refused with
-``UnsupportedFeature``; the XLA or Triton backends take them). :class:`GpuBlockSparseTuning` holds the
-launch parameters (warps, stages). Float32 precision as in the GPU flash kernels (IEEE dots unless the
+Mask blocks must be powers of two >= 16 (Triton blocks; others are refused with ``UnsupportedFeature``, the
+XLA or Triton backends take them). The config is the GPU flash kernels' ``GpuFlashTuning``: its blocks
+(capped at, and dividing, the mask blocks) are the kernel tiles, so a 128 x 128 mask block runs as the
+forward's 128 x 64 and the backward's 64 x 64 tiles of the flash sweep, each visit walking the kernel
+blocks of its mask block. Float32 precision as in the GPU flash kernels (IEEE dots unless the
 call asks for ``"default"``).
 
 Dispatcher ranking on the GPU: the Triton backend (priority 15) ranks above this one (Pallas, 10) when
@@ -32,39 +34,41 @@ from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttenti
 from ejkernel.ops.utils.block_sparse import BlockSchedule, block_schedule
 
 from ejkernel_pallas import gpu_flash_attention as gpu
+from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
 from ejkernel_pallas.interpret import gpu_interpret_or_refuse
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuBlockSparseTuning:
-    """Triton launch parameters of the forward (``fwd_*``) and of both backward kernels (``bwd_*``); the
-    blocks are the call's mask blocks."""
-
-    fwd_warps: int = 4
-    fwd_stages: int = 2
-    bwd_warps: int = 4
-    bwd_stages: int = 2
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GpuBlockSparseTuning.{field.name} must be a positive int, got {value!r}")
-            if field.name.endswith("_warps") and value & (value - 1):
-                raise ValueError(f"GpuBlockSparseTuning.{field.name}={value}: num_warps must be a power of two")
+def kernel_blocks(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> GpuFlashTuning:
+    """``tuning`` with every block capped at the call's mask block (both powers of two, so the kernel block
+    then divides the mask block)."""
+    bq, bkv = call.q_block_size, call.kv_block_size
+    return dataclasses.replace(
+        tuning, fwd_q=min(tuning.fwd_q, bq), fwd_kv=min(tuning.fwd_kv, bkv), dkv_q=min(tuning.dkv_q, bq),
+        dkv_kv=min(tuning.dkv_kv, bkv), dq_q=min(tuning.dq_q, bq), dq_kv=min(tuning.dq_kv, bkv),
+    )
 
 
-def heuristic_tuning(call: BlockSparseAttentionCall) -> GpuBlockSparseTuning:
-    """4 warps (8 for 128 x 128 forward tiles, as the GPU flash sweep's 128 x 128 tiling), 2 stages."""
-    big = call.q_block_size * call.kv_block_size >= 128 * 128
-    return GpuBlockSparseTuning(fwd_warps=8 if big else 4, fwd_stages=3 if big else 2)
+def check_tuning(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> None:
+    """Kernel blocks must divide the mask blocks (a ValueError names the config field)."""
+    for field, mask_block in (("fwd_q", call.q_block_size), ("fwd_kv", call.kv_block_size),
+                              ("dkv_q", call.q_block_size), ("dkv_kv", call.kv_block_size),
+                              ("dq_q", call.q_block_size), ("dq_kv", call.kv_block_size)):
+        value = getattr(tuning, field)
+        if mask_block % value:
+            raise ValueError(
+                f"GpuFlashTuning.{field}={value}: block-sparse kernel blocks must divide the mask block "
+                f"({mask_block}); each mask block is walked in kernel blocks"
+            )
 
 
-def candidate_tunings(call: BlockSparseAttentionCall) -> list[GpuBlockSparseTuning]:
-    return list(dict.fromkeys([
-        heuristic_tuning(call), GpuBlockSparseTuning(), GpuBlockSparseTuning(fwd_warps=8, fwd_stages=3),
-        GpuBlockSparseTuning(bwd_stages=3), GpuBlockSparseTuning(fwd_warps=8, bwd_warps=8),
-    ]))
+def heuristic_tuning(call: BlockSparseAttentionCall) -> GpuFlashTuning:
+    """The GPU flash kernels' H200 defaults (forward 128 x 64, backward 64 x 64), capped at the mask blocks."""
+    return kernel_blocks(GpuFlashTuning(), call)
+
+
+def candidate_tunings(call: BlockSparseAttentionCall) -> list[GpuFlashTuning]:
+    """The GPU flash sweep's near-best tilings, capped at the mask blocks."""
+    return list(dict.fromkeys(kernel_blocks(t, call) for t in gpu._SWEEP))
 
 
 def gpu_schedule(schedule: BlockSchedule, width: int) -> jax.Array:
@@ -86,7 +90,7 @@ def refusal(call: BlockSparseAttentionCall) -> str | None:
     return None
 
 
-def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuBlockSparseTuning, interpret: bool):
+def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTuning, interpret: bool):
     query, key, value = call.query, call.key, call.value
     batch, sq, heads, d = query.shape
     skv, kv_heads, dv = key.shape[1], key.shape[2], value.shape[3]
@@ -110,16 +114,12 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuBlockSpars
         sinks = call.softmax_aux.reshape(heads, -1)
         num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
         arrays["sinks"] = gpu._pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
-    blocks = gpu.GpuFlashTuning(
-        fwd_q=bq, fwd_kv=bkv, fwd_warps=tuning.fwd_warps, fwd_stages=tuning.fwd_stages, dkv_q=bq, dkv_kv=bkv,
-        dq_q=bq, dq_kv=bkv, bwd_warps=tuning.bwd_warps, bwd_stages=tuning.bwd_stages,
-    )
     st = gpu._Static(
         scale=call.softmax_scale, causal=call.causal, window=call.sliding_window, soft_cap=call.logits_soft_cap,
         sq=sq, skv=skv, q_offset=skv - sq, groups=heads // kv_heads, varlen=False,
-        has_segments=call.q_segment_ids is not None, num_sinks=num_sinks, tuning=blocks, interpret=interpret,
+        has_segments=call.q_segment_ids is not None, num_sinks=num_sinks, tuning=tuning, interpret=interpret,
         exact_delta=query.dtype == jnp.float32, precision=gpu._float32_precision(call),
-        schedule_dims=(mask_batch, mask_heads), schedule_width=width,
+        schedule_dims=(mask_batch, mask_heads), schedule_width=width, mask_blocks=(bq, bkv),
     )
     out = gpu._attention(st, arrays)
     return out[:, :sq, :, :dv]
@@ -128,17 +128,19 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuBlockSpars
 _run_jit = jax.jit(_run, static_argnames=("tuning", "interpret"))
 
 
-def blocksparse_attention(call: BlockSparseAttentionCall, tuning: GpuBlockSparseTuning, *, interpret: bool = False):
-    """GPU block-sparse attention of a validated call (``interpret=True``: Pallas' interpreter on CPU). The
-    schedules are built before the jitted program (numpy for a concrete mask)."""
+def blocksparse_attention(call: BlockSparseAttentionCall, tuning: GpuFlashTuning, *, interpret: bool = False):
+    """GPU block-sparse attention of a validated call with ``tuning`` (kernel blocks dividing the mask
+    blocks; ``interpret=True``: Pallas' interpreter on CPU). The schedules are built before the jitted
+    program (numpy for a concrete mask)."""
+    check_tuning(tuning, call)
     schedules = (block_schedule(call, by="q"), block_schedule(call, by="kv"))
     return _run_jit(call, schedules, tuning=tuning, interpret=interpret)
 
 
-class GpuBlockSparseAttention(Implementation[BlockSparseAttentionCall, GpuBlockSparseTuning]):
+class GpuBlockSparseAttention(Implementation[BlockSparseAttentionCall, GpuFlashTuning]):
     """The Triton-lowered Pallas kernels (see the module docstring); on CPU in interpret mode only."""
 
-    config_type = GpuBlockSparseTuning
+    config_type = GpuFlashTuning
 
     def supports(self, call: BlockSparseAttentionCall) -> None:
         gpu_interpret_or_refuse()
@@ -146,13 +148,13 @@ class GpuBlockSparseAttention(Implementation[BlockSparseAttentionCall, GpuBlockS
         if problem is not None:
             raise UnsupportedFeature(f"pallas GPU blocksparse_attention: {problem}")
 
-    def heuristic_config(self, call: BlockSparseAttentionCall) -> GpuBlockSparseTuning:
+    def heuristic_config(self, call: BlockSparseAttentionCall) -> GpuFlashTuning:
         return heuristic_tuning(call)
 
-    def candidate_configs(self, call: BlockSparseAttentionCall) -> list[GpuBlockSparseTuning]:
+    def candidate_configs(self, call: BlockSparseAttentionCall) -> list[GpuFlashTuning]:
         return candidate_tunings(call)
 
-    def __call__(self, call: BlockSparseAttentionCall, config: GpuBlockSparseTuning) -> jax.Array:
+    def __call__(self, call: BlockSparseAttentionCall, config: GpuFlashTuning) -> jax.Array:
         return blocksparse_attention(call, config, interpret=gpu_interpret_or_refuse())
 
 

@@ -137,6 +137,7 @@ class _Static:
     # schedules "sched_q" / "sched_kv" that drive the block loops instead of the causal/window ranges
     schedule_dims: tuple[int, int] | None = None
     schedule_width: int = 0  # entries per schedule row (a power of two)
+    mask_blocks: tuple[int, int] = (0, 0)  # (q, kv) mask blocks: multiples of the kernel's blocks
 
     @property
     def statically_masked(self) -> bool:
@@ -240,22 +241,30 @@ def _run_ranges(body, ranges, carry):
     return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
 
 
-def _run_schedule(row, body, carry):
+def _run_schedule(row, body, carry, sub: int):
     """``body(masked, block, carry)`` over one row of a block-sparse schedule: ``row[0]`` visits, entry
-    ``1 + s`` = ``2 * block + partial`` (``ejkernel_pallas.blocksparse_attention.gpu_schedule``)."""
+    ``1 + s`` = ``2 * mask_block + partial`` (``ejkernel_pallas.blocksparse_attention_gpu.gpu_schedule``);
+    each mask block is ``sub`` kernel blocks."""
+
+    def visit(masked, block, c):
+        for part in range(sub):
+            c = body(masked, block * sub + part, c)
+        return c
 
     def step(s, carry):
         entry = row[1 + s]
         block = entry // 2
-        return lax.cond(entry % 2 == 1, lambda c: body(True, block, c), lambda c: body(False, block, c), carry)
+        return lax.cond(
+            entry % 2 == 1, lambda c: visit(True, block, c), lambda c: visit(False, block, c), carry
+        )
 
     return lax.fori_loop(0, row[0], step, carry)
 
 
-def _loop(r, schedule: str, body, ranges, carry):
+def _loop(r, schedule: str, body, ranges, carry, sub: int = 1):
     """The block loop of a kernel: the schedule's row when the call is block-sparse, else ``ranges``."""
     if schedule in r:
-        return _run_schedule(r[schedule], body, carry)
+        return _run_schedule(r[schedule], body, carry, sub)
     return _run_ranges(body, ranges, carry)
 
 
@@ -342,7 +351,7 @@ def _fwd_kernel(*refs, st: _Static, names):
         return m_new, l_new, acc
 
     ranges = _kv_ranges(st, qi, block_q, block_kv, num_kv)
-    m, l, acc = _loop(r, "sched_q", body, ranges, (m_init, l_init, acc_init))
+    m, l, acc = _loop(r, "sched_q", body, ranges, (m_init, l_init, acc_init), st.mask_blocks[1] // block_kv)
     has_mass = l > 0.0
     safe_l = jnp.where(has_mass, l, 1.0)
     r["out"][...] = jnp.where(has_mass[:, None], acc / safe_l[:, None], 0.0).astype(r["out"].dtype)
@@ -403,7 +412,7 @@ def _dkv_kernel(*refs, st: _Static, names):
         return dk, dv
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = _loop(r, "sched_kv", body, _q_ranges(st, kj, block_q, block_kv, num_q), init)
+    dk, dv = _loop(r, "sched_kv", body, _q_ranges(st, kj, block_q, block_kv, num_q), init, st.mask_blocks[0] // block_q)
     r["dk_out"][...] = (dk * st.scale).astype(r["dk_out"].dtype)
     r["dv_out"][...] = dv.astype(r["dv_out"].dtype)
 
@@ -435,7 +444,8 @@ def _dq_kernel(*refs, st: _Static, names):
             ds = ds * cap_grad
         return dq + _dot(st, ds.astype(k.dtype), k, 1, 0)
 
-    dq = _loop(r, "sched_q", body, _kv_ranges(st, qi, block_q, block_kv, num_kv), jnp.zeros(q.shape, jnp.float32))
+    dq = _loop(r, "sched_q", body, _kv_ranges(st, qi, block_q, block_kv, num_kv), jnp.zeros(q.shape, jnp.float32),
+               st.mask_blocks[1] // block_kv)
     r["dq_out"][...] = (dq * st.scale).astype(r["dq_out"].dtype)
 
 
@@ -454,9 +464,10 @@ def _spec_table(st: _Static, bq: int, whole_q: int, whole_kv: int, d: int, dv: i
     kv_vec = (lambda i, b, h: (b, 0)) if kv_whole else (lambda i, b, h: (b, i))
     lse_index = (lambda i, b, h: (b, h, 0)) if q_whole else (lambda i, b, h: (b, h, i))
     table = {}
-    if st.schedule_dims is not None:  # one schedule row per program: (b, h, its block) of [B', H', rows, W]
+    if st.schedule_dims is not None:  # one schedule row per program: (b, h, its mask block) of [B', H', rows, W]
         mb, mh = st.schedule_dims
-        row = lambda i, b, h: (b if mb > 1 else 0, h if mh > 1 else 0, i, 0)  # noqa: E731
+        ratio = st.mask_blocks[0] // bq if not q_whole else st.mask_blocks[1] // bkv  # kernel blocks per mask block
+        row = lambda i, b, h: (b if mb > 1 else 0, h if mh > 1 else 0, i // ratio, 0)  # noqa: E731
         table["sched_q"] = table["sched_kv"] = pl.BlockSpec((None, None, None, st.schedule_width), row)
     return table | {
         "q": pl.BlockSpec((None, q_rows, None, d), q_index),
