@@ -9,13 +9,20 @@ One command (on a GPU; through the device tool: `bash scripts/device/run.sh pyth
     python benchmarks/decode.py --replot benchmarks/results/X.json
 
 One decode step: every sequence has one new query token (32 query / 8 kv heads, D=128, bf16) and a full
-cache of `context` tokens. Shapes: 32 sequences x 4096 tokens (the standard), contexts 512, 1k, 8k, 32k at 32
+cache of `context` tokens. Shapes: 32 sequences x 4096 tokens (the standard), contexts 512, 1k, 2k, 8k, 32k at 32
 sequences, batches 1, 8, 64 at 4096 tokens; paged caches with pages of 16 and 64 (pages shuffled over the
 cache, as a server's allocator leaves them). GB/s = bytes of K and V read (2·B·ctx·Hkv·D·2) / time.
 Copy bandwidth: `x + 1` over 4 GiB of float32, bytes read + written. Timing as `attention.py`: jit, warm-up,
 median of `--reps` samples, each the mean of `--calls` back-to-back calls, rotating over enough input sets to
 exceed the L2 cache. Numerics: relative L2 error of each output against a float32 reference (shapes up to
-2 GB of cache). `--sweep`: the Triton kernels with other configs at the standard shape.
+2 GB of cache). `--sweep`: the Triton kernels with other configs at the standard shape (the schedule
+candidates of packages/ejkernel-triton/NOTES.md).
+
+`--mixed` (on by default): `ragged_page_attention` on the mixed batch of `MIXED` (pages of `--page-sizes`),
+with its two parts alone (the prefill chunks only; the decode rows only) to split the time, against both
+ceilings: bytes (K+V of every sequence read once, plus queries and outputs) at the copy bandwidth, and FLOPs
+(4·H·D per visible (query, key) pair) at the bf16 matmul rate measured in the same run (8192^3 `jnp.dot`).
+`--mixed-platforms` picks the backends (XLA gathers every query row's pages: slow, off in the device script).
 
 Writes `benchmarks/results/<gpu>-<date>-decode.json` (after every measurement) and a PNG, prints a table.
 """
@@ -41,7 +48,10 @@ from attention import relative_error, time_calls, usable_gpu_platforms, versions
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STANDARD = (32, 4096)
-DEFAULT_SHAPES = "32x4096,32x512,32x1024,32x8192,32x32768,1x4096,8x4096,64x4096"
+DEFAULT_SHAPES = "32x4096,32x512,32x1024,32x2048,32x8192,32x32768,1x4096,8x4096,64x4096"
+MIXED = dict(prefills=4, prefill_len=512, decodes=60, context=4096)
+"""The mixed (continuous-batching) step: 4 prefill chunks of 512 new tokens and 60 decode rows, all over 4096
+cached tokens (each chunk's tokens are its sequence's last 512)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +130,23 @@ def cfg_text(cfg) -> str:
 
 
 def sweep_configs(batch, context, kv_heads) -> list:
-    """Other configs of the Triton decode kernels around the heuristic's (the standard shape)."""
+    """The decode schedule candidates (NOTES.md, "decode schedule") at the standard shape: the heuristic's
+    splits with other pipeline depths, wave-aligned splits, one split (FA3's schedule), 128-key steps
+    (several pages per step), 8 warps."""
     try:
-        from ejkernel_triton.decode.config import TritonDecodeConfig, heuristic_splits
+        from ejkernel_triton.decode.config import TritonDecodeConfig, heuristic_splits, wave_splits
     except Exception:  # noqa: BLE001
         return []
     h = heuristic_splits(batch * kv_heads, context)
-    variants = [(64, h, 1), (64, h, 3), (64, 2 * h, 2)]
-    return [TritonDecodeConfig(block_n=n, num_splits=s, prefetch=p) for n, s, p in variants]
+    w = wave_splits(batch * kv_heads, context)
+    variants = [(64, h, 1, 4), (64, h, 3, 4), (64, 2 * h, 2, 4), (64, w, 2, 4), (64, w, 3, 4), (64, 1, 2, 4),
+                (64, 1, 3, 4), (128, w, 1, 4), (128, w, 2, 8), (128, 1, 2, 8), (64, h, 2, 8)]
+    out = []
+    for n, splits, prefetch, warps in variants:
+        cfg = TritonDecodeConfig(block_n=n, num_splits=splits, prefetch=prefetch, num_warps=warps)
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
 def peer_impls() -> list[Impl]:
@@ -193,6 +212,109 @@ def reference(q, k, v):
     return out.reshape(q.shape)
 
 
+# ---- the mixed (continuous-batching) batch -----------------------------------------------------------
+
+
+def matmul_tflops(dtype, n=8192, warmup=3, reps=10) -> float:
+    """The device's dense matmul rate in this run: ``jnp.dot`` of two n x n matrices."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32).astype(dtype)
+    step = jax.jit(jnp.dot)
+    secs = time_calls(lambda c: step(a, b), warmup, reps, 5)
+    return 2 * n**3 / secs / 1e12
+
+
+def mixed_sequences(part: str, prefills, prefill_len, decodes, context):
+    """[(q_len, kv_len)] of the mixed batch or one of its parts ("mixed", "prefill", "decode")."""
+    seqs = []
+    if part in ("mixed", "prefill"):
+        seqs += [(prefill_len, context)] * prefills
+    if part in ("mixed", "decode"):
+        seqs += [(1, context)] * decodes
+    return seqs
+
+
+def mixed_inputs(key, sequences, heads, kv_heads, dim, page_size, dtype, seed):
+    """ragged_page_attention's inputs (pages shuffled over the cache) and the logical K/V for the reference."""
+    q_lens = np.array([q for q, _ in sequences], np.int32)
+    kv_lens = np.array([k for _, k in sequences], np.int32)
+    slots, context = len(sequences), int(kv_lens.max())
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    k, v = logical_kv(key, slots, context, kv_heads, dim, dtype)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (int(starts[-1]), heads, dim), jnp.float32).astype(dtype)
+    pages = context // page_size
+    perm = np.random.default_rng(seed).permutation(slots * pages)
+    kv = jnp.stack([k, v], axis=3).reshape(slots * pages, page_size, 2 * kv_heads, dim)  # K/V interleaved
+    x = dict(queries=q, kv_pages=kv[jnp.asarray(np.argsort(perm))], context_lens=jnp.asarray(kv_lens),
+             block_tables=jnp.asarray(perm.reshape(slots, pages).astype(np.int32)),
+             query_start_loc=jnp.asarray(starts), num_seqs=jnp.asarray([slots], jnp.int32))
+    return x, (q, k, v, starts, kv_lens)
+
+
+def mixed_reference(q, k, v, starts, kv_lens):
+    """Float32 attention of each sequence's packed queries (its last tokens, causal) over its logical K/V."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[2]
+    outs = []
+    with jax.default_matmul_precision("highest"):
+        for s in range(len(kv_lens)):
+            rows = q[starts[s]:starts[s + 1]].astype(jnp.float32)
+            keys = jnp.repeat(k[s, :kv_lens[s]].astype(jnp.float32), group, axis=1)
+            values = jnp.repeat(v[s, :kv_lens[s]].astype(jnp.float32), group, axis=1)
+            logits = jnp.einsum("qhd,khd->hqk", rows, keys) * q.shape[-1] ** -0.5
+            pos = kv_lens[s] - rows.shape[0] + jnp.arange(rows.shape[0])
+            logits = jnp.where(jnp.arange(kv_lens[s])[None, :] <= pos[:, None], logits, -jnp.inf)
+            outs.append(jnp.einsum("hqk,khd->qhd", jax.nn.softmax(logits, axis=-1), values))
+    return jnp.concatenate(outs).reshape(-1, heads, q.shape[-1])
+
+
+def mixed_cost(sequences, heads, kv_heads, dim, itemsize) -> tuple[float, float]:
+    """(bytes, FLOPs) of one step: K+V of every sequence once, queries and outputs; 4·H·D per visible pair."""
+    pairs = sum(q * kv - q * (q - 1) // 2 for q, kv in sequences)
+    tokens = sum(q for q, _ in sequences)
+    kv_bytes = sum(2 * kv * kv_heads * dim * itemsize for _, kv in sequences)
+    return kv_bytes + 2 * tokens * heads * dim * itemsize, 4.0 * heads * dim * pairs
+
+
+def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
+    from ejkernel.modules import ragged_page_attention
+
+    platforms = [p for p in usable_gpu_platforms("ragged_page_attention")
+                 if not args.mixed_platforms or p in args.mixed_platforms.split(",")]
+    key = jax.random.key(3)
+    for part in ("mixed", "prefill", "decode"):
+        sequences = mixed_sequences(part, **MIXED)
+        nbytes, flops = mixed_cost(sequences, H, Hkv, D, dtype.itemsize)
+        t_bytes, t_flops = nbytes / (copy_gbps * 1e9), flops / (tflops * 1e12)
+        for ps in [int(x) for x in args.page_sizes.split(",") if x]:
+            sets = [mixed_inputs(jax.random.fold_in(key, s), sequences, H, Hkv, D, ps, dtype, seed=s) for s in range(2)]
+            ref = jax.jit(mixed_reference, static_argnums=(3, 4))(*sets[0][1][:3], tuple(sets[0][1][3].tolist()),
+                                                                  tuple(sets[0][1][4].tolist()))
+            for platform in platforms:
+                row = dict(impl=f"ejkernel-{platform} ragged-page", part=part, page_size=ps, batch=len(sequences),
+                           context=MIXED["context"], bytes=nbytes, flops=flops, bytes_us=t_bytes * 1e6,
+                           flops_us=t_flops * 1e6, binds="bandwidth" if t_bytes >= t_flops else "compute")
+                try:
+                    names = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
+                    step = jax.jit(lambda x, platform=platform: ragged_page_attention(*[x[n] for n in names],
+                                                                                        platform=platform))
+                    slow = platform != "triton"
+                    secs = time_calls(lambda c: step(sets[c % 2][0]), 1 if slow else args.warmup,
+                                      3 if slow else args.reps, 1 if slow else args.calls)
+                    row.update(ms=secs * 1e3, roofline_share=max(t_bytes, t_flops) / secs,
+                               gbps=nbytes / secs / 1e9, tflops=flops / secs / 1e12,
+                               rel_err=relative_error(step(sets[0][0]), ref))
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                rows.append(row)
+                save()
+                shown = (f"{row['ms'] * 1e3:8.1f} us = {100 * row['roofline_share']:3.0f} % of the {row['binds']} "
+                         f"roofline ({row['bytes_us']:.0f} us bytes, {row['flops_us']:.0f} us FLOPs), "
+                         f"{row['gbps']:.0f} GB/s, {row['tflops']:.0f} TFLOP/s, err {row['rel_err']:.1e}"
+                         if "ms" in row else row["error"])
+                print(f"mixed {part:7s} p{ps:<3d} {row['impl']:28s} {shown}", flush=True)
+            del sets, ref
+
+
 # ---- reporting ---------------------------------------------------------------------------------------
 
 
@@ -201,7 +323,7 @@ def series(row) -> str:
 
 
 def markdown_table(doc) -> str:
-    rows = [r for r in doc["results"] if "gbps" in r and "[" not in r["impl"]]
+    rows = [r for r in doc["results"] if "gbps" in r and "[" not in r["impl"] and "part" not in r]
     names = []
     for r in rows:
         if series(r) not in names:
@@ -226,6 +348,15 @@ def print_report(doc) -> None:
         print("\n## config sweep at the standard shape (GB/s)")
         for r in sorted(sweep, key=lambda r: (series(r).split("[")[0], -r["gbps"])):
             print(f"{series(r):70s} {r['gbps']:7.0f}  err {r.get('rel_err', float('nan')):.1e}")
+    mixed = [r for r in doc["results"] if "part" in r and "ms" in r]
+    if mixed:
+        print(f"\n## ragged_page_attention, mixed batch {MIXED} (bf16 matmul rate {doc.get('matmul_tflops', 0):.0f} "
+              "TFLOP/s, copy bandwidth as above)")
+        print("| part | pages | impl | us | bytes ceiling us | FLOPs ceiling us | binds | share of roofline |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in mixed:
+            print(f"| {r['part']} | {r['page_size']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['bytes_us']:.1f} | "
+                  f"{r['flops_us']:.1f} | {r['binds']} | {100 * r['roofline_share']:.0f} % |")
     errors = [r for r in doc["results"] if "error" in r]
     for r in errors:
         print(f"ERROR {series(r)} B={r['batch']} ctx={r['context']}: {r['error']}")
@@ -237,7 +368,7 @@ def plot(doc, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in doc["results"] if "gbps" in r and "[" not in r["impl"]]
+    rows = [r for r in doc["results"] if "gbps" in r and "[" not in r["impl"] and "part" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
     batch0, context0 = doc["setup"].get("standard", STANDARD)
     for ax, (fixed, vary, value) in zip(axes, (("batch", "context", batch0), ("context", "batch", context0))):
@@ -284,6 +415,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--name", default="", help="result file stem (default <gpu>-<date>-decode)")
     p.add_argument("--replot", default="")
+    p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                   help="ragged_page_attention on the mixed prefill + decode batch")
+    p.add_argument("--mixed-platforms", default="", help="comma-separated platforms for --mixed (default: all)")
     args = p.parse_args(argv)
     if args.replot:
         doc = json.loads(Path(args.replot).read_text())
@@ -309,10 +443,14 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     copy_gbps = copy_bandwidth()
     print(f"# copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
+    tflops = matmul_tflops(dtype) if args.mixed else None
+    if tflops:
+        print(f"# {dtype} matmul (8192^3): {tflops:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
 
     def document():
         return dict(device=kind, date=now.isoformat(timespec="seconds"), versions=versions(), copy_gbps=copy_gbps,
+                    matmul_tflops=tflops,
                     setup=dict(shapes=shapes, standard=standard_shape, page_sizes=page_sizes, heads=H, kv_heads=Hkv, head_dim=D,
                                dtype=str(dtype), warmup=args.warmup, reps=args.reps, calls=args.calls,
                                timing="median of reps; each rep = mean of back-to-back calls ended by block_until_ready",
@@ -323,6 +461,8 @@ def main(argv=None) -> int:
     def save():
         (out_dir / f"{stem}.json").write_text(json.dumps(document(), indent=1))
 
+    if args.mixed:  # first: the ragged target, before the long decode sweep
+        run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save)
     key = jax.random.key(0)
     for batch, context in shapes:
         standard = (batch, context) == standard_shape
