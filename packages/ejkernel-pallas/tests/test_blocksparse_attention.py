@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ CI_TESTS = {
     "test_bad_inputs",
     "test_kernels_visit_exactly_the_non_empty_blocks[random]",
     "test_tiling_rules_on_a_tpu",
+    "test_lowers_for_tpu[True]",
 }
 
 
@@ -88,3 +90,28 @@ def test_tiling_rules_on_a_tpu():
     seg = jnp.zeros((1, 256), jnp.int32)
     call = BlockSparseAttention().validate(q, q, q, seg, seg, block_size=(128, 64))
     assert "lanes" in tpu_blocksparse.tiling_problem(call)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_lowers_for_tpu(segments):
+    """Mosaic lowering (jax side, abstract TPU device) of the forward, dK/dV and dQ kernels at TPU-tileable
+    blocks: scalar-prefetched schedules, schedule-driven index maps, the partial/full branches."""
+    from pallas_test_helpers import abstract_device
+
+    b, s, h, hk, d = 1, 512, 4, 2, 128
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, hk, d), jnp.bfloat16)
+    mask = random_block_mask(1, b, h, s, s, 128, 128)
+    seg = jnp.zeros((b, s), jnp.int32) if segments else None
+
+    def loss(q, k, v):
+        call = BlockSparseAttention().validate(
+            q, k, v, seg, seg, jnp.ones((h,)), block_mask=mask, block_size=(128, 128), causal=True,
+            sliding_window=(200, 0), logits_soft_cap=3.0,
+        )
+        assert tpu_blocksparse.tiling_problem(call) is None
+        return tpu_blocksparse.blocksparse_attention(call, interpret=False).astype(jnp.float32).sum()
+
+    with abstract_device("TPU v5 lite", "tpu"):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") >= 3, text[:2000]
