@@ -5,7 +5,9 @@ The reference is the naive per-token recurrence (a ``lax.scan`` over tokens, flo
 ``S_t = diag(exp(a_t)) S_{t-1} diag(exp(b_t)) + k_t v_t^T``, ``o_t = scale * q_t^T S_t``.
 
 A backend's test module subclasses :class:`RecurrentConformance`, sets ``platform`` and, when its config
-takes a chunk size, ``chunk_config`` (overriding ``config`` for any other config shape)::
+takes a chunk size, ``chunk_config`` (overriding ``config`` for any other config shape). A partial backend
+lists the inputs it refuses in ``refused`` (e.g. ``("cu_seqlens", "gv")``): a test using one then checks
+that the call raises ``UnsupportedFeature`` (so the dispatcher can fall back) and is skipped, naming them::
 
     class TestXlaRecurrent(RecurrentConformance):
         platform = "xla"
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ejkernel.errors import UnsupportedFeature
 from ejkernel.testing.numerics import (
     exact_matmuls,
     Tolerance,
@@ -166,6 +169,18 @@ class RecurrentSuite:
     """The backend's config type when it takes ``chunk_size=`` (tokens per chunk): the suite then also runs
     chunks shorter than the sequences. None: every call gets ``cfg=None``."""
 
+    refused: ClassVar[tuple[str, ...]] = ()
+    """Inputs (``cu_seqlens``, ``gv``, ...) the backend refuses with ``UnsupportedFeature``."""
+
+    def skip_if_refused(self, inputs, **static):
+        """For an input in ``refused``: the call must raise ``UnsupportedFeature``; then skip the test."""
+        used = [name for name in self.refused if inputs.get(name) is not None]
+        if not used:
+            return
+        with pytest.raises(UnsupportedFeature):
+            self.call(**inputs, **static)
+        pytest.skip(f"{self.platform} refuses {', '.join(used)} (raised UnsupportedFeature, as it should)")
+
     def config(self, chunk_size: int | None):
         """The ``cfg`` of a test that names a chunk size (None: the backend's own choice)."""
         if chunk_size is None or self.chunk_config is None:
@@ -200,6 +215,7 @@ class RecurrentSuite:
         return inputs
 
     def check(self, inputs, dtype, *, cfg=None, scale=1.0, **static):
+        self.skip_if_refused(inputs, cfg=cfg, **static)
         wrt = [name for name, x in inputs.items() if x is not None and jnp.issubdtype(x.dtype, jnp.floating)]
         fn = functools.partial(self.call, cfg=cfg, **static)
         reference = functools.partial(self.reference, **static)
@@ -245,6 +261,7 @@ class RecurrentConformance(RecurrentSuite):
 
     def test_jit_grad_and_traced_cu_seqlens(self):
         inputs = self.make_inputs(7, "varlen", "float32", gates=("g",), initial_state=True)
+        self.skip_if_refused(inputs)
 
         def loss(call, query, key, value, g, initial_state, cu_seqlens):
             out, final = call(query=query, key=key, value=value, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens)

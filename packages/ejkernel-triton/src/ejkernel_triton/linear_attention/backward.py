@@ -80,7 +80,7 @@ def _dv_kernel(
     a_t = tl.load(A + a_rows[None, :] + offs_t[:, None])  # A^T: [s, t]
     d_a = tl.zeros([BT, BT], dtype=tl.float32)
     h_base = DHS + ((b * NUM_CHUNKS + n) * H + head) * K * V
-    for v0 in tl.static_range(0, V, BV):
+    for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         mv = offs_v < V
         v_offs = (b * T + rows[:, None]) * (H * V) + head * V + offs_v[None, :]
@@ -88,7 +88,7 @@ def _dv_kernel(
         v = tl.load(V_ + v_offs, mask=mv[None, :], other=0.0)
         d_a = tl.dot(do, tl.trans(v), d_a, input_precision=DOT_PRECISION)
         dv = tl.dot(a_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        for k0 in tl.static_range(0, K, BK):
+        for k0 in range(0, K, BK):
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < K
             k_offs = (b * T + rows[:, None]) * (H * K) + head * K + offs_k[None, :]
@@ -135,7 +135,7 @@ def _dqkg_kernel(
     dk_state = tl.zeros([BT, BK], dtype=tl.float32)
     d_last = tl.zeros([BK], dtype=tl.float32)
     state_base = ((b * NUM_CHUNKS + n) * H + head) * K * V
-    for v0 in tl.static_range(0, V, BV):
+    for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         mv = offs_v < V
         v_offs = (b * T + rows[:, None]) * (H * V) + head * V + offs_v[None, :]
@@ -157,14 +157,14 @@ def _dqkg_kernel(
     sub = offs_t // BC
     local = offs_t % BC
     dk = dk_state
-    for i in tl.static_range(1, NC):  # dq: keys of earlier sub-chunks, split at the first row of sub-chunk i
+    for i in range(1, NC):  # dq: keys of earlier sub-chunks, split at the first row of sub-chunk i
         ref = tl.sum(tl.where((offs_t == i * BC)[:, None], g, 0.0), 0)
         on_rows = (sub == i)[:, None]
         on_cols = (sub < i)[:, None]
         keys = tl.where(on_cols, k32 * tl.exp(tl.where(on_cols, ref[None, :] - g, 0.0)), 0.0)
         part = tl.dot(d_a.to(k.dtype), keys.to(k.dtype), input_precision=DOT_PRECISION)
         dq += tl.where(on_rows, part * tl.exp(tl.where(on_rows, g - ref[None, :], 0.0)), 0.0)
-    for j in tl.static_range(0, NC - 1):  # dk: queries of later sub-chunks, split at the last row of sub-chunk j
+    for j in range(0, NC - 1):  # dk: queries of later sub-chunks, split at the last row of sub-chunk j
         ref = tl.sum(tl.where((offs_t == j * BC + BC - 1)[:, None], g, 0.0), 0)
         on_rows = (sub == j)[:, None]
         on_cols = (sub > j)[:, None]

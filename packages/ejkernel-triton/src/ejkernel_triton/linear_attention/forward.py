@@ -76,7 +76,7 @@ def across_sub_chunks(x, x_gates, y, y_gates, offs_t, BC: tl.constexpr, NC: tl.c
     columns of y not before it are zeroed for sub-chunk i's matmul."""
     acc = tl.zeros([x.shape[0], x.shape[0]], dtype=tl.float32)
     sub = offs_t // BC
-    for i in tl.static_range(1, NC):
+    for i in range(1, NC):
         ref = tl.sum(tl.where((offs_t == i * BC)[:, None], x_gates, 0.0), 0)  # gc of row i * BC
         rows = (sub == i)[:, None]
         cols = (sub < i)[:, None]
@@ -109,7 +109,7 @@ def _output_kernel(
     acc_o = tl.zeros([BT, BV], dtype=tl.float32)
     acc_a = tl.zeros([BT, BT], dtype=tl.float32)
     h_base = HS + ((b * NUM_CHUNKS + n) * H + head) * K * V
-    for k0 in tl.static_range(0, K, BK):
+    for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < K
         q = tl.load(Q + qk_offs + offs_k[None, :], mask=mk[None, :], other=0.0)

@@ -1,0 +1,128 @@
+"""Numerics of the Triton chunked linear attention kernels through Triton's interpreter, on the host (run by
+test_linear_attention.py).
+
+TRITON_INTERPRET=1 must be set before triton is imported, so these cases run in a process of their own.
+Each case runs a public operation (``gla_attention``, ``recurrent_attention``, ``lightning_attention``) with
+``platform="triton"`` on a fresh random problem spanning several chunks of 64 (the last one partial), takes
+the output, the final state and the gradient of every differentiable input (the initial state's too) under
+one random cotangent of both outputs (so the final state's cotangent flows back), compares them with the
+float64 recurrence of ``ejkernel.testing.recurrent`` and prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import zlib
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+import ejkernel.modules as modules  # noqa: E402
+from ejkernel.testing.lightning_attention import reference_lightning_attention  # noqa: E402
+from ejkernel.testing.numerics import normal_array  # noqa: E402
+from ejkernel.testing.recurrent import log_sigmoid_gate, reference_recurrent  # noqa: E402
+from ejkernel_triton.linear_attention import TritonLinearAttentionConfig  # noqa: E402
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, batch, total, heads, kv_heads, dk, dv, dtype, *, gate="vector", strength=1.0, gate_scale=1.0,
+            gamma=False, initial_state=True):
+    inputs = dict(
+        query=normal_array(seed, (batch, total, heads, dk), dtype),
+        key=normal_array(seed + 1, (batch, total, kv_heads, dk), dtype),
+        value=normal_array(seed + 2, (batch, total, kv_heads, dv), dtype),
+    )
+    if gate == "vector":
+        inputs["g"] = log_sigmoid_gate(seed + 3, (batch, total, heads, dk), strength) * gate_scale
+    elif gate == "scalar":
+        inputs["g"] = log_sigmoid_gate(seed + 3, (batch, total, heads), strength) * gate_scale
+    if gamma:
+        inputs["g_gamma"] = -jnp.linspace(0.05, 0.5, heads, dtype=jnp.float32)
+    if initial_state:
+        inputs["initial_state"] = normal_array(seed + 4, (batch, heads, dk, dv), jnp.float32)
+    return inputs
+
+
+def run_case(name, *, operation="gla_attention", shape=(1, 150, 2, 2, 16, 32), dtype="float32", cfg=None,
+             static=None, vmap=False, **gates):
+    static = dict(static or {})
+    batch, total, heads, kv_heads, dk, dv = shape
+    inputs = _inputs(zlib.crc32(name.encode()) % 1000, batch, total, heads, kv_heads, dk, dv, dtype, **gates)
+    if operation == "lightning_attention":
+        inputs.pop("g", None)
+        reference = functools.partial(reference_lightning_attention, **static)
+    else:
+        reference = functools.partial(reference_recurrent, **static)
+    ours = functools.partial(getattr(modules, operation), platform="triton", cfg=cfg, **static)
+    names = list(inputs)
+    if vmap:  # two problems stacked on a new leading axis
+        other = _inputs(zlib.crc32(name.encode()) % 1000 + 50, batch, total, heads, kv_heads, dk, dv, dtype, **gates)
+        if operation == "lightning_attention":
+            other.pop("g", None)
+        inputs = {n: jnp.stack([inputs[n], other[n]]) for n in names}
+
+    def flat(fn, *xs):
+        if vmap:
+            out, final = jax.vmap(lambda *ys: fn(**dict(zip(names, ys))))(*xs)
+        else:
+            out, final = fn(**dict(zip(names, xs)))
+        return jnp.concatenate([out.astype(final.dtype).ravel(), final.ravel()])
+
+    start = time.perf_counter()
+    got, vjp = jax.vjp(functools.partial(flat, ours), *inputs.values())
+    cotangent = normal_array(99, got.shape, jnp.float32)
+    grads = vjp(cotangent)
+    jax.block_until_ready(grads)
+    elapsed = time.perf_counter() - start
+    f64 = [x.astype(jnp.float64) for x in inputs.values()]
+    want, ref_vjp = jax.vjp(functools.partial(flat, reference), *f64)
+    want_grads = ref_vjp(cotangent.astype(jnp.float64))
+    out_size = got.size - batch * heads * dk * dv * (2 if vmap else 1)
+    row = dict(name=name, dtype=dtype, seconds=round(elapsed, 2), finite=bool(np.all(np.isfinite(got))),
+               out=_rel(got[:out_size], want[:out_size]), final_state=_rel(got[out_size:], want[out_size:]))
+    for n, a, b in zip(names, grads, want_grads):
+        row["d_" + n] = _rel(a, b)
+        row["finite"] &= bool(np.all(np.isfinite(np.asarray(a, np.float64))))
+    print(json.dumps(row), flush=True)
+
+
+CASES = {
+    # three chunks (the last one 2 tokens), per-dimension gates, initial state; K=40, V=24: two key tiles of 32
+    # and two value tiles of 16, the second of each masked
+    "gla_vector_gates_odd_dims": dict(shape=(1, 130, 1, 1, 40, 24),
+                                      cfg=TritonLinearAttentionConfig(block_k=32, block_v=16)),
+    # gates 40x stronger than log-sigmoid: every exponent stays <= 0, nothing overflows
+    "gla_strong_gates": dict(shape=(1, 70, 1, 1, 16, 16), strength=8.0, gate_scale=40.0),
+    # scalar gate + g_gamma, GQA 2:1, reverse, float16
+    "recurrent_scalar_gamma_gqa_reverse_fp16": dict(operation="recurrent_attention", shape=(1, 80, 2, 1, 16, 16),
+                                                     dtype="float16", gate="scalar", gamma=True,
+                                                     static=dict(reverse=True)),
+    # lightning (g_gamma only), no initial state, under vmap (folded into the batch)
+    "lightning_vmap": dict(operation="lightning_attention", shape=(1, 64, 2, 2, 16, 16), gate=None,
+                           initial_state=False, static=dict(layer_idx=1, num_layers=4), vmap=True),
+}
+
+
+def main(names):
+    for name in names:
+        run_case(name, **CASES[name])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(CASES))

@@ -1,0 +1,126 @@
+"""The Triton chunked linear attention (gla, lightning_attention, recurrent) on a CPU-only machine: interpreter
+numerics (linear_attention_interpreter_cases.py, in a subprocess), sm_90 lowering of the forward and backward,
+and what the implementation and its config accept or refuse."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ejkernel import UnsupportedFeature
+from ejkernel.modules.operations.recurrent import RecurrentAttention
+from ejkernel_triton import launch, plugin
+from ejkernel_triton.linear_attention import IMPLEMENTATION, TritonLinearAttentionConfig
+
+CASES_SCRIPT = Path(__file__).with_name("linear_attention_interpreter_cases.py")
+TOLERANCE = {"float32": 2e-6, "float16": 2e-3}
+LOOSER = {"gla_strong_gates": 5e-5}  # gates of ~-100 per token: cumulative sums of ~-6e3 lose float32 digits
+CUDA_LOWERING = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda13") is None and importlib.util.find_spec("jax_cuda13_plugin") is None,
+    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
+
+
+def _spec(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# ---- interpreter numerics ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(CASES_SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {row["name"]: row for row in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+
+
+def _case_names():
+    import ast
+
+    for node in ast.parse(CASES_SCRIPT.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
+            return [key.value for key in node.value.keys]
+    raise AssertionError("CASES not found")
+
+
+@pytest.mark.parametrize("name", _case_names())
+def test_interpreter_case_matches_reference(interpreter_results, name):
+    """Output, final state and every gradient (initial state included) against the float64 recurrence."""
+    row = interpreter_results[name]
+    assert row["finite"], row
+    tol = LOOSER.get(name, TOLERANCE[row["dtype"]])
+    quantities = [key for key in row if key in ("out", "final_state") or key.startswith("d_")]
+    assert {"out", "final_state", "d_query", "d_key", "d_value"} <= set(quantities), row
+    for quantity in quantities:
+        # the summed gates of a whole sequence (g_gamma's gradient) carry the float16 rounding of every token
+        bound = tol * (4 if quantity == "d_g_gamma" else 1)
+        assert row[quantity] <= bound, (quantity, row)
+
+
+# ---- what the implementation takes -------------------------------------------------------------------
+
+
+def _call(batch=2, total=256, heads=4, kv_heads=4, dk=64, dv=64, dtype=jnp.bfloat16, **kw):
+    q = jnp.zeros((batch, total, heads, dk), dtype)
+    k = jnp.zeros((batch, total, kv_heads, dk), dtype)
+    v = jnp.zeros((batch, total, kv_heads, dv), dtype)
+    return RecurrentAttention().validate(q, k, v, **kw)
+
+
+def test_refuses_what_it_does_not_implement():
+    with pytest.raises(UnsupportedFeature, match="cu_seqlens"):
+        IMPLEMENTATION.supports(_call(batch=1, cu_seqlens=jnp.asarray([0, 100, 256], jnp.int32)))
+    with pytest.raises(UnsupportedFeature, match="gv"):
+        IMPLEMENTATION.supports(_call(gv=jnp.zeros((2, 256, 4, 64))))
+    with pytest.raises(UnsupportedFeature, match="head dims"):
+        IMPLEMENTATION.supports(_call(dk=320))
+    for kw in (dict(), dict(g=jnp.zeros((2, 256, 4, 64)), g_gamma=jnp.zeros((4,))),
+               dict(kv_heads=1, g=jnp.zeros((2, 256, 4)), reverse=True), dict(dk=256, dv=32)):
+        IMPLEMENTATION.supports(_call(**kw))  # no exception
+
+
+def test_config_validation():
+    TritonLinearAttentionConfig(block_k=32, block_v=128, num_warps=8)
+    for bad in (dict(block_k=48), dict(block_v=8), dict(num_warps=0), dict(num_stages=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TritonLinearAttentionConfig(**bad)
+
+
+def test_registered_for_the_linear_family():
+    for algorithm in ("gla", "lightning_attention", "recurrent"):
+        assert plugin.IMPLEMENTATIONS[algorithm] == "ejkernel_triton.linear_attention:IMPLEMENTATION"
+
+
+# ---- sm_90 lowering ----------------------------------------------------------------------------------
+
+
+@CUDA_LOWERING
+@pytest.mark.parametrize("dtype,dk,dv,kw", [(jnp.bfloat16, 128, 128, dict(initial_state=True, reverse=True))],
+                         ids=["bf16-k128-v128-h0-reverse"])
+def test_forward_and_backward_compile_for_sm90(monkeypatch, dtype, dk, dv, kw):
+    """bf16 only: float32's IEEE dots (FMA loops) take ~40 s to compile here; the GPU suites compile them."""
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
+    b, t, h = 2, 256, 4
+    q, k, v = _spec((b, t, h, dk), dtype), _spec((b, t, h, dk), dtype), _spec((b, t, h, dv), dtype)
+    g = _spec((b, t, h, dk), jnp.float32)
+    h0 = _spec((b, h, dk, dv), jnp.float32)
+
+    def loss(q, k, v, g, h0):
+        call = RecurrentAttention().validate(q, k, v, g, initial_state=h0 if kw.get("initial_state") else None,
+                                             reverse=kw.get("reverse", False))
+        out, final = IMPLEMENTATION(call, IMPLEMENTATION.heuristic_config(call))
+        return out.astype(jnp.float32).sum() + final.sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(q, k, v, g, h0).lower(
+        lowering_platforms=("cuda",)).as_text()
+    # forward: states + outputs; backward: states again, state gradients, dv/dA, dq/dk/dg
+    assert text.count("triton_kernel_call") >= 6
