@@ -4,8 +4,9 @@ The kernels are those of :mod:`ejkernel_pallas.gpu_flash_attention` (one program
 forward and dQ, per key block and query head for dK/dV; the same logits, masks, online softmax, sinks,
 soft cap, GQA), with their block loop driven by the shared schedules
 (``ejkernel.ops.utils.block_sparse.block_schedule``) instead of the causal/window ranges: each program reads
-its row of the schedule (:func:`gpu_schedule`: the count, then ``2 * block + partial`` per visit) and loops
-over exactly the blocks the mask leaves non-empty, masking tokens only in partial ones. Time is therefore
+its row of the schedule (:func:`gpu_schedule`: partial visits first, then full ones) and loops over exactly
+the blocks the mask leaves non-empty, in two plain loops: the masked body over the partial blocks, the
+mask-free body over the others. Time is therefore
 proportional to the kept blocks.
 
 Mask blocks must be powers of two >= 16 (Triton blocks; others are refused with ``UnsupportedFeature``, the
@@ -72,11 +73,18 @@ def candidate_tunings(call: BlockSparseAttentionCall) -> list[GpuFlashTuning]:
 
 
 def gpu_schedule(schedule: BlockSchedule, width: int) -> jax.Array:
-    """int32 ``[mask_batch, mask_heads, rows, width]``: per row the count, then ``2 * block + partial`` per
-    visit (zeros after); ``width`` (a power of two, Triton blocks) >= 1 + max_visits."""
-    entries = 2 * schedule.indices + schedule.partial.astype(jnp.int32)
-    row = jnp.concatenate([schedule.counts[..., None], entries], axis=3).astype(jnp.int32)
-    return gpu._pad_axis(row, 3, width)
+    """int32 ``[mask_batch, mask_heads, rows, width]``: per row the number of partial visits, the number of
+    full ones, then their column blocks (partial ones first, each group ascending; zeros after). ``width``
+    (a power of two: Triton blocks) >= 2 + max_visits."""
+    visits = schedule.indices.shape[3]
+    real = jnp.arange(visits, dtype=jnp.int32) < schedule.counts[..., None]
+    group = jnp.where(real, jnp.where(schedule.partial, 0, 1), 2).astype(jnp.int8)  # partial, full, padding
+    order = jnp.argsort(group, axis=3, stable=True)
+    columns = jnp.where(real, schedule.indices, 0)
+    columns = jnp.take_along_axis(columns, order, axis=3)
+    partial = jnp.sum(real & schedule.partial, axis=3, dtype=jnp.int32)
+    row = jnp.concatenate([partial[..., None], (schedule.counts - partial)[..., None], columns], axis=3)
+    return gpu._pad_axis(row.astype(jnp.int32), 3, width)
 
 
 def refusal(call: BlockSparseAttentionCall) -> str | None:
@@ -98,7 +106,7 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTunin
     bq, bkv = call.q_block_size, call.kv_block_size
     sq_pad, skv_pad = q_blocks * bq, kv_blocks * bkv
     d_pad, dv_pad = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(dv))
-    width = pl.next_power_of_2(1 + max(s.indices.shape[3] for s in schedules))
+    width = pl.next_power_of_2(2 + max(s.indices.shape[3] for s in schedules))
     arrays = {
         "q": gpu._pad_axis(gpu._pad_axis(query, 1, sq_pad), 3, d_pad),
         "k": gpu._pad_axis(gpu._pad_axis(key, 1, skv_pad), 3, d_pad),

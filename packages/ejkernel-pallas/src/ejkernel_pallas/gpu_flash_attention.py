@@ -242,23 +242,23 @@ def _run_ranges(body, ranges, carry):
 
 
 def _run_schedule(row, body, carry, sub: int):
-    """``body(masked, block, carry)`` over one row of a block-sparse schedule: ``row[0]`` visits, entry
-    ``1 + s`` = ``2 * mask_block + partial`` (``ejkernel_pallas.blocksparse_attention_gpu.gpu_schedule``);
-    each mask block is ``sub`` kernel blocks."""
+    """``body(masked, block, carry)`` over one row of a block-sparse schedule
+    (``ejkernel_pallas.blocksparse_attention_gpu.gpu_schedule``): ``row[0]`` partial visits then ``row[1]``
+    full ones, their mask blocks from ``row[2]`` on; each mask block is ``sub`` kernel blocks. Two plain
+    loops (no branch inside), so Triton pipelines each as it does the flash ranges."""
 
-    def visit(masked, block, c):
-        for part in range(sub):
-            c = body(masked, block * sub + part, c)
-        return c
+    def visits(masked):
+        def step(s, c):
+            block = row[2 + s]
+            for part in range(sub):
+                c = body(masked, block * sub + part, c)
+            return c
 
-    def step(s, carry):
-        entry = row[1 + s]
-        block = entry // 2
-        return lax.cond(
-            entry % 2 == 1, lambda c: visit(True, block, c), lambda c: visit(False, block, c), carry
-        )
+        return step
 
-    return lax.fori_loop(0, row[0], step, carry)
+    partial = row[0]
+    carry = lax.fori_loop(0, partial, visits(True), carry)
+    return lax.fori_loop(partial, partial + row[1], visits(False), carry)
 
 
 def _loop(r, schedule: str, body, ranges, carry, sub: int = 1):
