@@ -359,3 +359,43 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {value!r}")
     return bool(value)
+
+
+# ---- serving (page_attention, ragged_page_attention, ragged_decode_attention) --------------------------
+
+
+def check_values_in(name: str, value: Any, low: int, high: int | None = None, meaning: str = "") -> None:
+    """The values of an int array lie in ``[low, high]`` (``high`` None: no upper bound); checked when concrete
+    (traced values are the caller's contract)."""
+    values = concrete(value)
+    if values is None:
+        return
+    bad = (values < low) | (values > high if high is not None else False)
+    if np.any(bad):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}{f' ({meaning})' if meaning else ''}, got {values.tolist()}")
+
+
+def check_matching_dims(name: str, x: Any, reference_name: str, reference: Any, meanings: tuple[str, ...]) -> None:
+    """``x`` has ``reference``'s size on every axis (``meanings`` names the axes)."""
+    for axis, meaning in enumerate(meanings):
+        check_dim(name, x, axis, reference.shape[axis], f"{meaning} of {reference_name}")
+
+
+def check_page_indices(name: str, block_tables: Any, lengths: Any, page_size: int, num_pages: int) -> None:
+    """The block-table entries that are read (a sequence's pages below ``ceil(length / page_size)``) are page
+    indices in ``[0, num_pages)``; entries past a sequence's last page may hold anything (-1 often). Checked
+    when the tables and lengths are concrete. Traced tables are not checked: an out-of-range id that is read is
+    the caller's contract (the kernels clamp it into ``[0, num_pages)``, so they read some other page: a wrong
+    but finite output, never memory outside the cache)."""
+    tables, lens = concrete(block_tables), concrete(lengths)
+    if tables is None or lens is None:
+        return
+    used = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // page_size)
+    bad = used & ((tables < 0) | (tables >= num_pages))
+    if bad.any():
+        s, p = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name}[{s}, {p}] = {int(tables[s, p])} is read (the sequence has {int(lens[s])} tokens) but is not a "
+            f"page index in [0, {num_pages})"
+        )

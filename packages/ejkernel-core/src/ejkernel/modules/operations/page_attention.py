@@ -11,6 +11,9 @@ Core validates the public call into one frozen :class:`PageAttentionCall`, all a
 - Logits ``attn_scale * <q, k>`` in float32, then ``c * tanh(x / c)`` with a soft cap ``c``; softmax over
   the visible tokens; ``L == 0`` gives zeros. Block-table entries past ``ceil(L / block_size)`` are never
   read semantically (any value allowed). Output in ``query``'s dtype.
+- Page ids that are read are checked when ``block_tables`` and ``context_lens`` are concrete (a ValueError
+  naming ``block_tables`` and the offending entry); traced tables are the caller's contract: the kernels clamp
+  an out-of-range id into ``[0, num_blocks)`` (some other page is read: wrong but finite, never a fault).
 
 Gradients: an inference operation. The XLA backend is differentiable w.r.t. ``query``, ``key_cache`` and
 ``value_cache`` (autodiff through its blockwise loop); other backends may be forward-only.
@@ -38,8 +41,11 @@ from ejkernel.modules.operations._validation import (
     check_array,
     check_dim,
     check_gqa,
+    check_matching_dims,
+    check_page_indices,
     check_positive_int,
     check_same_dtype,
+    check_values_in,
     concrete,
     normalize_soft_cap,
     resolve_softmax_scale,
@@ -66,30 +72,6 @@ class PageAttentionCall:
     attn_logits_soft_cap: float | None = None
     precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
     """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
-
-
-# ---- checks shared by the paged operations ---------------------------------------------------------
-
-
-def check_page_indices(name: str, block_tables: Any, lengths: Any, page_size: int, num_pages: int) -> None:
-    """The block-table entries that are read (pages below ``ceil(length / page_size)``) are valid pages."""
-    tables, lens = concrete(block_tables), concrete(lengths)
-    if tables is None or lens is None:
-        return
-    used = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // page_size)
-    bad = used & ((tables < 0) | (tables >= num_pages))
-    if bad.any():
-        s, p = (int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{name}[{s}, {p}] = {int(tables[s, p])} is read (the sequence has {int(lens[s])} tokens) but is not a "
-            f"page index in [0, {num_pages})"
-        )
-
-
-def check_lengths(name: str, lengths: Any) -> None:
-    values = concrete(lengths)
-    if values is not None and (values < 0).any():
-        raise ValueError(f"{name} must be >= 0, got {values.tolist()}")
 
 
 # ---- the operation ---------------------------------------------------------------------------------
@@ -121,13 +103,9 @@ class PageAttention(RegistryOperation):
         num_seqs, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         check_dim("key_cache", key_cache, 3, head_dim, "head_dim of query")
-        for axis, size, meaning in (
-            (0, num_blocks, "num_blocks"),
-            (1, num_kv_heads, "num_kv_heads"),
-            (2, block_size, "block_size"),
-            (3, head_dim, "head_dim"),
-        ):
-            check_dim("value_cache", value_cache, axis, size, f"{meaning} of key_cache")
+        check_matching_dims(
+            "value_cache", value_cache, "key_cache", key_cache, ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+        )
         check_gqa("query", num_heads, "key_cache", num_kv_heads, key_cache)
         check_array("context_lens", context_lens, rank=1, dtypes=INT_DTYPES, what="[num_seqs]")
         check_dim("context_lens", context_lens, 0, num_seqs, "num_seqs of query")
@@ -138,7 +116,7 @@ class PageAttention(RegistryOperation):
             max_context_len = max_blocks * block_size
         check_positive_int("max_context_len", max_context_len)
         max_context_len = min(int(max_context_len), max_blocks * block_size)
-        check_lengths("context_lens", context_lens)
+        check_values_in("context_lens", context_lens, 0)
         lengths = concrete(context_lens)
         if lengths is not None:
             check_page_indices(

@@ -36,9 +36,10 @@ from ejkernel.modules.operations._validation import (
     check_array,
     check_dim,
     check_gqa,
+    check_matching_dims,
     check_same_dtype,
     check_softmax_aux,
-    concrete,
+    check_values_in,
     normalize_sliding_window,
     normalize_soft_cap,
     resolve_softmax_scale,
@@ -93,18 +94,13 @@ class RaggedDecodeAttention(RegistryOperation):
         batch, num_heads, head_dim = query.shape
         check_dim("key", key, 0, batch, "batch of query")
         check_dim("key", key, 3, head_dim, "head_dim of query")
-        for axis, meaning in ((0, "batch"), (1, "seq_len"), (2, "num_kv_heads"), (3, "head_dim")):
-            check_dim("value", value, axis, key.shape[axis], f"{meaning} of key")
+        check_matching_dims("value", value, "key", key, ("batch", "seq_len", "num_kv_heads", "head_dim"))
         check_gqa("query", num_heads, "key", key.shape[2], key)
         for name, bound in (("sequence_start", sequence_start), ("sequence_end", sequence_end)):
             check_array(name, bound, rank=1, dtypes=INT_DTYPES, what="[batch]")
             check_dim(name, bound, 0, batch, "batch of query")
-        start, end = concrete(sequence_start), concrete(sequence_end)
-        seq_len = key.shape[1]
-        if start is not None and ((start < 0) | (start > seq_len)).any():
-            raise ValueError(f"sequence_start must be in [0, {seq_len}] (seq_len of key), got {start.tolist()}")
-        if end is not None and ((end < 0) | (end > seq_len)).any():
-            raise ValueError(f"sequence_end must be in [0, {seq_len}] (seq_len of key), got {end.tolist()}")
+        for name, bound in (("sequence_start", sequence_start), ("sequence_end", sequence_end)):
+            check_values_in(name, bound, 0, key.shape[1], "seq_len of key")
         softmax_aux = check_softmax_aux(softmax_aux, num_heads)
         return RaggedDecodeAttentionCall(
             query=query,

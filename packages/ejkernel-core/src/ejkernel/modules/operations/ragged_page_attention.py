@@ -13,6 +13,10 @@ Core validates the public call into one frozen :class:`RaggedPageAttentionCall`,
   is visible when ``j < context_lens[s]``, ``j <= p`` and (window ``w``) ``p - j < w``.
 - Logits ``softmax_scale * <q, k>`` in float32, soft cap ``c * tanh(x / c)``; sinks join the softmax
   denominator only. Rows past ``query_start_loc[num_seqs]`` give zeros. Output in ``queries``' dtype.
+- Page ids that active sequences read are checked when ``block_tables``, ``context_lens``,
+  ``query_start_loc`` and ``num_seqs`` are concrete (a ValueError naming ``block_tables`` and the offending
+  entry); traced tables are the caller's contract: the kernels clamp an out-of-range id into
+  ``[0, num_pages)`` (some other page is read: wrong but finite, never a fault).
 
 Gradients: an inference operation. The XLA backend is differentiable w.r.t. ``queries``, ``kv_pages`` and
 ``softmax_aux``; other backends may be forward-only.
@@ -41,9 +45,11 @@ from ejkernel.modules.operations._validation import (
     check_cum_seqlens,
     check_dim,
     check_gqa,
+    check_page_indices,
     check_positive_int,
     check_same_dtype,
     check_softmax_aux,
+    check_values_in,
     concrete,
     describe,
     is_array,
@@ -51,7 +57,6 @@ from ejkernel.modules.operations._validation import (
     resolve_softmax_scale,
     typechecked,
 )
-from ejkernel.modules.operations.page_attention import check_lengths, check_page_indices
 
 
 @canonical_call
@@ -146,7 +151,7 @@ class RaggedPageAttention(RegistryOperation):
         check_dim("query_start_loc", query_start_loc, 0, max_num_seqs + 1, "max_num_seqs + 1")
         num_seqs = normalize_num_seqs(num_seqs, max_num_seqs)
         softmax_aux = check_softmax_aux(softmax_aux, num_heads)
-        check_lengths("context_lens", context_lens)
+        check_values_in("context_lens", context_lens, 0)
         starts, lengths, active = concrete(query_start_loc), concrete(context_lens), concrete(num_seqs)
         if starts is not None and lengths is not None and active is not None:
             count = int(active[0])
