@@ -53,25 +53,32 @@ def case(name, *, seed, b=1, sq=45, skv=45, h=2, hkv=1, d=64, dv=None, dtype=jnp
         seg = jnp.asarray(np.sort(rng.integers(0, 3, (b, sq)), axis=1), jnp.int32)
         extra.update(q_segment_ids=seg, kv_segment_ids=seg)
 
-    def triton(q, k, v, aux):
+    def triton(q, k, v, aux, block_mask):
         args = dict(extra, softmax_aux=aux) if sinks else extra
-        call = BlockSparseAttention().validate(q, k, v, **args, **static)
+        call = BlockSparseAttention().validate(q, k, v, **args, **dict(static, block_mask=block_mask))
         return IMPLEMENTATION(call, config or IMPLEMENTATION.heuristic_config(call))
 
-    def reference(q, k, v, aux):
+    def reference(q, k, v, aux, block_mask):
+        del block_mask  # the reference expands the concrete mask of `static`
         args = dict(extra, softmax_aux=aux) if sinks else dict(extra)
         args = {n: (a.astype(jnp.float64) if n == "softmax_aux" else a) for n, a in args.items()}
         return reference_blocksparse_attention(q.astype(jnp.float64), k.astype(jnp.float64),
                                                v.astype(jnp.float64), **args, **static)
 
+    def forward_and_vjp(fn, q, k, v, aux, d_out, block_mask):
+        # One jit per side, the mask a traced argument: a handful of XLA compiles instead of one per eager op.
+        if vmap:
+            fn = jax.vmap(fn, (0, 0, 0, None, None))
+        out, pullback = jax.vjp(lambda q, k, v, aux: fn(q, k, v, aux, block_mask), q, k, v, aux)
+        return (out, *pullback(d_out.astype(out.dtype)))
+
     aux = extra.get("softmax_aux", jnp.zeros((h, 1), jnp.float32))
-    fn, ref_fn = (jax.vmap(triton, (0, 0, 0, None)), jax.vmap(reference, (0, 0, 0, None))) if vmap else (triton, reference)
     start = time.time()
-    out, vjp = jax.vjp(fn, q, k, v, aux)
-    d_out = jax.random.normal(ks[4], out.shape, jnp.float32).astype(dtype)
-    dq, dk, dv_, d_aux = vjp(d_out)
-    ref, ref_vjp = jax.vjp(ref_fn, q, k, v, aux.astype(jnp.float64))
-    rdq, rdk, rdv, rd_aux = ref_vjp(d_out.astype(jnp.float64))
+    out_shape = (*lead, b, sq, h, dv)
+    d_out = jax.random.normal(ks[4], out_shape, jnp.float32).astype(dtype)
+    out, dq, dk, dv_, d_aux = jax.jit(lambda *a: forward_and_vjp(triton, *a))(q, k, v, aux, d_out, mask)
+    ref, rdq, rdk, rdv, rd_aux = jax.jit(lambda *a: forward_and_vjp(reference, *a))(
+        q, k, v, aux.astype(jnp.float64), d_out.astype(jnp.float64), mask)
     row = dict(name=name, dtype=jnp.dtype(dtype).name, out=_rel(out, ref), dq=_rel(dq, rdq), dk=_rel(dk, rdk),
                dv=_rel(dv_, rdv), d_aux=_rel(d_aux, rd_aux) if sinks else 0.0,
                finite=bool(all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in (out, dq, dk, dv_))),
@@ -90,11 +97,11 @@ CASES = {
     # rectangular, non-causal, shared mask, v head dim 128, fp16, mask blocks of 1 x 2 kernel tiles
     "rect_noncausal_fp16": dict(seed=2, b=2, sq=20, skv=50, h=2, hkv=2, dv=128, dtype=jnp.float16, blocks=(16, 32),
                                 mask_heads=1, causal=False),
-    # sliding window + soft cap + scale + segment ids + one sink, the heuristic config (fp32: 32-blocks -> 16)
-    "window_softcap_segments": dict(seed=3, sq=40, skv=40, blocks=(16, 16), sinks=1, segments=True, causal=True,
-                                    sliding_window=(7, 2), logits_soft_cap=5.0, softmax_scale=0.3, config=None),
-    # vmap over q/k/v with a per-batch mask (the vmapped axis folds into the batch: schedule of b % mask_batch)
-    "vmap_batch_mask": dict(seed=4, b=2, sq=33, skv=33, blocks=(16, 16), mask_batch=2, vmap=True, causal=True),
+    # sliding window + soft cap + scale + segment ids + one sink, the heuristic config (fp32: 32-blocks -> 16),
+    # under vmap over q/k/v with a per-batch mask (the vmapped axis folds into the batch: schedule b % mask_batch)
+    "window_softcap_segments_vmap": dict(seed=3, b=2, sq=40, skv=40, blocks=(16, 16), sinks=1, segments=True,
+                                         causal=True, sliding_window=(7, 2), logits_soft_cap=5.0, softmax_scale=0.3,
+                                         config=None, mask_batch=2, vmap=True),
 }
 
 if __name__ == "__main__":

@@ -154,10 +154,10 @@ def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, **kw):
 @pytest.mark.usefixtures("_sm90")
 @pytest.mark.parametrize("dtype,dim,kw", [
     (jnp.bfloat16, 128, dict(causal=True)),
-    (jnp.float32, 64, dict(causal=False, sliding_window=(200, 0), logits_soft_cap=20.0, sinks=True,
+    (jnp.float16, 64, dict(causal=False, sliding_window=(200, 0), logits_soft_cap=20.0, sinks=True,
                            segments=True)),
-], ids=["bf16-d128-causal", "fp32-d64-window-softcap-sinks-segments"])
+], ids=["bf16-d128-causal", "fp16-d64-window-softcap-sinks-segments"])
 def test_fwd_bwd_compile_for_sm90(dtype, dim, kw):
+    # (float32's IEEE tile steps are flash attention's, compiled for sm_90 by test_triton_lowering.py)
     text = _lower(dtype, dim, 8, 2, **kw)
-    # forward, dK/dV and dQ kernels; float32 adds the delta kernel
-    assert text.count("triton_kernel_call") >= (4 if dtype == jnp.float32 else 3)
+    assert text.count("triton_kernel_call") == 3  # forward, dK/dV and dQ kernels
