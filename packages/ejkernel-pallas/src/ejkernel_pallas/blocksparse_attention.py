@@ -3,7 +3,7 @@ of ``ejkernel.modules.operations.blocksparse_attention``.
 
 The block mask is compiled once into visiting schedules (``ejkernel.ops.utils.block_sparse.block_schedule``:
 per query block the key blocks to visit, per key block the query blocks, and which visits need token
-masks). They reach the kernels as scalar prefetch (SMEM), and the K/V (forward, dQ) or Q/dO (dK/dV) index
+masks). They reach the kernels as scalar prefetch (SMEM: per entry ``2 * block + partial``, and the counts), and the K/V (forward, dQ) or Q/dO (dK/dV) index
 maps read the block to load from them: a grid axis walks the ``max_visits`` entries of a row, so a block
 the mask leaves empty is never loaded, and the steps past a row's count repeat its last index (the
 pipeline sees an unchanged block index and issues no DMA) and do no work (``pl.when``). Visited blocks a
@@ -74,26 +74,27 @@ def _flat(layout: _Layout, rows: int, visits: int, b, h, row, step=None):
 
 
 class _Schedule:
-    """A ``BlockSchedule`` flattened for SMEM: (indices, counts, partial) int32 1-D, and its dims."""
+    """A ``BlockSchedule`` flattened for SMEM (scalar memory is small): int32 1-D ``visits`` (``2 * block +
+    partial`` per entry) and ``counts``, and its dims."""
 
     def __init__(self, layout: _Layout, schedule: BlockSchedule, rows: int):
         self.rows = rows
         self.visits = schedule.indices.shape[3]
-        self.arrays = [
-            schedule.indices.reshape(-1).astype(jnp.int32),
-            schedule.counts.reshape(-1).astype(jnp.int32),
-            schedule.partial.reshape(-1).astype(jnp.int32),
-        ]
+        entries = 2 * schedule.indices.astype(jnp.int32) + schedule.partial.astype(jnp.int32)
+        self.arrays = [entries.reshape(-1), schedule.counts.reshape(-1).astype(jnp.int32)]
         self.layout = layout
 
-    def column(self, refs, b, h, row, step):
+    def _entry(self, refs, b, h, row, step):
         return refs[0][_flat(self.layout, self.rows, self.visits, b, h, row, step)]
+
+    def column(self, refs, b, h, row, step):
+        return self._entry(refs, b, h, row, step) // 2
 
     def count(self, refs, b, h, row):
         return refs[1][_flat(self.layout, self.rows, self.visits, b, h, row)]
 
     def partial(self, refs, b, h, row, step):
-        return refs[2][_flat(self.layout, self.rows, self.visits, b, h, row, step)] != 0
+        return self._entry(refs, b, h, row, step) % 2 == 1
 
 
 def _visit(step, count, partial, body):
@@ -113,7 +114,7 @@ def _visit(step, count, partial, body):
 
 
 def _fwd_kernel(*refs, layout: _Layout, sched: _Schedule, names):
-    prefetch, refs = refs[:3], refs[3:]
+    prefetch, refs = refs[:2], refs[2:]
     r = dict(zip(names, refs))
     st = layout.st
     bq, bkv = st.blocks.fwd_q, st.blocks.fwd_kv
@@ -165,7 +166,7 @@ def _fwd_kernel(*refs, layout: _Layout, sched: _Schedule, names):
 
 def _grid_spec(sched: _Schedule, grid, in_specs, out_specs, scratch):
     return pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
+        num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
     )
 
 
@@ -219,7 +220,7 @@ def _forward(layout: _Layout, arrays: dict, schedule_q: BlockSchedule):
 
 
 def _dkv_kernel(*refs, layout: _Layout, sched: _Schedule, names):
-    prefetch, refs = refs[:3], refs[3:]
+    prefetch, refs = refs[:2], refs[2:]
     r = dict(zip(names, refs))
     st = layout.st
     bq, bkv = st.blocks.dkv_q, st.blocks.dkv_kv
@@ -252,7 +253,7 @@ def _dkv_kernel(*refs, layout: _Layout, sched: _Schedule, names):
 
 
 def _dq_kernel(*refs, layout: _Layout, sched: _Schedule, names):
-    prefetch, refs = refs[:3], refs[3:]
+    prefetch, refs = refs[:2], refs[2:]
     r = dict(zip(names, refs))
     st = layout.st
     bq, bkv = st.blocks.dq_q, st.blocks.dq_kv
