@@ -1,0 +1,243 @@
+"""Chunked linear attention benchmark: ejkernel's ``gla_attention`` on the Triton and XLA backends against
+flash-linear-attention's ``chunk_gla`` (``fla.ops.gla``, Triton through PyTorch), in one run on one GPU.
+
+One command (on a GPU; through the device tool: `bash scripts/device/run.sh python3 benchmarks/linear_attention.py`,
+with ``fla-core==0.6.0`` among the carried wheels for the fla column):
+
+    python benchmarks/linear_attention.py                         # T = 1k, 4k, 16k; xla at 4k only
+    python benchmarks/linear_attention.py --seqs 4096 --xla-seqs 1024,4096 --out /tmp/out
+
+Shape: B=4, H=8, K=V=128, bf16, per-dimension log-sigmoid gates g [B, T, H, K] (float32), no initial state.
+Modes: ``fwd`` (output and final state) and ``fwd+bwd`` (gradients of q, k, v and g under a random
+cotangent of the output). fla runs ``chunk_gla(q, k, v, g, output_final_state=False)`` in bf16 with g in
+float32; its fwd+bwd is ``o.backward(do)``. Timing: warm-up, then the median over ``--reps`` samples of the
+mean of ``--calls`` back-to-back calls, rotating over ``--sets`` fresh input sets (as ``attention.py``);
+torch is timed the same way with ``torch.cuda.synchronize``. Numerics: relative L2 error of each backend's
+output and gradients against the float32 XLA implementation (HIGHEST matmuls) at T=1024.
+
+Writes ``<out>/linear_attention.json`` (device, date, versions, rows) and ``linear_attention.png``, prints a
+table with the ratio triton / fla (the target: <= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import relative_error, time_calls, versions  # noqa: E402
+
+SHAPE = dict(batch=4, heads=8, dk=128, dv=128)
+
+
+def jax_inputs(key, batch, total, heads, dk, dv):
+    kq, kk, kv, kg, kd = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (batch, total, heads, dk), jnp.bfloat16)
+    k = jax.random.normal(kk, (batch, total, heads, dk), jnp.bfloat16)
+    v = jax.random.normal(kv, (batch, total, heads, dv), jnp.bfloat16)
+    g = jax.nn.log_sigmoid(jax.random.normal(kg, (batch, total, heads, dk), jnp.float32) + 2.0) / 4.0
+    do = jax.random.normal(kd, (batch, total, heads, dv), jnp.bfloat16)
+    return q, k, v, g, do
+
+
+def ejkernel_steps(platform: str):
+    from ejkernel.modules import gla_attention
+
+    def fwd(q, k, v, g):
+        return gla_attention(q, k, v, g, platform=platform)
+
+    def fwd_bwd(q, k, v, g, do):
+        (out, _), pullback = jax.vjp(fwd, q, k, v, g)
+        return pullback((do, jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)))
+
+    return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def time_jax(platform, total, sets, warmup, reps, calls):
+    fwd, fwd_bwd = ejkernel_steps(platform)
+    inputs = [jax_inputs(jax.random.PRNGKey(i), total=total, **SHAPE) for i in range(sets)]
+    t_fwd = time_calls(lambda c: fwd(*inputs[c % sets][:4]), warmup, reps, calls)
+    t_bwd = time_calls(lambda c: fwd_bwd(*inputs[c % sets]), warmup, reps, calls)
+    return t_fwd, t_bwd
+
+
+def time_fla(total, sets, warmup, reps, calls):
+    import torch
+    from fla.ops.gla import chunk_gla
+
+    b, h, dk, dv = SHAPE["batch"], SHAPE["heads"], SHAPE["dk"], SHAPE["dv"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def make():
+        q = torch.randn(b, total, h, dk, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        k = torch.randn(b, total, h, dk, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        v = torch.randn(b, total, h, dv, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        g = (torch.nn.functional.logsigmoid(torch.randn(b, total, h, dk, device="cuda", generator=gen) + 2.0) / 4.0)
+        do = torch.randn(b, total, h, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
+        return q, k, v, g.requires_grad_(), do
+
+    inputs = [make() for _ in range(sets)]
+
+    def run_fwd(c):
+        q, k, v, g, _ = inputs[c % sets]
+        with torch.no_grad():
+            return chunk_gla(q, k, v, g, output_final_state=False)[0]
+
+    def run_bwd(c):
+        q, k, v, g, do = inputs[c % sets]
+        for x in (q, k, v, g):
+            x.grad = None
+        o, _ = chunk_gla(q, k, v, g, output_final_state=False)
+        o.backward(do)
+        return q.grad
+
+    def timed(run):
+        for i in range(warmup):
+            run(i)
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for c in range(calls):
+                run(c)
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t0) / calls)
+        return float(np.median(samples))
+
+    return timed(run_fwd), timed(run_bwd)
+
+
+def numerics(platforms, total=1024):
+    """Relative L2 error of out, dq, dk, dv, dg of each platform against float32 XLA at HIGHEST."""
+    from ejkernel.modules import gla_attention
+
+    q, k, v, g, do = jax_inputs(jax.random.PRNGKey(99), total=total, **SHAPE)
+
+    def grads(platform, q, k, v, g, do):
+        (out, _), pullback = jax.vjp(lambda *a: gla_attention(*a, platform=platform), q, k, v, g)
+        return (out, *pullback((do, jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32))))
+
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(functools.partial(grads, "xla"))(*(x.astype(jnp.float32) for x in (q, k, v)), g,
+                                                       do.astype(jnp.float32))
+    out = {}
+    for platform in platforms:
+        got = jax.jit(functools.partial(grads, platform))(q, k, v, g, do)
+        out[platform] = {n: relative_error(a, b) for n, a, b in zip(("out", "dq", "dk", "dv", "dg"), got, ref)}
+    return out
+
+
+def plot(rows, path: Path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
+        for impl in ("triton", "xla", "fla"):
+            pts = sorted((r["seq"], r["ms"]) for r in rows if r["impl"] == impl and r["mode"] == mode and r.get("ms"))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{mode}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", default="1024,4096,16384")
+    parser.add_argument("--xla-seqs", default="4096", help="XLA is slow to compile: fewer lengths")
+    parser.add_argument("--sets", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--no-numerics", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0]
+    doc = dict(benchmark="linear_attention", device=device.device_kind, platform=device.platform,
+               date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), versions=versions(),
+               shape=SHAPE, dtype="bfloat16", gates="log-sigmoid per dimension (float32)",
+               timing=dict(sets=args.sets, warmup=args.warmup, reps=args.reps, calls=args.calls), rows=[], errors={})
+    try:
+        import fla  # noqa: F401
+
+        doc["versions"]["fla-core"] = __import__("importlib.metadata").metadata.version("fla-core")
+        have_fla = True
+    except Exception as exc:  # noqa: BLE001
+        print("fla not importable:", exc)
+        have_fla = False
+    json_path = out_dir / "linear_attention.json"
+
+    def save():
+        json_path.write_text(json.dumps(doc, indent=1))
+
+    seqs = [int(s) for s in args.seqs.split(",") if s]
+    xla_seqs = {int(s) for s in args.xla_seqs.split(",") if s}
+    for total in seqs:
+        todo = [("triton", None)] + ([("xla", None)] if total in xla_seqs else []) + ([("fla", None)] if have_fla else [])
+        for impl, _ in todo:
+            t0 = time.perf_counter()
+            try:
+                if impl == "fla":
+                    t_fwd, t_bwd = time_fla(total, args.sets, args.warmup, args.reps, args.calls)
+                else:
+                    t_fwd, t_bwd = time_jax(impl, total, args.sets, args.warmup, args.reps, args.calls)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                doc["rows"].append(dict(impl=impl, seq=total, mode="fwd", error=repr(exc)[:500]))
+                save()
+                continue
+            for mode, t in (("fwd", t_fwd), ("fwd+bwd", t_bwd)):
+                doc["rows"].append(dict(impl=impl, seq=total, mode=mode, ms=round(t * 1e3, 4)))
+            print(f"T={total:6d} {impl:7s} fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"
+                  f"  ({time.perf_counter() - t0:.1f} s incl. compile)", flush=True)
+            save()
+    if not args.no_numerics:
+        try:
+            doc["errors"] = numerics(["triton"])
+            print("errors vs float32 xla (T=1024):", json.dumps(doc["errors"]))
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            doc["errors"] = {"failed": repr(exc)[:500]}
+        save()
+
+    print("\n| T | mode | triton ms | xla ms | fla ms | triton / fla |")
+    print("|---|---|---|---|---|---|")
+    for total in seqs:
+        for mode in ("fwd", "fwd+bwd"):
+            ms = {r["impl"]: r.get("ms") for r in doc["rows"] if r["seq"] == total and r["mode"] == mode}
+            ratio = (f"{ms['triton'] / ms['fla']:.2f}" if ms.get("triton") and ms.get("fla") else "-")
+            cell = lambda name: f"{ms[name]:.3f}" if ms.get(name) else "-"  # noqa: E731
+            print(f"| {total} | {mode} | {cell('triton')} | {cell('xla')} | {cell('fla')} | {ratio} |")
+    try:
+        plot(doc["rows"], out_dir / "linear_attention.png",
+             f"gla_attention B=4 H=8 K=V=128 bf16, {doc['device']}, {doc['date'][:10]}")
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    print("wrote", json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""GPU tests of the Triton chunked linear attention (run on the device: `pytest -m gpu`).
+
+The shared conformance suites of recurrent_attention, gla_attention and lightning_attention with
+platform="triton" (varlen and the value gate ``gv`` are refused: those tests check that the refusal is an
+``UnsupportedFeature``), plus bf16 model shapes (K=V=128 and K=64/V=128, several chunks, GQA, scalar gates,
+reverse) against the float32 XLA implementation: output, final state and every gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel.modules import gla_attention, recurrent_attention
+from ejkernel.testing.gla import GLAConformance
+from ejkernel.testing.lightning_attention import LightningAttentionConformance
+from ejkernel.testing.recurrent import RecurrentConformance, log_sigmoid_gate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+]
+
+REFUSED = ("cu_seqlens", "gv")
+
+
+class TestTritonRecurrentConformance(RecurrentConformance):
+    platform = "triton"
+    refused = REFUSED
+
+
+class TestTritonGLAConformance(GLAConformance):
+    platform = "triton"
+    refused = REFUSED
+
+
+class TestTritonLightningAttentionConformance(LightningAttentionConformance):
+    platform = "triton"
+    refused = REFUSED
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("batch,total,heads,kv_heads,dk,dv,gate,reverse", [
+    (2, 1000, 4, 4, 128, 128, "vector", False),  # 16 chunks, the last one partial
+    (1, 2048, 8, 2, 64, 128, "scalar", True),  # GQA 4:1, scalar gates, reverse
+    (1, 512, 2, 2, 256, 64, "vector", False),  # head dim 256: four key tiles
+])
+def test_bf16_model_shapes_against_float32_xla(batch, total, heads, kv_heads, dk, dv, gate, reverse):
+    keys = jax.random.split(jax.random.PRNGKey(total + dk), 6)
+    q = jax.random.normal(keys[0], (batch, total, heads, dk), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, total, kv_heads, dk), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, total, kv_heads, dv), jnp.float32).astype(jnp.bfloat16)
+    g_shape = (batch, total, heads, dk) if gate == "vector" else (batch, total, heads)
+    g = log_sigmoid_gate(total, g_shape)
+    h0 = jax.random.normal(keys[3], (batch, heads, dk, dv), jnp.float32)
+    op = gla_attention if gate == "vector" else recurrent_attention
+
+    def loss(platform, q, k, v, g, h0, cot_o, cot_s):
+        out, final = op(q, k, v, g, initial_state=h0, reverse=reverse, platform=platform)
+        return jnp.sum(out.astype(jnp.float32) * cot_o) + jnp.sum(final * cot_s), (out, final)
+
+    cot_o = jax.random.normal(keys[4], (batch, total, heads, dv), jnp.float32)
+    cot_s = jax.random.normal(keys[5], h0.shape, jnp.float32)
+    grad = lambda p: jax.jit(jax.grad(functools.partial(loss, p), argnums=(0, 1, 2, 3, 4), has_aux=True))  # noqa: E731
+    got_grads, (got_out, got_final) = grad("triton")(q, k, v, g, h0, cot_o, cot_s)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        want_grads, (want_out, want_final) = grad("xla")(*f32, g, h0, cot_o, cot_s)
+    assert got_out.dtype == jnp.bfloat16 and got_final.dtype == jnp.float32
+    assert _rel(got_out, want_out) < 1e-2
+    assert _rel(got_final, want_final) < 1e-2
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got_grads, want_grads):
+        assert _rel(a, b) < 2e-2, name
