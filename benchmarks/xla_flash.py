@@ -3,6 +3,7 @@
 One command (on the device: ``bash scripts/device/prepare.sh`` here, then run with ``carry: [".whl"]``):
 
     bash scripts/device/run.sh python3 benchmarks/xla_flash.py --out $OUT     # ~5 min on one H100/H200
+    bash scripts/device/xla_flash.sh                                          # issue #14's check, <= 150 s
 
 1. Memory (first, so the device's peak counter is this part's): forward+backward at S = 16k, 32k, 64k
    (B=1, H=16, D=128, bf16, causal) through the default config: the path the rule takes, XLA's compiled
@@ -11,11 +12,14 @@ One command (on the device: ``bash scripts/device/prepare.sh`` here, then run wi
 2. Speed: the standard shapes (bf16, D=128, 16 heads, batch * seq = 16384, S = 1k..16k, causal and not,
    forward and forward+backward) for ``ejkernel-xla`` (the default config: the rule of
    ``ejkernel_xla.flash_attention``: forward+backward and a forward alone have their own memory rules;
-   the table names the path each took), ``ejkernel-xla[blockwise]`` (forced;
-   ``ejkernel-xla[dense]`` on request) and ``xla``; timing, TFLOP/s and relative errors as in ``attention.py``. The table's last column is
-   ejkernel-xla / xla (issue #14's target: >= 1.0 wherever xla runs).
+   the table names the path each took), ``ejkernel-xla[blockwise]`` (forced) and ``xla``; on request the
+   dense path forced (``[dense]``) and its variants (``[dense:selects]``, ``[dense:one-call]``:
+   :func:`dense_variant`) and ``cudnn``; timing, TFLOP/s and relative errors as in ``attention.py``. The
+   table's last columns are each ejkernel implementation / xla (issue #14's target: >= 1.0 wherever xla
+   runs); the JSON's ``ratios`` the same.
 
-Writes ``<out>/<device>-<date>-xla-flash.json`` (default ``benchmarks/results``) after every measurement.
+Writes ``<out>/<device>-<date>-xla-flash[-<tag>].json`` (default ``benchmarks/results``) after every
+measurement.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def xla_impls(names: list[str]) -> list[bench.Impl]:
         "ejkernel-xla": ejkernel(None),
         "ejkernel-xla[blockwise]": ejkernel(XlaFlashConfig(dense=False)),
         "ejkernel-xla[dense]": ejkernel(XlaFlashConfig(dense=True)),
-        "ejkernel-xla[dense:selects]": dense_variant("selects"),
+        "ejkernel-xla[dense:selects]": dense_variant("selects", 1),
+        "ejkernel-xla[dense:one-call]": dense_variant("constants", 1),
         "xla": bench._jax_nn("xla"),
         "cudnn": bench._jax_nn("cudnn"),
     }
@@ -60,10 +65,14 @@ def xla_impls(names: list[str]) -> list[bench.Impl]:
     return [bench.Impl(name, known[name]) for name in names]
 
 
-def dense_variant(empty_row_guard: str):
-    """The dense path with another ``empty_row_guard`` (``ejkernel_xla._dense.EMPTY_ROW_GUARDS``): the
+def dense_variant(empty_row_guard: str, causal_chunks: int | None):
+    """The dense path with another ``empty_row_guard`` (``ejkernel_xla._dense.EMPTY_ROW_GUARDS``) or number
+    of causal query chunks (None: the rule, ``causal_chunk_count``; 1: one dense call over all keys): the
     formulations compared in one process. Plain q, k, v (no masks or sinks), as the timed calls pass them;
-    otherwise what ``XlaFlashAttention`` does for ``XlaFlashConfig(dense=True)``."""
+    otherwise what ``XlaFlashAttention`` does for ``XlaFlashConfig(dense=True)``.
+
+    ``[dense:selects]``: last session's dense forward (isfinite/positive selects, one call: 0.85-0.90x
+    jax.nn causal on the H100); ``[dense:one-call]``: this session's guard without the causal chunks."""
     from ejkernel.modules.operations._precision import resolve_precision
     from ejkernel_xla._blockwise import AttentionParams, key_tokens, query_tokens
     from ejkernel_xla._dense import flash_attention_dense
@@ -74,7 +83,8 @@ def dense_variant(empty_row_guard: str):
         params = AttentionParams(softmax_scale=head_dim**-0.5, causal=causal,
                                  precision=resolve_precision(None, q.dtype))
         return flash_attention_dense(q, k, v, params=params, q_tokens=query_tokens(batch, q_len, kv_len),
-                                     kv_tokens=key_tokens(batch, kv_len), empty_row_guard=empty_row_guard)
+                                     kv_tokens=key_tokens(batch, kv_len), empty_row_guard=empty_row_guard,
+                                     causal_chunks=causal_chunks)
 
     return attend
 
@@ -172,7 +182,10 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="ejkernel-xla,ejkernel-xla[blockwise],xla",
                    help="comma-separated, of: ejkernel-xla (the default config), ejkernel-xla[blockwise], "
                         "ejkernel-xla[dense] (forced), ejkernel-xla[dense:selects] (forced, the old empty-row "
-                        "guard: ejkernel_xla._dense.EMPTY_ROW_GUARDS), xla, cudnn (jax.nn implementations)")
+                        "guard: ejkernel_xla._dense.EMPTY_ROW_GUARDS, one call), ejkernel-xla[dense:one-call] "
+                        "(forced, no causal query chunks), xla, cudnn (jax.nn implementations)")
+    p.add_argument("--causal-only-impls", default="", help="comma-separated impls measured only in causal cases "
+                   "(variants that differ from the default only there)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -229,6 +242,7 @@ def main(argv=None) -> int:
     impls = xla_impls([s for s in args.impls.split(",") if s])
     error_seqs = {int(s) for s in args.errors.split(",") if s}
     error_impls = set(filter(None, args.errors_impls.split(","))) or {i.name for i in impls}
+    causal_only = set(filter(None, args.causal_only_impls.split(",")))
     key = jax.random.key(0)
     for seq in (int(s) for s in args.seqs.split(",") if s):
         batch = max(1, args.tokens // seq)
@@ -236,6 +250,8 @@ def main(argv=None) -> int:
         inputs = bench.random_inputs(sub, batch, seq, args.heads, args.head_dim, dtype, args.sets)
         for causal in (c == "yes" for c in args.causal.split(",")):
             for impl in impls:
+                if not causal and impl.name in causal_only:
+                    continue
                 if seq in error_seqs and impl.name in error_impls:
                     try:
                         doc["numerics"].append(dict(impl=impl.name, seq=seq, causal=causal,

@@ -6,19 +6,21 @@
 #   bash scripts/device/xla_flash.sh                 # alone
 #   bash scripts/device/batch.sh xla_flash ...       # with other topics
 #
-# bf16, D=128, 16 heads, batch*S = 16384, S = 2048, 8192, 16384, causal first; three parts, each under its
-# own timeout (one failing or running out of time does not stop the next; every measurement is saved as
-# it is taken):
-#   1. forward: ejkernel-xla (the default config: the rule; dense on an H200 at these S), the dense path
-#      with the old empty-row guard (ejkernel-xla[dense:selects], ejkernel_xla._dense.EMPTY_ROW_GUARDS: what
-#      ran at 0.85-0.90x causal on the H100), jax.nn xla and cudnn -- all in one process;
-#   2. forward+backward: ejkernel-xla, jax.nn xla and cudnn;
-#   3. memory: compiled temp bytes of the default config's forward+backward at S=32k and 64k (B=1, causal;
+# bf16, D=128, 16 heads, batch*S = 16384, S = 2048, 8192, 16384. Two parts, each under its own timeout (one
+# failing or running out of time does not stop the next; every measurement is saved as it is taken):
+#   1. speed, one process, per S: causal (then not), forward and forward+backward, for
+#      ejkernel-xla               the default config (the rule: dense on an H200 at these S; causal calls
+#                                 in query chunks, ejkernel_xla._dense.causal_chunk_count),
+#      ejkernel-xla[dense:one-call]  the same dense path as one call over all keys (causal only),
+#      ejkernel-xla[dense:selects]   last session's dense forward: one call, the old empty-row guard
+#                                 (EMPTY_ROW_GUARDS; 0.85-0.90x xla causal on the H100) (causal only),
+#      xla, cudnn                 jax.nn.dot_product_attention's implementations;
+#   2. memory: compiled temp bytes of the default config's forward+backward at S=32k and 64k (B=1, causal;
 #      the blockwise path there, O(S)) and one S=64k forward+backward run (device peak bytes).
-# Writes under $OUT/xla_flash/: <device>-<date>-xla-flash-{fwd,fwdbwd,memory}.json (benchmarks/xla_flash.py's
+# Writes under $OUT/xla_flash/: <device>-<date>-xla-flash-{speed,memory}.json (benchmarks/xla_flash.py's
 # documents: rows, `ratios` = ejkernel TFLOP/s / xla TFLOP/s per case, numerics at S=2048), ratios.json
-# (every ratio of parts 1-2, against xla and cudnn, with the pass/fail of the >= 1.0 target), *.log, and
-# prints the ratio tables and a summary.
+# (every ejkernel row's ratio to xla and to cudnn; target_met: ejkernel-xla >= 1.0 x xla wherever xla
+# ran), speed.log, memory.log; prints the ratio table and a summary.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -42,20 +44,17 @@ COMMON=(--seqs "$SEQS" --causal yes,no --tokens "$TOKENS" --heads "$HEADS" --hea
         --warmup 1 --reps 3 --calls 2 --sets 2 --memory-seqs "" --out "$DIR")
 status=0
 
-echo "== 1/3 forward (ejkernel-xla, old guard, xla, cudnn) =="
-timeout --kill-after=5 55 python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd --tag fwd \
-    --impls "ejkernel-xla,ejkernel-xla[dense:selects],xla,cudnn" --errors "${SEQS%%,*}" --errors-impls ejkernel-xla \
-    2>&1 | tee "$DIR/fwd.log"
+echo "== 1/2 speed: forward, then forward+backward, per S (causal first) =="
+# one process: XLA's autotuning results carry over between the programs that share GEMM shapes
+timeout --kill-after=5 "${XLA_FLASH_SPEED_S:-108}" python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd,fwd+bwd \
+    --tag speed --impls "ejkernel-xla,ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects],xla,cudnn" \
+    --causal-only-impls "ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" \
+    --errors "${SEQS%%,*}" --errors-impls ejkernel-xla 2>&1 | tee "$DIR/speed.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== 2/3 forward+backward (ejkernel-xla, xla, cudnn) =="
-timeout --kill-after=5 55 python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd+bwd --tag fwdbwd \
-    --impls "ejkernel-xla,xla,cudnn" --errors "" 2>&1 | tee "$DIR/fwdbwd.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== 3/3 memory at S=32k, 64k (B=1, causal, default config) =="
-timeout --kill-after=5 30 python3 benchmarks/xla_flash.py --seqs "" --memory-seqs "$MEMORY_SEQS" --heads "$HEADS" \
-    --head-dim 128 --dtype bfloat16 --out "$DIR" --tag memory 2>&1 | tee "$DIR/memory.log"
+echo "== 2/2 memory at S=32k, 64k (B=1, causal, default config) =="
+timeout --kill-after=5 "${XLA_FLASH_MEMORY_S:-30}" python3 benchmarks/xla_flash.py --seqs "" --memory-seqs "$MEMORY_SEQS" \
+    --heads "$HEADS" --head-dim 128 --dtype bfloat16 --out "$DIR" --tag memory 2>&1 | tee "$DIR/memory.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== summary =="

@@ -32,6 +32,7 @@ from ejkernel_xla._blockwise import (
     _ungrouped,
     weighted_values,
     sink_lse,
+    slice_tokens,
     visibility,
 )
 
@@ -191,6 +192,45 @@ _dense = jax.custom_vjp(_dense_primal, nondiff_argnums=(0, 1))
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
+CAUSAL_CHUNK_QUERIES = 1024
+"""Causal calls split their queries into chunks of about this many (at most ``MAX_CAUSAL_CHUNKS``); each
+chunk attends densely to the key prefix it can see (``_causal_chunks``)."""
+
+MAX_CAUSAL_CHUNKS = 8
+
+
+def causal_chunk_count(params: AttentionParams, q_len: int, kv_len: int, bias, mask, q_tok: Tokens) -> int:
+    """How many query chunks a call runs as (1: one dense attention over all keys).
+
+    Causal with queries aligned to the end of the keys: query chunk ``c`` of ``n`` sees no key past its
+    last query's position, so it needs only a prefix of the keys -- the n chunks together compute
+    ``(n+1)/(2n)`` of the S² logits (n = 8: 56 %) where the one dense call computes all of them, masks half
+    and pays the bytes of every one (the dense path is bound by the S² traffic, NOTES.md). Not with
+    varlen (visibility is per packed sequence, not a prefix), a bias or an explicit mask (S² inputs of
+    their own; they would be sliced per chunk -- possible, not done), or more queries than keys."""
+    if not params.causal or q_tok.sequence is not None or bias is not None or mask is not None or q_len > kv_len:
+        return 1
+    return max(1, min(MAX_CAUSAL_CHUNKS, q_len // CAUSAL_CHUNK_QUERIES))
+
+
+def _causal_chunks(attend, query, key, value, q_tokens: Tokens, kv_tokens: Tokens, chunks: int):
+    """``attend(q_chunk, k_prefix, v_prefix, q_tok_chunk, kv_tok_prefix)`` per query chunk, outputs
+    concatenated along the sequence. Tokens carry their global positions and indices, so causality, a
+    sliding window, segment ids and dropout's hash see each chunk exactly as in the whole call; the key
+    prefix ends at the chunk's last query position + 1. Autodiff through the slices sums each chunk's key
+    and value gradients into the whole arrays (O(S) work)."""
+    q_len, kv_len = query.shape[1], key.shape[1]
+    bounds = [round(c * q_len / chunks) for c in range(chunks + 1)]
+    outs = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        keys = stop + kv_len - q_len  # the chunk's last query sits at position stop - 1 + kv_len - q_len
+        outs.append(attend(
+            query[:, start:stop], key[:, :keys], value[:, :keys],
+            slice_tokens(q_tokens, start, stop - start), slice_tokens(kv_tokens, 0, keys),
+        ))
+    return jnp.concatenate(outs, axis=1)
+
+
 def flash_attention_dense(
     query,
     key,
@@ -204,14 +244,38 @@ def flash_attention_dense(
     kv_tokens: Tokens,
     dropout_seed=None,
     empty_row_guard: str = "constants",
+    causal_chunks: int | None = None,
 ) -> jax.Array:
     """Dense attention with the VJP of the module docstring (memory O(S²)); the arguments of
     ``_blockwise.flash_attention_blockwise`` but no block sizes. ``empty_row_guard``: one of
-    ``EMPTY_ROW_GUARDS`` (the default is the fast one; the other is there to be measured against)."""
+    ``EMPTY_ROW_GUARDS``; ``causal_chunks``: query chunks of a causal call (None: ``causal_chunk_count``;
+    1: one dense call). The defaults are the fast ones; the others are there to be measured against."""
     if empty_row_guard not in EMPTY_ROW_GUARDS:
         raise ValueError(f"empty_row_guard must be one of {EMPTY_ROW_GUARDS}, got {empty_row_guard!r}")
     seed = None if params.dropout_prob == 0.0 else seed_bits(dropout_seed)
-    return _dense(params, empty_row_guard, query, key, value, bias, softmax_aux, attention_mask, q_tokens, kv_tokens, seed)
+    chunks = causal_chunks or causal_chunk_count(
+        params, query.shape[1], key.shape[1], bias, attention_mask, q_tokens
+    )
+
+    def attend(q, k, v, q_tok, kv_tok):
+        return _dense(params, empty_row_guard, q, k, v, bias, softmax_aux, attention_mask, q_tok, kv_tok, seed)
+
+    if chunks == 1:
+        return attend(query, key, value, q_tokens, kv_tokens)
+    return _causal_chunks(attend, query, key, value, q_tokens, kv_tokens, chunks)
 
 
-__all__ = ["EMPTY_ROW_GUARDS", "flash_attention_dense"]
+def dense_forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, seed) -> jax.Array:
+    """The dense forward alone (not differentiable by itself: the primal of a custom VJP whose rules are
+    elsewhere), with the causal chunks of ``flash_attention_dense``."""
+    chunks = causal_chunk_count(params, q.shape[1], k.shape[1], bias, mask, q_tok)
+
+    def attend(q_, k_, v_, q_tok_, kv_tok_):
+        return _dense_primal(params, "constants", q_, k_, v_, bias, aux, mask, q_tok_, kv_tok_, seed)
+
+    if chunks == 1:
+        return attend(q, k, v, q_tok, kv_tok)
+    return _causal_chunks(attend, q, k, v, q_tok, kv_tok, chunks)
+
+
+__all__ = ["CAUSAL_CHUNK_QUERIES", "EMPTY_ROW_GUARDS", "causal_chunk_count", "dense_forward", "flash_attention_dense"]

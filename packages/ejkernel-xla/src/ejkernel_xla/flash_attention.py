@@ -69,7 +69,7 @@ from ejkernel_xla._blockwise import (
     key_tokens,
     query_tokens,
 )
-from ejkernel_xla._dense import _dense_primal, flash_attention_dense
+from ejkernel_xla._dense import dense_forward, flash_attention_dense
 
 DENSE_MEMORY_SHARE = 0.5
 """Share of the device memory JAX may allocate (``memory_stats()["bytes_limit"]``) that one call's dense
@@ -181,7 +181,7 @@ def _dense_primal_blockwise_vjp(blocks, params, q, k, v, bias, aux, mask, q_tok,
     """Not differentiated: the dense forward. Differentiated: the blockwise forward (its residuals, the
     output and the log-sum-exp) and backward. For calls whose dense forward fits but whose dense
     forward+backward does not."""
-    return _dense_primal(params, "constants", q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
+    return dense_forward(params, q, k, v, bias, aux, mask, q_tok, kv_tok, seed)
 
 
 _dense_forward_blockwise_gradient = jax.custom_vjp(_dense_primal_blockwise_vjp, nondiff_argnums=(0, 1))

@@ -1,0 +1,76 @@
+"""The dense path's causal query chunks (``ejkernel_xla._dense.causal_chunk_count``): the same output and
+gradients as one dense call over all keys, for every feature a chunk sees through its tokens (GQA, sliding
+window, segment ids, dropout, sinks, soft cap, more keys than queries). The shared suite's shapes are
+below ``CAUSAL_CHUNK_QUERIES`` and never chunk; the chunks are forced here."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel_xla._blockwise import AttentionParams, key_tokens, query_tokens
+from ejkernel_xla._dense import CAUSAL_CHUNK_QUERIES, causal_chunk_count, flash_attention_dense
+
+CASES = {
+    "causal": dict(),
+    "gqa_window_segments": dict(kv_heads=2, window=(7, 0), segments=True),
+    "dropout_sinks_softcap_more_keys": dict(dropout=0.25, sinks=True, softcap=5.0, kv_len=57),
+}
+
+
+def _run(chunks: int, *, q_len=40, kv_len=None, heads=4, kv_heads=4, window=None, segments=False, dropout=0.0,
+         sinks=False, softcap=None):
+    kv_len = kv_len or q_len
+    keys = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(keys[0], (2, q_len, heads, 16), jnp.float32)
+    k = jax.random.normal(keys[1], (2, kv_len, kv_heads, 16), jnp.float32)
+    v = jax.random.normal(keys[2], (2, kv_len, kv_heads, 16), jnp.float32)
+    do = jax.random.normal(keys[3], (2, q_len, heads, 16), jnp.float32)
+    aux = jax.random.normal(keys[4], (heads,), jnp.float32) if sinks else None
+    q_seg = kv_seg = None
+    if segments:
+        kv_seg = jnp.asarray(np.repeat(np.arange(4), -(-kv_len // 4))[:kv_len][None].repeat(2, 0), jnp.int32)
+        q_seg = kv_seg[:, kv_len - q_len:]
+    params = AttentionParams(softmax_scale=0.25, causal=True, sliding_window=window, logits_soft_cap=softcap,
+                             dropout_prob=dropout, precision=jax.lax.Precision.HIGHEST)
+
+    def attend(q, k, v, aux):
+        return flash_attention_dense(
+            q, k, v, params=params, softmax_aux=aux,
+            q_tokens=query_tokens(2, q_len, kv_len, segment_ids=q_seg), kv_tokens=key_tokens(2, kv_len, segment_ids=kv_seg),
+            dropout_seed=7 if dropout else None, causal_chunks=chunks,
+        )
+
+    @jax.jit
+    def value_and_grads(q, k, v, aux, do):
+        out, pullback = jax.vjp(attend, q, k, v, aux)
+        return out, pullback(do)
+
+    return value_and_grads(q, k, v, aux, do)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunks_match_one_dense_call(case):
+    whole_out, whole_grads = _run(1, **CASES[case])
+    out, grads = _run(3, **CASES[case])
+    np.testing.assert_allclose(out, whole_out, rtol=2e-5, atol=2e-6)
+    for name, got, want in zip(("dq", "dk", "dv", "daux"), grads, whole_grads):
+        if want is not None:
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_chunk_count_rule():
+    params = AttentionParams(softmax_scale=1.0, causal=True)
+    tokens = query_tokens(1, 8192, 8192)
+    assert causal_chunk_count(params, 8192, 8192, None, None, tokens) == 8192 // CAUSAL_CHUNK_QUERIES
+    assert causal_chunk_count(params, 64 * CAUSAL_CHUNK_QUERIES, 10**6, None, None, tokens) == 8  # at most 8
+    assert causal_chunk_count(params, 100, 100, None, None, tokens) == 1  # short: one call
+    assert causal_chunk_count(AttentionParams(softmax_scale=1.0), 8192, 8192, None, None, tokens) == 1
+    assert causal_chunk_count(params, 8192, 4096, None, None, tokens) == 1  # more queries than keys
+    assert causal_chunk_count(params, 8192, 8192, jnp.zeros(()), None, tokens) == 1  # a bias
+    assert causal_chunk_count(params, 8192, 8192, None, jnp.ones((), bool), tokens) == 1  # a mask
+    cum = jnp.asarray([0, 4096, 8192], jnp.int32)
+    varlen = query_tokens(1, 8192, 8192, cum_seqlens_q=cum, cum_seqlens_k=cum)
+    assert causal_chunk_count(params, 8192, 8192, None, None, varlen) == 1
