@@ -27,7 +27,7 @@ SUB_CHUNK = 16
 
 @triton.jit
 def _state_kernel(
-    K_, V_, GC, H0, NUM_CHUNKS,  # inputs
+    K_, V_, GC, G, H0, NUM_CHUNKS,  # inputs (G: the raw log gates)
     HS, HT,  # outputs: h_n per chunk (entering), final state (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -46,6 +46,7 @@ def _state_kernel(
     T = NUM_CHUNKS * BT
     k_base = K_ + b * T * H * K + head * K
     g_base = GC + b * T * H * K + head * K
+    raw_base = G + b * T * H * K + head * K
     v_base = V_ + b * T * H * V + head * V
     state_offs = offs_k[:, None] * V + offs_v[None, :]
     if HAS_H0:
@@ -57,10 +58,13 @@ def _state_kernel(
                  mask=mkv)
         rows = n * BT + offs_t
         k = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
-        g = tl.load(g_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
+        # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
+        # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong gates)
+        raw = tl.load(raw_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
+        g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
         g_last = tl.load(g_base + (n * BT + BT - 1) * (H * K) + offs_k, mask=mk, other=0.0)
         v = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :], mask=mv[None, :], other=0.0)
-        k_decayed = (k.to(tl.float32) * tl.exp(g_last[None, :] - g)).to(v.dtype)
+        k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
         state = state * tl.exp(g_last)[:, None]
         state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
     tl.store(HT + bh.to(tl.int64) * K * V + state_offs, state, mask=mkv)

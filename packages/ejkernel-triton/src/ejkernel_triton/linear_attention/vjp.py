@@ -56,7 +56,7 @@ def _state_dtype(q):
     return jnp.float32 if q.dtype == jnp.float32 else q.dtype
 
 
-def _states(k, v, gc, h0, st: StaticParams):
+def _states(k, v, gc, a, h0, st: StaticParams):
     """(h_n entering every chunk [B, N, H, K, V], final state [B, H, K, V] float32)."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
@@ -65,7 +65,7 @@ def _states(k, v, gc, h0, st: StaticParams):
                   jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32))
     grid = (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), b * h)
     meta = _meta(k, v, st)
-    return launch(_state_kernel, (k, v, gc, h0 if h0 is not None else _placeholder(), n), out_shapes, grid,
+    return launch(_state_kernel, (k, v, gc, a, h0 if h0 is not None else _placeholder(), n), out_shapes, grid,
                   num_warps=st.num_warps, num_stages=st.num_stages, interpret=st.interpret, BK=st.block_k,
                   BV=st.block_v, HAS_H0=h0 is not None, **meta)
 
@@ -75,7 +75,7 @@ def _run_forward(q, k, v, a, h0, st: StaticParams):
     dv = v.shape[-1]
     n = t // CHUNK
     gc = chunk_cumsum(a)
-    hs, final = _states(k, v, gc, h0, st)
+    hs, final = _states(k, v, gc, a, h0, st)
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32))
     o, attn = launch(_output_kernel, (q, k, v, gc, hs, np.float32(st.scale), n), out_shapes,
                      (triton.cdiv(dv, st.block_v), n, b * h), num_warps=st.num_warps, num_stages=st.num_stages,
@@ -83,13 +83,13 @@ def _run_forward(q, k, v, a, h0, st: StaticParams):
     return o, final, gc, attn
 
 
-def _run_backward(q, k, v, gc, h0, attn, do, dht, st: StaticParams):
+def _run_backward(q, k, v, a, gc, h0, attn, do, dht, st: StaticParams):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     n = t // CHUNK
     meta = _meta(q, v, st)
     common = dict(num_warps=st.num_warps, num_stages=st.num_stages, interpret=st.interpret, **meta)
-    hs, _ = _states(k, v, gc, h0, st)
+    hs, _ = _states(k, v, gc, a, h0, st)
     state_shape = (b, n, h, dk, dv)
     dhs, dh0 = launch(
         _state_grad_kernel, (q, gc, do, dht, np.float32(st.scale), n),
@@ -135,8 +135,8 @@ def _batched_calls(st: StaticParams):
     fwd.def_vmap(_fold_batch_rule(fwd, 4))
 
     @jax.custom_batching.custom_vmap
-    def bwd(q, k, v, gc, h0, attn, do, dht):
-        return tuple(_run_backward(q, k, v, gc, h0, attn, do, dht, st))
+    def bwd(q, k, v, a, gc, h0, attn, do, dht):
+        return tuple(_run_backward(q, k, v, a, gc, h0, attn, do, dht, st))
 
     bwd.def_vmap(_fold_batch_rule(bwd, 5))
     return fwd, bwd
@@ -151,14 +151,14 @@ def linear_attention(q, k, v, a, h0, st: StaticParams):
 def _linear_attention_fwd(q, k, v, a, h0, st: StaticParams):
     fwd, _ = _batched_calls(st)
     o, final, gc, attn = fwd(q, k, v, a, h0)
-    return (o, final), (q, k, v, gc, h0, attn)
+    return (o, final), (q, k, v, a, gc, h0, attn)
 
 
 def _linear_attention_bwd(st: StaticParams, res, cotangents):
-    q, k, v, gc, h0, attn = res
+    q, k, v, a, gc, h0, attn = res
     do, dht = cotangents
     _, bwd = _batched_calls(st)
-    dq, dk, dv, da, dh0 = bwd(q, k, v, gc, h0, attn, do.astype(q.dtype), dht.astype(jnp.float32))
+    dq, dk, dv, da, dh0 = bwd(q, k, v, a, gc, h0, attn, do.astype(q.dtype), dht.astype(jnp.float32))
     return dq, dk, dv, da, None if h0 is None else dh0.astype(h0.dtype)
 
 
