@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ejkernel_xla._blockwise import AttentionParams, key_tokens, query_tokens
-from ejkernel_xla._dense import CAUSAL_CHUNK_QUERIES, causal_chunk_count, flash_attention_dense
+from ejkernel_xla._dense import CAUSAL_CHUNK_QUERIES, MAX_CAUSAL_CHUNKS, causal_chunk_count, flash_attention_dense
 
 CASES = {
     "causal": dict(),
@@ -64,8 +64,8 @@ def test_chunks_match_one_dense_call(case):
 def test_chunk_count_rule():
     params = AttentionParams(softmax_scale=1.0, causal=True)
     tokens = query_tokens(1, 8192, 8192)
-    assert causal_chunk_count(params, 8192, 8192, None, None, tokens) == 8192 // CAUSAL_CHUNK_QUERIES
-    assert causal_chunk_count(params, 64 * CAUSAL_CHUNK_QUERIES, 10**6, None, None, tokens) == 8  # at most 8
+    assert causal_chunk_count(params, 2048, 2048, None, None, tokens) == 2048 // CAUSAL_CHUNK_QUERIES
+    assert causal_chunk_count(params, 64 * CAUSAL_CHUNK_QUERIES, 10**6, None, None, tokens) == MAX_CAUSAL_CHUNKS
     assert causal_chunk_count(params, 100, 100, None, None, tokens) == 1  # short: one call
     assert causal_chunk_count(AttentionParams(softmax_scale=1.0), 8192, 8192, None, None, tokens) == 1
     assert causal_chunk_count(params, 8192, 4096, None, None, tokens) == 1  # more queries than keys

@@ -196,7 +196,10 @@ CAUSAL_CHUNK_QUERIES = 1024
 """Causal calls split their queries into chunks of about this many (at most ``MAX_CAUSAL_CHUNKS``); each
 chunk attends densely to the key prefix it can see (``_causal_chunks``)."""
 
-MAX_CAUSAL_CHUNKS = 8
+MAX_CAUSAL_CHUNKS = 4
+"""n chunks compute (n+1)/(2n) of the logits: 2 -> 75 %, 4 -> 62.5 %, 8 -> 56 %. Each chunk's key length
+is another GEMM shape, which XLA's GPU autotuner tunes once per program: 4 keeps that compile time down
+for most of the gain (NOTES.md)."""
 
 
 def causal_chunk_count(params: AttentionParams, q_len: int, kv_len: int, bias, mask, q_tok: Tokens) -> int:
@@ -204,7 +207,7 @@ def causal_chunk_count(params: AttentionParams, q_len: int, kv_len: int, bias, m
 
     Causal with queries aligned to the end of the keys: query chunk ``c`` of ``n`` sees no key past its
     last query's position, so it needs only a prefix of the keys -- the n chunks together compute
-    ``(n+1)/(2n)`` of the S² logits (n = 8: 56 %) where the one dense call computes all of them, masks half
+    ``(n+1)/(2n)`` of the S² logits (n = 4: 62.5 %) where the one dense call computes all of them, masks half
     and pays the bytes of every one (the dense path is bound by the S² traffic, NOTES.md). Not with
     varlen (visibility is per packed sequence, not a prefix), a bias or an explicit mask (S² inputs of
     their own; they would be sliced per chunk -- possible, not done), or more queries than keys."""
