@@ -275,6 +275,16 @@ def mixed_cost(sequences, heads, kv_heads, dim, itemsize) -> tuple[float, float]
     return kv_bytes + 2 * tokens * heads * dim * itemsize, 4.0 * heads * dim * pairs
 
 
+def fused_config(inputs):
+    """The Triton heuristic's config for these inputs, with the decode and prefill programs in one launch."""
+    from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention
+    from ejkernel_triton.ragged_page_attention import IMPLEMENTATION
+
+    names = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
+    call = RaggedPageAttention().validate(*[inputs[n] for n in names])
+    return dataclasses.replace(IMPLEMENTATION.heuristic_config(call), fused=True)
+
+
 def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
     from ejkernel.modules import ragged_page_attention
 
@@ -289,14 +299,17 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
             sets = [mixed_inputs(jax.random.fold_in(key, s), sequences, H, Hkv, D, ps, dtype, seed=s) for s in range(2)]
             ref = jax.jit(mixed_reference, static_argnums=(3, 4))(*sets[0][1][:3], tuple(sets[0][1][3].tolist()),
                                                                   tuple(sets[0][1][4].tolist()))
-            for platform in platforms:
-                row = dict(impl=f"ejkernel-{platform} ragged-page", part=part, page_size=ps, batch=len(sequences),
+            variants = [(f"ejkernel-{platform} ragged-page", platform, None) for platform in platforms]
+            if "triton" in platforms:  # the schedule candidate: decode programs and prefill tiles in one launch
+                variants += [("ejkernel-triton ragged-page[fused]", "triton", fused_config(sets[0][0]))]
+            for name, platform, cfg in variants:
+                row = dict(impl=name, part=part, page_size=ps, batch=len(sequences),
                            context=MIXED["context"], bytes=nbytes, flops=flops, bytes_us=t_bytes * 1e6,
                            flops_us=t_flops * 1e6, binds="bandwidth" if t_bytes >= t_flops else "compute")
                 try:
                     names = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
-                    step = jax.jit(lambda x, platform=platform: ragged_page_attention(*[x[n] for n in names],
-                                                                                        platform=platform))
+                    step = jax.jit(lambda x, platform=platform, cfg=cfg: ragged_page_attention(
+                        *[x[n] for n in names], platform=platform, cfg=cfg))
                     slow = platform != "triton"
                     secs = time_calls(lambda c: step(sets[c % 2][0]), 1 if slow else args.warmup,
                                       3 if slow else args.reps, 1 if slow else args.calls)

@@ -9,6 +9,7 @@ JSON line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -31,11 +32,13 @@ from ejkernel.testing.ragged_page_attention import (  # noqa: E402
 )
 from ejkernel_triton.ragged_page_attention import TritonRaggedPageConfig  # noqa: E402
 
-# small tiles: several prefill tiles per sequence and several key steps; decode with and without splits
+# small tiles: several prefill tiles per sequence and several key steps; decode with three splits
 SMALL = TritonRaggedPageConfig(block_m=16, block_n=16, num_warps=4, prefetch=1, decode_block_n=16,
                                decode_num_splits=3, decode_prefetch=1)
-ONE_PASS = TritonRaggedPageConfig(block_m=32, block_n=16, num_warps=4, prefetch=1, decode_block_n=16,
-                                  decode_num_splits=1, decode_prefetch=1)
+# one launch for the decode programs and the prefill tiles (with one split, and with three + the combine pass)
+ONE_PASS_FUSED = TritonRaggedPageConfig(block_m=32, block_n=16, num_warps=4, prefetch=1, decode_block_n=16,
+                                        decode_num_splits=1, decode_prefetch=1, fused=True)
+SMALL_FUSED = dataclasses.replace(SMALL, fused=True)
 
 # (num_q_heads, num_kv_heads, head_dim, page_size, [(q_len, kv_len) per active sequence], inactive, padding)
 CASES = {
@@ -45,11 +48,11 @@ CASES = {
                                 dtype=jnp.float32, config=SMALL, gradient=True), {}),
     # pages of 12 (per-row lookups), MHA (group 1), window, soft cap, sinks, scale
     "mha_pages12_window_softcap_sinks": (dict(shape=(2, 2, 16, 12, [(1, 50), (9, 30), (1, 7), (13, 13)], 0, 2),
-                                              dtype=jnp.float32, config=ONE_PASS, num_sinks=2, scale=3.0),
+                                              dtype=jnp.float32, config=ONE_PASS_FUSED, num_sinks=2, scale=3.0),
                                          dict(sliding_window=10, logits_soft_cap=5.0, softmax_scale=0.4)),
     # MQA with group 8 (tile rows = 2 tokens x 8 heads), pages of 8 (several per step), fp16, window + splits
     "mqa_group8_pages8_fp16": (dict(shape=(8, 1, 24, 8, [(1, 33), (5, 21), (1, 64)], 1, 0), dtype=jnp.float16,
-                                    config=SMALL), dict(sliding_window=20)),
+                                    config=SMALL_FUSED), dict(sliding_window=20)),
 }
 
 

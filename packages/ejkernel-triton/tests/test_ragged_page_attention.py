@@ -102,14 +102,15 @@ def test_tile_table_covers_prefill_and_padding_rows_once():
 
 
 @CUDA_LOWERING
-@pytest.mark.parametrize("page_size,window,dtype", [(16, None, jnp.bfloat16), (64, 1000, jnp.bfloat16),
-                                                    (12, None, jnp.bfloat16)])
-def test_compiles_for_sm90(monkeypatch, page_size, window, dtype):
-    """Both launches (prefill tiles; decode split + combine) lower for sm_90: pages of 16 and 64 (one table
-    entry per step), 12 (per-row lookups), a window, sinks (float32's IEEE dots: the interpreter cases)."""
+@pytest.mark.parametrize("page_size,window,fused", [(16, None, False), (64, 1000, False), (12, None, False),
+                                                   (16, None, True)])
+def test_compiles_for_sm90(monkeypatch, page_size, window, fused):
+    """Both launches (prefill tiles; decode split + combine), or the fused launch (+ combine), lower for sm_90:
+    pages of 16 and 64 (one table entry per step), 12 (per-row lookups), a window, sinks (float32's IEEE dots:
+    the interpreter cases)."""
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
-    call = _call(tokens=600, max_num_seqs=8, context=1024, page_size=page_size, dtype=dtype)
-    cfg = TritonRaggedPageConfig(decode_num_splits=4)
+    call = _call(tokens=600, max_num_seqs=8, context=1024, page_size=page_size)
+    cfg = TritonRaggedPageConfig(decode_num_splits=4, fused=fused)
 
     def fn(q, kv, lens, tables, starts, count, aux):
         validated = RaggedPageAttention().validate(q, kv, lens, tables, starts, count, aux, sliding_window=window,
@@ -119,7 +120,7 @@ def test_compiles_for_sm90(monkeypatch, page_size, window, dtype):
     text = jax.jit(fn).trace(call.queries, call.kv_pages, call.context_lens, call.block_tables,
                              call.query_start_loc, call.num_seqs, _spec((32, 2), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count("triton_kernel_call") == 3
+    assert text.count("triton_kernel_call") == (2 if fused else 3)
 
 
 def test_plugin_entry():
@@ -146,13 +147,14 @@ def test_heuristic_and_candidates():
     assert cfg.decode_num_splits == decode_config.heuristic_splits(64 * 8, 4096)
     candidates = IMPLEMENTATION.candidate_configs(call)
     assert candidates[0] == cfg and len(set(candidates)) == len(candidates) > 1
+    assert {c.fused for c in candidates} == {False, True}  # one launch and two are both tried
     # groups of 8 need tiles of at least 8 rows; a group of 128 raises the tile to 128 rows
     wide = config.heuristic_config(4, 1, 128, 256, 64, jnp.bfloat16)
     assert wide.block_m >= 128
 
 
 @pytest.mark.parametrize("field,value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("prefetch", 0),
-                                         ("decode_num_splits", 0), ("decode_block_n", 24)])
+                                         ("decode_num_splits", 0), ("decode_block_n", 24), ("fused", 1)])
 def test_config_fields_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         TritonRaggedPageConfig(**{field: value})

@@ -167,6 +167,71 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
 
 
 @triton.jit
+def _split_program(
+    split, b, head_block,  # the program's place in the grid
+    Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs
+    Out, PartAcc, PartM, PartL,  # outputs (Out with one split, the partials with several)
+    H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
+    HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr,
+):
+    """One split program: keys ``[lo + split * CHUNK, ...)`` of sequence ``b`` for the query heads of head block
+    ``head_block`` (kv head ``head_block // HEAD_BLOCKS``). A function so that other kernels (the mixed
+    prefill + decode launch of ``ragged_page_attention``) run the same program."""
+    kvh = head_block // HEAD_BLOCKS
+    g0 = (head_block % HEAD_BLOCKS) * BLOCK_H
+    lo, hi = _sequence_range(Starts, Ends, b, HAS_START, WINDOW_LEFT, MAX_LEN)
+    s_lo = _split_base(lo, ALIGN_LO, BLOCK_N) + split * CHUNK
+    s_hi = tl.minimum(hi, s_lo + CHUNK)
+    # splits past the sequence's end write nothing: the combine pass never reads them
+    if (s_lo < s_hi) | (NUM_SPLITS == 1):
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_ok = g0 + offs_h < GROUP
+        heads = kvh * GROUP + g0 + offs_h
+        rows = b.to(tl.int64) * H + heads
+        q_rows = rows
+        if HAS_QROWS:  # the query of sequence b is row QRows[b] of a packed [tokens, H, D] array
+            q_rows = tl.load(QRows + b).to(tl.int64) * H + heads
+        q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        if NUM_SPLITS == 1:
+            m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_H)
+        else:  # sinks join once, in the combine pass
+            m_i, l_i = _sink_state(Aux, heads, row_ok, 0, BLOCK_SINKS, BLOCK_H)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        if ALIGN_LO:  # steps start on BLOCK_N boundaries (one page per step); keys below lo are masked
+            acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, s_hi, offs_n, offs_d, scale,
+                                       softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                                       PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
+                                       V_SHIFT, True)
+        else:
+            full_hi = s_lo + tl.maximum(s_hi - s_lo, 0) // BLOCK_N * BLOCK_N
+            acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, full_hi, offs_n, offs_d, scale,
+                                       softcap, lo, False, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                                       PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
+                                       V_SHIFT, False)
+            acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, full_hi, s_hi, offs_n, offs_d, scale,
+                                       softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                                       PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
+                                       V_SHIFT, False)
+        out_mask = row_ok[:, None] & (offs_d[None, :] < D)
+        if NUM_SPLITS == 1:
+            # no visible key: the value sum is 0 and so is the output (sinks or not)
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=out_mask)
+        else:
+            part = (b.to(tl.int64) * NUM_SPLITS + split) * H + heads
+            tl.store(PartAcc + part[:, None] * D + offs_d[None, :], acc, mask=out_mask)
+            tl.store(PartM + part, m_i, mask=row_ok)
+            tl.store(PartL + part, l_i, mask=row_ok)
+
+
+@triton.jit
 def _split_kernel(
     Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs
     Out, PartAcc, PartM, PartL,  # outputs (Out with one split, the partials with several)
@@ -178,56 +243,11 @@ def _split_kernel(
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
     HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    b = tl.program_id(1)
-    kvh = tl.program_id(2) // HEAD_BLOCKS
-    g0 = (tl.program_id(2) % HEAD_BLOCKS) * BLOCK_H
-    lo, hi = _sequence_range(Starts, Ends, b, HAS_START, WINDOW_LEFT, MAX_LEN)
-    s_lo = _split_base(lo, ALIGN_LO, BLOCK_N) + split * CHUNK
-    s_hi = tl.minimum(hi, s_lo + CHUNK)
-    if NUM_SPLITS > 1:
-        if s_lo >= s_hi:  # past the sequence's end: the combine pass never reads this split
-            return
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = g0 + offs_h < GROUP
-    heads = kvh * GROUP + g0 + offs_h
-    rows = b.to(tl.int64) * H + heads
-    q_rows = rows
-    if HAS_QROWS:  # the query of sequence b is row QRows[b] of a packed [tokens, H, D] array
-        q_rows = tl.load(QRows + b).to(tl.int64) * H + heads
-    q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    if NUM_SPLITS == 1:
-        m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_H)
-    else:  # sinks join once, in the combine pass
-        m_i, l_i = _sink_state(Aux, heads, row_ok, 0, BLOCK_SINKS, BLOCK_H)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    if ALIGN_LO:  # steps start on BLOCK_N boundaries (one page per step); keys below lo are masked
-        acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, s_hi, offs_n, offs_d, scale,
-                                   softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
-                                   PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                   V_SHIFT, True)
-    else:
-        full_hi = s_lo + tl.maximum(s_hi - s_lo, 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, full_hi, offs_n, offs_d, scale,
-                                   softcap, lo, False, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
-                                   PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                   V_SHIFT, False)
-        acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, full_hi, s_hi, offs_n, offs_d, scale,
-                                   softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
-                                   PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                   V_SHIFT, False)
-    out_mask = row_ok[:, None] & (offs_d[None, :] < D)
-    if NUM_SPLITS == 1:
-        # no visible key: the value sum is 0 and so is the output (sinks or not)
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=out_mask)
-    else:
-        part = (b.to(tl.int64) * NUM_SPLITS + split) * H + heads
-        tl.store(PartAcc + part[:, None] * D + offs_d[None, :], acc, mask=out_mask)
-        tl.store(PartM + part, m_i, mask=row_ok)
-        tl.store(PartL + part, l_i, mask=row_ok)
+    _split_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, K, V, Starts, Ends, Tables, Aux, QRows,
+                   scale, softcap, Out, PartAcc, PartM, PartL, H, GROUP, HEAD_BLOCKS, D, BLOCK_D, BLOCK_H, BLOCK_N,
+                   CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE,
+                   SEQ_STRIDE, HAS_START, WINDOW_LEFT, MAX_LEN, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION,
+                   V_SHIFT, HAS_QROWS, ALIGN_LO)
 
 
 @triton.jit
@@ -275,14 +295,16 @@ def _placeholder(dtype):
     return jnp.zeros((1,), dtype)
 
 
-def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=None):
+def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=None, run_split=None):
     """``q`` [B, H, D]; ``k``/``v`` paged ``[num_pages, Hkv, page_size, D]`` (``st.page_size > 0``) or dense
     ``[B, S, Hkv, D]``; ``starts`` (dense only) and ``ends`` int32 [B]; ``tables`` int32 [B, max_pages] (paged
     only); ``aux`` float32 [H, num_sinks] or None. Returns [B, H, D] in q's dtype.
 
     ``st.interleaved``: ``k`` is ``[num_pages, page_size, 2 * Hkv, D]`` with the value of kv head ``h`` at
     ``2h + 1`` (``v`` is ignored). ``q_rows`` int32 [B]: ``q`` is a packed ``[tokens, H, D]`` array and sequence
-    ``b``'s query is its row ``q_rows[b]`` (the batch is then ``len(ends)``)."""
+    ``b``'s query is its row ``q_rows[b]`` (the batch is then ``len(ends)``). ``run_split(args, out_shapes,
+    grid, num_warps, num_stages, constexprs)``: runs the split programs instead of a launch of ``_split_kernel``
+    and returns their outputs (the mixed launch of ``ragged_page_attention`` adds its prefill programs)."""
     batch = ends.shape[0]
     num_heads, head_dim = q.shape[1:]
     paged = st.page_size > 0
@@ -335,13 +357,18 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
     else:
         partials = [f32((batch, splits, num_heads, head_dim), jnp.float32),
                     f32((batch, splits, num_heads), jnp.float32), f32((batch, splits, num_heads), jnp.float32)]
-    outs = launch(
-        _split_kernel, [q, k, v, starts, ends, tables, aux, q_rows, np.float32(st.scale), np.float32(st.softcap)],
-        [out_shape if splits == 1 else f32((1,), q.dtype), *partials], (splits, batch, kv_heads * head_blocks),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages(paged), interpret=st.interpret,
-        H=num_heads, GROUP=group, HEAD_BLOCKS=head_blocks, D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-        CHUNK=chunk, NUM_SPLITS=splits, USE_SOFTCAP=st.softcap > 0, V_SHIFT=v_shift, HAS_QROWS=has_q_rows,
-        DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", **strides, **bounds)
+    constexprs = dict(H=num_heads, GROUP=group, HEAD_BLOCKS=head_blocks, D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+                      CHUNK=chunk, NUM_SPLITS=splits, USE_SOFTCAP=st.softcap > 0, V_SHIFT=v_shift,
+                      HAS_QROWS=has_q_rows, DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", **strides,
+                      **bounds)
+    args = [q, k, v, starts, ends, tables, aux, q_rows, np.float32(st.scale), np.float32(st.softcap)]
+    out_shapes = [out_shape if splits == 1 else f32((1,), q.dtype), *partials]
+    grid = (splits, batch, kv_heads * head_blocks)
+    if run_split is None:
+        outs = launch(_split_kernel, args, out_shapes, grid, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages(paged), interpret=st.interpret, **constexprs)
+    else:
+        outs = run_split(args, out_shapes, grid, cfg.num_warps, cfg.num_stages(paged), constexprs)
     if splits == 1:
         return outs[0]
     (out,) = launch(

@@ -26,7 +26,9 @@ class TritonRaggedPageConfig:
     """``block_m``: rows of the prefill tile (query tokens x the kv group's heads, padded to a power of two;
     a power of two >= 16). ``block_n``: keys per prefill step (a power of two >= 16). ``num_warps``,
     ``prefetch``: the prefill kernel's warps and K/V steps in flight. ``decode_*``: the decode rows' split-K
-    config (see :class:`~ejkernel_triton.decode.TritonDecodeConfig`)."""
+    config (see :class:`~ejkernel_triton.decode.TritonDecodeConfig`). ``fused``: one launch runs the decode
+    split programs and the prefill tiles side by side (SMs stream decode keys while others multiply prefill
+    tiles) instead of one launch after the other; it takes the prefill's ``num_warps`` for both."""
 
     block_m: int = 128
     block_n: int = 64
@@ -36,9 +38,14 @@ class TritonRaggedPageConfig:
     decode_num_splits: int = 1
     decode_num_warps: int = 4
     decode_prefetch: int = 2
+    fused: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"TritonRaggedPageConfig.fused must be a bool, got {self.fused!r}")
         for field in dataclasses.fields(self):
+            if field.name == "fused":
+                continue
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonRaggedPageConfig.{field.name} must be a positive int, got {value!r}")
@@ -96,4 +103,6 @@ def candidate_configs(max_num_seqs: int, kv_heads: int, group: int, max_tokens: 
                                              decode_num_splits=splits)
                 if config not in out:
                     out.append(config)
+    for config in list(out[:1]):  # the heuristic's, as one launch
+        out.append(dataclasses.replace(config, fused=not config.fused))
     return out

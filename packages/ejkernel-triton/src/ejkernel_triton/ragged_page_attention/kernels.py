@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from ejkernel_triton.decode.kernels import (
     _kv_offsets,
     _placeholder,
     _sink_state,
+    _split_program,
     forward_only,
     split_decode,
 )
@@ -101,6 +103,60 @@ def _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, start, stop, pos, kv_l
 
 
 @triton.jit
+def _prefill_program(
+    tile, kvh,  # the program's place in the grid
+    Q, KV, Tiles, Tables, Aux, scale, softcap, Out,
+    H: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr,
+    NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr,
+    WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One prefill tile (rows of the table's entry ``tile``) for kv head ``kvh``; nothing past the last tile."""
+    seq = tl.load(Tiles + tile * 5)
+    row0 = tl.load(Tiles + tile * 5 + 1)
+    row1 = tl.load(Tiles + tile * 5 + 2)
+    pos0 = tl.load(Tiles + tile * 5 + 3)
+    kv_len = tl.load(Tiles + tile * 5 + 4)
+    if row1 > row0:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        token = offs_m // GROUP_P
+        g = offs_m % GROUP_P
+        row = row0 + token
+        row_ok = (row < row1) & (g < GROUP)
+        heads = kvh * GROUP + g
+        q_rows = row.to(tl.int64) * H + heads
+        io_mask = row_ok[:, None] & (offs_d[None, :] < D)
+        q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=io_mask, other=0.0)
+        pos = pos0 + token
+        m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        hi = tl.minimum(kv_len, pos0 + (row1 - row0))  # past the tile's last position nothing is visible
+        if WINDOW >= 0:
+            lo = tl.maximum(pos0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, lo, hi, pos, kv_len, offs_n,
+                                          offs_d, scale, softcap, True, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                                          MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
+                                          DOT_PRECISION)
+        else:
+            # keys <= pos0 (and < kv_len) are visible to every row of the tile: no mask
+            full_hi = tl.maximum(tl.minimum(pos0 + 1, hi), 0) // BLOCK_N * BLOCK_N
+            acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, 0, full_hi, pos, kv_len, offs_n,
+                                          offs_d, scale, softcap, False, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                                          MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
+                                          DOT_PRECISION)
+            acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, full_hi, hi, pos, kv_len, offs_n,
+                                          offs_d, scale, softcap, True, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                                          MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
+                                          DOT_PRECISION)
+        # rows without a visible key (padding rows, empty windows) have a value sum of 0: zeros
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(Out + q_rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
 def _prefill_kernel(
     Q, KV, Tiles, Tables, Aux, scale, softcap,  # inputs
     Out,  # output
@@ -110,49 +166,41 @@ def _prefill_kernel(
     WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    seq = tl.load(Tiles + tile * 5)
-    row0 = tl.load(Tiles + tile * 5 + 1)
-    row1 = tl.load(Tiles + tile * 5 + 2)
-    pos0 = tl.load(Tiles + tile * 5 + 3)
-    kv_len = tl.load(Tiles + tile * 5 + 4)
-    if row1 <= row0:  # past the last tile
-        return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    token = offs_m // GROUP_P
-    g = offs_m % GROUP_P
-    row = row0 + token
-    row_ok = (row < row1) & (g < GROUP)
-    heads = kvh * GROUP + g
-    q_rows = row.to(tl.int64) * H + heads
-    io_mask = row_ok[:, None] & (offs_d[None, :] < D)
-    q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=io_mask, other=0.0)
-    pos = pos0 + token
-    m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.minimum(kv_len, pos0 + (row1 - row0))  # past the tile's last position nothing is visible
-    if WINDOW >= 0:
-        lo = tl.maximum(pos0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, lo, hi, pos, kv_len, offs_n, offs_d,
-                                      scale, softcap, True, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES,
-                                      NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP, DOT_PRECISION)
+    _prefill_program(tl.program_id(0), tl.program_id(1), Q, KV, Tiles, Tables, Aux, scale, softcap, Out, H, GROUP,
+                     GROUP_P, BLOCK_M, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
+                     HEAD_STRIDE, ROW_STRIDE, WINDOW, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION)
+
+
+@triton.jit
+def _mixed_kernel(
+    Tiles, Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs (the split programs' from Q on)
+    Out, DecOut, PartAcc, PartM, PartL,  # outputs: the prefill rows, then the split programs'
+    GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, PREFILL_BLOCK_N: tl.constexpr,
+    MAX_TILES: tl.constexpr, KV_HEADS: tl.constexpr, MAX_SEQS: tl.constexpr,
+    H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
+    HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr,
+):
+    """One launch for the whole mixed batch: the decode split programs first (memory-bound streams, started
+    first), then the prefill tiles (compute-bound), so that SMs run both at once instead of one launch after
+    the other. A 1-D grid; each part keeps its own grid order (splits fastest; tiles fastest)."""
+    pid = tl.program_id(0)
+    decode_programs = NUM_SPLITS * MAX_SEQS * KV_HEADS * HEAD_BLOCKS
+    if pid < decode_programs:
+        _split_program(pid % NUM_SPLITS, (pid // NUM_SPLITS) % MAX_SEQS, pid // (NUM_SPLITS * MAX_SEQS), Q, K, V,
+                       Starts, Ends, Tables, Aux, QRows, scale, softcap, DecOut, PartAcc, PartM, PartL, H, GROUP,
+                       HEAD_BLOCKS, D, BLOCK_D, BLOCK_H, BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES,
+                       NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, HAS_START, WINDOW_LEFT, MAX_LEN,
+                       USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO)
     else:
-        # keys <= pos0 (and < kv_len) are visible to every row of the tile: no mask
-        full_hi = tl.maximum(tl.minimum(pos0 + 1, hi), 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, 0, full_hi, pos, kv_len, offs_n,
-                                      offs_d, scale, softcap, False, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                                      MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
-                                      DOT_PRECISION)
-        acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, full_hi, hi, pos, kv_len, offs_n,
-                                      offs_d, scale, softcap, True, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                                      MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
-                                      DOT_PRECISION)
-    # rows without a visible key (padding rows, empty windows) have a value sum of 0: zeros
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(Out + q_rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=io_mask)
+        t = pid - decode_programs
+        _prefill_program(t % MAX_TILES, t // MAX_TILES, Q, K, Tiles, Tables, Aux, scale, softcap, Out, H, GROUP,
+                         GROUP_P, BLOCK_M, D, BLOCK_D, PREFILL_BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
+                         HEAD_STRIDE, ROW_STRIDE, WINDOW, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION)
 
 
 # ---- host side ---------------------------------------------------------------------------------------
@@ -208,16 +256,30 @@ def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_sta
     strides = dict(PAGE_SIZE=page_size, MAX_PAGES=max_pages, NUM_PAGES=num_pages,
                    PAGE_STRIDE=page_size * combined * head_dim, HEAD_STRIDE=2 * head_dim,
                    ROW_STRIDE=combined * head_dim)
-    (prefill,) = launch(
-        _prefill_kernel,
-        [queries, kv_pages, tiles, block_tables, aux if aux is not None else _placeholder(jnp.float32),
-         np.float32(st.scale), np.float32(st.softcap)],
-        [jax.ShapeDtypeStruct(queries.shape, queries.dtype)], (tiles.shape[0], kv_heads),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages(), interpret=st.interpret,
-        H=num_heads, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, D=head_dim, BLOCK_D=padded_dim(head_dim),
-        BLOCK_N=cfg.block_n, WINDOW=-1 if st.window is None else st.window, USE_SOFTCAP=st.softcap > 0,
-        NUM_SINKS=num_sinks, BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()),
-        DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32", **strides)
+    prefill_shape = jax.ShapeDtypeStruct(queries.shape, queries.dtype)
+    prefill_constexprs = dict(GROUP_P=group_p, BLOCK_M=block_m, WINDOW=-1 if st.window is None else st.window)
+    prefill = None
+    if not cfg.fused:
+        (prefill,) = launch(
+            _prefill_kernel,
+            [queries, kv_pages, tiles, block_tables, aux if aux is not None else _placeholder(jnp.float32),
+             np.float32(st.scale), np.float32(st.softcap)],
+            [prefill_shape], (tiles.shape[0], kv_heads),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages(), interpret=st.interpret,
+            H=num_heads, GROUP=group, D=head_dim, BLOCK_D=padded_dim(head_dim), BLOCK_N=cfg.block_n,
+            USE_SOFTCAP=st.softcap > 0, NUM_SINKS=num_sinks, BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()),
+            DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32", **prefill_constexprs, **strides)
+
+    def run_mixed(args, out_shapes, grid, num_warps, num_stages, constexprs):
+        """The split programs and the prefill tiles in one launch (``cfg.fused``)."""
+        nonlocal prefill
+        outs = launch(_mixed_kernel, [tiles, *args], [prefill_shape, *out_shapes], (math.prod(grid) + tiles.shape[0] * kv_heads,),
+                      num_warps=cfg.num_warps, num_stages=max(num_stages, cfg.num_stages()), interpret=st.interpret,
+                      PREFILL_BLOCK_N=cfg.block_n, MAX_TILES=tiles.shape[0], KV_HEADS=kv_heads, MAX_SEQS=grid[1],
+                      **prefill_constexprs, **constexprs)
+        prefill = outs[0]
+        return outs[1:]
+
     # decode rows: the split-K kernels, sequences that are not decode rows see no keys (and are not scattered)
     starts = query_start_loc[:-1]
     ends = jnp.where(is_decode, context_lens, 0).astype(jnp.int32)
@@ -225,7 +287,8 @@ def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_sta
     dst = DecodeStatic(scale=st.scale, softcap=st.softcap, page_size=page_size, max_len=-1,
                        window_left=-1 if st.window is None else st.window - 1, config=cfg.decode_config(),
                        interpret=st.interpret, operation="ragged_page_attention", interleaved=True)
-    decoded = split_decode(queries, kv_pages, None, None, ends, block_tables, aux, dst, q_rows=q_rows)
+    decoded = split_decode(queries, kv_pages, None, None, ends, block_tables, aux, dst, q_rows=q_rows,
+                           run_split=run_mixed if cfg.fused else None)
     return prefill.at[jnp.where(is_decode, starts, total_tokens)].set(decoded, mode="drop")
 
 
