@@ -6,6 +6,7 @@ with ``fla-core==0.6.0`` among the carried wheels for the fla column):
 
     python benchmarks/linear_attention.py                         # T = 1k, 4k, 16k; xla at 4k only
     python benchmarks/linear_attention.py --seqs 4096 --xla-seqs 1024,4096 --out /tmp/out
+    python benchmarks/linear_attention.py --seqs 4096 --configs 64:64:4:2,64:128:8:2   # + Triton configs at 4k
 
 Shape: B=4, H=8, K=V=128, bf16, per-dimension log-sigmoid gates g [B, T, H, K] (float32), no initial state.
 Modes: ``fwd`` (output and final state) and ``fwd+bwd`` (gradients of q, k, v and g under a random
@@ -50,11 +51,11 @@ def jax_inputs(key, batch, total, heads, dk, dv):
     return q, k, v, g, do
 
 
-def ejkernel_steps(platform: str):
+def ejkernel_steps(platform: str, cfg=None):
     from ejkernel.modules import gla_attention
 
     def fwd(q, k, v, g):
-        return gla_attention(q, k, v, g, platform=platform)
+        return gla_attention(q, k, v, g, platform=platform, cfg=cfg)
 
     def fwd_bwd(q, k, v, g, do):
         (out, _), pullback = jax.vjp(fwd, q, k, v, g)
@@ -63,8 +64,8 @@ def ejkernel_steps(platform: str):
     return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def time_jax(platform, total, sets, warmup, reps, calls):
-    fwd, fwd_bwd = ejkernel_steps(platform)
+def time_jax(platform, total, sets, warmup, reps, calls, cfg=None):
+    fwd, fwd_bwd = ejkernel_steps(platform, cfg)
     inputs = [jax_inputs(jax.random.PRNGKey(i), total=total, **SHAPE) for i in range(sets)]
     t_fwd = time_calls(lambda c: fwd(*inputs[c % sets][:4]), warmup, reps, calls)
     t_bwd = time_calls(lambda c: fwd_bwd(*inputs[c % sets]), warmup, reps, calls)
@@ -146,7 +147,8 @@ def plot(rows, path: Path, title: str):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
         for impl in ("triton", "xla", "fla"):
-            pts = sorted((r["seq"], r["ms"]) for r in rows if r["impl"] == impl and r["mode"] == mode and r.get("ms"))
+            pts = sorted((r["seq"], r["ms"]) for r in rows
+                         if r["impl"] == impl and r["mode"] == mode and r.get("ms") and "config" not in r)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
         ax.set_xscale("log", base=2)
@@ -170,6 +172,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--no-numerics", action="store_true")
+    parser.add_argument("--configs", default="", help="Triton configs to time at --config-seq, "
+                        "block_k:block_v:num_warps:num_stages,... (e.g. 64:64:4:2,64:128:8:2)")
+    parser.add_argument("--config-seq", type=int, default=4096)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
@@ -213,6 +218,24 @@ def main(argv=None) -> int:
             print(f"T={total:6d} {impl:7s} fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"
                   f"  ({time.perf_counter() - t0:.1f} s incl. compile)", flush=True)
             save()
+    for spec in [c for c in args.configs.split(",") if c]:
+        from ejkernel_triton.linear_attention import TritonLinearAttentionConfig
+
+        bk, bv, warps, stages = (int(x) for x in spec.split(":"))
+        cfg = TritonLinearAttentionConfig(block_k=bk, block_v=bv, num_warps=warps, num_stages=stages)
+        t0 = time.perf_counter()
+        try:
+            t_fwd, t_bwd = time_jax("triton", args.config_seq, args.sets, args.warmup, args.reps, args.calls, cfg)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            doc["rows"].append(dict(impl="triton", config=spec, seq=args.config_seq, mode="fwd", error=repr(exc)[:500]))
+            save()
+            continue
+        for mode, t in (("fwd", t_fwd), ("fwd+bwd", t_bwd)):
+            doc["rows"].append(dict(impl="triton", config=spec, seq=args.config_seq, mode=mode, ms=round(t * 1e3, 4)))
+        print(f"config {spec:12s} T={args.config_seq} fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"
+              f"  ({time.perf_counter() - t0:.1f} s incl. compile)", flush=True)
+        save()
     if not args.no_numerics:
         try:
             doc["errors"] = numerics(["triton"])
@@ -226,7 +249,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     for total in seqs:
         for mode in ("fwd", "fwd+bwd"):
-            ms = {r["impl"]: r.get("ms") for r in doc["rows"] if r["seq"] == total and r["mode"] == mode}
+            ms = {r["impl"]: r.get("ms") for r in doc["rows"]
+                  if r["seq"] == total and r["mode"] == mode and "config" not in r}
             ratio = (f"{ms['triton'] / ms['fla']:.2f}" if ms.get("triton") and ms.get("fla") else "-")
             cell = lambda name: f"{ms[name]:.3f}" if ms.get(name) else "-"  # noqa: E731
             print(f"| {total} | {mode} | {cell('triton')} | {cell('xla')} | {cell('fla')} | {ratio} |")

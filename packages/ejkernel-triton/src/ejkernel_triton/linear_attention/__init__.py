@@ -70,13 +70,13 @@ def _block(dim: int, chosen: int | None) -> int:
 def key_log_gate(call: LinearAttentionCall) -> jax.Array:
     """``g + gk + g_gamma`` as float32 [B, T, H, K] (zeros without gates)."""
     batch, total, heads, dk = call.query.shape
-    total_gate = jnp.zeros((), jnp.float32)
-    if call.g is not None:
-        total_gate = total_gate + call.g.astype(jnp.float32)
-    if call.gk is not None:
-        total_gate = total_gate + call.gk.astype(jnp.float32)
-    if call.g_gamma is not None:
-        total_gate = total_gate + call.g_gamma.astype(jnp.float32)[:, None, :, None]
+    total_gate = None  # no copy when g alone is given in float32
+    for gate in (call.g, call.gk, None if call.g_gamma is None else call.g_gamma[:, None, :, None]):
+        if gate is not None:
+            gate = gate.astype(jnp.float32)
+            total_gate = gate if total_gate is None else total_gate + gate
+    if total_gate is None:
+        return jnp.zeros((batch, total, heads, dk), jnp.float32)
     return jnp.broadcast_to(total_gate, (batch, total, heads, dk))
 
 

@@ -26,6 +26,22 @@ SUB_CHUNK = 16
 
 
 @triton.jit
+def _cumsum_kernel(G, GC, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """GC = the log gates G ([B, T, H, K]) cumulated inside each chunk; one program per (chunk, batch x head)."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    head = bh % H
+    T = tl.num_programs(0) * BT
+    rows = n * BT + tl.arange(0, BT)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        offs = (b * T + rows[:, None]) * (H * K) + head * K + offs_k[None, :]
+        g = tl.load(G + offs, mask=offs_k[None, :] < K, other=0.0).to(tl.float32)
+        tl.store(GC + offs, tl.cumsum(g, axis=0), mask=offs_k[None, :] < K)
+
+
+@triton.jit
 def _state_kernel(
     K_, V_, GC, G, H0, NUM_CHUNKS,  # inputs (G: the raw log gates)
     HS, HT,  # outputs: h_n per chunk (entering), final state (float32)

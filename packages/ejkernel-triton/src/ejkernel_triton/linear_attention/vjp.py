@@ -20,7 +20,7 @@ import triton
 
 from ejkernel_triton.launch import launch
 from ejkernel_triton.linear_attention.backward import _dqkg_kernel, _dv_kernel, _state_grad_kernel
-from ejkernel_triton.linear_attention.forward import CHUNK, SUB_CHUNK, _output_kernel, _state_kernel
+from ejkernel_triton.linear_attention.forward import CHUNK, SUB_CHUNK, _cumsum_kernel, _output_kernel, _state_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +39,11 @@ def _placeholder():
     return jnp.zeros((1,), jnp.float32)
 
 
-def chunk_cumsum(a):
-    """Log gates [B, T, H, K] cumulated inside each chunk (float32)."""
+def chunk_cumsum(a, st: StaticParams):
+    """Log gates [B, T, H, K] cumulated inside each chunk (float32; a Triton kernel: XLA's cumsum is slower)."""
     b, t, h, k = a.shape
-    return jnp.cumsum(a.astype(jnp.float32).reshape(b, t // CHUNK, CHUNK, h, k), axis=2).reshape(b, t, h, k)
+    return launch(_cumsum_kernel, (a,), (jax.ShapeDtypeStruct(a.shape, jnp.float32),), (t // CHUNK, b * h),
+                  num_warps=4, num_stages=1, interpret=st.interpret, H=h, K=k, BT=CHUNK, BK=st.block_k)[0]
 
 
 def _meta(q, v, st: StaticParams):
@@ -74,7 +75,7 @@ def _run_forward(q, k, v, a, h0, st: StaticParams):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     n = t // CHUNK
-    gc = chunk_cumsum(a)
+    gc = chunk_cumsum(a, st)
     hs, final = _states(k, v, gc, a, h0, st)
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32))
     o, attn = launch(_output_kernel, (q, k, v, gc, hs, np.float32(st.scale), n), out_shapes,
