@@ -4,6 +4,7 @@ rely on, and what the implementation and its config accept."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -161,3 +162,31 @@ def test_fwd_bwd_compile_for_sm90(dtype, dim, kw):
     # (float32's IEEE tile steps are flash attention's, compiled for sm_90 by test_triton_lowering.py)
     text = _lower(dtype, dim, 8, 2, **kw)
     assert text.count("triton_kernel_call") == 3  # forward, dK/dV and dQ kernels
+
+
+def test_block_loops_keep_tiles_in_flight(monkeypatch):
+    """Every block loop of the three kernels waits for its K/V (or Q/dO) tiles with `num_stages - 1` stages
+    still in flight, as flash attention's contiguous loops do: the schedule's index load must not take a
+    pipeline stage of its own (it did, `async_wait {num = 0}`, before `_next_visit`)."""
+    import re
+
+    from ejkernel_triton.blocksparse_attention import kernels
+    from ejkernel_triton.ttgir import kernel_ttgir
+
+    launches = []
+
+    def record(kernel, args, out_shapes, grid, *, num_warps, num_stages, interpret, zeroed_outputs, **constexprs):
+        launches.append((kernel, [*args, *out_shapes], constexprs, num_warps, num_stages))
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+
+    monkeypatch.setattr(kernels, "launch", record)
+    mask = random_block_mask(0, 1, 4, 512, 512, 128, 128, density=0.5)
+    call = _call(512, 512, heads=4, kv_heads=4, dim=64, mask=mask, causal=True)
+    config = TritonBlockSparseConfig(128, 64, 4, 3, 64, 64, 64, 64, 4, 3)
+    jax.eval_shape(jax.grad(lambda q: IMPLEMENTATION(dataclasses.replace(call, query=q), config).astype(
+        jnp.float32).sum()), call.query)
+    assert [launch[0].__name__ for launch in launches] == ["_fwd_kernel", "_dkv_kernel", "_dq_kernel"]
+    for kernel, args, constexprs, num_warps, num_stages in launches:
+        ttgir = kernel_ttgir(kernel, args, constexprs, num_warps, num_stages)
+        in_loop_waits = [int(n) for n in re.findall(r"async_wait %[^{]*\{num = (\d+)", ttgir)]
+        assert len(in_loop_waits) == 2 and min(in_loop_waits) > 0, (kernel.__name__, in_loop_waits)

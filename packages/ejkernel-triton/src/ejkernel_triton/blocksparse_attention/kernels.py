@@ -49,6 +49,15 @@ def _schedule_row(Indices, NumFull, Counts, batch, head, row, MASK_BATCH: tl.con
 
 
 @triton.jit
+def _next_visit(visits, i, TILES: tl.constexpr, MAX_VISITS: tl.constexpr):
+    """The block of flattened tile `i + 1` (clamped inside the row). The unmasked loops read it one iteration
+    ahead into a register: loaded in the iteration that uses it, Triton 3.6's pipeliner gives the index load
+    a stage of its own (an async copy) and the K/V tiles then arrive only one stage ahead (`async_wait 0`
+    instead of flash attention's `num_stages - 1` tiles in flight; seen in the sm_90 TTGIR)."""
+    return tl.load(visits + tl.minimum((i + 1) // TILES, MAX_VISITS - 1))
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, QSeg, KSeg, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs, scalars
     O, LSE,  # outputs
@@ -88,8 +97,10 @@ def _fwd_kernel(
     visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
                                             MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
     TILES: tl.constexpr = KV_BLOCK_SIZE // BLOCK_KV
+    block_next = tl.load(visits)
     for i in range(0, num_full * TILES):
-        n0 = tl.load(visits + i // TILES) * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        n0 = block_next * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        block_next = _next_visit(visits, i, TILES, MAX_VISITS)
         acc, m_i, l_i = fwd_tile(
             acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, n0, rows, offs_kv, offs_d, offs_dv, SEQ_Q,
             SEQ_KV, k_seg_ptr, q_seg, qk_scale, softcap, 0, 0, 0, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
@@ -153,8 +164,10 @@ def _dkv_kernel(
         row_offset = (b64 * NUM_HEADS + head) * SEQ_Q
         visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, n0 // KV_BLOCK_SIZE,
                                                 MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
+        block_next = tl.load(visits)
         for i in range(0, num_full * TILES):
-            m0 = tl.load(visits + i // TILES) * Q_BLOCK_SIZE + (i % TILES) * BLOCK_Q
+            m0 = block_next * Q_BLOCK_SIZE + (i % TILES) * BLOCK_Q
+            block_next = _next_visit(visits, i, TILES, MAX_VISITS)
             dk, dv = dkv_tile(
                 dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_offset, Delta + row_offset, q_seg_ptr, m0, cols, offs_q,
                 offs_d, offs_dv, SEQ_Q, SEQ_KV, k_seg, stride_qs, stride_os, qk_scale, softcap, 0, 0, 0, D, DV,
@@ -220,8 +233,10 @@ def _dq_kernel(
     visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
                                             MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
     TILES: tl.constexpr = KV_BLOCK_SIZE // BLOCK_KV
+    block_next = tl.load(visits)
     for i in range(0, num_full * TILES):
-        n0 = tl.load(visits + i // TILES) * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        n0 = block_next * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        block_next = _next_visit(visits, i, TILES, MAX_VISITS)
         dq = dq_tile(
             dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, n0, rows, offs_kv, offs_d, offs_dv, SEQ_Q,
             SEQ_KV, k_seg_ptr, q_seg, qk_scale, softcap, 0, 0, 0, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
