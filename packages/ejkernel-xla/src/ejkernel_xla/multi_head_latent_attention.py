@@ -15,15 +15,13 @@ refused.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations._contract import Implementation
-from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttentionCall
 from ejkernel_xla._blockwise import AttentionParams, flash_attention_blockwise, key_tokens, query_tokens
+from ejkernel_xla._jitted import JittedImplementation
 from ejkernel_xla.flash_attention import XlaBlockConfig
 
 
@@ -86,19 +84,11 @@ def _mla(call: MultiHeadLatentAttentionCall, config: XlaMlaConfig) -> jax.Array:
     return out.astype(query.dtype)
 
 
-# One compiled program per (shapes, static fields, config): eager lax.scan would re-trace its body per call.
-@functools.partial(jax.jit, static_argnames="config")
-def _mla_jit(call: MultiHeadLatentAttentionCall, config: XlaMlaConfig) -> jax.Array:
-    # the projections around the blockwise kernel are plain autodiff: their transposes keep this precision
-    with matmul_precision(call.precision):
-        return _mla(call, config)
+class XlaMultiHeadLatentAttention(JittedImplementation[MultiHeadLatentAttentionCall, XlaMlaConfig]):
+    """The projections around the blockwise kernel are plain autodiff, at the call's precision (``_jitted``)."""
 
-
-class XlaMultiHeadLatentAttention(Implementation[MultiHeadLatentAttentionCall, XlaMlaConfig]):
     config_type = XlaMlaConfig
-
-    def __call__(self, call: MultiHeadLatentAttentionCall, config: XlaMlaConfig) -> jax.Array:
-        return _mla_jit(call, config)
+    compute = staticmethod(_mla)
 
 
 IMPLEMENTATION = XlaMultiHeadLatentAttention()

@@ -19,14 +19,11 @@ precision. Every feature is implemented; nothing is refused. Config: :class:`Xla
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations._contract import Implementation
-from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.modules.operations.native_sparse_attention import NativeSparseAttentionCall
 from ejkernel_xla._blockwise import (
     AttentionParams,
@@ -35,6 +32,7 @@ from ejkernel_xla._blockwise import (
     key_tokens,
     query_tokens,
 )
+from ejkernel_xla._jitted import JittedImplementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,19 +204,11 @@ def _nsa(call: NativeSparseAttentionCall, config: XlaNsaConfig) -> jax.Array:
     return out[None].astype(query.dtype)
 
 
-# One compiled program per (shapes, static fields, config): eager lax.map would re-trace its body per call.
-@functools.partial(jax.jit, static_argnames="config")
-def _nsa_jit(call: NativeSparseAttentionCall, config: XlaNsaConfig) -> jax.Array:
-    # plain autodiff around the window kernel: the transposed matmuls keep this precision
-    with matmul_precision(call.precision):
-        return _nsa(call, config)
+class XlaNativeSparseAttention(JittedImplementation[NativeSparseAttentionCall, XlaNsaConfig]):
+    """Plain autodiff around the window kernel, at the call's precision (``_jitted``)."""
 
-
-class XlaNativeSparseAttention(Implementation[NativeSparseAttentionCall, XlaNsaConfig]):
     config_type = XlaNsaConfig
-
-    def __call__(self, call: NativeSparseAttentionCall, config: XlaNsaConfig) -> jax.Array:
-        return _nsa_jit(call, config)
+    compute = staticmethod(_nsa)
 
 
 IMPLEMENTATION = XlaNativeSparseAttention()

@@ -24,6 +24,7 @@ from ejkernel_xla._blockwise import (
     BlockSizes,
     Tokens,
     backward_block,
+    blocks_may_meet,
     combine,
     forward_block,
     pad_tokens,
@@ -52,17 +53,6 @@ def _varying(axis_name, tree):
 def _tokens(start, length, offset, segment):
     index = start + jnp.arange(length, dtype=jnp.int32)
     return Tokens(index=index, position=(index + offset)[None], valid=jnp.ones((1, length), bool), segment=segment)
-
-
-def _may_see(params: AttentionParams, q_first, q_last, kv_first, kv_last):
-    """Whether any key of [kv_first, kv_last] can be visible to a query at positions [q_first, q_last]."""
-    visible = jnp.bool_(True)
-    if params.causal:
-        visible &= kv_first <= q_last
-    if params.sliding_window is not None:
-        left, right = params.sliding_window
-        visible &= (kv_last >= q_first - left) & (kv_first <= q_last + right)
-    return visible
 
 
 def _pad(x, length, axis=1, value=0):
@@ -166,7 +156,7 @@ def _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux):
         out, lse, k_cur, v_cur, seg_cur = carry
         src = (rank - s) % size
         kv_tok = _tokens(src * kv_len, kv_len, 0, seg_cur)
-        visible = _may_see(params, q_first + offset, q_first + offset + q_len - 1, src * kv_len, src * kv_len + kv_len - 1)
+        visible = blocks_may_meet(q_tok, kv_tok, params)
         out, lse = lax.cond(
             visible,
             lambda: _step_forward(params, blocks, q, k_cur, v_cur, q_tok, kv_tok, out, lse),
@@ -207,7 +197,7 @@ def _ring_backward(params, blocks, axis_name, res, d_out):
         dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
         src = (rank - s) % size
         kv_tok = _tokens(src * kv_len, kv_len, 0, seg_cur)
-        visible = _may_see(params, q_first + offset, q_first + offset + q_len - 1, src * kv_len, src * kv_len + kv_len - 1)
+        visible = blocks_may_meet(q_tok, kv_tok, params)
         dq_part, dk_part, dv_part = lax.cond(
             visible,
             lambda: _step_backward(params, blocks, axis_name, q, k_cur, v_cur, d_out, lse, delta, q_tok, kv_tok),

@@ -7,6 +7,7 @@ backend's index arithmetic). Differentiable with ``jax.vjp``; call it on float64
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -137,19 +138,7 @@ def reference_flash_attention(
     """``out [B, Sq, H, Dv]`` (and the pre-dropout weights with ``return_weights``), computed densely."""
     batch, q_len, num_heads, _ = query.shape
     kv_len, num_kv_heads = key.shape[1], key.shape[2]
-    visible = reference_visibility(
-        batch,
-        num_heads,
-        q_len,
-        kv_len,
-        causal=causal,
-        sliding_window=sliding_window,
-        attention_mask=attention_mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        cum_seqlens_q=cum_seqlens_q,
-        cum_seqlens_k=cum_seqlens_k,
-    )
+    visible = reference_visibility(batch, num_heads, q_len, kv_len, **_visibility_keywords(locals()))
     weights = reference_attention_weights(
         query,
         key,
@@ -169,41 +158,36 @@ def reference_flash_attention(
     return (out, weights) if return_weights else out
 
 
+def _visibility_keywords(arguments: dict) -> dict:
+    """The arguments of a flash_attention reference that :func:`reference_visibility` takes."""
+    return {name: arguments[name] for name in _VISIBILITY}
+
+
+_VISIBILITY = tuple(
+    p.name for p in inspect.signature(reference_visibility).parameters.values() if p.kind is p.KEYWORD_ONLY
+)
+
+
 def reference_flash_attention_numpy(
-    query,
-    key,
-    value,
-    bias=None,
-    *,
-    d_out=None,
-    attention_mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    softmax_scale=None,
-    causal: bool = False,
-    sliding_window=None,
-    logits_soft_cap=None,
-    dropout_prob: float = 0.0,
-    dropout_seed=None,
-    cum_seqlens_q=None,
-    cum_seqlens_k=None,
-    softmax_aux=None,
+    query, key, value, bias=None, *, d_out=None, **keywords
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """The same reference in plain float64 numpy (nothing to compile, so suites stay fast), with the
-    textbook softmax-attention gradients for cotangent ``d_out``. Returns ``(out, weights, grads)``;
+    textbook softmax-attention gradients for cotangent ``d_out``. ``keywords``: those of
+    :func:`reference_flash_attention` (but ``return_weights``). Returns ``(out, weights, grads)``;
     ``grads`` has query/key/value and bias/softmax_aux when given (empty without ``d_out``). The
     suites check it against ``jax.vjp`` of :func:`reference_flash_attention` (the autodiff form)."""
+    bound = inspect.signature(reference_flash_attention).bind(query, key, value, bias, **keywords)
+    bound.apply_defaults()
+    arguments = bound.arguments
+    softmax_scale, logits_soft_cap = arguments["softmax_scale"], arguments["logits_soft_cap"]
+    dropout_prob, dropout_seed = arguments["dropout_prob"], arguments["dropout_seed"]
     f64 = lambda x: None if x is None else np.asarray(jnp.asarray(x).astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, np.float64)  # noqa: E731
-    q, k, v, b, aux = f64(query), f64(key), f64(value), f64(bias), f64(softmax_aux)
+    q, k, v, b, aux = f64(query), f64(key), f64(value), f64(bias), f64(arguments["softmax_aux"])
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    visible = reference_visibility(
-        batch, num_heads, q_len, kv_len, causal=causal, sliding_window=sliding_window,
-        attention_mask=attention_mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k,
-    )
+    visible = reference_visibility(batch, num_heads, q_len, kv_len, **_visibility_keywords(arguments))
     k_rep = np.repeat(k, group, axis=2)  # query head h reads kv head h // group
     v_rep = np.repeat(v, group, axis=2)
     raw = np.einsum("bqhd,bkhd->bhqk", q, k_rep) * scale

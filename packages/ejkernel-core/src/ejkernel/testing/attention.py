@@ -7,7 +7,6 @@ for the class attributes). Both outputs and their gradients are checked against 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,33 +16,24 @@ from ejkernel.testing.flash_attention import (
     attention_inputs,
     reference_flash_attention,
 )
-from ejkernel.testing.numerics import exact_matmuls
 
 __all__ = ["AttentionConformance", "reference_attention"]
 
 
-@exact_matmuls
-def reference_attention(
-    query, key, value, bias=None, softmax_aux=None, *, attention_mask=None, softmax_scale=None,
-    logits_soft_cap=None, dropout_prob=0.0, dropout_seed=None, causal=False, sliding_window=None,
-):
-    """Dense reference ``(out, weights)`` (float64 inside ``jax.enable_x64(True)``)."""
-    return reference_flash_attention(
-        query, key, value, bias, attention_mask=attention_mask, softmax_scale=softmax_scale, causal=causal,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, dropout_prob=dropout_prob,
-        dropout_seed=dropout_seed, softmax_aux=softmax_aux, return_weights=True,
-    )
+def reference_attention(query, key, value, bias=None, softmax_aux=None, **keywords):
+    """Dense reference ``(out, weights)`` (float64 inside ``jax.enable_x64(True)``); ``keywords``: those of
+    ``reference_flash_attention`` that ``attention`` has."""
+    return reference_flash_attention(query, key, value, bias, softmax_aux=softmax_aux, return_weights=True, **keywords)
 
 
 class AttentionConformance(AttentionSuiteBase):
     """Conformance tests of ``attention`` for the backend named by ``platform``."""
 
+    public_name = "attention"
     output_index = 0  # which of (out, weights) run_and_compare checks
 
     def operation(self, **kwargs):
-        from ejkernel.modules import attention
-
-        return attention(**kwargs, platform=self.platform, cfg=self.cfg)[self.output_index]
+        return super().operation(**kwargs)[self.output_index]
 
     def reference(self, **kwargs):
         return reference_attention(**kwargs)[self.output_index]
@@ -88,15 +78,6 @@ class AttentionConformance(AttentionSuiteBase):
         np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-5)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(deterministic))
         assert not np.array_equal(np.asarray(out), np.asarray(dropped))
-
-    def test_jit(self):
-        inputs = attention_inputs(44, batch=1, q_len=10, num_heads=2, head_dim=16)
-        with self.maybe_unsupported():
-            eager = self.operation(**inputs, causal=True)
-            jitted = self.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
-                inputs["query"], inputs["key"], inputs["value"]
-            )
-        np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)
 
     @pytest.mark.parametrize(
         "mutate,argument",

@@ -112,8 +112,13 @@ class AttentionSuiteBase:
     enough; the XLA backend's does)."""
 
     # ---- to define in each suite ------------------------------------------------------------------
+    public_name: ClassVar[str]
+    """The operation's public function in ``ejkernel.modules``."""
+
     def operation(self, **kwargs) -> jax.Array:
-        raise NotImplementedError
+        import ejkernel.modules
+
+        return getattr(ejkernel.modules, self.public_name)(**kwargs, platform=self.platform, cfg=self.cfg)
 
     def reference(self, **kwargs) -> jax.Array:
         raise NotImplementedError
@@ -140,6 +145,22 @@ class AttentionSuiteBase:
 
             ref_out, ref_grad_list = ref_forward_backward(diff64, jax_float64(cotangent))
             return np.asarray(ref_out), {name: np.asarray(g) for name, g in zip(wrt, ref_grad_list)}
+
+    def numpy_reference_outputs(self, inputs, kwargs, wrt, cotangent) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """``reference_outputs`` from the float64 numpy flash_attention reference (for suites whose
+        operation is flash_attention or a restriction of it without a second output)."""
+        out, _, grads = reference_flash_attention_numpy(**inputs, **kwargs, d_out=cotangent if wrt else None)
+        return out, {name: grads[name] for name in wrt}
+
+    # ---- tests every attention suite runs -----------------------------------------------------------
+    def test_jit_matches_eager(self):
+        inputs = attention_inputs(21, batch=1, q_len=37, num_heads=2, head_dim=32)
+        with self.maybe_unsupported():
+            eager = self.operation(**inputs, causal=True)
+            jitted = self.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
+                inputs["query"], inputs["key"], inputs["value"]
+            )
+        np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def jit(self, fn: Callable, **kwargs: Any) -> Callable:
@@ -217,17 +238,9 @@ DTYPE_IDS = ("float32", "bfloat16", "float16")
 class FlashAttentionConformance(AttentionSuiteBase):
     """Conformance tests of ``flash_attention`` for the backend named by ``platform`` (module docstring)."""
 
-    def operation(self, **kwargs):
-        from ejkernel.modules import flash_attention
-
-        return flash_attention(**kwargs, platform=self.platform, cfg=self.cfg)
-
-    def reference(self, **kwargs):
-        return reference_flash_attention(**kwargs)
-
-    def reference_outputs(self, inputs, kwargs, wrt, cotangent):
-        out, _, grads = reference_flash_attention_numpy(**inputs, **kwargs, d_out=cotangent if wrt else None)
-        return out, {name: grads[name] for name in wrt}
+    public_name = "flash_attention"
+    reference = staticmethod(reference_flash_attention)
+    reference_outputs = AttentionSuiteBase.numpy_reference_outputs
 
     def test_numpy_reference_matches_autodiff(self):
         """The fast numpy reference (hand-written gradients) equals autodiff of the jnp reference."""
@@ -416,16 +429,7 @@ class FlashAttentionConformance(AttentionSuiteBase):
             static = self.operation(**inputs, dropout_prob=0.5, dropout_seed=11)
         np.testing.assert_allclose(np.asarray(traced), np.asarray(static), rtol=1e-5, atol=1e-6)
 
-    # ---- transformations ----------------------------------------------------------------------------
-    def test_jit_matches_eager(self):
-        inputs = attention_inputs(21, batch=1, q_len=37, num_heads=2, head_dim=32)
-        with self.maybe_unsupported():
-            eager = self.operation(**inputs, causal=True)
-            jitted = self.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
-                inputs["query"], inputs["key"], inputs["value"]
-            )
-        np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)
-
+    # ---- transformations (jit: AttentionSuiteBase.test_jit_matches_eager) -----------------------------
     def test_vmap(self):
         q = normal_array((22, 0), (3, 1, 19, 2, 32))
         k = normal_array((22, 1), (3, 1, 23, 1, 32))

@@ -68,14 +68,7 @@ class MultiHeadLatentAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = MultiHeadLatentAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = ("query", "key_value", "w_kc", "w_vc", "b_q", "b_k")
-
-    def call(self, query, key_value, w_kc, w_vc, b_q=None, b_k=None, **kw):
-        from ejkernel.modules import multi_head_latent_attention
-
-        return multi_head_latent_attention(
-            query, key_value, w_kc, w_vc, b_q, b_k, platform=self.platform, **{"cfg": self.cfg, **kw}
-        )
+    public_name = "multi_head_latent_attention"
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0):
         batch, seq_len, heads, kv_heads, head_dim, v_head_dim, rank, rope_dim, per_head = case

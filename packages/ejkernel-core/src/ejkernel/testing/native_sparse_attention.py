@@ -136,24 +136,7 @@ class NativeSparseAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = NativeSparseAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = (
-        "query",
-        "key",
-        "value",
-        "g_cmp",
-        "g_slc",
-        "g_swa",
-        "block_indices",
-        "block_counts",
-    )
-
-    def call(self, query, key, value, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16, **kw):
-        from ejkernel.modules import native_sparse_attention
-
-        return native_sparse_attention(
-            query, key, value, g_cmp, g_slc, block_indices, block_counts, g_swa=g_swa, platform=self.platform,
-            **{"cfg": self.cfg, **kw},
-        )
+    public_name = "native_sparse_attention"
 
     def make_inputs(self, seed, case, dtype, *, gates=("g_cmp", "g_slc"), indices=True, scale=1.0):
         batch, seq_len, heads, kv_heads, head_dim, v_dim, block, selected = case

@@ -334,11 +334,15 @@ def run_jitted(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
 class BadInputChecks:
     """Mixin of the suites: ``assert_rejected(match, **call)`` checks that a bad call is refused with a
     ``ValueError`` naming ``match`` by the operation itself (through the executor, so before anything
-    compiles), and by the public function (whose type annotations may speak first: ``TypeError``)."""
+    compiles), and by the public function (whose type annotations may speak first: ``TypeError``).
+
+    The call goes by keyword (``Op.validate`` binds to the public signature). ``operation_arguments`` is
+    only for an operation whose ``validate`` still lists its own parameters: those names are passed
+    positionally, None where the call lacks them."""
 
     platform: ClassVar[str]
     operation_type: ClassVar[type]
-    operation_arguments: ClassVar[tuple[str, ...]]
+    operation_arguments: ClassVar[tuple[str, ...]] = ()
 
     def assert_rejected(self, match: str, **call: Any) -> None:
         import pytest
@@ -365,6 +369,15 @@ class ConformanceSuite(BadInputChecks):
     supports_gradients: ClassVar[bool] = True
     tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
     compiler_options: ClassVar[Mapping[str, Any] | None] = None
+    public_name: ClassVar[str]
+    """The operation's public function in ``ejkernel.modules``: what :meth:`call` runs."""
+
+    def call(self, **arguments: Any) -> Any:
+        """The public function on ``arguments`` (by name) with the suite's ``platform`` and ``cfg``
+        (a ``cfg`` in ``arguments`` wins)."""
+        import ejkernel.modules
+
+        return getattr(ejkernel.modules, self.public_name)(**{"platform": self.platform, "cfg": self.cfg, **arguments})
 
     def check_call(
         self,

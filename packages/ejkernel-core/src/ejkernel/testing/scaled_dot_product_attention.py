@@ -18,39 +18,28 @@ from ejkernel.testing.flash_attention import (
     AttentionSuiteBase,
     attention_inputs,
     reference_flash_attention,
-    reference_flash_attention_numpy,
 )
-from ejkernel.testing.numerics import exact_matmuls, assert_finite, fresh_keys, random_normal
+from ejkernel.testing.numerics import assert_finite, fresh_keys, random_normal
 
 __all__ = ["ScaledDotProductAttentionConformance", "reference_scaled_dot_product_attention"]
 
 
-@exact_matmuls
 def reference_scaled_dot_product_attention(
-    query, key, value, bias=None, cum_seqlens_q=None, cum_seqlens_k=None, *, attention_mask=None,
-    softmax_scale=None, causal=False, sliding_window=None,
+    query, key, value, bias=None, cum_seqlens_q=None, cum_seqlens_k=None, **keywords
 ):
-    """Dense reference (float64 inside ``jax.enable_x64(True)``)."""
+    """Dense reference (float64 inside ``jax.enable_x64(True)``); ``keywords``: those of
+    ``reference_flash_attention`` that ``scaled_dot_product_attention`` has."""
     return reference_flash_attention(
-        query, key, value, bias, attention_mask=attention_mask, softmax_scale=softmax_scale, causal=causal,
-        sliding_window=sliding_window, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k,
+        query, key, value, bias, cum_seqlens_q=cum_seqlens_q, cum_seqlens_k=cum_seqlens_k, **keywords
     )
 
 
 class ScaledDotProductAttentionConformance(AttentionSuiteBase):
     """Conformance tests of ``scaled_dot_product_attention`` for the backend named by ``platform``."""
 
-    def operation(self, **kwargs):
-        from ejkernel.modules import scaled_dot_product_attention
-
-        return scaled_dot_product_attention(**kwargs, platform=self.platform, cfg=self.cfg)
-
-    def reference(self, **kwargs):
-        return reference_scaled_dot_product_attention(**kwargs)
-
-    def reference_outputs(self, inputs, kwargs, wrt, cotangent):
-        out, _, grads = reference_flash_attention_numpy(**inputs, **kwargs, d_out=cotangent if wrt else None)
-        return out, {name: grads[name] for name in wrt}
+    public_name = "scaled_dot_product_attention"
+    reference = staticmethod(reference_scaled_dot_product_attention)
+    reference_outputs = AttentionSuiteBase.numpy_reference_outputs
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
     def test_dtypes(self, dtype):

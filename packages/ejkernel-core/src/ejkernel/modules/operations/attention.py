@@ -25,29 +25,16 @@ import jax
 from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
-from ejkernel.modules.operations._contract import array_field, canonical_call
-from ejkernel.modules.operations._validation import check_bool, describe, typechecked
-from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
+from ejkernel.modules.operations._validation import check_bool
+from ejkernel.modules.operations.flash_attention import FlashAttention, flash_attention_subset, restricted_call
 
-@canonical_call
+@flash_attention_subset(
+    "query", "key", "value", "bias", "softmax_aux", "attention_mask", "dropout_seed",
+    "softmax_scale", "causal", "sliding_window", "logits_soft_cap", "dropout_prob", "precision",
+)
 class AttentionCall:
-    """A validated ``attention`` call: what every backend receives (defaults resolved, see above)."""
-
-    query: Float[jax.Array, "batch q_len num_heads head_dim"] = array_field()
-    key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"] = array_field()
-    value: Float[jax.Array, "batch kv_len num_kv_heads v_head_dim"] = array_field()
-    bias: Float[jax.Array, "#batch #num_heads q_len kv_len"] | None = array_field()
-    softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = array_field()
-    attention_mask: Bool[jax.Array, "batch #num_heads q_len kv_len"] | None = array_field()
-    dropout_seed: int | Int[jax.Array, ""] | None = array_field()
-    """None exactly when ``dropout_prob == 0``; a Python int or a traced integer scalar otherwise."""
-    softmax_scale: float = 1.0
-    causal: bool = False
-    sliding_window: tuple[int, int] | None = None
-    logits_soft_cap: float | None = None
-    dropout_prob: float = 0.0
-    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
-    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
+    """A validated ``attention`` call: what every backend receives (defaults resolved, see above); its fields
+    are ``FlashAttentionCall``'s of those names (no segment ids, no varlen)."""
 
 
 class Attention(RegistryOperation):
@@ -64,7 +51,6 @@ class Attention(RegistryOperation):
 
 
 @public_function(Attention)
-@typechecked
 def attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],
     key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"],

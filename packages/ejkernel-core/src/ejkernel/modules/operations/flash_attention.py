@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
@@ -54,7 +55,6 @@ from ejkernel.modules.operations._validation import (
     normalize_sliding_window,
     normalize_soft_cap,
     resolve_softmax_scale,
-    typechecked,
 )
 
 @canonical_call
@@ -96,6 +96,33 @@ class FlashAttentionCall:
 
 
 CallT = TypeVar("CallT")
+_FLASH_FIELDS = {f.name: f for f in dataclasses.fields(FlashAttentionCall)}
+
+
+def flash_attention_subset(*names: str) -> Callable[[type], type]:
+    """Class decorator: the canonical call of an operation whose features are a subset of flash_attention's.
+
+    Its fields are FlashAttentionCall's ``names`` (same annotation, default and array/static kind, declared
+    once, above) followed by the fields the class declares itself; FlashAttentionCall's other fields read as
+    class constants holding their defaults (the feature off), so code shared with flash_attention reads
+    any of them. Build one with :func:`restricted_call`.
+    """
+    unknown = [name for name in names if name not in _FLASH_FIELDS]
+    if unknown:
+        raise TypeError(f"FlashAttentionCall has no field(s) {', '.join(unknown)}")
+
+    def make(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        for name in names:
+            flash_field = _FLASH_FIELDS[name]
+            setattr(cls, name, dataclasses.field(default=flash_field.default, metadata=flash_field.metadata))
+        cls.__annotations__ = {**{name: _FLASH_FIELDS[name].type for name in names}, **own}
+        for name, field in _FLASH_FIELDS.items():
+            if name not in cls.__annotations__:
+                setattr(cls, name, field.default)
+        return canonical_call(cls)
+
+    return make
 
 
 def restricted_call(algorithm: str, call_type: type[CallT], flash_call: FlashAttentionCall, **extra: Any) -> CallT:
@@ -147,7 +174,6 @@ class FlashAttention(RegistryOperation):
 
 
 @public_function(FlashAttention)
-@typechecked
 def flash_attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],
     key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"],

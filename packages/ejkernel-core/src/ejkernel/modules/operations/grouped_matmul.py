@@ -38,7 +38,6 @@ from ejkernel.modules.operations._validation import (
     check_same_dtype,
     concrete,
     describe,
-    typechecked,
 )
 
 
@@ -132,7 +131,6 @@ class GroupedMatmul(RegistryOperation):
 
 
 @public_function(GroupedMatmul)
-@typechecked
 def grouped_matmul(
     lhs: Float[jax.Array, "m k"],
     rhs: Float[jax.Array, "num_groups _ _"],

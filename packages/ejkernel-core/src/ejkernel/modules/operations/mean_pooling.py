@@ -33,7 +33,6 @@ from ejkernel.modules.operations._validation import (
     check_cum_seqlens,
     check_positive_int,
     describe,
-    typechecked,
 )
 
 
@@ -69,7 +68,6 @@ class MeanPooling(RegistryOperation):
 
 
 @public_function(MeanPooling)
-@typechecked
 def mean_pooling(
     x: Float[jax.Array, "..."],
     chunk_size: int = 32,

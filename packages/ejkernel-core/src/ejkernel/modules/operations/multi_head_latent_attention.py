@@ -41,7 +41,6 @@ from ejkernel.modules.operations._validation import (
     describe,
     normalize_packed_seqlens,
     resolve_softmax_scale,
-    typechecked,
 )
 
 
@@ -118,7 +117,6 @@ class MultiHeadLatentAttention(RegistryOperation):
 
 
 @public_function(MultiHeadLatentAttention)
-@typechecked
 def multi_head_latent_attention(
     query: Float[jax.Array, "batch seq_len num_heads head_dim"],
     key_value: Float[jax.Array, "batch seq_len kv_lora_rank"],

@@ -58,7 +58,6 @@ from ejkernel.modules.operations._validation import (
     is_array,
     normalize_packed_seqlens,
     resolve_softmax_scale,
-    typechecked,
 )
 
 
@@ -170,7 +169,6 @@ class NativeSparseAttention(RegistryOperation):
 
 
 @public_function(NativeSparseAttention)
-@typechecked
 def native_sparse_attention(
     query: Float[jax.Array, "batch seq_len num_heads head_dim"],
     key: Float[jax.Array, "batch seq_len num_kv_heads head_dim"],

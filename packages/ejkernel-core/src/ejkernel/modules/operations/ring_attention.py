@@ -25,35 +25,20 @@ import jax
 from jaxtyping import Float, Int
 
 from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
-from ejkernel.modules.operations._contract import array_field, canonical_call
-from ejkernel.modules.operations._validation import describe, typechecked
-from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
+from ejkernel.modules.operations._validation import describe
+from ejkernel.modules.operations.flash_attention import FlashAttention, flash_attention_subset, restricted_call
 
 
-@canonical_call
+@flash_attention_subset(
+    "query", "key", "value", "q_segment_ids", "kv_segment_ids", "softmax_aux",
+    "softmax_scale", "causal", "sliding_window", "logits_soft_cap", "precision",
+)
 class RingAttentionCall:
-    """A validated ``ring_attention`` call (the local shards): what every backend receives (see above)."""
+    """A validated ``ring_attention`` call (the local shards): what every backend receives (see above); its
+    fields are ``FlashAttentionCall``'s of those names (segment ids both given or both None) and:"""
 
-    query: Float[jax.Array, "batch q_len num_heads head_dim"] = array_field()
-    key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"] = array_field()
-    value: Float[jax.Array, "batch kv_len num_kv_heads v_head_dim"] = array_field()
-    q_segment_ids: Int[jax.Array, "batch q_len"] | None = array_field()
-    """int32; given together with ``kv_segment_ids`` or not at all."""
-    kv_segment_ids: Int[jax.Array, "batch kv_len"] | None = array_field()
-    softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = array_field()
-    softmax_scale: float = 1.0
-    causal: bool = False
-    sliding_window: tuple[int, int] | None = None
-    logits_soft_cap: float | None = None
     axis_name: str | None = None
     """The mesh axis the sequence is sharded over; None: one device."""
-    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
-    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
-
-    @property
-    def dropout_prob(self) -> float:
-        """Ring attention has no dropout (read by code shared with ``FlashAttentionCall``)."""
-        return 0.0
 
 
 class RingAttention(RegistryOperation):
@@ -83,7 +68,6 @@ class RingAttention(RegistryOperation):
 
 
 @public_function(RingAttention)
-@typechecked
 def ring_attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],
     key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"],

@@ -15,38 +15,22 @@ O(S²); use it for short sequences. Gradients: query, key, value, bias. Full pag
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
-from ejkernel.modules.operations._contract import array_field, canonical_call
-from ejkernel.modules.operations._validation import typechecked
-from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
+from ejkernel.modules.operations.flash_attention import FlashAttention, flash_attention_subset, restricted_call
 
 
-@canonical_call
+@flash_attention_subset(
+    "query", "key", "value", "bias", "attention_mask", "cum_seqlens_q", "cum_seqlens_k",
+    "softmax_scale", "causal", "sliding_window", "precision",
+)
 class ScaledDotProductAttentionCall:
-    """A validated ``scaled_dot_product_attention`` call: what every backend receives (see above)."""
-
-    query: Float[jax.Array, "batch q_len num_heads head_dim"] = array_field()
-    key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"] = array_field()
-    value: Float[jax.Array, "batch kv_len num_kv_heads v_head_dim"] = array_field()
-    bias: Float[jax.Array, "#batch #num_heads q_len kv_len"] | None = array_field()
-    attention_mask: Bool[jax.Array, "batch #num_heads q_len kv_len"] | None = array_field()
-    cum_seqlens_q: Int[jax.Array, "num_seqs_plus_1"] | None = array_field()
-    """int32; given together with ``cum_seqlens_k`` (then batch is 1) or not at all."""
-    cum_seqlens_k: Int[jax.Array, "num_seqs_plus_1"] | None = array_field()
-    softmax_scale: float = 1.0
-    causal: bool = False
-    sliding_window: tuple[int, int] | None = None
-    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
-    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
-
-    # flash_attention features this operation does not have (code shared with it reads them)
-    logits_soft_cap: ClassVar[None] = None
-    dropout_prob: ClassVar[float] = 0.0
+    """A validated ``scaled_dot_product_attention`` call: what every backend receives (see above); its
+    fields are ``FlashAttentionCall``'s of those names (no dropout, soft cap, sinks or segment ids)."""
 
 
 class ScaledDotProductAttention(RegistryOperation):
@@ -60,7 +44,6 @@ class ScaledDotProductAttention(RegistryOperation):
 
 
 @public_function(ScaledDotProductAttention)
-@typechecked
 def scaled_dot_product_attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],
     key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"],

@@ -13,8 +13,8 @@ __all__ = ["BwdParams", "FwdParams"]
 
 
 @dataclasses.dataclass(frozen=True)
-class FwdParams:
-    """Forward-pass parameters (attention and matmul-like kernels)."""
+class _BlockSizes:
+    """The block sizes both passes have (the first fields of each, in this order)."""
 
     blocksize_m: int | None = None
     """Block size of the M dimension (rows of the output)."""
@@ -26,6 +26,12 @@ class FwdParams:
     """Block size over queries (attention)."""
     kv_blocksize: int | None = None
     """Block size over keys/values (attention)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdParams(_BlockSizes):
+    """Forward-pass parameters (attention and matmul-like kernels)."""
+
     blocksize_heads: int | None = None
     """Heads processed per block (multi-head attention)."""
     blocksize_keys: int | None = None
@@ -39,13 +45,10 @@ class FwdParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class BwdParams:
+class BwdParams(_BlockSizes):
     """Backward-pass parameters (usually smaller blocks than the forward: more live tensors)."""
 
-    blocksize_m: int | None = None
-    blocksize_k: int | None = None
-    blocksize_n: int | None = None
-    q_blocksize: int | None = None
-    kv_blocksize: int | None = None
     num_warps: int | None = None
+    """GPU warps per program."""
     num_stages: int | None = None
+    """Software pipeline stages."""
