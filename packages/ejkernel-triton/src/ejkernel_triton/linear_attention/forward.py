@@ -137,7 +137,7 @@ def _output_kernel(
         g = tl.load(GC + qk_offs + offs_k[None, :], mask=mk[None, :], other=0.0)
         q_scaled = q.to(tl.float32) * scale
         h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-        acc_o = tl.dot((q_scaled * tl.exp(g)).to(h.dtype), h, acc_o, input_precision=DOT_PRECISION)
+        acc_o = tl.dot((q_scaled * tl.exp(g)).to(q.dtype), h.to(q.dtype), acc_o, input_precision=DOT_PRECISION)
         acc_a += across_sub_chunks(q_scaled, g, k, g, offs_t, BC, BT // BC, DOT_PRECISION)
         acc_a += _diag_pairs(q_scaled, g, K_ + seq_offs, GC + seq_offs, n * BT + sub_first, offs_t, offs_k, mk,
                              H * K, BC)
