@@ -14,13 +14,14 @@ output is a pass over the logits). What it cannot show: timings, and the autotun
 device to time candidates on: XLA takes its default tiles). Kernel counts have matched what the
 profile-free device runs showed so far (docs: packages/ejkernel-xla/NOTES.md).
 
-Each row: kernels of the program; ``S²`` = kernels with a [.., S, S] output (passes writing the logits or
-their derivatives); the listing names each kernel's kind.
+Each row: kernels of the program and the bytes their outputs write (a proxy of the memory traffic the dense
+path is bound by); ``--show`` lists each kernel's output shape and kind.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -88,8 +89,18 @@ def kernels(hlo: str) -> list[dict]:
     return rows
 
 
-def s2_kernels(rows: list[dict], seq: int) -> int:
-    return sum(bool(re.search(rf"\b{seq},{seq}\]", r["shape"])) for r in rows)
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+
+
+def written_bytes(rows: list[dict]) -> int:
+    """Bytes of the kernels' outputs (tuple outputs not counted): a proxy of the program's memory traffic,
+    which the dense attention path is bound by (each output is read back at least once)."""
+    total = 0
+    for r in rows:
+        m = re.match(r"(\w+)\[([\d,]*)\]", r["shape"])
+        if m and m.group(1) in _BYTES:
+            total += _BYTES[m.group(1)] * math.prod(int(d) for d in m.group(2).split(",") if d)
+    return total
 
 
 def cases(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtype):
@@ -138,15 +149,15 @@ def main(argv=None) -> int:
     show = set(filter(None, args.show.split(",")))
     print(f"# {device.device_kind} (compile only), B={args.batch} S={args.seq} H={args.heads} Hkv={kv_heads} "
           f"D={args.head_dim} {dtype}; jax {jax.__version__}")
-    print("| case | mode | ejkernel kernels (S²) | jax.nn kernels (S²) |")
-    print("|---|---|---|---|")
+    print("| case | mode | ejkernel kernels | ejkernel MiB written | jax.nn kernels | jax.nn MiB written |")
+    print("|---|---|---|---|---|---|")
     for name in filter(None, args.cases.split(",")):
         ours, theirs, extra = table[name]
         for mode in args.modes.split(","):
             cells = []
             for who, fn in (("ejkernel", ours), ("jax.nn", theirs)):
                 if fn is None:
-                    cells.append("—")
+                    cells.append("— | —")
                     continue
                 if mode == "fwd+bwd":
                     program = (lambda f: lambda q_, k_, v_, do, *e: jax.vjp(lambda a, b, c: f(a, b, c, *e), q_, k_, v_)[1](do))(fn)
@@ -155,7 +166,7 @@ def main(argv=None) -> int:
                     program, shapes = fn, (q, kv, kv, *extra)
                 hlo = optimized_hlo(program, *shapes, device=device)
                 rows = kernels(hlo)
-                cells.append(f"{len(rows)} ({s2_kernels(rows, args.seq)})")
+                cells.append(f"{len(rows)} | {written_bytes(rows) / 2**20:,.0f}")
                 if args.dump:
                     Path(args.dump).mkdir(parents=True, exist_ok=True)
                     Path(args.dump, f"{who}-{name}-{mode}.hlo".replace("+", "_")).write_text(hlo)

@@ -16,7 +16,7 @@ from ejkernel_xla._dense import CAUSAL_CHUNK_QUERIES, MAX_CAUSAL_CHUNKS, causal_
 CASES = {
     "causal": dict(),
     "gqa_window_segments": dict(kv_heads=2, window=(7, 0), segments=True),
-    "dropout_sinks_softcap_more_keys": dict(dropout=0.25, sinks=True, softcap=5.0, kv_len=57),
+    "dropout_sinks_softcap_more_keys_window": dict(dropout=0.25, sinks=True, softcap=5.0, kv_len=57, window=(20, 2)),
 }
 
 

@@ -15,6 +15,14 @@ cotangent meets bfloat16 keys) and differentiate the softmax's division term by 
 Memory: the S² buffers of one call (``XlaFlashConfig.dense``'s rule in ``flash_attention.py`` bounds
 them) and, between a differentiated forward and its backward, ``P``: ``B*H*Sq*Skv`` elements of the
 inputs' dtype.
+
+On a GPU the program is a few large XLA kernels: the logits GEMM, ONE fused softmax kernel (XLA's Triton
+"normalization diamond": row max, exp, row sum and divide in one pass over the logits; masks built from
+iotas inside it), the P @ V GEMM -- bound by the bytes of the S² logits, not by FLOPs. Two things keep it
+there: rows that see nothing are guarded with constants (``EMPTY_ROW_GUARDS``), which that fusion
+accepts, and causal calls run in query chunks over the key prefix each can see (``causal_chunk_count``),
+so they do not pay for the masked half. ``benchmarks/xla_gpu_hlo.py`` lists the kernels XLA compiles
+for an H100 (no GPU needed); packages/ejkernel-xla/NOTES.md has the numbers.
 """
 
 from __future__ import annotations
@@ -206,7 +214,8 @@ def causal_chunk_count(params: AttentionParams, q_len: int, kv_len: int, bias, m
     """How many query chunks a call runs as (1: one dense attention over all keys).
 
     Causal with queries aligned to the end of the keys: query chunk ``c`` of ``n`` sees no key past its
-    last query's position, so it needs only a prefix of the keys -- the n chunks together compute
+    last query's position (nor, under a sliding window, before its first query's window), so it needs
+    only a prefix (a range) of the keys -- the n chunks together compute
     ``(n+1)/(2n)`` of the S² logits (n = 4: 62.5 %) where the one dense call computes all of them, masks half
     and pays the bytes of every one (the dense path is bound by the S² traffic, NOTES.md). Not with
     varlen (visibility is per packed sequence, not a prefix), a bias or an explicit mask (S² inputs of
@@ -216,20 +225,24 @@ def causal_chunk_count(params: AttentionParams, q_len: int, kv_len: int, bias, m
     return max(1, min(MAX_CAUSAL_CHUNKS, q_len // CAUSAL_CHUNK_QUERIES))
 
 
-def _causal_chunks(attend, query, key, value, q_tokens: Tokens, kv_tokens: Tokens, chunks: int):
-    """``attend(q_chunk, k_prefix, v_prefix, q_tok_chunk, kv_tok_prefix)`` per query chunk, outputs
+def _causal_chunks(attend, query, key, value, q_tokens: Tokens, kv_tokens: Tokens, chunks: int,
+                   window_left: int | None):
+    """``attend(q_chunk, k_range, v_range, q_tok_chunk, kv_tok_range)`` per query chunk, outputs
     concatenated along the sequence. Tokens carry their global positions and indices, so causality, a
-    sliding window, segment ids and dropout's hash see each chunk exactly as in the whole call; the key
-    prefix ends at the chunk's last query position + 1. Autodiff through the slices sums each chunk's key
-    and value gradients into the whole arrays (O(S) work)."""
+    sliding window, segment ids and dropout's hash see each chunk exactly as in the whole call. A chunk's
+    keys end at its last query's position + 1 and, under a sliding window ``(left, _)``, start at its
+    first query's position - left. Autodiff through the slices sums each chunk's key and value gradients
+    into the whole arrays (O(S) work)."""
     q_len, kv_len = query.shape[1], key.shape[1]
+    offset = kv_len - q_len  # query i sits at position i + offset
     bounds = [round(c * q_len / chunks) for c in range(chunks + 1)]
     outs = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        keys = stop + kv_len - q_len  # the chunk's last query sits at position stop - 1 + kv_len - q_len
+        first = 0 if window_left is None else max(0, start + offset - window_left)
+        last = stop + offset  # one past the chunk's last query position
         outs.append(attend(
-            query[:, start:stop], key[:, :keys], value[:, :keys],
-            slice_tokens(q_tokens, start, stop - start), slice_tokens(kv_tokens, 0, keys),
+            query[:, start:stop], key[:, first:last], value[:, first:last],
+            slice_tokens(q_tokens, start, stop - start), slice_tokens(kv_tokens, first, last - first),
         ))
     return jnp.concatenate(outs, axis=1)
 
@@ -265,7 +278,7 @@ def flash_attention_dense(
 
     if chunks == 1:
         return attend(query, key, value, q_tokens, kv_tokens)
-    return _causal_chunks(attend, query, key, value, q_tokens, kv_tokens, chunks)
+    return _causal_chunks(attend, query, key, value, q_tokens, kv_tokens, chunks, _window_left(params))
 
 
 def dense_forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, seed) -> jax.Array:
@@ -278,7 +291,11 @@ def dense_forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_t
 
     if chunks == 1:
         return attend(q, k, v, q_tok, kv_tok)
-    return _causal_chunks(attend, q, k, v, q_tok, kv_tok, chunks)
+    return _causal_chunks(attend, q, k, v, q_tok, kv_tok, chunks, _window_left(params))
+
+
+def _window_left(params: AttentionParams) -> int | None:
+    return None if params.sliding_window is None else max(0, params.sliding_window[0])
 
 
 __all__ = ["CAUSAL_CHUNK_QUERIES", "EMPTY_ROW_GUARDS", "causal_chunk_count", "dense_forward", "flash_attention_dense"]

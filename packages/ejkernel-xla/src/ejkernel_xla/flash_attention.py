@@ -31,8 +31,10 @@ the backward always matches the forward it belongs to). ``dense=True/False`` for
 
 The dense forward is ``jax.nn``'s formula and no more where nothing is masked: float32 logits from the
 matmul with keys as the minor axis (no S² transpose), row max, ``exp``, row sum, divide, cast, matmul;
-causal adds one comparison of two iotas. Masks, segments, varlen, sinks and dropout add only their own
-work, and only when given.
+causal adds one comparison of two iotas, and runs in query chunks over the key prefixes they can see
+(``_dense.causal_chunk_count``: 62.5 % of the logits at 4 chunks). Masks, segments, varlen, sinks and
+dropout add only their own work, and only when given. The rule's byte counts stay those of one call
+(an upper bound for the chunks).
 
 Why: on a GPU the blockwise loops pay per-block kernel launches, loop overhead and small matmuls; the
 dense program does not, and runs about twice as fast where it fits (H200, bf16, D=128: blockwise 35-83
