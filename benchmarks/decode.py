@@ -19,7 +19,8 @@ exceed the L2 cache. Numerics: relative L2 error of each output against a float3
 candidates of packages/ejkernel-triton/NOTES.md).
 
 `--mixed` (on by default): `ragged_page_attention` on the mixed batch of `MIXED` (pages of `--page-sizes`),
-with its two parts alone (the prefill chunks only; the decode rows only) to split the time, against both
+with its two parts alone (the prefill chunks only; the decode rows only; first page size) to split the time,
+and the one-launch schedules (`[fused]`, `[fused,inline]`), against both
 ceilings: bytes (K+V of every sequence read once, plus queries and outputs) at the copy bandwidth, and FLOPs
 (4·H·D per visible (query, key) pair) at the bf16 matmul rate measured in the same run (8192^3 `jnp.dot`).
 `--mixed-platforms` picks the backends (XLA gathers every query row's pages: slow, off in the device script).
@@ -99,13 +100,15 @@ def layout_inputs(layout, k, v, page_size, seed):
 # ---- implementations ---------------------------------------------------------------------------------
 
 
-def ejkernel_impls(sweep_configs=()) -> list[Impl]:
+def ejkernel_impls(sweep_configs=(), sweep_layouts=("paged", "contiguous")) -> list[Impl]:
     from ejkernel.modules import page_attention, ragged_decode_attention
 
     impls = []
     for algorithm in ("page_attention", "ragged_decode_attention"):
         for platform in usable_gpu_platforms(algorithm):
-            for cfg in [None, *(sweep_configs if platform == "triton" else ())]:
+            layout = "paged" if algorithm == "page_attention" else "contiguous"
+            sweep = sweep_configs if platform == "triton" and layout in sweep_layouts else ()
+            for cfg in [None, *sweep]:
                 suffix = "" if cfg is None else f"[{cfg_text(cfg)}]"
                 if algorithm == "page_attention":
                     def fn(x, platform=platform, cfg=cfg):
@@ -132,18 +135,21 @@ def cfg_text(cfg) -> str:
 def sweep_configs(batch, context, kv_heads) -> list:
     """The decode schedule candidates (NOTES.md, "decode schedule") at the standard shape: the heuristic's
     splits with other pipeline depths, wave-aligned splits, one split (FA3's schedule), 128-key steps
-    (several pages per step), 8 warps."""
+    (several pages per step), 8 warps, the inline combine (the last split merges: no second launch)."""
     try:
         from ejkernel_triton.decode.config import TritonDecodeConfig, heuristic_splits, wave_splits
     except Exception:  # noqa: BLE001
         return []
     h = heuristic_splits(batch * kv_heads, context)
     w = wave_splits(batch * kv_heads, context)
-    variants = [(64, h, 1, 4), (64, h, 3, 4), (64, 2 * h, 2, 4), (64, w, 2, 4), (64, w, 3, 4), (64, 1, 2, 4),
-                (64, 1, 3, 4), (128, w, 1, 4), (128, w, 2, 8), (128, 1, 2, 8), (64, h, 2, 8)]
+    variants = [(64, h, 1, 4, False), (64, h, 3, 4, False), (64, 2 * h, 2, 4, False), (64, w, 2, 4, False),
+                (64, w, 3, 4, False), (64, 1, 2, 4, False), (64, 1, 3, 4, False), (128, w, 1, 4, False),
+                (128, w, 2, 8, False), (128, 1, 2, 8, False), (64, h, 2, 8, False), (64, h, 2, 4, True),
+                (64, w, 2, 4, True), (64, w, 3, 4, True)]
     out = []
-    for n, splits, prefetch, warps in variants:
-        cfg = TritonDecodeConfig(block_n=n, num_splits=splits, prefetch=prefetch, num_warps=warps)
+    for n, splits, prefetch, warps, inline in variants:
+        cfg = TritonDecodeConfig(block_n=n, num_splits=splits, prefetch=prefetch, num_warps=warps,
+                                 inline_combine=inline)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -291,17 +297,21 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
     platforms = [p for p in usable_gpu_platforms("ragged_page_attention")
                  if not args.mixed_platforms or p in args.mixed_platforms.split(",")]
     key = jax.random.key(3)
+    page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
     for part in ("mixed", "prefill", "decode"):
         sequences = mixed_sequences(part, **MIXED)
         nbytes, flops = mixed_cost(sequences, H, Hkv, D, dtype.itemsize)
         t_bytes, t_flops = nbytes / (copy_gbps * 1e9), flops / (tflops * 1e12)
-        for ps in [int(x) for x in args.page_sizes.split(",") if x]:
+        for ps in page_sizes if part == "mixed" else page_sizes[:1]:  # the parts alone: the first page size
             sets = [mixed_inputs(jax.random.fold_in(key, s), sequences, H, Hkv, D, ps, dtype, seed=s) for s in range(2)]
             ref = jax.jit(mixed_reference, static_argnums=(3, 4))(*sets[0][1][:3], tuple(sets[0][1][3].tolist()),
                                                                   tuple(sets[0][1][4].tolist()))
             variants = [(f"ejkernel-{platform} ragged-page", platform, None) for platform in platforms]
             if "triton" in platforms:  # the schedule candidate: decode programs and prefill tiles in one launch
-                variants += [("ejkernel-triton ragged-page[fused]", "triton", fused_config(sets[0][0]))]
+                fused = fused_config(sets[0][0])
+                variants += [("ejkernel-triton ragged-page[fused]", "triton", fused),
+                             ("ejkernel-triton ragged-page[fused,inline]", "triton",
+                              dataclasses.replace(fused, decode_inline_combine=True))]
             for name, platform, cfg in variants:
                 row = dict(impl=name, part=part, page_size=ps, batch=len(sequences),
                            context=MIXED["context"], bytes=nbytes, flops=flops, bytes_us=t_bytes * 1e6,
@@ -420,6 +430,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--impls", default="", help="comma-separated name prefixes to keep")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--sweep-layouts", default="paged,contiguous", help="paged (page_attention), contiguous (ragged)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--calls", type=int, default=10)
@@ -448,7 +459,7 @@ def main(argv=None) -> int:
     dtype = jnp.dtype(args.dtype)
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
     sweep = sweep_configs(*standard_shape, Hkv) if args.sweep else []
-    impls = ejkernel_impls(sweep) + peer_impls()
+    impls = ejkernel_impls(sweep, tuple(args.sweep_layouts.split(","))) + peer_impls()
     if args.impls:
         impls = [i for i in impls if any(i.name.startswith(s) for s in args.impls.split(","))]
     print(f"# {kind}, {now:%Y-%m-%d %H:%M} UTC: {', '.join(i.name for i in impls if '[' not in i.name)}", flush=True)

@@ -86,11 +86,14 @@ def ragged_case(seed, *, heads, kv_heads, dim, seq_len, ranges, dtype, config, n
 
 SPLITS = TritonDecodeConfig(block_n=16, num_splits=3, prefetch=1)
 ONE_PASS = TritonDecodeConfig(block_n=16, num_splits=1, prefetch=2)
+INLINE = TritonDecodeConfig(block_n=16, num_splits=3, prefetch=1, inline_combine=True)  # the last split merges
 
 CASES = {
     # pages of 16 = one block-table entry per step; contexts 0 and 1, a partial last page, three splits
     "paged_gqa4_splits": (paged_case, dict(seed=1, heads=8, kv_heads=2, dim=32, page_size=16, max_pages=5,
                                            lengths=[0, 79, 1, 16], dtype=jnp.float32, config=SPLITS)),
+    "paged_gqa4_inline_combine": (paged_case, dict(seed=7, heads=8, kv_heads=2, dim=32, page_size=16, max_pages=5,
+                                                   lengths=[0, 79, 1, 33], dtype=jnp.float32, config=INLINE)),
     # pages of 12 (neither a power of two nor a multiple of the step): per-row page lookup, one pass
     "paged_odd_pages_group8_one_pass": (paged_case, dict(seed=2, heads=8, kv_heads=1, dim=24, page_size=12,
                                                          max_pages=4, lengths=[37, 12, 1, 0], dtype=jnp.float32,

@@ -97,16 +97,16 @@ def _lower(fn, *specs) -> str:
 
 
 @CUDA_LOWERING
-@pytest.mark.parametrize("page_size,splits", [(16, 5), (64, 1), (12, 3)])
-def test_page_attention_compiles_for_sm90(sm90, page_size, splits):
+@pytest.mark.parametrize("page_size,splits,inline", [(16, 5, False), (64, 1, False), (12, 3, False), (16, 5, True)])
+def test_page_attention_compiles_for_sm90(sm90, page_size, splits, inline):
     """Pages of 16 (one table entry per step with 16-key steps, per-row lookups with 64), 64 and 12; several
-    splits launch the combine kernel too."""
+    splits launch the combine kernel too, unless the last split merges (inline: an atomic arrival counter)."""
     call = _paged_call(num_seqs=4, context=768, page_size=page_size)
-    cfg = TritonDecodeConfig(block_n=64, num_splits=splits)
+    cfg = TritonDecodeConfig(block_n=64, num_splits=splits, inline_combine=inline)
     text = _lower(lambda q, k, v, lens, tables: PAGED(
         PageAttention().validate(q, k, v, lens, tables, attn_logits_soft_cap=30.0, max_context_len=700), cfg),
         call.query, call.key_cache, call.value_cache, call.context_lens, call.block_tables)
-    assert text.count("triton_kernel_call") == (1 if splits == 1 else 2)
+    assert text.count("triton_kernel_call") == (1 if splits == 1 or inline else 2)
 
 
 @CUDA_LOWERING
@@ -161,7 +161,7 @@ def test_key_loop_keeps_prefetch_steps_in_flight(monkeypatch, page_size, prefetc
 
     launches = []
 
-    def record(kernel, args, out_shapes, grid, *, num_warps, num_stages, interpret, **constexprs):
+    def record(kernel, args, out_shapes, grid, *, num_warps, num_stages, interpret, zeroed_outputs=(), **constexprs):
         launches.append((kernel, [*args, *out_shapes], constexprs, num_warps, num_stages))
         return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
 
@@ -235,7 +235,7 @@ def test_split_plan():
 
 
 @pytest.mark.parametrize("field,value", [("block_n", 48), ("block_n", 8), ("num_splits", 0), ("num_warps", 3),
-                                         ("prefetch", 0)])
+                                         ("prefetch", 0), ("inline_combine", 1)])
 def test_config_fields_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         TritonDecodeConfig(**{field: value})

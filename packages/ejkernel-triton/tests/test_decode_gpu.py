@@ -40,6 +40,14 @@ class TestTritonPageAttentionSplitsConformance(PageAttentionConformance):
     cfg = SPLITS
 
 
+class TestTritonPageAttentionInlineCombineConformance(PageAttentionConformance):
+    """The last split merges (an atomic arrival counter): the memory ordering only a GPU can check."""
+
+    platform = "triton"
+    supports_gradients = False
+    cfg = TritonDecodeConfig(block_n=16, num_splits=4, prefetch=2, inline_combine=True)
+
+
 class TestTritonRaggedDecodeAttentionConformance(RaggedDecodeAttentionConformance):
     platform = "triton"
     supports_gradients = False
@@ -76,6 +84,7 @@ def _float32(fn, **inputs):
         (128, 8, 1, 128, [5000, 129, 1], 40, None),  # MQA
         (16, 32, 8, 128, [300, 1, 0, 200] * 64, 20, None),  # 256 short contexts: one split
         (16, 32, 8, 128, [4096, 1, 0, 3000], 256, TritonDecodeConfig(block_n=128, num_splits=16, prefetch=1)),
+        (64, 32, 8, 128, [4096, 1, 0, 3000] * 16, 64, TritonDecodeConfig(num_splits=7, inline_combine=True)),
     ],
 )
 def test_bf16_paged_serving_shapes(page_size, heads, kv_heads, dim, lengths, max_pages, cfg):

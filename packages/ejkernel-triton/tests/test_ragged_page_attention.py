@@ -102,15 +102,15 @@ def test_tile_table_covers_prefill_and_padding_rows_once():
 
 
 @CUDA_LOWERING
-@pytest.mark.parametrize("page_size,window,fused", [(16, None, False), (64, 1000, False), (12, None, False),
-                                                   (16, None, True)])
-def test_compiles_for_sm90(monkeypatch, page_size, window, fused):
-    """Both launches (prefill tiles; decode split + combine), or the fused launch (+ combine), lower for sm_90:
-    pages of 16 and 64 (one table entry per step), 12 (per-row lookups), a window, sinks (float32's IEEE dots:
-    the interpreter cases)."""
+@pytest.mark.parametrize("page_size,window,fused,inline", [(16, None, False, False), (64, 1000, False, False),
+                                                          (12, None, False, False), (16, None, True, True)])
+def test_compiles_for_sm90(monkeypatch, page_size, window, fused, inline):
+    """Both launches (prefill tiles; decode split + combine), or the fused launch with the inline combine (one
+    launch in all), lower for sm_90: pages of 16 and 64 (one table entry per step), 12 (per-row lookups), a
+    window, sinks (float32's IEEE dots: the interpreter cases)."""
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
     call = _call(tokens=600, max_num_seqs=8, context=1024, page_size=page_size)
-    cfg = TritonRaggedPageConfig(decode_num_splits=4, fused=fused)
+    cfg = TritonRaggedPageConfig(decode_num_splits=4, fused=fused, decode_inline_combine=inline)
 
     def fn(q, kv, lens, tables, starts, count, aux):
         validated = RaggedPageAttention().validate(q, kv, lens, tables, starts, count, aux, sliding_window=window,
@@ -120,7 +120,7 @@ def test_compiles_for_sm90(monkeypatch, page_size, window, fused):
     text = jax.jit(fn).trace(call.queries, call.kv_pages, call.context_lens, call.block_tables,
                              call.query_start_loc, call.num_seqs, _spec((32, 2), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count("triton_kernel_call") == (2 if fused else 3)
+    assert text.count("triton_kernel_call") == 3 - fused - inline
 
 
 def test_plugin_entry():
@@ -154,7 +154,8 @@ def test_heuristic_and_candidates():
 
 
 @pytest.mark.parametrize("field,value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("prefetch", 0),
-                                         ("decode_num_splits", 0), ("decode_block_n", 24), ("fused", 1)])
+                                         ("decode_num_splits", 0), ("decode_block_n", 24), ("fused", 1),
+                                         ("decode_inline_combine", 0)])
 def test_config_fields_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         TritonRaggedPageConfig(**{field: value})

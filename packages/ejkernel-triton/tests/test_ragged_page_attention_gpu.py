@@ -9,6 +9,8 @@ and sinks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,14 @@ class TestTritonRaggedPageAttentionSmallTilesConformance(RaggedPageAttentionConf
     platform = "triton"
     supports_gradients = False
     cfg = SMALL
+
+
+class TestTritonRaggedPageAttentionOneLaunchConformance(RaggedPageAttentionConformance):
+    """Decode programs and prefill tiles in one launch, the last decode split merging: one kernel in all."""
+
+    platform = "triton"
+    supports_gradients = False
+    cfg = dataclasses.replace(SMALL, fused=True, decode_inline_combine=True)
 
 
 def _rel(a, b):
@@ -86,6 +96,8 @@ def mixed_batch(seed, sequences, heads, kv_heads, dim, page_size, max_pages, pad
         (8, 8, 8, 64, [(17, 100), (1, 9), (40, 1000)], 128, dict(logits_soft_cap=20.0), None),  # MHA
         (128, 8, 1, 128, [(30, 3000), (1, 129), (1, 1)], 24, {}, None),  # MQA
         (16, 32, 8, 128, [(40, 1000), (1, 1000), (1, 17)], 64, dict(sliding_window=256), SMALL),
+        (64, 32, 8, 128, [(40, 1000)] + [(1, 1000)] * 20, 16, {},
+         TritonRaggedPageConfig(decode_num_splits=4, fused=True, decode_inline_combine=True)),
     ],
 )
 def test_bf16_mixed_serving_batches(page_size, heads, kv_heads, dim, sequences, max_pages, static, cfg):

@@ -32,13 +32,16 @@ class TritonDecodeConfig:
     ``block_n``: keys per loop step (a power of two >= 16). ``num_splits``: programs per sequence and kv head
     (``1``: one pass writes the output; more: a second kernel merges the splits' partial results).
     ``num_warps``: Triton's warps per program. ``prefetch``: key/value steps in flight ahead of the one being
-    computed (shared-memory buffers of the software pipeline; see :meth:`num_stages`).
+    computed (shared-memory buffers of the software pipeline; see :meth:`num_stages`). ``inline_combine``
+    (several splits): the last split of each (sequence, head block) to finish merges the partials, through an
+    arrival counter, instead of a second launch.
     """
 
     block_n: int = 64
     num_splits: int = 1
     num_warps: int = 4
     prefetch: int = 2
+    inline_combine: bool = False
 
     def num_stages(self, paged: bool) -> int:
         """Triton's ``num_stages`` that gives ``prefetch`` buffers. Triton 3.6's pipeliner divides the stages
@@ -48,7 +51,11 @@ class TritonDecodeConfig:
         return (2 if paged else 1) * self.prefetch + 1
 
     def __post_init__(self):
+        if not isinstance(self.inline_combine, bool):
+            raise ValueError(f"TritonDecodeConfig.inline_combine must be a bool, got {self.inline_combine!r}")
         for field in dataclasses.fields(self):
+            if field.name == "inline_combine":
+                continue
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonDecodeConfig.{field.name} must be a positive int, got {value!r}")

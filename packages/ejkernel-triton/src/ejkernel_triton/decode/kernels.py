@@ -167,17 +167,41 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
 
 
 @triton.jit
+def _merge_splits(Aux, PartAcc, PartM, PartL, b, heads, row_ok, valid, offs_d, H: tl.constexpr, D: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_SINKS: tl.constexpr,
+                  BLOCK_SINKS: tl.constexpr):
+    """The normalized output of rows ``heads`` of sequence ``b`` from its first ``valid`` splits' partials (and
+    the sinks). Partials are read past L1 (``.cg``): other SMs wrote them during this launch."""
+    m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_ROWS)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    for split in range(0, valid):
+        part = (b.to(tl.int64) * NUM_SPLITS + split) * H + heads
+        m_s = tl.load(PartM + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(PartL + part, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(PartAcc + part[:, None] * D + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        beta = tl.math.exp2(m_s - m_safe)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _split_program(
     split, b, head_block,  # the program's place in the grid
     Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs
-    Out, PartAcc, PartM, PartL,  # outputs (Out with one split, the partials with several)
+    Out, PartAcc, PartM, PartL, Counter,  # outputs (Out with one split, the partials with several)
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr,
 ):
     """One split program: keys ``[lo + split * CHUNK, ...)`` of sequence ``b`` for the query heads of head block
     ``head_block`` (kv head ``head_block // HEAD_BLOCKS``). A function so that other kernels (the mixed
@@ -229,25 +253,44 @@ def _split_program(
             tl.store(PartAcc + part[:, None] * D + offs_d[None, :], acc, mask=out_mask)
             tl.store(PartM + part, m_i, mask=row_ok)
             tl.store(PartL + part, l_i, mask=row_ok)
+            if INLINE_COMBINE:
+                # the last split of (b, head block) to finish merges: every thread's stores are done
+                # (barrier) before the counter's release; the merge reads after its acquire
+                tl.debug_barrier()
+                done = tl.atomic_add(Counter + b * (HEAD_BLOCKS * (H // GROUP)) + head_block, 1, sem="acq_rel")
+                valid = (hi - _split_base(lo, ALIGN_LO, BLOCK_N) + CHUNK - 1) // CHUNK
+                if done == valid - 1:
+                    out = _merge_splits(Aux, PartAcc, PartM, PartL, b, heads, row_ok, valid, offs_d, H, D, BLOCK_H,
+                                        BLOCK_D, NUM_SPLITS, NUM_SINKS, BLOCK_SINKS)
+                    tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=out_mask)
+    elif INLINE_COMBINE:
+        if split == 0:
+            if hi <= lo:  # no split saw a key: zeros (sinks or not)
+                offs_h = tl.arange(0, BLOCK_H)
+                offs_d = tl.arange(0, BLOCK_D)
+                row_ok = g0 + offs_h < GROUP
+                rows = b.to(tl.int64) * H + kvh * GROUP + g0 + offs_h
+                tl.store(Out + rows[:, None] * D + offs_d[None, :], tl.zeros([BLOCK_H, BLOCK_D], Out.dtype.element_ty),
+                         mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
 def _split_kernel(
     Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs
-    Out, PartAcc, PartM, PartL,  # outputs (Out with one split, the partials with several)
+    Out, PartAcc, PartM, PartL, Counter,  # outputs (Out with one split, the partials with several)
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr,
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr,
 ):
     _split_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, K, V, Starts, Ends, Tables, Aux, QRows,
-                   scale, softcap, Out, PartAcc, PartM, PartL, H, GROUP, HEAD_BLOCKS, D, BLOCK_D, BLOCK_H, BLOCK_N,
-                   CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE,
+                   scale, softcap, Out, PartAcc, PartM, PartL, Counter, H, GROUP, HEAD_BLOCKS, D, BLOCK_D, BLOCK_H,
+                   BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE,
                    SEQ_STRIDE, HAS_START, WINDOW_LEFT, MAX_LEN, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION,
-                   V_SHIFT, HAS_QROWS, ALIGN_LO)
+                   V_SHIFT, HAS_QROWS, ALIGN_LO, INLINE_COMBINE)
 
 
 @triton.jit
@@ -265,24 +308,11 @@ def _combine_kernel(
     row_ok = heads < H
     lo, hi = _sequence_range(Starts, Ends, b, HAS_START, WINDOW_LEFT, MAX_LEN)
     valid = (tl.maximum(hi - _split_base(lo, ALIGN_LO, BLOCK_N), 0) + CHUNK - 1) // CHUNK  # splits that saw keys
-    m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_H)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    mask = row_ok[:, None] & (offs_d[None, :] < D)
-    for split in range(0, valid):
-        part = (b.to(tl.int64) * NUM_SPLITS + split) * H + heads
-        m_s = tl.load(PartM + part, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(PartL + part, mask=row_ok, other=0.0)
-        acc_s = tl.load(PartAcc + part[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m_i, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        beta = tl.math.exp2(m_s - m_safe)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = _merge_splits(Aux, PartAcc, PartM, PartL, b, heads, row_ok, valid, offs_d, H, D, BLOCK_H, BLOCK_D,
+                        NUM_SPLITS, NUM_SINKS, BLOCK_SINKS)
     rows = b.to(tl.int64) * H + heads
-    tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
 # ---- host side ---------------------------------------------------------------------------------------
@@ -303,7 +333,7 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
     ``st.interleaved``: ``k`` is ``[num_pages, page_size, 2 * Hkv, D]`` with the value of kv head ``h`` at
     ``2h + 1`` (``v`` is ignored). ``q_rows`` int32 [B]: ``q`` is a packed ``[tokens, H, D]`` array and sequence
     ``b``'s query is its row ``q_rows[b]`` (the batch is then ``len(ends)``). ``run_split(args, out_shapes,
-    grid, num_warps, num_stages, constexprs)``: runs the split programs instead of a launch of ``_split_kernel``
+    grid, num_warps, num_stages, zeroed_outputs, constexprs)``: runs the split programs instead of a launch of ``_split_kernel``
     and returns their outputs (the mixed launch of ``ragged_page_attention`` adds its prefill programs)."""
     batch = ends.shape[0]
     num_heads, head_dim = q.shape[1:]
@@ -352,27 +382,31 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
     q_rows = q_rows if has_q_rows else _placeholder(jnp.int32)
     f32 = jax.ShapeDtypeStruct
     out_shape = f32((batch, num_heads, head_dim), q.dtype)
+    inline = cfg.inline_combine and splits > 1
     if splits == 1:
         partials = [f32((1,), jnp.float32)] * 3
     else:
         partials = [f32((batch, splits, num_heads, head_dim), jnp.float32),
                     f32((batch, splits, num_heads), jnp.float32), f32((batch, splits, num_heads), jnp.float32)]
+    # the inline combine's arrival counters, one per (sequence, head block), zeroed before the launch
+    counter = f32((batch * kv_heads * head_blocks,) if inline else (1,), jnp.int32)
     constexprs = dict(H=num_heads, GROUP=group, HEAD_BLOCKS=head_blocks, D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
                       CHUNK=chunk, NUM_SPLITS=splits, USE_SOFTCAP=st.softcap > 0, V_SHIFT=v_shift,
-                      HAS_QROWS=has_q_rows, DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", **strides,
-                      **bounds)
+                      HAS_QROWS=has_q_rows, DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+                      INLINE_COMBINE=inline, **strides, **bounds)
     args = [q, k, v, starts, ends, tables, aux, q_rows, np.float32(st.scale), np.float32(st.softcap)]
-    out_shapes = [out_shape if splits == 1 else f32((1,), q.dtype), *partials]
+    out_shapes = [out_shape if splits == 1 or inline else f32((1,), q.dtype), *partials, counter]
+    zeroed = (4,) if inline else ()
     grid = (splits, batch, kv_heads * head_blocks)
     if run_split is None:
         outs = launch(_split_kernel, args, out_shapes, grid, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages(paged), interpret=st.interpret, **constexprs)
+                      num_stages=cfg.num_stages(paged), zeroed_outputs=zeroed, interpret=st.interpret, **constexprs)
     else:
-        outs = run_split(args, out_shapes, grid, cfg.num_warps, cfg.num_stages(paged), constexprs)
-    if splits == 1:
+        outs = run_split(args, out_shapes, grid, cfg.num_warps, cfg.num_stages(paged), zeroed, constexprs)
+    if splits == 1 or inline:
         return outs[0]
     (out,) = launch(
-        _combine_kernel, [starts, ends, aux, *outs[1:]], [out_shape], (batch, -(-num_heads // _COMBINE_HEADS)),
+        _combine_kernel, [starts, ends, aux, *outs[1:4]], [out_shape], (batch, -(-num_heads // _COMBINE_HEADS)),
         num_warps=4, num_stages=2, interpret=st.interpret, H=num_heads, D=head_dim, BLOCK_D=block_d,
         BLOCK_H=_COMBINE_HEADS, CHUNK=chunk, NUM_SPLITS=splits, **bounds)
     return out

@@ -38,13 +38,15 @@ class TritonRaggedPageConfig:
     decode_num_splits: int = 1
     decode_num_warps: int = 4
     decode_prefetch: int = 2
+    decode_inline_combine: bool = False
     fused: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.fused, bool):
-            raise ValueError(f"TritonRaggedPageConfig.fused must be a bool, got {self.fused!r}")
+        for name in ("decode_inline_combine", "fused"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TritonRaggedPageConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for field in dataclasses.fields(self):
-            if field.name == "fused":
+            if field.name in ("decode_inline_combine", "fused"):
                 continue
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -62,7 +64,8 @@ class TritonRaggedPageConfig:
 
     def decode_config(self) -> TritonDecodeConfig:
         return TritonDecodeConfig(block_n=self.decode_block_n, num_splits=self.decode_num_splits,
-                                  num_warps=self.decode_num_warps, prefetch=self.decode_prefetch)
+                                  num_warps=self.decode_num_warps, prefetch=self.decode_prefetch,
+                                  inline_combine=self.decode_inline_combine)
 
     def num_stages(self) -> int:
         """Triton's stages for ``prefetch`` buffers of the paged loop (see ``TritonDecodeConfig.num_stages``)."""

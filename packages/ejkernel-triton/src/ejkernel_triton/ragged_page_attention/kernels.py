@@ -174,7 +174,7 @@ def _prefill_kernel(
 @triton.jit
 def _mixed_kernel(
     Tiles, Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs (the split programs' from Q on)
-    Out, DecOut, PartAcc, PartM, PartL,  # outputs: the prefill rows, then the split programs'
+    Out, DecOut, PartAcc, PartM, PartL, Counter,  # outputs: the prefill rows, then the split programs'
     GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, PREFILL_BLOCK_N: tl.constexpr,
     MAX_TILES: tl.constexpr, KV_HEADS: tl.constexpr, MAX_SEQS: tl.constexpr,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -183,7 +183,7 @@ def _mixed_kernel(
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr,
 ):
     """One launch for the whole mixed batch: the decode split programs first (memory-bound streams, started
     first), then the prefill tiles (compute-bound), so that SMs run both at once instead of one launch after
@@ -192,10 +192,11 @@ def _mixed_kernel(
     decode_programs = NUM_SPLITS * MAX_SEQS * KV_HEADS * HEAD_BLOCKS
     if pid < decode_programs:
         _split_program(pid % NUM_SPLITS, (pid // NUM_SPLITS) % MAX_SEQS, pid // (NUM_SPLITS * MAX_SEQS), Q, K, V,
-                       Starts, Ends, Tables, Aux, QRows, scale, softcap, DecOut, PartAcc, PartM, PartL, H, GROUP,
+                       Starts, Ends, Tables, Aux, QRows, scale, softcap, DecOut, PartAcc, PartM, PartL, Counter, H, GROUP,
                        HEAD_BLOCKS, D, BLOCK_D, BLOCK_H, BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES,
                        NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, HAS_START, WINDOW_LEFT, MAX_LEN,
-                       USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO)
+                       USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO,
+                       INLINE_COMBINE)
     else:
         t = pid - decode_programs
         _prefill_program(t % MAX_TILES, t // MAX_TILES, Q, K, Tiles, Tables, Aux, scale, softcap, Out, H, GROUP,
@@ -270,11 +271,12 @@ def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_sta
             USE_SOFTCAP=st.softcap > 0, NUM_SINKS=num_sinks, BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()),
             DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32", **prefill_constexprs, **strides)
 
-    def run_mixed(args, out_shapes, grid, num_warps, num_stages, constexprs):
+    def run_mixed(args, out_shapes, grid, num_warps, num_stages, zeroed, constexprs):
         """The split programs and the prefill tiles in one launch (``cfg.fused``)."""
         nonlocal prefill
         outs = launch(_mixed_kernel, [tiles, *args], [prefill_shape, *out_shapes], (math.prod(grid) + tiles.shape[0] * kv_heads,),
-                      num_warps=cfg.num_warps, num_stages=max(num_stages, cfg.num_stages()), interpret=st.interpret,
+                      num_warps=cfg.num_warps, num_stages=max(num_stages, cfg.num_stages()),
+                      zeroed_outputs=tuple(i + 1 for i in zeroed), interpret=st.interpret,
                       PREFILL_BLOCK_N=cfg.block_n, MAX_TILES=tiles.shape[0], KV_HEADS=kv_heads, MAX_SEQS=grid[1],
                       **prefill_constexprs, **constexprs)
         prefill = outs[0]
