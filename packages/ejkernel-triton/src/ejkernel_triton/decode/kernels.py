@@ -333,8 +333,8 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
     ``st.interleaved``: ``k`` is ``[num_pages, page_size, 2 * Hkv, D]`` with the value of kv head ``h`` at
     ``2h + 1`` (``v`` is ignored). ``q_rows`` int32 [B]: ``q`` is a packed ``[tokens, H, D]`` array and sequence
     ``b``'s query is its row ``q_rows[b]`` (the batch is then ``len(ends)``). ``run_split(args, out_shapes,
-    grid, num_warps, num_stages, zeroed_outputs, constexprs)``: runs the split programs instead of a launch of ``_split_kernel``
-    and returns their outputs (the mixed launch of ``ragged_page_attention`` adds its prefill programs)."""
+    grid, num_warps, num_stages, zeroed_outputs, constexprs)``: runs the split programs instead of a launch of
+    ``_split_kernel`` and returns their outputs (the mixed launch of ``ragged_page_attention`` adds its prefill programs)."""
     batch = ends.shape[0]
     num_heads, head_dim = q.shape[1:]
     paged = st.page_size > 0

@@ -268,13 +268,15 @@ def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_sta
             [prefill_shape], (tiles.shape[0], kv_heads),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages(), interpret=st.interpret,
             H=num_heads, GROUP=group, D=head_dim, BLOCK_D=padded_dim(head_dim), BLOCK_N=cfg.block_n,
-            USE_SOFTCAP=st.softcap > 0, NUM_SINKS=num_sinks, BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()),
+            USE_SOFTCAP=st.softcap > 0, NUM_SINKS=num_sinks,
+            BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()),
             DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32", **prefill_constexprs, **strides)
 
     def run_mixed(args, out_shapes, grid, num_warps, num_stages, zeroed, constexprs):
         """The split programs and the prefill tiles in one launch (``cfg.fused``)."""
         nonlocal prefill
-        outs = launch(_mixed_kernel, [tiles, *args], [prefill_shape, *out_shapes], (math.prod(grid) + tiles.shape[0] * kv_heads,),
+        programs = math.prod(grid) + tiles.shape[0] * kv_heads
+        outs = launch(_mixed_kernel, [tiles, *args], [prefill_shape, *out_shapes], (programs,),
                       num_warps=cfg.num_warps, num_stages=max(num_stages, cfg.num_stages()),
                       zeroed_outputs=tuple(i + 1 for i in zeroed), interpret=st.interpret,
                       PREFILL_BLOCK_N=cfg.block_n, MAX_TILES=tiles.shape[0], KV_HEADS=kv_heads, MAX_SEQS=grid[1],
