@@ -190,7 +190,7 @@ class RaggedPageAttentionConformance(ConformanceSuite):
         call("num_seqs", num_seqs=99)
         call("softmax_aux", softmax_aux=jnp.ones((3,), jnp.float32))
         self.assert_rejected("sliding_window", **inputs, sliding_window=0)
-        call("block_tables", block_tables=inputs["block_tables"].at[0, 0].set(-5))
+        call(r"block_tables\[0, 0\] = -5", block_tables=inputs["block_tables"].at[0, 0].set(-5))
         self.assert_rejected("softmax_scale", **inputs, softmax_scale="0.1")
         self.assert_rejected("logits_soft_cap", **inputs, logits_soft_cap=0.0)
         self.assert_rejected("precision", **inputs, precision="fastest")
