@@ -168,3 +168,20 @@ def test_builders_reject_bad_arguments():
         local_block_mask(0, 64, 16, 4)
     with pytest.raises(ValueError, match="by"):
         block_schedule(make_call(8, 8, 8, None, causal=True, window=None), by="k")
+
+
+def test_builders_and_the_default_mask_stay_concrete_under_jit():
+    """So a kernel's schedule is sized at trace time by the busiest row, not by every column block."""
+    seen = {}
+
+    @jax.jit
+    def f(q):
+        seen["causal"] = causal_block_mask(64, 64, 16)
+        seen["default"] = make_call(64, 64, 16, None, causal=True, window=None).block_mask
+        seen["schedule"] = block_schedule(
+            make_call(64, 64, 16, local_block_mask(64, 64, 16, 8), causal=False, window=(8, 8)))
+        return q
+
+    f(1.0)
+    assert not isinstance(seen["causal"], jax.core.Tracer) and not isinstance(seen["default"], jax.core.Tracer)
+    assert seen["schedule"].indices.shape[3] == 3  # a 16-token block with an 8-token window: 3 blocks, not 4

@@ -98,6 +98,13 @@ def check_block_mask(block_mask: Any, batch: int, num_heads: int, blocks: tuple[
         )
 
 
+def _concrete(mask: np.ndarray) -> jax.Array:
+    """A builder's result: a concrete array even inside ``jit`` (a block-sparse kernel then schedules the
+    blocks at trace time, sized by the busiest row, instead of for every column block)."""
+    with jax.ensure_compile_time_eval():
+        return jnp.asarray(mask)[None, None]
+
+
 def _mask_blocks(q_len: Any, kv_len: Any, block_size: Any) -> tuple[int, int, int, int]:
     check_positive_int("q_len", q_len)
     check_positive_int("kv_len", kv_len)
@@ -110,7 +117,7 @@ def causal_block_mask(q_len: int, kv_len: int, block_size: int | tuple[int, int]
     block (end-aligned position ``p = i + kv_len - q_len``). With ``causal=True`` in the call this is
     causal attention that never visits a block above the diagonal; with ``causal=False``, block-causal."""
     q_len, kv_len, q_block, kv_block = _mask_blocks(q_len, kv_len, block_size)
-    return jnp.asarray(reachable_blocks(q_len, kv_len, q_block, kv_block, causal=True))[None, None]
+    return _concrete(reachable_blocks(q_len, kv_len, q_block, kv_block, causal=True))
 
 
 def local_block_mask(
@@ -123,9 +130,7 @@ def local_block_mask(
     window = normalize_sliding_window(window)
     if window is None:
         raise ValueError("local_block_mask: window must be a non-negative int or a (left, right) pair, got None")
-    return jnp.asarray(reachable_blocks(q_len, kv_len, q_block, kv_block, causal=False, sliding_window=window))[
-        None, None
-    ]
+    return _concrete(reachable_blocks(q_len, kv_len, q_block, kv_block, causal=False, sliding_window=window))
 
 
 def chunked_block_mask(
@@ -154,7 +159,7 @@ def chunked_block_mask(
 
     q_chunks = chunk_of_blocks("query", q_len, q_block, offset)
     kv_chunks = chunk_of_blocks("key", kv_len, kv_block, 0)
-    return jnp.asarray(q_chunks[:, None] == kv_chunks[None, :])[None, None]
+    return _concrete(q_chunks[:, None] == kv_chunks[None, :])
 
 
 class BlockSparseAttention(RegistryOperation):
@@ -186,7 +191,8 @@ class BlockSparseAttention(RegistryOperation):
         q_block, kv_block = normalize_block_size(block_size)
         blocks = (math.ceil(q_len / q_block), math.ceil(kv_len / kv_block))
         if block_mask is None:
-            block_mask = jnp.ones((1, 1, *blocks), bool)
+            with jax.ensure_compile_time_eval():  # concrete under jit too: kernels size their schedules by it
+                block_mask = jnp.ones((1, 1, *blocks), bool)
         check_block_mask(block_mask, batch, num_heads, blocks, (q_block, kv_block))
         return restricted_call(
             self.algorithm, BlockSparseAttentionCall, flash_call, block_mask=block_mask, q_block_size=q_block,
