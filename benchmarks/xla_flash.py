@@ -186,6 +186,7 @@ def main(argv=None) -> int:
                         "(forced, no causal query chunks), xla, cudnn (jax.nn implementations)")
     p.add_argument("--causal-only-impls", default="", help="comma-separated impls measured only in causal cases "
                    "(variants that differ from the default only there)")
+    p.add_argument("--fwd-only-impls", default="", help="comma-separated impls measured only in mode fwd")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -243,6 +244,7 @@ def main(argv=None) -> int:
     error_seqs = {int(s) for s in args.errors.split(",") if s}
     error_impls = set(filter(None, args.errors_impls.split(","))) or {i.name for i in impls}
     causal_only = set(filter(None, args.causal_only_impls.split(",")))
+    fwd_only = set(filter(None, args.fwd_only_impls.split(",")))
     key = jax.random.key(0)
     for seq in (int(s) for s in args.seqs.split(",") if s):
         batch = max(1, args.tokens // seq)
@@ -259,6 +261,8 @@ def main(argv=None) -> int:
                     except Exception as exc:  # noqa: BLE001
                         doc["numerics"].append(dict(impl=impl.name, seq=seq, causal=causal, error=str(exc)[:200]))
                 for mode in args.modes.split(","):
+                    if mode != "fwd" and impl.name in fwd_only:
+                        continue
                     row = dict(impl=impl.name, seq=seq, batch=batch, causal=causal, mode=mode)
                     if impl.name == "ejkernel-xla":
                         row["path"] = rule_path(batch, seq, args.heads, args.head_dim, dtype, mode)

@@ -13,12 +13,13 @@
 #                                 in query chunks, ejkernel_xla._dense.causal_chunk_count),
 #      ejkernel-xla[dense:one-call]  the same dense path as one call over all keys (causal only),
 #      ejkernel-xla[dense:selects]   last session's dense forward: one call, the old empty-row guard
-#                                 (EMPTY_ROW_GUARDS; 0.85-0.90x xla causal on the H100) (causal only),
+#                                 (EMPTY_ROW_GUARDS; 0.85-0.90x xla causal on the H100) (causal fwd only),
 #      xla, cudnn                 jax.nn.dot_product_attention's implementations;
 #   2. memory: compiled temp bytes of the default config's forward+backward at S=32k and 64k (B=1, causal;
 #      the blockwise path there, O(S)) and one S=64k forward+backward run (device peak bytes).
 # Writes under $OUT/xla_flash/: <device>-<date>-xla-flash-{speed,memory}.json (benchmarks/xla_flash.py's
-# documents: rows, `ratios` = ejkernel TFLOP/s / xla TFLOP/s per case, numerics at S=2048), ratios.json
+# documents: rows with first_call_s = compile + one run, `ratios` = ejkernel TFLOP/s / xla TFLOP/s per
+# case; numerics are the conformance suite's job, scripts/device/gpu_tests.sh), ratios.json
 # (every ejkernel row's ratio to xla and to cudnn; target_met: ejkernel-xla >= 1.0 x xla wherever xla
 # ran), speed.log, memory.log; prints the ratio table and a summary.
 set -uo pipefail
@@ -49,7 +50,7 @@ echo "== 1/2 speed: forward, then forward+backward, per S (causal first) =="
 timeout --kill-after=5 "${XLA_FLASH_SPEED_S:-108}" python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd,fwd+bwd \
     --tag speed --impls "ejkernel-xla,ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects],xla,cudnn" \
     --causal-only-impls "ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" \
-    --errors "${SEQS%%,*}" --errors-impls ejkernel-xla 2>&1 | tee "$DIR/speed.log"
+    --fwd-only-impls "ejkernel-xla[dense:selects]" --errors "" 2>&1 | tee "$DIR/speed.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== 2/2 memory at S=32k, 64k (B=1, causal, default config) =="
@@ -76,7 +77,8 @@ for (mode, causal, seq), cell in sorted(cells.items(), key=lambda kv: (kv[0][0] 
     for name, r in cell.items():
         if not name.startswith("ejkernel") or not r.get("tflops"):
             continue
-        entry = dict(mode=mode, causal=causal, seq=seq, impl=name, path=r.get("path"), tflops=r["tflops"])
+        entry = dict(mode=mode, causal=causal, seq=seq, impl=name, path=r.get("path"), tflops=r["tflops"],
+                     first_call_s=r.get("first_call_s"), xla_first_call_s=cell.get("xla", {}).get("first_call_s"))
         for against in ("xla", "cudnn"):
             base = cell.get(against, {})
             entry[f"vs_{against}"] = r["tflops"] / base["tflops"] if base.get("tflops") else None
@@ -92,12 +94,13 @@ memory = next((d["memory"] for d in docs.values() if d.get("memory")), None)
 summary["memory"] = memory
 (out / "ratios.json").write_text(json.dumps(summary, indent=1) + "\n")
 print(f"device: {device}")
-print("| mode | causal | S | impl | path | TFLOP/s | / xla | / cudnn |")
-print("|---|---|---|---|---|---|---|---|")
+print("| mode | causal | S | impl | path | TFLOP/s | / xla | / cudnn | first call s (xla's) |")
+print("|---|---|---|---|---|---|---|---|---|")
 for e in ratios:
-    fmt = lambda x: "—" if x is None else f"{x:.2f}"
+    fmt = lambda x, f=".2f": "—" if x is None else format(x, f)
     print(f"| {e['mode']} | {'yes' if e['causal'] else 'no'} | {e['seq']} | {e['impl']} | {e['path']} | "
-          f"{e['tflops']:.0f} | {fmt(e['vs_xla'])} | {fmt(e['vs_cudnn'])} |" + (f" xla: {e['xla_error']}" if "xla_error" in e else ""))
+          f"{e['tflops']:.0f} | {fmt(e['vs_xla'])} | {fmt(e['vs_cudnn'])} | {fmt(e['first_call_s'], '.1f')} "
+          f"({fmt(e['xla_first_call_s'], '.1f')}) |" + (f" xla: {e['xla_error']}" if "xla_error" in e else ""))
 print(f"target (ejkernel-xla >= 1.0 x xla wherever xla ran): {'MET' if summary['target_met'] else 'NOT MET'}; "
       f"worst {summary['worst_vs_xla']}")
 if memory and "compiled" in memory:
