@@ -47,14 +47,14 @@ status=0
 
 echo "== 1/2 speed: forward, then forward+backward, per S (causal first) =="
 # one process: XLA's autotuning results carry over between the programs that share GEMM shapes
-timeout --kill-after=5 "${XLA_FLASH_SPEED_S:-108}" python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd,fwd+bwd \
+timeout --kill-after=5 "${XLA_FLASH_SPEED_S:-100}" python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd,fwd+bwd \
     --tag speed --impls "ejkernel-xla,ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects],xla,cudnn" \
     --causal-only-impls "ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" \
     --fwd-only-impls "ejkernel-xla[dense:selects]" --errors "" 2>&1 | tee "$DIR/speed.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== 2/2 memory at S=32k, 64k (B=1, causal, default config) =="
-timeout --kill-after=5 "${XLA_FLASH_MEMORY_S:-30}" python3 benchmarks/xla_flash.py --seqs "" --memory-seqs "$MEMORY_SEQS" \
+timeout --kill-after=5 "${XLA_FLASH_MEMORY_S:-38}" python3 benchmarks/xla_flash.py --seqs "" --memory-seqs "$MEMORY_SEQS" \
     --heads "$HEADS" --head-dim 128 --dtype bfloat16 --out "$DIR" --tag memory 2>&1 | tee "$DIR/memory.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
