@@ -103,11 +103,11 @@ def test_tile_table_covers_prefill_and_padding_rows_once():
 
 @CUDA_LOWERING
 @pytest.mark.parametrize("page_size,window,fused,inline", [(16, None, False, False), (64, 1000, False, False),
-                                                          (12, None, False, False), (16, None, True, True)])
+                                                          (12, None, True, True)])
 def test_compiles_for_sm90(monkeypatch, page_size, window, fused, inline):
     """Both launches (prefill tiles; decode split + combine), or the fused launch with the inline combine (one
-    launch in all), lower for sm_90: pages of 16 and 64 (one table entry per step), 12 (per-row lookups), a
-    window, sinks (float32's IEEE dots: the interpreter cases)."""
+    launch in all; pages of 12: per-row lookups), lower for sm_90: pages of 16 and 64 (one table entry per step),
+    a window, sinks (float32's IEEE dots: the interpreter cases)."""
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
     call = _call(tokens=600, max_num_seqs=8, context=1024, page_size=page_size)
     cfg = TritonRaggedPageConfig(decode_num_splits=4, fused=fused, decode_inline_combine=inline)
