@@ -42,7 +42,7 @@ def _rel(a, b) -> float:
 
 
 def _inputs(seed, batch, total, heads, kv_heads, dk, dv, dtype, *, gate="vector", strength=1.0, gate_scale=1.0,
-            gamma=False, initial_state=True):
+            gamma=False, initial_state=True, bounds=None):
     inputs = dict(
         query=normal_array(seed, (batch, total, heads, dk), dtype),
         key=normal_array(seed + 1, (batch, total, kv_heads, dk), dtype),
@@ -55,7 +55,10 @@ def _inputs(seed, batch, total, heads, kv_heads, dk, dv, dtype, *, gate="vector"
     if gamma:
         inputs["g_gamma"] = -jnp.linspace(0.05, 0.5, heads, dtype=jnp.float32)
     if initial_state:
-        inputs["initial_state"] = normal_array(seed + 4, (batch, heads, dk, dv), jnp.float32)
+        rows = batch if bounds is None else len(bounds) - 1
+        inputs["initial_state"] = normal_array(seed + 4, (rows, heads, dk, dv), jnp.float32)
+    if bounds is not None:
+        inputs["cu_seqlens"] = jnp.asarray(bounds, jnp.int32)
     return inputs
 
 
@@ -64,6 +67,8 @@ def run_case(name, *, operation="gla_attention", shape=(1, 150, 2, 2, 16, 32), d
     static = dict(static or {})
     batch, total, heads, kv_heads, dk, dv = shape
     inputs = _inputs(zlib.crc32(name.encode()) % 1000, batch, total, heads, kv_heads, dk, dv, dtype, **gates)
+    if "cu_seqlens" in inputs:  # not differentiable: bound like the static arguments
+        static["cu_seqlens"] = inputs.pop("cu_seqlens")
     if operation == "lightning_attention":
         inputs.pop("g", None)
         reference = functools.partial(reference_lightning_attention, **static)
@@ -93,7 +98,8 @@ def run_case(name, *, operation="gla_attention", shape=(1, 150, 2, 2, 16, 32), d
     f64 = [x.astype(jnp.float64) for x in inputs.values()]
     want, ref_vjp = jax.vjp(functools.partial(flat, reference), *f64)
     want_grads = ref_vjp(cotangent.astype(jnp.float64))
-    out_size = got.size - batch * heads * dk * dv * (2 if vmap else 1)
+    states = batch if "cu_seqlens" not in static else static["cu_seqlens"].shape[0] - 1
+    out_size = got.size - states * heads * dk * dv * (2 if vmap else 1)
     row = dict(name=name, dtype=dtype, seconds=round(elapsed, 2), finite=bool(np.all(np.isfinite(got))),
                out=_rel(got[:out_size], want[:out_size]), final_state=_rel(got[out_size:], want[out_size:]))
     for n, a, b in zip(names, grads, want_grads):
@@ -113,6 +119,10 @@ CASES = {
     "recurrent_scalar_gamma_gqa_reverse_fp16": dict(operation="recurrent_attention", shape=(1, 80, 2, 1, 16, 16),
                                                      dtype="float16", gate="scalar", gamma=True,
                                                      static=dict(reverse=True)),
+    # varlen: sequences of 70, 0, 80 and 40 tokens (several chunks each, short last chunks, an empty one,
+    # 10 tokens past the end), reverse, initial states
+    "gla_varlen_reverse": dict(shape=(1, 200, 1, 1, 16, 16), bounds=(0, 70, 70, 150, 190),
+                               static=dict(reverse=True)),
     # lightning (g_gamma only), no initial state, under vmap (folded into the batch)
     "lightning_vmap": dict(operation="lightning_attention", shape=(1, 64, 2, 2, 16, 16), gate=None,
                            initial_state=False, static=dict(layer_idx=1, num_layers=4), vmap=True),

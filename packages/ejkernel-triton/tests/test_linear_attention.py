@@ -77,14 +77,13 @@ def _call(batch=2, total=256, heads=4, kv_heads=4, dk=64, dv=64, dtype=jnp.bfloa
 
 
 def test_refuses_what_it_does_not_implement():
-    with pytest.raises(UnsupportedFeature, match="cu_seqlens"):
-        IMPLEMENTATION.supports(_call(batch=1, cu_seqlens=jnp.asarray([0, 100, 256], jnp.int32)))
     with pytest.raises(UnsupportedFeature, match="gv"):
         IMPLEMENTATION.supports(_call(gv=jnp.zeros((2, 256, 4, 64))))
     with pytest.raises(UnsupportedFeature, match="head dims"):
         IMPLEMENTATION.supports(_call(dk=320))
     for kw in (dict(), dict(g=jnp.zeros((2, 256, 4, 64)), g_gamma=jnp.zeros((4,))),
-               dict(kv_heads=1, g=jnp.zeros((2, 256, 4)), reverse=True), dict(dk=256, dv=32)):
+               dict(kv_heads=1, g=jnp.zeros((2, 256, 4)), reverse=True), dict(dk=256, dv=32),
+               dict(batch=1, cu_seqlens=jnp.asarray([0, 100, 256], jnp.int32), reverse=True)):
         IMPLEMENTATION.supports(_call(**kw))  # no exception
 
 

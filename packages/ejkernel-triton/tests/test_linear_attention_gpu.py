@@ -1,9 +1,9 @@
 """GPU tests of the Triton chunked linear attention (run on the device: `pytest -m gpu`).
 
 The shared conformance suites of recurrent_attention, gla_attention and lightning_attention with
-platform="triton" (varlen and the value gate ``gv`` are refused: those tests check that the refusal is an
-``UnsupportedFeature``), plus bf16 model shapes (K=V=128 and K=64/V=128, several chunks, GQA, scalar gates,
-reverse) against the float32 XLA implementation: output, final state and every gradient.
+platform="triton" (the value gate ``gv`` is refused: those tests check that the refusal is an
+``UnsupportedFeature``), plus bf16 model shapes (K=V=128, K=64/V=128, K=256; several chunks, GQA, scalar
+gates, reverse, varlen) against the float32 XLA implementation: output, final state and every gradient.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
 ]
 
-REFUSED = ("cu_seqlens", "gv")
+REFUSED = ("gv",)
 
 
 class TestTritonRecurrentConformance(RecurrentConformance):
@@ -53,19 +53,22 @@ def _rel(a, b):
     (2, 1000, 4, 4, 128, 128, "vector", False),  # 16 chunks, the last one partial
     (1, 2048, 8, 2, 64, 128, "scalar", True),  # GQA 4:1, scalar gates, reverse
     (1, 512, 2, 2, 256, 64, "vector", False),  # head dim 256: four key tiles
+    (1, 1500, 4, 4, 128, 128, "varlen", True),  # packed sequences of 300, 0, 1000 and 150 tokens (+50 past the end)
 ])
 def test_bf16_model_shapes_against_float32_xla(batch, total, heads, kv_heads, dk, dv, gate, reverse):
     keys = jax.random.split(jax.random.PRNGKey(total + dk), 6)
     q = jax.random.normal(keys[0], (batch, total, heads, dk), jnp.float32).astype(jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, total, kv_heads, dk), jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, total, kv_heads, dv), jnp.float32).astype(jnp.bfloat16)
-    g_shape = (batch, total, heads, dk) if gate == "vector" else (batch, total, heads)
+    g_shape = (batch, total, heads) if gate == "scalar" else (batch, total, heads, dk)
     g = log_sigmoid_gate(total, g_shape)
-    h0 = jax.random.normal(keys[3], (batch, heads, dk, dv), jnp.float32)
-    op = gla_attention if gate == "vector" else recurrent_attention
+    cu = jnp.asarray([0, 300, 300, 1300, 1450], jnp.int32) if gate == "varlen" else None
+    states = batch if cu is None else cu.shape[0] - 1
+    h0 = jax.random.normal(keys[3], (states, heads, dk, dv), jnp.float32)
+    op = recurrent_attention if gate == "scalar" else gla_attention
 
     def loss(platform, q, k, v, g, h0, cot_o, cot_s):
-        out, final = op(q, k, v, g, initial_state=h0, reverse=reverse, platform=platform)
+        out, final = op(q, k, v, g, initial_state=h0, reverse=reverse, cu_seqlens=cu, platform=platform)
         return jnp.sum(out.astype(jnp.float32) * cot_o) + jnp.sum(final * cot_s), (out, final)
 
     cot_o = jax.random.normal(keys[4], (batch, total, heads, dv), jnp.float32)

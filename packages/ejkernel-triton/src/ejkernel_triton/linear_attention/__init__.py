@@ -3,11 +3,12 @@
 
 Supported, forward and backward (gradients of q, k, v, every gate given and the initial state; the final
 state's cotangent flows back): per-dimension key gates ``g`` and ``gk`` [B, T, H, K], scalar gates
-``g`` [B, T, H, 1], ``g_gamma``, GQA (kv heads repeated before the kernels), ``reverse`` (the sequence
-flipped around the kernels), any length (padded to whole chunks of 64 with neutral tokens), initial and
-final state, head dims up to 256, bf16/fp16/fp32 (float32 with IEEE dots). Refused with
-:class:`ejkernel.UnsupportedFeature` (the dispatcher falls back to XLA): varlen ``cu_seqlens``, the
-value-dimension gate ``gv``, head dims above 256.
+``g`` [B, T, H, 1], ``g_gamma``, GQA (kv heads repeated before the kernels), ``reverse`` (every sequence
+flipped around the kernels), any length (padded to whole chunks of 64 with neutral tokens), varlen
+``cu_seqlens`` (a chunk table: chunks start at every sequence's start, the kernels mask short ones), initial
+and final state, head dims up to 256, bf16/fp16/fp32 (float32 with IEEE dots). Refused with
+:class:`ejkernel.UnsupportedFeature` (the dispatcher falls back to XLA): the value-dimension gate ``gv``,
+head dims above 256.
 
 All key-dimension gates are summed into one float32 log gate ``a`` [B, T, H, K] (``g`` + ``gk`` +
 ``g_gamma``, broadcast); autodiff of that sum hands each gate its gradient. Modules: ``forward``
@@ -28,7 +29,7 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.recurrent import LinearAttentionCall
 from ejkernel_triton.interpret import interpreting
 from ejkernel_triton.linear_attention.forward import CHUNK
-from ejkernel_triton.linear_attention.vjp import StaticParams, linear_attention
+from ejkernel_triton.linear_attention.vjp import StaticParams, chunk_table, linear_attention
 
 __all__ = ["IMPLEMENTATION", "TritonLinearAttention", "TritonLinearAttentionConfig"]
 
@@ -80,6 +81,14 @@ def key_log_gate(call: LinearAttentionCall) -> jax.Array:
     return jnp.broadcast_to(total_gate, (batch, total, heads, dk))
 
 
+def reverse_order(cu_seqlens, total: int) -> jax.Array:
+    """Token order running every packed sequence back to front (an involution; tokens past the end stay)."""
+    tokens = jnp.arange(total, dtype=jnp.int32)
+    cu = cu_seqlens.astype(jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], tokens, side="right"), 0, cu.shape[0] - 2)
+    return jnp.where(tokens < cu[-1], cu[seq] + cu[seq + 1] - 1 - tokens, tokens)
+
+
 class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAttentionConfig]):
     """Triton kernels through jax-triton (see the module docstring).
 
@@ -91,8 +100,6 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
     config_type = TritonLinearAttentionConfig
 
     def supports(self, call: LinearAttentionCall) -> None:
-        if call.cu_seqlens is not None:
-            raise UnsupportedFeature("triton linear attention: varlen cu_seqlens is not implemented (use the XLA backend)")
         if call.gv is not None:
             raise UnsupportedFeature("triton linear attention: the value-dimension gate gv is not implemented "
                                      "(use the XLA backend)")
@@ -116,18 +123,28 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
             v = jnp.repeat(v, group, axis=2)
         a = key_log_gate(call)
         arrays = [q, k, v, a]
+        varlen = call.cu_seqlens is not None
+        order = None
         if call.reverse:
-            arrays = [jnp.flip(x, axis=1) for x in arrays]
-        padded = -(-total // CHUNK) * CHUNK
-        if padded != total:  # neutral tokens at the end: zero keys and gates leave the state as it is
-            arrays = [jnp.pad(x, [(0, 0), (0, padded - total), (0, 0), (0, 0)]) for x in arrays]
+            if varlen:  # every packed sequence back to front (an involution; tokens past the end stay)
+                order = reverse_order(call.cu_seqlens, total)
+                arrays = [x[:, order] for x in arrays]
+            else:
+                arrays = [jnp.flip(x, axis=1) for x in arrays]
+        tables = None
+        if varlen:  # chunks start at every sequence's start: nothing to pad
+            tables = chunk_table(call.cu_seqlens, total)
+        else:
+            padded = -(-total // CHUNK) * CHUNK
+            if padded != total:  # neutral tokens at the end: zero keys and gates leave the state as it is
+                arrays = [jnp.pad(x, [(0, 0), (0, padded - total), (0, 0), (0, 0)]) for x in arrays]
         st = StaticParams(scale=float(call.softmax_scale), block_k=_block(dk, config.block_k),
                           block_v=_block(v.shape[-1], config.block_v), num_warps=config.num_warps,
-                          num_stages=config.num_stages, interpret=interpreting())
-        o, final = linear_attention(*arrays, call.initial_state, st)
+                          num_stages=config.num_stages, interpret=interpreting(), varlen=varlen)
+        o, final = linear_attention(*arrays, call.initial_state, tables, st)
         o = o[:, :total]
         if call.reverse:
-            o = jnp.flip(o, axis=1)
+            o = o[:, order] if varlen else jnp.flip(o, axis=1)
         return o, final
 
 

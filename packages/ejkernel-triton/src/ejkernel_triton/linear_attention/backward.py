@@ -19,114 +19,116 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ejkernel_triton.linear_attention.forward import chunk_span, sequence_chunks, wide
+
 
 @triton.jit
 def _state_grad_kernel(
-    Q, GC, DO, DHT, scale, NUM_CHUNKS,  # inputs
-    DHS, DH0,  # outputs: dh_{n+1} per chunk (gradient of the state leaving chunk n), dh_0 (float32)
+    Q, GC, DO, DHT, CH_START, CH_LEN, SEQ_FIRST, scale, NUM_CHUNKS,  # inputs
+    DHS, DH0,  # outputs: dh per chunk (gradient of the state leaving it), dh_0 per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     ik = tl.program_id(0)
     iv = tl.program_id(1)
-    bh = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    head = bh % H
+    sh = tl.program_id(2)
+    s = sh // H
+    head = sh % H
     offs_k = ik * BK + tl.arange(0, BK)
     offs_v = iv * BV + tl.arange(0, BV)
     offs_t = tl.arange(0, BT)
     mk = offs_k < K
     mv = offs_v < V
     mkv = mk[:, None] & mv[None, :]
-    T = NUM_CHUNKS * BT
-    q_base = Q + b * T * H * K + head * K
-    g_base = GC + b * T * H * K + head * K
-    do_base = DO + b * T * H * V + head * V
     state_offs = offs_k[:, None] * V + offs_v[None, :]
-    if HAS_DHT:
-        dstate = tl.load(DHT + bh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
-    else:
-        dstate = tl.zeros([BK, BV], dtype=tl.float32)
-    for i in range(NUM_CHUNKS):
-        n = NUM_CHUNKS - 1 - i
-        tl.store(DHS + ((b * NUM_CHUNKS + n) * H + head) * K * V + state_offs,
-                 dstate.to(DHS.dtype.element_ty), mask=mkv)
-        rows = n * BT + offs_t
-        q = tl.load(q_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
-        g = tl.load(g_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
-        g_last = tl.load(g_base + (n * BT + BT - 1) * (H * K) + offs_k, mask=mk, other=0.0)
-        do = tl.load(do_base + rows[:, None] * (H * V) + offs_v[None, :], mask=mv[None, :], other=0.0)
+    dstate = tl.load(DHT + sh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
+    lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN)
+    for i in range(hi - lo):
+        c = hi - 1 - i
+        tl.store(DHS + (wide(c) * H + head) * K * V + state_offs, dstate.to(DHS.dtype.element_ty), mask=mkv)
+        row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
+        rows = row0 + offs_t
+        rmask = (offs_t < length)[:, None]
+        k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+        q = tl.load(Q + k_offs, mask=rmask & mk[None, :], other=0.0)
+        g = tl.load(GC + k_offs, mask=rmask & mk[None, :], other=0.0)
+        g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+        do = tl.load(DO + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
         q_decayed = (q.to(tl.float32) * scale * tl.exp(g)).to(do.dtype)
         dstate = dstate * tl.exp(g_last)[:, None]
         dstate = tl.dot(tl.trans(q_decayed), do, dstate, input_precision=DOT_PRECISION)
-    tl.store(DH0 + bh.to(tl.int64) * K * V + state_offs, dstate, mask=mkv)
+    tl.store(DH0 + sh.to(tl.int64) * K * V + state_offs, dstate, mask=mkv)
 
 
 @triton.jit
 def _dv_kernel(
-    K_, V_, GC, A, DO, DHS, NUM_CHUNKS,  # inputs
+    K_, V_, GC, A, DO, DHS, CH_START, CH_LEN,  # inputs
     DV, DA,  # outputs: dv [B, T, H, V]; dA [B, T, H, BT] float32 (zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    head = bh % H
-    T = NUM_CHUNKS * BT
+    c = tl.program_id(0)
+    head = tl.program_id(1)
+    row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
+    if length <= 0:
+        return
     offs_t = tl.arange(0, BT)
-    rows = n * BT + offs_t
-    a_rows = (b * T + rows) * (H * BT) + head * BT
-    a_t = tl.load(A + a_rows[None, :] + offs_t[:, None])  # A^T: [s, t]
+    rows = row0 + offs_t
+    on_rows = offs_t < length
+    a_rows = rows * (H * BT) + head * BT
+    a_t = tl.load(A + a_rows[None, :] + offs_t[:, None], mask=on_rows[None, :], other=0.0)  # A^T: [s, t]
     d_a = tl.zeros([BT, BT], dtype=tl.float32)
-    h_base = DHS + ((b * NUM_CHUNKS + n) * H + head) * K * V
+    h_base = DHS + (wide(c) * H + head) * K * V
+    g_last_row = (row0 + length - 1) * (H * K) + head * K
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         mv = offs_v < V
-        v_offs = (b * T + rows[:, None]) * (H * V) + head * V + offs_v[None, :]
-        do = tl.load(DO + v_offs, mask=mv[None, :], other=0.0)
-        v = tl.load(V_ + v_offs, mask=mv[None, :], other=0.0)
+        v_offs = rows[:, None] * (H * V) + head * V + offs_v[None, :]
+        m = on_rows[:, None] & mv[None, :]
+        do = tl.load(DO + v_offs, mask=m, other=0.0)
+        v = tl.load(V_ + v_offs, mask=m, other=0.0)
         d_a = tl.dot(do, tl.trans(v), d_a, input_precision=DOT_PRECISION)
         dv = tl.dot(a_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         for k0 in range(0, K, BK):
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < K
-            k_offs = (b * T + rows[:, None]) * (H * K) + head * K + offs_k[None, :]
-            k = tl.load(K_ + k_offs, mask=mk[None, :], other=0.0)
-            g = tl.load(GC + k_offs, mask=mk[None, :], other=0.0)
-            g_last = tl.load(GC + (b * T + n * BT + BT - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+            k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+            k = tl.load(K_ + k_offs, mask=on_rows[:, None] & mk[None, :], other=0.0)
+            g = tl.load(GC + k_offs, mask=on_rows[:, None] & mk[None, :], other=0.0)
+            g_last = tl.load(GC + g_last_row + offs_k, mask=mk, other=0.0)
             k_decayed = (k.to(tl.float32) * tl.exp(g_last[None, :] - g)).to(do.dtype)
             dh = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
             dv = tl.dot(k_decayed, dh.to(do.dtype), dv, input_precision=DOT_PRECISION)
-        tl.store(DV + v_offs, dv.to(DV.dtype.element_ty), mask=mv[None, :])
+        tl.store(DV + v_offs, dv.to(DV.dtype.element_ty), mask=m)
     d_a = tl.where(offs_t[:, None] >= offs_t[None, :], d_a, 0.0)
-    tl.store(DA + a_rows[:, None] + offs_t[None, :], d_a)
+    tl.store(DA + a_rows[:, None] + offs_t[None, :], d_a, mask=on_rows[:, None])
 
 
 @triton.jit
 def _dqkg_kernel(
-    Q, K_, V_, GC, HS, DO, DHS, DA, scale, NUM_CHUNKS,  # inputs
+    Q, K_, V_, GC, HS, DO, DHS, DA, CH_START, CH_LEN, scale,  # inputs
     DQ, DK, DG,  # outputs: dq, dk in the inputs' dtype; dg float32 (raw gates)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     ik = tl.program_id(0)
-    n = tl.program_id(1)
-    bh = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    head = bh % H
-    T = NUM_CHUNKS * BT
+    c = tl.program_id(1)
+    head = tl.program_id(2)
+    row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
+    if length <= 0:
+        return
     NC: tl.constexpr = BT // BC
     offs_t = tl.arange(0, BT)
     offs_k = ik * BK + tl.arange(0, BK)
     mk = offs_k < K
-    rows = n * BT + offs_t
-    seq_offs = b * T * (H * K) + head * K
-    k_offs = seq_offs + rows[:, None] * (H * K) + offs_k[None, :]
-    q = tl.load(Q + k_offs, mask=mk[None, :], other=0.0)
-    k = tl.load(K_ + k_offs, mask=mk[None, :], other=0.0)
-    g = tl.load(GC + k_offs, mask=mk[None, :], other=0.0)
-    g_last = tl.load(GC + seq_offs + (n * BT + BT - 1) * (H * K) + offs_k, mask=mk, other=0.0)
+    rows = row0 + offs_t
+    on_rows = offs_t < length
+    m = on_rows[:, None] & mk[None, :]
+    k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+    q = tl.load(Q + k_offs, mask=m, other=0.0)
+    k = tl.load(K_ + k_offs, mask=m, other=0.0)
+    g = tl.load(GC + k_offs, mask=m, other=0.0)
+    g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
     q_scaled = q.to(tl.float32) * scale
     k32 = k.to(tl.float32)
 
@@ -134,13 +136,13 @@ def _dqkg_kernel(
     dq_state = tl.zeros([BT, BK], dtype=tl.float32)
     dk_state = tl.zeros([BT, BK], dtype=tl.float32)
     d_last = tl.zeros([BK], dtype=tl.float32)
-    state_base = ((b * NUM_CHUNKS + n) * H + head) * K * V
+    state_base = (wide(c) * H + head) * K * V
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         mv = offs_v < V
-        v_offs = (b * T + rows[:, None]) * (H * V) + head * V + offs_v[None, :]
-        do = tl.load(DO + v_offs, mask=mv[None, :], other=0.0)
-        v = tl.load(V_ + v_offs, mask=mv[None, :], other=0.0)
+        v_offs = rows[:, None] * (H * V) + head * V + offs_v[None, :]
+        do = tl.load(DO + v_offs, mask=on_rows[:, None] & mv[None, :], other=0.0)
+        v = tl.load(V_ + v_offs, mask=on_rows[:, None] & mv[None, :], other=0.0)
         state_offs = state_base + offs_k[:, None] * V + offs_v[None, :]
         h = tl.load(HS + state_offs, mask=mk[:, None] & mv[None, :], other=0.0)
         dh = tl.load(DHS + state_offs, mask=mk[:, None] & mv[None, :], other=0.0)
@@ -152,45 +154,47 @@ def _dqkg_kernel(
     d_last = d_last * tl.exp(g_last) + tl.sum(k32 * dk_state, 0)
 
     # the pairs inside the chunk
-    a_offs = (b * T + rows) * (H * BT) + head * BT
-    d_a = tl.load(DA + a_offs[:, None] + offs_t[None, :])
+    a_offs = rows * (H * BT) + head * BT
+    d_a = tl.load(DA + a_offs[:, None] + offs_t[None, :], mask=on_rows[:, None], other=0.0)
     sub = offs_t // BC
     local = offs_t % BC
     dk = dk_state
+    # (sub-chunks past a short varlen chunk's end are skipped: their reference gate would not be a real one)
     for i in range(1, NC):  # dq: keys of earlier sub-chunks, split at the first row of sub-chunk i
-        ref = tl.sum(tl.where((offs_t == i * BC)[:, None], g, 0.0), 0)
-        on_rows = (sub == i)[:, None]
-        on_cols = (sub < i)[:, None]
-        keys = tl.where(on_cols, k32 * tl.exp(tl.where(on_cols, ref[None, :] - g, 0.0)), 0.0)
-        part = tl.dot(d_a.to(k.dtype), keys.to(k.dtype), input_precision=DOT_PRECISION)
-        dq += tl.where(on_rows, part * tl.exp(tl.where(on_rows, g - ref[None, :], 0.0)), 0.0)
+        if i * BC < length:
+            ref = tl.sum(tl.where((offs_t == i * BC)[:, None], g, 0.0), 0)
+            on_rows_i = (sub == i)[:, None]
+            on_cols = (sub < i)[:, None]
+            keys = tl.where(on_cols, k32 * tl.exp(tl.where(on_cols, ref[None, :] - g, 0.0)), 0.0)
+            part = tl.dot(d_a.to(k.dtype), keys.to(k.dtype), input_precision=DOT_PRECISION)
+            dq += tl.where(on_rows_i, part * tl.exp(tl.where(on_rows_i, g - ref[None, :], 0.0)), 0.0)
     for j in range(0, NC - 1):  # dk: queries of later sub-chunks, split at the last row of sub-chunk j
-        ref = tl.sum(tl.where((offs_t == j * BC + BC - 1)[:, None], g, 0.0), 0)
-        on_rows = (sub == j)[:, None]
-        on_cols = (sub > j)[:, None]
-        queries = tl.where(on_cols, q_scaled * tl.exp(tl.where(on_cols, g - ref[None, :], 0.0)), 0.0)
-        part = tl.dot(tl.trans(d_a.to(q.dtype)), queries.to(q.dtype), input_precision=DOT_PRECISION)
-        dk += tl.where(on_rows, part * tl.exp(tl.where(on_rows, ref[None, :] - g, 0.0)), 0.0)
+        if (j + 1) * BC < length:
+            ref = tl.sum(tl.where((offs_t == j * BC + BC - 1)[:, None], g, 0.0), 0)
+            on_rows_j = (sub == j)[:, None]
+            on_cols = (sub > j)[:, None]
+            queries = tl.where(on_cols, q_scaled * tl.exp(tl.where(on_cols, g - ref[None, :], 0.0)), 0.0)
+            part = tl.dot(tl.trans(d_a.to(q.dtype)), queries.to(q.dtype), input_precision=DOT_PRECISION)
+            dk += tl.where(on_rows_j, part * tl.exp(tl.where(on_rows_j, ref[None, :] - g, 0.0)), 0.0)
     # pairs inside one sub-chunk, exactly: column j of every sub-chunk at once
-    first = n * BT + offs_t - local  # absolute first row of each row's sub-chunk
     for j in range(BC):
-        src = first + j
-        src_offs = seq_offs + src[:, None] * (H * K) + offs_k[None, :]
-        g_src = tl.load(GC + src_offs, mask=mk[None, :], other=0.0)
-        k_src = tl.load(K_ + src_offs, mask=mk[None, :], other=0.0).to(tl.float32)
-        q_src = tl.load(Q + src_offs, mask=mk[None, :], other=0.0).to(tl.float32) * scale
         src_local = offs_t - local + j
+        on_src = src_local < length
+        src_offs = (row0 + src_local)[:, None] * (H * K) + head * K + offs_k[None, :]
+        g_src = tl.load(GC + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0)
+        k_src = tl.load(K_ + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        q_src = tl.load(Q + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
         # dq_t += dA[t, src] k_src exp(g_t - g_src)       (src <= t)
-        later = local >= j
+        later = (local >= j) & on_rows
         a_col = tl.load(DA + a_offs + src_local, mask=later, other=0.0)
         dq += a_col[:, None] * k_src * tl.exp(tl.where(later[:, None], g - g_src, 0.0))
         # dk_s += dA[src, s] q_src exp(g_src - g_s)        (src >= s)
-        earlier = local <= j
-        a_row = tl.load(DA + (b * T + n * BT + src_local) * (H * BT) + head * BT + offs_t, mask=earlier, other=0.0)
+        earlier = (local <= j) & on_src
+        a_row = tl.load(DA + (row0 + src_local) * (H * BT) + head * BT + offs_t, mask=earlier, other=0.0)
         dk += a_row[:, None] * q_src * tl.exp(tl.where(earlier[:, None], g_src - g, 0.0))
 
     d_gc = q_scaled * dq - k32 * dk
     dg = tl.cumsum(d_gc, axis=0, reverse=True) + d_last[None, :]
-    tl.store(DQ + k_offs, (dq * scale).to(DQ.dtype.element_ty), mask=mk[None, :])
-    tl.store(DK + k_offs, dk.to(DK.dtype.element_ty), mask=mk[None, :])
-    tl.store(DG + k_offs, dg, mask=mk[None, :])
+    tl.store(DQ + k_offs, (dq * scale).to(DQ.dtype.element_ty), mask=m)
+    tl.store(DK + k_offs, dk.to(DK.dtype.element_ty), mask=m)
+    tl.store(DG + k_offs, dg, mask=m)

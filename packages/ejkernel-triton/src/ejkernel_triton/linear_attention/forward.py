@@ -26,68 +26,101 @@ SUB_CHUNK = 16
 
 
 @triton.jit
-def _cumsum_kernel(G, GC, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """GC = the log gates G ([B, T, H, K]) cumulated inside each chunk; one program per (chunk, batch x head)."""
-    n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    head = bh % H
-    T = tl.num_programs(0) * BT
-    rows = n * BT + tl.arange(0, BT)
+def wide(x):
+    """``x`` as int64 (element offsets of large inputs overflow int32); works on loop counters too."""
+    return x + tl.full([], 0, tl.int64)
+
+
+@triton.jit
+def chunk_span(c, CH_START, CH_LEN, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(first row, number of tokens) of chunk ``c``, rows counted over the flattened [B * T] tokens.
+
+    Fixed length: chunk c covers rows c * BT ... (T is a multiple of BT). Varlen: the chunk table built by
+    ``vjp.chunk_table`` (chunks never straddle two sequences; a sequence's last chunk may be short)."""
+    if IS_VARLEN:
+        row0 = tl.load(CH_START + c).to(tl.int64)
+        length = tl.load(CH_LEN + c)
+    else:
+        row0 = wide(c) * BT
+        length = BT
+    return row0, length
+
+
+@triton.jit
+def sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN: tl.constexpr):
+    """[first, last) chunk ids of sequence ``s``."""
+    if IS_VARLEN:
+        lo = tl.load(SEQ_FIRST + s)
+        hi = tl.load(SEQ_FIRST + s + 1)
+    else:
+        lo = s * NUM_CHUNKS
+        hi = lo + NUM_CHUNKS
+    return lo, hi
+
+
+@triton.jit
+def _cumsum_kernel(G, CH_START, CH_LEN, GC, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """GC = the log gates G ([B, T, H, K]) cumulated inside each chunk; one program per (chunk, head)."""
+    c = tl.program_id(0)
+    head = tl.program_id(1)
+    row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
+    offs_t = tl.arange(0, BT)
+    rows = row0 + offs_t
+    rmask = offs_t < length
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
-        offs = (b * T + rows[:, None]) * (H * K) + head * K + offs_k[None, :]
-        g = tl.load(G + offs, mask=offs_k[None, :] < K, other=0.0).to(tl.float32)
-        tl.store(GC + offs, tl.cumsum(g, axis=0), mask=offs_k[None, :] < K)
+        offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+        m = rmask[:, None] & (offs_k[None, :] < K)
+        g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(GC + offs, tl.cumsum(g, axis=0), mask=m)
 
 
 @triton.jit
 def _state_kernel(
-    K_, V_, GC, G, H0, NUM_CHUNKS,  # inputs (G: the raw log gates)
-    HS, HT,  # outputs: h_n per chunk (entering), final state (float32)
+    K_, V_, GC, G, H0, CH_START, CH_LEN, SEQ_FIRST, NUM_CHUNKS,  # inputs (G: the raw log gates)
+    HS, HT,  # outputs: h_c entering every chunk c [chunks, H, K, V], final state per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     ik = tl.program_id(0)
     iv = tl.program_id(1)
-    bh = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    head = bh % H
+    sh = tl.program_id(2)  # sequence x head
+    s = sh // H
+    head = sh % H
     offs_k = ik * BK + tl.arange(0, BK)
     offs_v = iv * BV + tl.arange(0, BV)
     offs_t = tl.arange(0, BT)
     mk = offs_k < K
     mv = offs_v < V
     mkv = mk[:, None] & mv[None, :]
-    T = NUM_CHUNKS * BT
-    k_base = K_ + b * T * H * K + head * K
-    g_base = GC + b * T * H * K + head * K
-    raw_base = G + b * T * H * K + head * K
-    v_base = V_ + b * T * H * V + head * V
     state_offs = offs_k[:, None] * V + offs_v[None, :]
     if HAS_H0:
-        state = tl.load(H0 + bh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
+        state = tl.load(H0 + sh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
-    for n in range(NUM_CHUNKS):
-        tl.store(HS + ((b * NUM_CHUNKS + n) * H + head) * K * V + state_offs, state.to(HS.dtype.element_ty),
-                 mask=mkv)
-        rows = n * BT + offs_t
-        k = tl.load(k_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
+    lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN)
+    for c in range(lo, hi):
+        tl.store(HS + (wide(c) * H + head) * K * V + state_offs, state.to(HS.dtype.element_ty), mask=mkv)
+        row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
+        rows = row0 + offs_t
+        rmask = (offs_t < length)[:, None]
+        k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+        k = tl.load(K_ + k_offs, mask=rmask & mk[None, :], other=0.0)
         # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
         # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong gates)
-        raw = tl.load(raw_base + rows[:, None] * (H * K) + offs_k[None, :], mask=mk[None, :], other=0.0)
+        raw = tl.load(G + k_offs, mask=rmask & mk[None, :], other=0.0)
         g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
-        g_last = tl.load(g_base + (n * BT + BT - 1) * (H * K) + offs_k, mask=mk, other=0.0)
-        v = tl.load(v_base + rows[:, None] * (H * V) + offs_v[None, :], mask=mv[None, :], other=0.0)
+        g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+        v = tl.load(V_ + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
         k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
         state = state * tl.exp(g_last)[:, None]
         state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
-    tl.store(HT + bh.to(tl.int64) * K * V + state_offs, state, mask=mkv)
+    tl.store(HT + sh.to(tl.int64) * K * V + state_offs, state, mask=mkv)
 
 
 @triton.jit
-def across_sub_chunks(x, x_gates, y, y_gates, offs_t, BC: tl.constexpr, NC: tl.constexpr,
+def across_sub_chunks(x, x_gates, y, y_gates, offs_t, length, BC: tl.constexpr, NC: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     """``sum_k x_t[k] y_s[k] exp(gx_t[k] - gy_s[k])`` [BT, BT] for pairs in different sub-chunks, s before t.
 
@@ -97,74 +130,77 @@ def across_sub_chunks(x, x_gates, y, y_gates, offs_t, BC: tl.constexpr, NC: tl.c
     acc = tl.zeros([x.shape[0], x.shape[0]], dtype=tl.float32)
     sub = offs_t // BC
     for i in range(1, NC):
-        ref = tl.sum(tl.where((offs_t == i * BC)[:, None], x_gates, 0.0), 0)  # gc of row i * BC
-        rows = (sub == i)[:, None]
-        cols = (sub < i)[:, None]
-        xi = tl.where(rows, x * tl.exp(tl.where(rows, x_gates - ref[None, :], 0.0)), 0.0)
-        yi = tl.where(cols, y * tl.exp(tl.where(cols, ref[None, :] - y_gates, 0.0)), 0.0)
-        acc = tl.dot(xi.to(y.dtype), tl.trans(yi.to(y.dtype)), acc, input_precision=DOT_PRECISION)
+        if i * BC < length:  # a sub-chunk past a short (varlen) chunk's end has no reference row
+            ref = tl.sum(tl.where((offs_t == i * BC)[:, None], x_gates, 0.0), 0)  # gc of row i * BC
+            rows = (sub == i)[:, None]
+            cols = (sub < i)[:, None]
+            xi = tl.where(rows, x * tl.exp(tl.where(rows, x_gates - ref[None, :], 0.0)), 0.0)
+            yi = tl.where(cols, y * tl.exp(tl.where(cols, ref[None, :] - y_gates, 0.0)), 0.0)
+            acc = tl.dot(xi.to(y.dtype), tl.trans(yi.to(y.dtype)), acc, input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
 def _output_kernel(
-    Q, K_, V_, GC, HS, scale, NUM_CHUNKS,  # inputs
+    Q, K_, V_, GC, HS, CH_START, CH_LEN, scale,  # inputs
     O, A,  # outputs: o [B, T, H, V]; A [B, T, H, BT] float32 (scale included; zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     iv = tl.program_id(0)
-    n = tl.program_id(1)
-    bh = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    head = bh % H
-    T = NUM_CHUNKS * BT
+    c = tl.program_id(1)
+    head = tl.program_id(2)
+    row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
+    if length <= 0:  # varlen: table entries past the last chunk
+        return
     offs_t = tl.arange(0, BT)
     offs_v = iv * BV + tl.arange(0, BV)
     mv = offs_v < V
-    rows = n * BT + offs_t
-    seq_offs = b * T * (H * K) + head * K  # row 0 of this sequence and head
-    qk_offs = seq_offs + rows[:, None] * (H * K)
+    rows = row0 + offs_t
+    rmask = (offs_t < length)[:, None]
+    qk_offs = rows[:, None] * (H * K) + head * K
     sub_first = (offs_t // BC) * BC  # first row of each row's sub-chunk
     acc_o = tl.zeros([BT, BV], dtype=tl.float32)
     acc_a = tl.zeros([BT, BT], dtype=tl.float32)
-    h_base = HS + ((b * NUM_CHUNKS + n) * H + head) * K * V
+    h_base = HS + (wide(c) * H + head) * K * V
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < K
-        q = tl.load(Q + qk_offs + offs_k[None, :], mask=mk[None, :], other=0.0)
-        k = tl.load(K_ + qk_offs + offs_k[None, :], mask=mk[None, :], other=0.0)
-        g = tl.load(GC + qk_offs + offs_k[None, :], mask=mk[None, :], other=0.0)
+        m = rmask & mk[None, :]
+        q = tl.load(Q + qk_offs + offs_k[None, :], mask=m, other=0.0)
+        k = tl.load(K_ + qk_offs + offs_k[None, :], mask=m, other=0.0)
+        g = tl.load(GC + qk_offs + offs_k[None, :], mask=m, other=0.0)
         q_scaled = q.to(tl.float32) * scale
         h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
         acc_o = tl.dot((q_scaled * tl.exp(g)).to(q.dtype), h.to(q.dtype), acc_o, input_precision=DOT_PRECISION)
-        acc_a += across_sub_chunks(q_scaled, g, k, g, offs_t, BC, BT // BC, DOT_PRECISION)
-        acc_a += _diag_pairs(q_scaled, g, K_ + seq_offs, GC + seq_offs, n * BT + sub_first, offs_t, offs_k, mk,
-                             H * K, BC)
-    v = tl.load(V_ + (b * T + rows[:, None]) * (H * V) + head * V + offs_v[None, :], mask=mv[None, :], other=0.0)
+        acc_a += across_sub_chunks(q_scaled, g, k, g, offs_t, length, BC, BT // BC, DOT_PRECISION)
+        acc_a += _diag_pairs(q_scaled, g, K_ + head * K, GC + head * K, row0, sub_first, length, offs_t, offs_k,
+                             mk, H * K, BC)
+    v_offs = rows[:, None] * (H * V) + head * V + offs_v[None, :]
+    v = tl.load(V_ + v_offs, mask=rmask & mv[None, :], other=0.0)
     acc_o = tl.dot(acc_a.to(v.dtype), v, acc_o, input_precision=DOT_PRECISION)
-    tl.store(O + (b * T + rows[:, None]) * (H * V) + head * V + offs_v[None, :], acc_o.to(O.dtype.element_ty),
-             mask=mv[None, :])
+    tl.store(O + v_offs, acc_o.to(O.dtype.element_ty), mask=rmask & mv[None, :])
     if iv == 0:
-        tl.store(A + (b * T + rows[:, None]) * (H * BT) + head * BT + offs_t[None, :], acc_a)
+        tl.store(A + rows[:, None] * (H * BT) + head * BT + offs_t[None, :], acc_a, mask=rmask)
 
 
 @triton.jit
-def _diag_pairs(x, x_gates, Y, GY, src_first, offs_t, offs_k, mk, row_stride, BC: tl.constexpr):
+def _diag_pairs(x, x_gates, Y, GY, row0, sub_first, length, offs_t, offs_k, mk, row_stride, BC: tl.constexpr):
     """[BT, BT]: ``sum_k x_t[k] y_s[k] exp(gx_t[k] - gy_s[k])`` for s <= t in the same sub-chunk, zero
     elsewhere; column j of every sub-chunk at once (row t reads y at its sub-chunk's row j). `Y`/`GY`
-    point at row 0 of the sequence (column offset included); `src_first`: absolute first row of t's sub-chunk."""
+    point at token 0 of this head; `sub_first`: the first row in the chunk of each row's sub-chunk."""
     acc = tl.zeros([x.shape[0], x.shape[0]], dtype=tl.float32)
     local = offs_t % BC
     for j in range(BC):
-        src = src_first + j
-        y = tl.load(Y + src[:, None] * row_stride + offs_k[None, :], mask=mk[None, :], other=0.0).to(tl.float32)
-        gy = tl.load(GY + src[:, None] * row_stride + offs_k[None, :], mask=mk[None, :], other=0.0)
+        src_local = sub_first + j
+        on_src = (src_local < length)[:, None] & mk[None, :]
+        src = row0 + src_local
+        y = tl.load(Y + src[:, None] * row_stride + offs_k[None, :], mask=on_src, other=0.0).to(tl.float32)
+        gy = tl.load(GY + src[:, None] * row_stride + offs_k[None, :], mask=on_src, other=0.0)
         on = (local >= j)[:, None]
         col = tl.sum(x * y * tl.exp(tl.where(on, x_gates - gy, 0.0)), 1)
         col = tl.where(local >= j, col, 0.0)
-        target = offs_t - local + j  # the column of pair (t, src) in the chunk
-        acc += tl.where(offs_t[None, :] == target[:, None], col[:, None], 0.0)
+        acc += tl.where(offs_t[None, :] == src_local[:, None], col[:, None], 0.0)
     return acc
 
 

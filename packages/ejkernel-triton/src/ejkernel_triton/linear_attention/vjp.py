@@ -1,8 +1,9 @@
 """Kernel launches, the custom VJP and the vmap rules of chunked gated linear attention.
 
 :func:`linear_attention` takes prepared arrays (``__init__`` builds them from the call): q, k [B, T, H, K],
-v [B, T, H, V] (one dtype) with T a multiple of ``forward.CHUNK`` and kv heads already repeated, ``a`` float32
-[B, T, H, K] the summed log gates, ``h0`` [B, H, K, V] or None. It is differentiable in all five. The
+v [B, T, H, V] (one dtype) with kv heads already repeated, ``a`` float32 [B, T, H, K] the summed log gates,
+``h0`` [B or N, H, K, V] or None, and ``tables`` (varlen: :func:`chunk_table` of cu_seqlens, B == 1) or None
+(then T is a multiple of ``forward.CHUNK``). It is differentiable in the first five. The
 forward saves the in-chunk cumulative gates and the intra-chunk matrix A ([B, T, H, 64] float32, the size
 of one more head of q); the backward recomputes the chunk states. Under ``jax.vmap`` the vmapped axis
 folds into the batch axis (every array here has the batch first): one launch per kernel.
@@ -33,22 +34,53 @@ class StaticParams:
     num_warps: int
     num_stages: int
     interpret: bool
+    varlen: bool = False
 
 
-def _placeholder():
-    return jnp.zeros((1,), jnp.float32)
+def _placeholder(dtype=jnp.float32):
+    return jnp.zeros((1,), dtype)
 
 
-def chunk_cumsum(a, st: StaticParams):
+def chunk_table(cu_seqlens, total: int):
+    """Varlen chunk table: ``(chunk_start, chunk_len, seq_first)`` int32, over at most ``total / 64 + N``
+    chunks (each sequence cut into chunks of 64 from its own start; entries past the last have length 0),
+    and the first chunk of every sequence (``[N + 1]``)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    lengths = cu[1:] - cu[:-1]
+    per_seq = (lengths + CHUNK - 1) // CHUNK
+    seq_first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_seq).astype(jnp.int32)])
+    max_chunks = -(-total // CHUNK) + cu.shape[0] - 1
+    ids = jnp.arange(max_chunks, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(seq_first[1:], ids, side="right"), 0, cu.shape[0] - 2).astype(jnp.int32)
+    start = cu[seq] + (ids - seq_first[seq]) * CHUNK
+    length = jnp.where(ids < seq_first[-1], jnp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
+    return start.astype(jnp.int32), length.astype(jnp.int32), seq_first
+
+
+def _tables(tables):
+    return tables if tables is not None else (_placeholder(jnp.int32),) * 3
+
+
+def _num_chunks(q, tables):
+    """(chunks, sequences, chunks per sequence for fixed lengths)."""
+    b, t = q.shape[:2]
+    if tables is not None:
+        return tables[0].shape[0], tables[2].shape[0] - 1, 0
+    return b * (t // CHUNK), b, t // CHUNK
+
+
+def chunk_cumsum(a, tables, st: StaticParams):
     """Log gates [B, T, H, K] cumulated inside each chunk (float32; a Triton kernel: XLA's cumsum is slower)."""
-    b, t, h, k = a.shape
-    return launch(_cumsum_kernel, (a,), (jax.ShapeDtypeStruct(a.shape, jnp.float32),), (t // CHUNK, b * h),
-                  num_warps=4, num_stages=1, interpret=st.interpret, H=h, K=k, BT=CHUNK, BK=st.block_k)[0]
+    chunks = _num_chunks(a, tables)[0]
+    ch_start, ch_len, _ = _tables(tables)
+    return launch(_cumsum_kernel, (a, ch_start, ch_len), (jax.ShapeDtypeStruct(a.shape, jnp.float32),),
+                  (chunks, a.shape[2]), num_warps=4, num_stages=1, interpret=st.interpret, H=a.shape[2],
+                  K=a.shape[3], BT=CHUNK, BK=st.block_k, IS_VARLEN=st.varlen)[0]
 
 
 def _meta(q, v, st: StaticParams):
     _, _, h, k = q.shape
-    return dict(H=h, K=k, V=v.shape[-1], BT=CHUNK,
+    return dict(H=h, K=k, V=v.shape[-1], BT=CHUNK, IS_VARLEN=st.varlen,
                 DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32")
 
 
@@ -58,71 +90,77 @@ def _state_dtype(q):
     return jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
 
 
-def _states(k, v, gc, a, h0, st: StaticParams):
-    """(h_n entering every chunk [B, N, H, K, V], final state [B, H, K, V] float32)."""
-    b, t, h, dk = k.shape
+def _states(k, v, gc, a, h0, tables, st: StaticParams):
+    """(h_c entering every chunk [chunks, H, K, V], final state [sequences, H, K, V] float32)."""
+    h, dk = k.shape[2:]
     dv = v.shape[-1]
-    n = t // CHUNK
-    out_shapes = (jax.ShapeDtypeStruct((b, n, h, dk, dv), _state_dtype(k)),
-                  jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32))
-    grid = (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), b * h)
-    meta = _meta(k, v, st)
-    return launch(_state_kernel, (k, v, gc, a, h0 if h0 is not None else _placeholder(), n), out_shapes, grid,
-                  num_warps=st.num_warps, num_stages=st.num_stages, interpret=st.interpret, BK=st.block_k,
-                  BV=st.block_v, HAS_H0=h0 is not None, **meta)
+    chunks, seqs, per_seq = _num_chunks(k, tables)
+    out_shapes = (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(k)),
+                  jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32))
+    grid = (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), seqs * h)
+    return launch(_state_kernel, (k, v, gc, a, h0 if h0 is not None else _placeholder(), *_tables(tables), per_seq),
+                  out_shapes, grid, num_warps=st.num_warps, num_stages=st.num_stages, interpret=st.interpret,
+                  BK=st.block_k, BV=st.block_v, HAS_H0=h0 is not None, **_meta(k, v, st))
 
 
-def _run_forward(q, k, v, a, h0, st: StaticParams):
+def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    n = t // CHUNK
-    gc = chunk_cumsum(a, st)
-    hs, final = _states(k, v, gc, a, h0, st)
+    chunks = _num_chunks(q, tables)[0]
+    gc = chunk_cumsum(a, tables, st)
+    hs, final = _states(k, v, gc, a, h0, tables, st)
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32))
-    o, attn = launch(_output_kernel, (q, k, v, gc, hs, np.float32(st.scale), n), out_shapes,
-                     (triton.cdiv(dv, st.block_v), n, b * h), num_warps=st.num_warps, num_stages=st.num_stages,
-                     interpret=st.interpret, BC=SUB_CHUNK, BK=st.block_k, BV=st.block_v, **_meta(q, v, st))
+    ch_start, ch_len, _ = _tables(tables)
+    o, attn = launch(_output_kernel, (q, k, v, gc, hs, ch_start, ch_len, np.float32(st.scale)), out_shapes,
+                     (triton.cdiv(dv, st.block_v), chunks, h), num_warps=st.num_warps, num_stages=st.num_stages,
+                     zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret, BC=SUB_CHUNK,
+                     BK=st.block_k, BV=st.block_v, **_meta(q, v, st))
     return o, final, gc, attn
 
 
-def _run_backward(q, k, v, a, gc, h0, attn, do, dht, st: StaticParams):
+def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    n = t // CHUNK
-    meta = _meta(q, v, st)
-    common = dict(num_warps=st.num_warps, num_stages=st.num_stages, interpret=st.interpret, **meta)
-    hs, _ = _states(k, v, gc, a, h0, st)
-    state_shape = (b, n, h, dk, dv)
+    chunks, seqs, per_seq = _num_chunks(q, tables)
+    common = dict(num_warps=st.num_warps, num_stages=st.num_stages, interpret=st.interpret, **_meta(q, v, st))
+    hs, _ = _states(k, v, gc, a, h0, tables, st)
+    ch_start, ch_len, seq_first = _tables(tables)
     dhs, dh0 = launch(
-        _state_grad_kernel, (q, gc, do, dht, np.float32(st.scale), n),
-        (jax.ShapeDtypeStruct(state_shape, _state_dtype(q)), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)),
-        (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), b * h), BK=st.block_k, BV=st.block_v,
-        HAS_DHT=True, **common)
+        _state_grad_kernel, (q, gc, do, dht, ch_start, ch_len, seq_first, np.float32(st.scale), per_seq),
+        (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(q)), jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32)),
+        (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), seqs * h), BK=st.block_k, BV=st.block_v,
+        **common)
     d_v, d_attn = launch(
-        _dv_kernel, (k, v, gc, attn, do, dhs, n),
+        _dv_kernel, (k, v, gc, attn, do, dhs, ch_start, ch_len),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)),
-        (n, b * h), BK=st.block_k, BV=st.block_v, **common)
+        (chunks, h), zeroed_outputs=(0,) if st.varlen else (), BK=st.block_k, BV=st.block_v, **common)
     d_q, d_k, d_a = launch(
-        _dqkg_kernel, (q, k, v, gc, hs, do, dhs, d_attn, np.float32(st.scale), n),
+        _dqkg_kernel, (q, k, v, gc, hs, do, dhs, d_attn, ch_start, ch_len, np.float32(st.scale)),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(q.shape, jnp.float32)),
-        (triton.cdiv(dk, st.block_k), n, b * h), BC=SUB_CHUNK, BK=st.block_k, BV=st.block_v, **common)
+        (triton.cdiv(dk, st.block_k), chunks, h), zeroed_outputs=(0, 1, 2) if st.varlen else (), BC=SUB_CHUNK,
+        BK=st.block_k, BV=st.block_v, **common)
     return d_q, d_k, d_v, d_a, dh0
 
 
-def _fold_batch_rule(fn, num_out: int):
-    """vmap rule: every argument has the batch first, so the vmapped axis folds into it (one launch)."""
+def _fold_batch_rule(fn, num_out: int, num_batch_like: int):
+    """vmap rule: the first `num_batch_like` arguments have the batch first, so the vmapped axis folds into it
+    (one launch); with varlen tables (the rest), the vmapped calls run one by one (`lax.map`)."""
 
     def rule(axis_size, in_batched, *args):
+        if any(x is not None for x in args[num_batch_like:]):
+            stacked = [None if x is None else (x if bx else jax.tree.map(
+                lambda y: jnp.broadcast_to(y, (axis_size, *y.shape)), x)) for x, bx in zip(args, in_batched)]
+            return jax.lax.map(lambda xs: fn(*xs), stacked), (True,) * num_out
         folded = []
-        for x, batched in zip(args, in_batched):
+        for x, batched in zip(args[:num_batch_like], in_batched[:num_batch_like]):
             if x is None:
                 folded.append(None)
                 continue
             if not batched:
                 x = jnp.broadcast_to(x, (axis_size, *x.shape))
             folded.append(x.reshape(axis_size * x.shape[1], *x.shape[2:]))
-        outs = fn(*folded)
+        outs = fn(*folded, *args[num_batch_like:])
         return tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs), (True,) * num_out
 
     return rule
@@ -131,37 +169,37 @@ def _fold_batch_rule(fn, num_out: int):
 @functools.lru_cache(maxsize=None)
 def _batched_calls(st: StaticParams):
     @jax.custom_batching.custom_vmap
-    def fwd(q, k, v, a, h0):
-        return tuple(_run_forward(q, k, v, a, h0, st))
+    def fwd(q, k, v, a, h0, tables):
+        return tuple(_run_forward(q, k, v, a, h0, tables, st))
 
-    fwd.def_vmap(_fold_batch_rule(fwd, 4))
+    fwd.def_vmap(_fold_batch_rule(fwd, 4, 5))
 
     @jax.custom_batching.custom_vmap
-    def bwd(q, k, v, a, gc, h0, attn, do, dht):
-        return tuple(_run_backward(q, k, v, a, gc, h0, attn, do, dht, st))
+    def bwd(q, k, v, a, gc, h0, attn, do, dht, tables):
+        return tuple(_run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st))
 
-    bwd.def_vmap(_fold_batch_rule(bwd, 5))
+    bwd.def_vmap(_fold_batch_rule(bwd, 5, 9))
     return fwd, bwd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def linear_attention(q, k, v, a, h0, st: StaticParams):
-    """``(o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32)`` (see the module docstring)."""
-    return _linear_attention_fwd(q, k, v, a, h0, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def linear_attention(q, k, v, a, h0, tables, st: StaticParams):
+    """``(o [B, T, H, V] in q's dtype, final state [B or N, H, K, V] float32)`` (see the module docstring)."""
+    return _linear_attention_fwd(q, k, v, a, h0, tables, st)[0]
 
 
-def _linear_attention_fwd(q, k, v, a, h0, st: StaticParams):
+def _linear_attention_fwd(q, k, v, a, h0, tables, st: StaticParams):
     fwd, _ = _batched_calls(st)
-    o, final, gc, attn = fwd(q, k, v, a, h0)
-    return (o, final), (q, k, v, a, gc, h0, attn)
+    o, final, gc, attn = fwd(q, k, v, a, h0, tables)
+    return (o, final), (q, k, v, a, gc, h0, attn, tables)
 
 
 def _linear_attention_bwd(st: StaticParams, res, cotangents):
-    q, k, v, a, gc, h0, attn = res
+    q, k, v, a, gc, h0, attn, tables = res
     do, dht = cotangents
     _, bwd = _batched_calls(st)
-    dq, dk, dv, da, dh0 = bwd(q, k, v, a, gc, h0, attn, do.astype(q.dtype), dht.astype(jnp.float32))
-    return dq, dk, dv, da, None if h0 is None else dh0.astype(h0.dtype)
+    dq, dk, dv, da, dh0 = bwd(q, k, v, a, gc, h0, attn, do.astype(q.dtype), dht.astype(jnp.float32), tables)
+    return dq, dk, dv, da, None if h0 is None else dh0.astype(h0.dtype), None
 
 
 linear_attention.defvjp(_linear_attention_fwd, _linear_attention_bwd)
