@@ -11,10 +11,13 @@
 #   1. speed, one process, per S: causal (then not), forward and forward+backward, for
 #      ejkernel-xla               the default config (the rule: dense on an H200 at these S; causal calls
 #                                 in query chunks, ejkernel_xla._dense.causal_chunk_count),
-#      ejkernel-xla[dense:one-call]  the same dense path as one call over all keys (causal only),
-#      ejkernel-xla[dense:selects]   last session's dense forward: one call, the old empty-row guard
-#                                 (EMPTY_ROW_GUARDS; 0.85-0.90x xla causal on the H100) (causal fwd only),
-#      xla, cudnn                 jax.nn.dot_product_attention's implementations;
+#      ejkernel-xla[dense:selects+chunks]  the chunks with the old empty-row guard (causal only; on the
+#                                 H200 the old guard's unfused softmax beat XLA's fused masked one),
+#      xla, cudnn                 jax.nn.dot_product_attention's implementations.
+#      XLA_FLASH_IMPLS=... adds the variants measured in the H200 batch 1 run (2026-11-23 18:35,
+#      benchmarks/results/logs/nvidia-h200-2026-11-23-batch1-xla_flash.log): ejkernel-xla[dense:one-call]
+#      (the new guard, one call; causal fwd only) and ejkernel-xla[dense:selects] (last session's forward:
+#      one call, old guard; causal fwd only);
 #   2. memory: compiled temp bytes of the default config's forward+backward at S=32k and 64k (B=1, causal;
 #      the blockwise path there, O(S)) and one S=64k forward+backward run (device peak bytes).
 # Writes under $OUT/xla_flash/: <device>-<date>-xla-flash-{speed,memory}.json (benchmarks/xla_flash.py's
@@ -48,9 +51,9 @@ status=0
 echo "== 1/2 speed: forward, then forward+backward, per S (causal first) =="
 # one process: XLA's autotuning results carry over between the programs that share GEMM shapes
 timeout --kill-after=5 "${XLA_FLASH_SPEED_S:-100}" python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd,fwd+bwd \
-    --tag speed --impls "ejkernel-xla,ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects],xla,cudnn" \
-    --causal-only-impls "ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" \
-    --fwd-only-impls "ejkernel-xla[dense:selects]" --errors "" 2>&1 | tee "$DIR/speed.log"
+    --tag speed --impls "${XLA_FLASH_IMPLS:-ejkernel-xla,ejkernel-xla[dense:selects+chunks],xla,cudnn}" \
+    --causal-only-impls "ejkernel-xla[dense:selects+chunks],ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" \
+    --fwd-only-impls "ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" --errors "" 2>&1 | tee "$DIR/speed.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== 2/2 memory at S=32k, 64k (B=1, causal, default config) =="
