@@ -245,20 +245,31 @@ def _run_schedule(row, body, carry, sub: int):
     """``body(masked, block, carry)`` over one row of a block-sparse schedule
     (``ejkernel_pallas.blocksparse_attention_gpu.gpu_schedule``): ``row[0]`` partial visits then ``row[1]``
     full ones, their mask blocks from ``row[2]`` on; each mask block is ``sub`` kernel blocks. Two plain
-    loops (no branch inside), so Triton pipelines each as it does the flash ranges."""
+    loops over kernel tiles (masked, then mask-free; no branch inside). The mask block of the next tile is
+    read one iteration ahead into the carry: loaded in the iteration that uses it, Triton 3.6's pipeliner
+    gives that load a stage of its own and the K/V tiles arrive one stage ahead only (the Triton backend's
+    finding, ``ejkernel_triton.blocksparse_attention``)."""
+    last = row.shape[0] - 3  # the last visit slot of the row
 
-    def visits(masked):
-        def step(s, c):
-            block = row[2 + s]
-            for part in range(sub):
-                c = body(masked, block * sub + part, c)
-            return c
+    def visit_of(tile):  # tiles are non-negative: truncating division and remainder are the floored ones
+        return tile if sub == 1 else lax.div(tile, jnp.int32(sub))
+
+    def block_of(tile):
+        return row[2 + jnp.minimum(visit_of(tile), last)]
+
+    def tiles(masked):
+        def step(tile, state):
+            c, block = state
+            kernel_block = block if sub == 1 else block * sub + lax.rem(tile, jnp.int32(sub))
+            c = body(masked, kernel_block, c)
+            return c, block_of(tile + 1)
 
         return step
 
-    partial = row[0]
-    carry = lax.fori_loop(0, partial, visits(True), carry)
-    return lax.fori_loop(partial, partial + row[1], visits(False), carry)
+    partial, total = row[0] * sub, (row[0] + row[1]) * sub
+    carry, _ = lax.fori_loop(0, partial, tiles(True), (carry, block_of(0)))
+    carry, _ = lax.fori_loop(partial, total, tiles(False), (carry, block_of(partial)))
+    return carry
 
 
 def _loop(r, schedule: str, body, ranges, carry, sub: int = 1):
