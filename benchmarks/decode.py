@@ -258,19 +258,25 @@ def mixed_inputs(key, sequences, heads, kv_heads, dim, page_size, dtype, seed):
 
 
 def mixed_reference(q, k, v, starts, kv_lens):
-    """Float32 attention of each sequence's packed queries (its last tokens, causal) over its logical K/V."""
-    heads, group = q.shape[1], q.shape[1] // k.shape[2]
-    outs = []
+    """Float32 attention of each sequence's packed queries (its last tokens, causal) over its logical K/V; runs
+    of sequences with equal (q_len, kv_len) in one batched einsum."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[2]  # query head h reads kv head h // group
+    outs, s = [], 0
     with jax.default_matmul_precision("highest"):
-        for s in range(len(kv_lens)):
-            rows = q[starts[s]:starts[s + 1]].astype(jnp.float32)
-            keys = jnp.repeat(k[s, :kv_lens[s]].astype(jnp.float32), group, axis=1)
-            values = jnp.repeat(v[s, :kv_lens[s]].astype(jnp.float32), group, axis=1)
-            logits = jnp.einsum("qhd,khd->hqk", rows, keys) * q.shape[-1] ** -0.5
-            pos = kv_lens[s] - rows.shape[0] + jnp.arange(rows.shape[0])
-            logits = jnp.where(jnp.arange(kv_lens[s])[None, :] <= pos[:, None], logits, -jnp.inf)
-            outs.append(jnp.einsum("hqk,khd->qhd", jax.nn.softmax(logits, axis=-1), values))
-    return jnp.concatenate(outs).reshape(-1, heads, q.shape[-1])
+        while s < len(kv_lens):
+            q_len, kv_len = starts[s + 1] - starts[s], kv_lens[s]
+            e = s
+            while e < len(kv_lens) and (starts[e + 1] - starts[e], kv_lens[e]) == (q_len, kv_len):
+                e += 1
+            rows = q[starts[s]:starts[e]].astype(jnp.float32).reshape(e - s, q_len, k.shape[2], group, -1)
+            keys, values = k[s:e, :kv_len].astype(jnp.float32), v[s:e, :kv_len].astype(jnp.float32)
+            logits = jnp.einsum("bqkgd,bjkd->bkgqj", rows, keys) * q.shape[-1] ** -0.5
+            pos = kv_len - q_len + jnp.arange(q_len)
+            logits = jnp.where(jnp.arange(kv_len)[None, :] <= pos[:, None], logits, -jnp.inf)
+            out = jnp.einsum("bkgqj,bjkd->bqkgd", jax.nn.softmax(logits, axis=-1), values)
+            outs.append(out.reshape(-1, heads, q.shape[-1]))
+            s = e
+    return jnp.concatenate(outs)
 
 
 def mixed_cost(sequences, heads, kv_heads, dim, itemsize) -> tuple[float, float]:
@@ -373,7 +379,7 @@ def print_report(doc) -> None:
             print(f"{series(r):70s} {r['gbps']:7.0f}  err {r.get('rel_err', float('nan')):.1e}")
     mixed = [r for r in doc["results"] if "part" in r and "ms" in r]
     if mixed:
-        print(f"\n## ragged_page_attention, mixed batch {MIXED} (bf16 matmul rate {doc.get('matmul_tflops', 0):.0f} "
+        print(f"\n## ragged_page_attention, mixed batch {MIXED} (matmul rate {doc.get('matmul_tflops', 0):.0f} "
               "TFLOP/s, copy bandwidth as above)")
         print("| part | pages | impl | us | bytes ceiling us | FLOPs ceiling us | binds | share of roofline |")
         print("|---|---|---|---|---|---|---|---|")
