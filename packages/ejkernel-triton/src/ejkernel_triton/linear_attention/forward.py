@@ -202,7 +202,3 @@ def _diag_pairs(x, x_gates, Y, GY, row0, sub_first, length, offs_t, offs_k, mk, 
         col = tl.where(local >= j, col, 0.0)
         acc += tl.where(offs_t[None, :] == src_local[:, None], col[:, None], 0.0)
     return acc
-
-
-def grid_state(k_dim: int, v_dim: int, block_k: int, block_v: int, batch_heads: int):
-    return (triton.cdiv(k_dim, block_k), triton.cdiv(v_dim, block_v), batch_heads)
