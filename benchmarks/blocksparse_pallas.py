@@ -48,13 +48,23 @@ def random_mask(seed: int, heads: int, seq: int, density: float) -> np.ndarray:
     return mask
 
 
+# extra tilings of the pallas block-sparse kernel ("pallas:<name>" rows, forward only): GpuFlashTuning fields
+VARIANTS = {"fwd128x128": dict(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3)}
+
+
 def attend_fn(kind: str, platform: str):
     from ejkernel.modules import blocksparse_attention, flash_attention
 
     if kind == "dense":
         return lambda q, k, v, mask: flash_attention(q, k, v, causal=False, platform=platform)
+    cfg = None
+    if ":" in platform:
+        from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
+
+        platform, variant = platform.split(":")
+        cfg = GpuFlashTuning(**VARIANTS[variant])
     return lambda q, k, v, mask: blocksparse_attention(
-        q, k, v, block_mask=mask, block_size=BLOCK, causal=False, platform=platform
+        q, k, v, block_mask=mask, block_size=BLOCK, causal=False, platform=platform, cfg=cfg
     )
 
 
@@ -145,7 +155,10 @@ def main(argv=None) -> int:
     pairs = args.seq * args.seq
     for mode in args.modes:
         # the target's pair first (the JSON is rewritten after every row, so a timeout keeps what was measured)
-        for kind, platform in (("sparse", "pallas"), ("dense", "triton"), ("sparse", "triton"), ("dense", "pallas")):
+        impls = [("sparse", "pallas"), ("dense", "triton"), ("sparse", "triton"), ("dense", "pallas")]
+        if mode == "fwd":
+            impls += [("sparse", f"pallas:{name}") for name in VARIANTS]
+        for kind, platform in impls:
             row = dict(kind=kind, platform=platform, mode=mode)
             try:
                 step = make_step(kind, platform, mode)
