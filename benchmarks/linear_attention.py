@@ -218,6 +218,15 @@ def main(argv=None) -> int:
             print(f"T={total:6d} {impl:7s} fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"
                   f"  ({time.perf_counter() - t0:.1f} s incl. compile)", flush=True)
             save()
+    if not args.no_numerics:
+        try:
+            doc["errors"] = numerics(["triton"])
+            print("errors vs float32 xla (T=1024):", json.dumps(doc["errors"]))
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            doc["errors"] = {"failed": repr(exc)[:500]}
+        save()
+
     for spec in [c for c in args.configs.split(",") if c]:
         from ejkernel_triton.linear_attention import TritonLinearAttentionConfig
 
@@ -236,15 +245,6 @@ def main(argv=None) -> int:
         print(f"config {spec:12s} T={args.config_seq} fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"
               f"  ({time.perf_counter() - t0:.1f} s incl. compile)", flush=True)
         save()
-    if not args.no_numerics:
-        try:
-            doc["errors"] = numerics(["triton"])
-            print("errors vs float32 xla (T=1024):", json.dumps(doc["errors"]))
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            doc["errors"] = {"failed": repr(exc)[:500]}
-        save()
-
     print("\n| T | mode | triton ms | xla ms | fla ms | triton / fla |")
     print("|---|---|---|---|---|---|")
     for total in seqs:
