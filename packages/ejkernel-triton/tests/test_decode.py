@@ -209,14 +209,16 @@ def test_takes_every_precision_and_page_size():
     [(32, 4096), (32, 512), (32, 32768), (1, 4096), (8, 4096), (64, 4096)],
 )
 def test_heuristic_fills_the_gpu(num_seqs, context):
-    """Short and long contexts, small and large batches: enough programs for every SM (or chunks of the
-    shortest allowed length), never more splits than blocks of keys."""
+    """Short and long contexts, small and large batches: a program for every SM (or chunks of the shortest
+    allowed length) and at most PROGRAMS_PER_SM per SM unless one split already gives more; never more splits
+    than blocks of keys."""
     call = _paged_call(num_seqs=num_seqs, context=context)
     cfg = PAGED.heuristic_config(call)
     chunk, splits = config.split_plan(context, cfg.block_n, cfg.num_splits)
     programs = num_seqs * 8 * splits
     assert chunk % cfg.block_n == 0 and chunk * splits >= context
-    assert programs >= config.PROGRAMS_PER_SM * config.DEFAULT_SM_COUNT or chunk <= 2 * config.MIN_CHUNK
+    assert programs >= config.DEFAULT_SM_COUNT or chunk <= 2 * config.MIN_CHUNK
+    assert splits == 1 or programs <= config.PROGRAMS_PER_SM * config.DEFAULT_SM_COUNT
     assert cfg in PAGED.candidate_configs(call) and len(PAGED.candidate_configs(call)) > 1
 
 
