@@ -23,7 +23,12 @@ jax.config.update("jax_enable_x64", True)
 
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention  # noqa: E402
 from ejkernel.testing.blocksparse_attention import random_block_mask, reference_blocksparse_attention  # noqa: E402
+from ejkernel_triton import interpret, launch  # noqa: E402
 from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig  # noqa: E402
+
+KERNELS_RUN: list[str] = []
+_run_on_host = interpret.run_on_host
+interpret.run_on_host = lambda kernel, *a, **kw: KERNELS_RUN.append(kernel.__name__) or _run_on_host(kernel, *a, **kw)
 
 SMALL_TILES = TritonBlockSparseConfig(16, 16, 4, 1, 16, 16, 16, 16, 4, 1)
 
@@ -36,7 +41,13 @@ def _rel(a, b) -> float:
 
 
 def case(name, *, seed, b=1, sq=45, skv=45, h=2, hkv=1, d=64, dv=None, dtype=jnp.float32, blocks=(32, 16),
-         mask_batch=1, mask_heads=None, sinks=0, segments=False, vmap=False, config=SMALL_TILES, **kw):
+         mask_batch=1, mask_heads=None, sinks=0, segments=False, vmap=False, config=SMALL_TILES, hopper=False, **kw):
+    """`hopper`: compile as for sm_90, where a config asking for it takes the TMA forward (`_fwd_tma_kernel`)."""
+    if hopper:
+        os.environ[launch.COMPUTE_CAPABILITY_ENV] = "90"
+    else:
+        os.environ.pop(launch.COMPUTE_CAPABILITY_ENV, None)
+    KERNELS_RUN.clear()
     dv = dv or d
     ks = jax.random.split(jax.random.key(seed), 5)
     lead = (2,) if vmap else ()
@@ -82,7 +93,7 @@ def case(name, *, seed, b=1, sq=45, skv=45, h=2, hkv=1, d=64, dv=None, dtype=jnp
     row = dict(name=name, dtype=jnp.dtype(dtype).name, out=_rel(out, ref), dq=_rel(dq, rdq), dk=_rel(dk, rdk),
                dv=_rel(dv_, rdv), d_aux=_rel(d_aux, rd_aux) if sinks else 0.0,
                finite=bool(all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in (out, dq, dk, dv_))),
-               seconds=round(time.time() - start, 2))
+               seconds=round(time.time() - start, 2), kernels=sorted(set(KERNELS_RUN)))
     if not vmap and not segments and mask_batch == 1:
         # The suite's mask turns one whole mask row off: its outputs and query gradients are exact zeros.
         r0 = (mask.shape[2] // 2) * blocks[0]
@@ -102,6 +113,11 @@ CASES = {
     "window_softcap_segments_vmap": dict(seed=3, b=2, sq=40, skv=40, blocks=(16, 16), sinks=1, segments=True,
                                          causal=True, sliding_window=(7, 2), logits_soft_cap=5.0, softmax_scale=0.3,
                                          config=None, mask_batch=2, vmap=True),
+    # the opt-in TMA forward on a call whose visited blocks are all full (non-causal, lengths multiples of the
+    # blocks): fp16, D=128, GQA, per-head mask, a sink, soft cap; 16-row q tiles, 32-key tiles, 2 per block
+    "hopper_tma_forward": dict(seed=5, b=1, sq=64, skv=128, h=2, hkv=1, d=128, dtype=jnp.float16, blocks=(32, 64),
+                               sinks=1, causal=False, logits_soft_cap=20.0, hopper=True,
+                               config=TritonBlockSparseConfig(16, 32, 4, 2, 16, 16, 16, 16, 4, 1, tma_forward=True)),
 }
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttenti
 from ejkernel.ops.utils.block_sparse import effective_block_mask
 from ejkernel.testing.blocksparse_attention import random_block_mask
 from ejkernel_triton import launch, plugin
-from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig
+from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig, tma_forward_applies
 from ejkernel_triton.blocksparse_attention.kernels import kernel_schedule
 
 CASES_SCRIPT = Path(__file__).with_name("blocksparse_interpreter_cases.py")
@@ -64,6 +64,8 @@ def test_interpreter_case_matches_reference(interpreter_results, name):
     for quantity in ("out", "dq", "dk", "dv", "d_aux"):
         assert row[quantity] <= TOLERANCE[row["dtype"]], (quantity, row)
     assert row.get("masked_rows_zero", True), row
+    forward = "_fwd_tma_kernel" if name == "hopper_tma_forward" else "_fwd_kernel"
+    assert forward in row["kernels"] and {"_dkv_kernel", "_dq_kernel"} <= set(row["kernels"]), row
 
 
 def test_registered():
@@ -133,18 +135,26 @@ def _sm90(monkeypatch):
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
 
 
-def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, **kw):
+def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, tma=False, **kw):
+    """sm_90 lowering of forward and gradients; `tma`: the TMA forward (it compiles the warp-specialized loop,
+    which Triton 3.6 refuses for some loop shapes: see `kernels._fwd_tma_kernel`)."""
     spec = jax.ShapeDtypeStruct
-    q, k = spec((2, 640, heads, dim), dtype), spec((2, 600, kv_heads, dim), dtype)
-    mask = random_block_mask(0, 2, heads, 640, 600, 128, 128, density=0.3)
+    kv_len = 640 if tma else 600  # the TMA forward needs lengths that are multiples of the mask blocks
+    q, k = spec((2, 640, heads, dim), dtype), spec((2, kv_len, kv_heads, dim), dtype)
+    mask = random_block_mask(0, 2, heads, 640, kv_len, 128, 128, density=0.3)
     seg = jnp.zeros((2, 640), jnp.int32)
 
     def loss(q, k, v, aux):
         extra = dict(softmax_aux=aux if sinks else None)
         if segments:
-            extra.update(q_segment_ids=seg, kv_segment_ids=seg[:, :600])
+            extra.update(q_segment_ids=seg, kv_segment_ids=seg[:, :kv_len])
         call = BlockSparseAttention().validate(q, k, v, block_mask=mask, **extra, **kw)
-        return IMPLEMENTATION(call, IMPLEMENTATION.heuristic_config(call)).astype(jnp.float32).sum()
+        config = IMPLEMENTATION.heuristic_config(call)
+        if tma:
+            config = dataclasses.replace(config, fwd_block_q=128, fwd_block_kv=128, fwd_num_warps=4,
+                                         fwd_num_stages=2, tma_forward=True)
+            assert tma_forward_applies(call, config)
+        return IMPLEMENTATION(call, config).astype(jnp.float32).sum()
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, k, spec((heads, 2), jnp.float32)).lower(
         lowering_platforms=("cuda",))
@@ -157,7 +167,8 @@ def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, **kw):
     (jnp.bfloat16, 128, dict(causal=True)),
     (jnp.float16, 64, dict(causal=False, sliding_window=(200, 0), logits_soft_cap=20.0, sinks=True,
                            segments=True)),
-], ids=["bf16-d128-causal", "fp16-d64-window-softcap-sinks-segments"])
+    (jnp.bfloat16, 128, dict(causal=False, sinks=True, tma=True)),
+], ids=["bf16-d128-causal", "fp16-d64-window-softcap-sinks-segments", "bf16-d128-tma-forward"])
 def test_fwd_bwd_compile_for_sm90(dtype, dim, kw):
     # (float32's IEEE tile steps are flash attention's, compiled for sm_90 by test_triton_lowering.py)
     text = _lower(dtype, dim, 8, 2, **kw)

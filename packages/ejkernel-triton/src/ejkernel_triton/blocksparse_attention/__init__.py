@@ -28,9 +28,10 @@ from ejkernel_triton.flash_attention import tuning
 from ejkernel_triton.flash_attention.common import StaticParams
 from ejkernel_triton.flash_attention.tuning import TritonFlashConfig
 from ejkernel_triton.interpret import interpreting
+from ejkernel_triton import launch
 from ejkernel_triton.launch import gpu_device_kind
 
-__all__ = ["IMPLEMENTATION", "TritonBlockSparseAttention", "TritonBlockSparseConfig"]
+__all__ = ["IMPLEMENTATION", "TritonBlockSparseAttention", "TritonBlockSparseConfig", "tma_forward_applies"]
 
 HEAD_DIMS = (64, 128)
 MIN_TILE = 16  # tl.dot's smallest tile
@@ -42,7 +43,31 @@ KV_SIDE = ("fwd_block_kv", "dkv_block_kv", "dq_block_kv")
 class TritonBlockSparseConfig(TritonFlashConfig):
     """Flash attention's blocks and launch parameters (:class:`TritonFlashConfig`), for the block-sparse
     kernels: every ``*_block_q`` must divide the mask's ``q_block_size``, every ``*_block_kv`` its
-    ``kv_block_size`` (a mask block is then a whole number of kernel tiles)."""
+    ``kv_block_size`` (a mask block is then a whole number of kernel tiles).
+
+    ``tma_forward``: run the Hopper TMA + warp-specialized forward (`kernels._fwd_tma_kernel`) where it applies
+    (:func:`tma_forward_applies`; elsewhere the pointer kernel runs). Opt-in until measured on a GPU."""
+
+    tma_forward: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.tma_forward, bool):
+            raise ValueError(f"TritonBlockSparseConfig.tma_forward must be a bool, got {self.tma_forward!r}")
+        TritonFlashConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TritonFlashConfig)})
+
+
+def tma_forward_applies(call: BlockSparseAttentionCall, config: TritonBlockSparseConfig) -> bool:
+    """Whether `config` asks for the TMA forward and the call admits it: every visited block full (no causal,
+    window or segment ids; lengths multiples of the mask blocks), bf16/fp16, q/v head dim 128, a Hopper (or
+    newer) target, and forward launch parameters the warp specialization takes (4 warps, <= 2 stages, as
+    flash attention's TMA kernel)."""
+    q_len, kv_len = call.query.shape[1], call.key.shape[1]
+    return (config.tma_forward and not call.causal and call.sliding_window is None and call.q_segment_ids is None
+            and q_len % call.q_block_size == 0 and kv_len % call.kv_block_size == 0
+            and jnp.dtype(call.query.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and call.query.shape[-1] == call.value.shape[-1] == 128
+            and config.fwd_num_warps == 4 and config.fwd_num_stages <= 2
+            and launch.target_compute_capability() >= 90 and launch.available())
 
 
 def largest_tile(block_size: int) -> int:
@@ -110,7 +135,8 @@ class TritonBlockSparseAttention(Implementation[BlockSparseAttentionCall, Triton
         flash = StaticParams(softmax_scale=call.softmax_scale, causal=call.causal, window_left=left,
                              window_right=right, softcap=call.logits_soft_cap or 0.0, config=config,
                              interpret=interpreting())
-        st = BlockSparseStatic(flash=flash, q_block_size=call.q_block_size, kv_block_size=call.kv_block_size)
+        st = BlockSparseStatic(flash=flash, q_block_size=call.q_block_size, kv_block_size=call.kv_block_size,
+                               tma_forward=tma_forward_applies(call, config))
         return attention(call.query, call.key, call.value, call.q_segment_ids, call.kv_segment_ids, aux,
                          *kernel_schedule(call, "q"), *kernel_schedule(call, "kv"), st)
 

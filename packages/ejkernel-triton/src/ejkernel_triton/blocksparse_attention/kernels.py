@@ -20,8 +20,16 @@ import triton.language as tl
 
 from ejkernel.ops.utils.block_sparse import block_schedule
 from ejkernel_triton.flash_attention.backward import row_delta
-from ejkernel_triton.flash_attention.common import StaticParams, kernel_meta, placeholder
-from ejkernel_triton.flash_attention.tiles import dkv_tile, dq_tile, fwd_tile, sink_blocks, sink_state, store_rows
+from ejkernel_triton.flash_attention.common import StaticParams, kernel_meta, placeholder, scores
+from ejkernel_triton.flash_attention.tiles import (
+    dkv_tile,
+    dq_tile,
+    fwd_tile,
+    sink_blocks,
+    sink_state,
+    softmax_update,
+    store_rows,
+)
 from ejkernel_triton.launch import launch
 
 _FLASH_ONLY = ("IS_VARLEN", "DROPOUT", "DROP_THRESHOLD", "DROP_SCALE")
@@ -115,6 +123,57 @@ def _fwd_kernel(
     o_ptrs = O + b64 * SEQ_Q * stride_os + head * stride_oh + rows[:, None] * stride_os + offs_dv[None, :]
     store_rows(o_ptrs, LSE + (b64 * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
                (rows[:, None] < SEQ_Q) & (offs_dv[None, :] < DV), rows < SEQ_Q)
+
+
+@triton.jit
+def _fwd_tma_kernel(
+    Q, K, V, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs and scalars
+    O, LSE,  # outputs
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+    MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
+    VISITS_P2: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+):
+    """The forward for Hopper on calls whose every visited block is full (opt-in, `tma_forward_applies`):
+    flash attention's TMA + warp-specialized loop (`flash_attention.forward._fwd_tma_kernel`) walking the
+    schedule. Triton 3.6's warp specialization pass fails on a loop that loads its block index from memory
+    and on a kernel with a second (masked) loop (sm_90 lowering, 2026-11-23), hence: the row's visit list is
+    read into registers once and each step picks its entry with a masked sum, and calls with partial blocks
+    (causal, window, segment ids, ragged lengths) keep `_fwd_kernel`."""
+    m0 = tl.program_id(0) * BLOCK_Q
+    batch = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    kv_width = (NUM_HEADS // GROUP) * D
+    q_desc = tl.make_tensor_descriptor(Q, shape=[tl.num_programs(1) * SEQ_Q, NUM_HEADS * D],
+                                       strides=[NUM_HEADS * D, 1], block_shape=[BLOCK_Q, D])
+    k_desc = tl.make_tensor_descriptor(K, shape=[tl.num_programs(1) * SEQ_KV, kv_width], strides=[kv_width, 1],
+                                       block_shape=[BLOCK_KV, D])
+    v_desc = tl.make_tensor_descriptor(V, shape=[tl.num_programs(1) * SEQ_KV, kv_width], strides=[kv_width, 1],
+                                       block_shape=[BLOCK_KV, D])
+    q = q_desc.load([batch * SEQ_Q + m0, head * D])
+    acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+    m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
+    visits, _, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
+                                     MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
+    slots = tl.arange(0, VISITS_P2)
+    row_visits = tl.load(visits + slots, mask=slots < MAX_VISITS, other=0)
+    TILES: tl.constexpr = KV_BLOCK_SIZE // BLOCK_KV
+    for i in tl.range(0, count * TILES, warp_specialize=True):
+        block = tl.sum(tl.where(slots == i // TILES, row_visits, 0), 0)
+        n0 = block * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        k = k_desc.load([batch * SEQ_KV + n0, kv_head * D])
+        s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, "tf32")
+        p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
+        v = v_desc.load([batch * SEQ_KV + n0, kv_head * D])
+        acc = tl.dot(p.to(v.dtype), v, acc)
+
+    rows = m0 + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, D)
+    row0 = batch.to(tl.int64) * SEQ_Q  # element offsets of large batches overflow int32
+    o_ptrs = O + (row0 + rows[:, None]) * (NUM_HEADS * D) + head * D + offs_d[None, :]
+    store_rows(o_ptrs, LSE + (batch.to(tl.int64) * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
+               (rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), rows < SEQ_Q)
 
 
 @triton.jit
@@ -261,8 +320,10 @@ def _meta(q, k, v, st: StaticParams, has_segments: bool, schedule, q_block_size:
                 Q_BLOCK_SIZE=q_block_size, KV_BLOCK_SIZE=kv_block_size)
 
 
-def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_block_size: int, kv_block_size: int):
-    """(out [B, Sq, H, Dv], lse [B, H, Sq] float32, log2 units); `q_schedule`: `kernel_schedule(call, "q")`."""
+def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_block_size: int, kv_block_size: int,
+                tma: bool = False):
+    """(out [B, Sq, H, Dv], lse [B, H, Sq] float32, log2 units); `q_schedule`: `kernel_schedule(call, "q")`;
+    `tma`: run `_fwd_tma_kernel` (a call `tma_forward_applies` admits)."""
     b, sq, h, _ = q.shape
     dv = v.shape[-1]
     config = st.config
@@ -272,6 +333,16 @@ def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_blo
             aux if aux is not None else jnp.zeros((1,), jnp.float32), *q_schedule,
             np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, k.shape[1])
     out_shapes = (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+    if tma:
+        mask_batch, mask_heads, rows, max_visits = q_schedule[0].shape
+        return launch(
+            _fwd_tma_kernel, (q, k, v, *args[5:]), out_shapes, (triton.cdiv(sq, config.fwd_block_q), b, h),
+            num_warps=config.fwd_num_warps, num_stages=config.fwd_num_stages, zeroed_outputs=(),
+            interpret=st.interpret, tma=True, NUM_HEADS=h, GROUP=h // k.shape[2], D=q.shape[-1],
+            BLOCK_Q=config.fwd_block_q, BLOCK_KV=config.fwd_block_kv, USE_SOFTCAP=st.softcap > 0,
+            NUM_SINKS=num_sinks, BLOCK_SINKS=sink_blocks(num_sinks), MASK_BATCH=mask_batch, MASK_HEADS=mask_heads,
+            ROWS=rows, MAX_VISITS=max_visits, VISITS_P2=triton.next_power_of_2(max_visits),
+            Q_BLOCK_SIZE=q_block_size, KV_BLOCK_SIZE=kv_block_size)
     return launch(
         _fwd_kernel, args, out_shapes, (triton.cdiv(sq, config.fwd_block_q), b, h),
         num_warps=config.fwd_num_warps, num_stages=config.fwd_num_stages, zeroed_outputs=(), interpret=st.interpret,

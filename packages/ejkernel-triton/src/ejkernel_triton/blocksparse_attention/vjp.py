@@ -25,6 +25,7 @@ class BlockSparseStatic:
     flash: StaticParams
     q_block_size: int
     kv_block_size: int
+    tma_forward: bool = False  # the forward runs `kernels._fwd_tma_kernel`
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,7 +34,8 @@ def _batched_calls(st: BlockSparseStatic):
 
     @jax.custom_batching.custom_vmap
     def fwd(q, k, v, q_seg, kv_seg, aux, q_idx, q_full, q_count):
-        return tuple(run_forward(q, k, v, q_seg, kv_seg, aux, (q_idx, q_full, q_count), st.flash, *blocks))
+        return tuple(run_forward(q, k, v, q_seg, kv_seg, aux, (q_idx, q_full, q_count), st.flash, *blocks,
+                                 tma=st.tma_forward))
 
     fwd.def_vmap(fold_batch_rule(fwd, 5, 2, varlen_args=0))
 
