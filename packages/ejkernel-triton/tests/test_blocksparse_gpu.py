@@ -84,3 +84,28 @@ def test_full_mask_matches_flash_attention():
     sparse = blocksparse_attention(q, k, v, causal=True, block_size=128, platform="triton")
     dense = flash_attention(q, k, v, causal=True, platform="triton")
     np.testing.assert_allclose(np.asarray(sparse, np.float32), np.asarray(dense, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_tma_forward_against_float32_reference():
+    """The opt-in Hopper TMA forward (non-causal, whole blocks, D=128) with the backward it feeds."""
+    import dataclasses
+
+    from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, tma_forward_applies
+    from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
+
+    b, s, h, hkv, d = 2, 1024, 8, 2, 128
+    q, k, v, do = (normal_array(i, shape, "bfloat16") for i, shape in
+                   enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]))
+    aux = normal_array(9, (h,))
+    mask = random_block_mask(4, b, h, s, s, 128, 128, density=0.25)
+    kw = dict(block_mask=mask, block_size=128, causal=False, logits_soft_cap=30.0)
+    call = BlockSparseAttention().validate(q, k, v, softmax_aux=aux, **kw)
+    cfg = dataclasses.replace(IMPLEMENTATION.heuristic_config(call), fwd_block_q=128, fwd_block_kv=128,
+                              fwd_num_warps=4, fwd_num_stages=2, tma_forward=True)
+    assert tma_forward_applies(call, cfg)
+    got = jax.jit(lambda *a: _grads(lambda q, k, v, x: blocksparse_attention(
+        q, k, v, softmax_aux=x, platform="triton", cfg=cfg, **kw), *a))(q, k, v, aux, do)
+    ref = jax.jit(lambda *a: _grads(lambda q, k, v, x: reference_blocksparse_attention(
+        q, k, v, softmax_aux=x, **kw), *a))(*(x.astype(jnp.float32) for x in (q, k, v)), aux, do.astype(jnp.float32))
+    for name, g, r in zip(("out", "dq", "dk", "dv", "d_aux"), got, ref):
+        assert_close(g, r, dtype="bfloat16", gradient=name != "out", name=name)
