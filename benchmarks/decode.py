@@ -20,7 +20,7 @@ candidates of packages/ejkernel-triton/NOTES.md).
 
 `--mixed` (on by default): `ragged_page_attention` on the mixed batch of `MIXED` (pages of `--page-sizes`),
 with its two parts alone (the prefill chunks only; the decode rows only; first page size) to split the time,
-and the one-launch schedules (`[fused]`, `[fused,inline]`), against both
+and the Triton schedule candidates (`[m64]`, `[fused,m64]`, `[fused,m64,inline]`), against both
 ceilings: bytes (K+V of every sequence read once, plus queries and outputs) at the copy bandwidth, and FLOPs
 (4·H·D per visible (query, key) pair) at the bf16 matmul rate measured in the same run (8192^3 `jnp.dot`).
 `--mixed-platforms` picks the backends (XLA gathers every query row's pages: slow, off in the device script).
@@ -315,11 +315,16 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
             ref = jax.jit(mixed_reference, static_argnums=(3, 4))(*sets[0][1][:3], tuple(sets[0][1][3].tolist()),
                                                                   tuple(sets[0][1][4].tolist()))
             variants = [(f"ejkernel-{platform} ragged-page", platform, None) for platform in platforms]
-            if "triton" in platforms and args.mixed_fused:  # decode programs and prefill tiles in one launch
+            if "triton" in platforms and args.mixed_fused and part == "mixed":
+                # schedule candidates (NOTES.md): 64-row, 4-warp prefill tiles, alone and in one launch with the
+                # decode programs (small enough to share an SM with them), with the inline combine
                 fused = fused_config(sets[0][0])
-                variants += [("ejkernel-triton ragged-page[fused]", "triton", fused),
-                             ("ejkernel-triton ragged-page[fused,inline]", "triton",
-                              dataclasses.replace(fused, decode_inline_combine=True))]
+                m64 = dict(block_m=max(64, fused.block_m // 2), num_warps=4)
+                variants += [("ejkernel-triton ragged-page[m64]", "triton",
+                              dataclasses.replace(fused, fused=False, **m64)),
+                             ("ejkernel-triton ragged-page[fused,m64]", "triton", dataclasses.replace(fused, **m64)),
+                             ("ejkernel-triton ragged-page[fused,m64,inline]", "triton",
+                              dataclasses.replace(fused, decode_inline_combine=True, **m64))]
             for name, platform, cfg in variants:
                 row = dict(impl=name, part=part, page_size=ps, batch=len(sequences),
                            context=MIXED["context"], bytes=nbytes, flops=flops, bytes_us=t_bytes * 1e6,
@@ -451,7 +456,7 @@ def main(argv=None) -> int:
                    help="ragged_page_attention on the mixed prefill + decode batch")
     p.add_argument("--mixed-platforms", default="", help="comma-separated platforms for --mixed (default: all)")
     p.add_argument("--mixed-fused", action=argparse.BooleanOptionalAction, default=True,
-                   help="also the one-launch schedules of the Triton kernel")
+                   help="also the schedule candidates of the Triton kernel (64-row tiles, one launch) on the mixed batch")
     args = p.parse_args(argv)
     if args.replot:
         doc = json.loads(Path(args.replot).read_text())

@@ -8,10 +8,11 @@
 #
 # Writes under $OUT/serving/: tests.log and tests.xml (pytest -m gpu of test_decode_gpu.py and
 # test_ragged_page_attention_gpu.py, 8 xdist workers sharing the GPU), benchmark.log and
-# <gpu>-<date>-decode.json / .png (benchmarks/decode.py: B=32 at contexts 1k/2k/4k/8k, B=8 and 64 at 4k, pages
-# of 16 and 64; ours vs flash-attn3-jax paged vs JAX Pallas gqa; the schedule sweep at 32x4096; the mixed batch
-# of 4 prefill chunks of 512 + 60 decode rows over 4k contexts with its prefill and decode parts alone, against
-# the bandwidth and compute ceilings). About 145 s on one H200, compile included: each part under its own
+# <gpu>-<date>-decode.json / .png (benchmarks/decode.py, in this order: the mixed batch of 4 prefill chunks of
+# 512 + 60 decode rows over 4k contexts (pages of 16 and 64, the Triton schedule candidates, its prefill and
+# decode parts alone) against the bandwidth and compute ceilings; then every implementation's default at 32x4096,
+# 8x4096, 64x4096, 32x1024, 32x2048 (SERVING_SHAPES), pages of 16 and 64: ours vs flash-attn3-jax paged vs JAX
+# Pallas gqa; last the decode schedule sweep at 32x4096). About 145 s on one H200, compile included: each part under its own
 # timeout, one failing part does not stop the other; the JSON is rewritten after every row, so a cut-off run
 # keeps what it measured. Prints a summary. Exit status 1 if a part failed.
 set -uo pipefail
@@ -41,8 +42,8 @@ tests_took=$(($(date +%s) - start))
 # 2. Benchmark, alone on the GPU: the standard shape (and its sweep) first, the mixed batch last.
 start=$(date +%s)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout --kill-after=5 ${SERVING_BENCH_S:-85} python3 benchmarks/decode.py \
-    --shapes "${SERVING_SHAPES:-32x4096,8x4096,64x4096,32x2048,32x1024,32x8192}" --page-sizes 16,64 \
-    --mixed-platforms triton --no-mixed-fused --sweep-layouts paged --warmup 2 --reps 5 --calls 5 --rotate-bytes 128e6 --out "$DIR" \
+    --shapes "${SERVING_SHAPES:-32x4096,8x4096,64x4096,32x1024,32x2048}" --page-sizes 16,64 \
+    --mixed-platforms triton --sweep-layouts paged --warmup 2 --reps 5 --calls 5 --rotate-bytes 128e6 --out "$DIR" \
     >"$DIR/benchmark.log" 2>&1
 bench_status=$?
 bench_took=$(($(date +%s) - start))
