@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--no-numerics", action="store_true")
     parser.add_argument("--configs", default="", help="Triton configs to time at --config-seq, "
-                        "block_k:block_v:num_warps:num_stages,... (e.g. 64:64:4:2,64:128:8:2)")
+                        "block_k:block_v:num_warps:num_stages[:output_block_v],... (e.g. 64:64:4:2:64,32:64:8:2)")
     parser.add_argument("--config-seq", type=int, default=4096)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args(argv)
@@ -230,8 +230,9 @@ def main(argv=None) -> int:
     for spec in [c for c in args.configs.split(",") if c]:
         from ejkernel_triton.linear_attention import TritonLinearAttentionConfig
 
-        bk, bv, warps, stages = (int(x) for x in spec.split(":"))
-        cfg = TritonLinearAttentionConfig(block_k=bk, block_v=bv, num_warps=warps, num_stages=stages)
+        bk, bv, warps, stages, *out_bv = (int(x) for x in spec.split(":"))
+        cfg = TritonLinearAttentionConfig(block_k=bk, block_v=bv, num_warps=warps, num_stages=stages,
+                                          output_block_v=out_bv[0] if out_bv else None)
         t0 = time.perf_counter()
         try:
             t_fwd, t_bwd = time_jax("triton", args.config_seq, args.sets, args.warmup, args.reps, args.calls, cfg)

@@ -28,7 +28,7 @@ failed=0
 # 1. Benchmark first, alone on the GPU (T=4k first: the shape; the JSON is rewritten after every row).
 start=$(date +%s)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout --kill-after=5 75 python3 benchmarks/linear_attention.py \
-    --seqs 4096,1024,16384 --xla-seqs 4096 --configs 64:128:8:2,32:64:4:2 --reps 5 --calls 5 \
+    --seqs 4096,1024,16384 --xla-seqs 4096 --configs 64:64:4:2:64,32:64:8:2 --reps 5 --calls 5 \
     --out "$DIR" >"$DIR/benchmark.log" 2>&1
 bench_status=$?
 bench_took=$(($(date +%s) - start))

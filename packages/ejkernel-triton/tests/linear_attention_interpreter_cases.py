@@ -112,7 +112,7 @@ CASES = {
     # three chunks (the last one 2 tokens), per-dimension gates, initial state; K=40, V=24: two key tiles of 32
     # and two value tiles of 16, the second of each masked
     "gla_vector_gates_odd_dims": dict(shape=(1, 130, 1, 1, 40, 24),
-                                      cfg=TritonLinearAttentionConfig(block_k=32, block_v=16)),
+                                      cfg=TritonLinearAttentionConfig(block_k=32, block_v=16, output_block_v=16)),
     # gates 40x stronger than log-sigmoid: every exponent stays <= 0, nothing overflows
     "gla_strong_gates": dict(shape=(1, 70, 1, 1, 16, 16), strength=8.0, gate_scale=40.0),
     # scalar gate + g_gamma, GQA 2:1, reverse, float16

@@ -88,8 +88,9 @@ def test_refuses_what_it_does_not_implement():
 
 
 def test_config_validation():
-    TritonLinearAttentionConfig(block_k=32, block_v=128, num_warps=8)
-    for bad in (dict(block_k=48), dict(block_v=8), dict(num_warps=0), dict(num_stages=True)):
+    TritonLinearAttentionConfig(block_k=32, block_v=128, output_block_v=64, num_warps=4, state_num_warps=8)
+    for bad in (dict(block_k=48), dict(block_v=8), dict(output_block_v=96), dict(num_warps=0), dict(num_stages=True),
+                dict(state_num_warps=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TritonLinearAttentionConfig(**bad)
 

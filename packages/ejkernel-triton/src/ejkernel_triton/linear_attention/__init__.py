@@ -43,29 +43,35 @@ def _power_of_two(name: str, value: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TritonLinearAttentionConfig:
-    """Tiles of the key and value dims (the chunk is fixed at 64 tokens) and the launch shape.
+    """Tiles of the key and value dims (the chunk is fixed at 64 tokens) and the launch shapes.
 
-    ``block_k``/``block_v``: None picks min(64, head dim rounded up to a power of two >= 16)."""
+    ``block_k``/``block_v``: None picks min(64, head dim rounded up to a power of two >= 16);
+    ``output_block_v``: the output kernel's value tile (None: min(128, ...): one tile computes the chunk's
+    intra matrix once for V <= 128). ``num_warps``: the chunk-parallel kernels (output, dv, dq/dk/dg: at 4
+    warps the output and dq/dk/dg kernels spill on sm_90, at 8 they use 200-240 registers without);
+    ``state_num_warps``: the two sequential state kernels."""
 
     block_k: int | None = None
     block_v: int | None = None
-    num_warps: int = 4
+    output_block_v: int | None = None
+    num_warps: int = 8
     num_stages: int = 2
+    state_num_warps: int = 4
 
     def __post_init__(self):
-        for name in ("block_k", "block_v"):
+        for name in ("block_k", "block_v", "output_block_v"):
             if getattr(self, name) is not None:
                 _power_of_two(name, getattr(self, name))
-        for name in ("num_warps", "num_stages"):
+        for name in ("num_warps", "num_stages", "state_num_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
 
 
-def _block(dim: int, chosen: int | None) -> int:
+def _block(dim: int, chosen: int | None, largest: int = 64) -> int:
     if chosen is not None:
         return chosen
-    return max(16, min(64, 1 << (dim - 1).bit_length()))
+    return max(16, min(largest, 1 << (dim - 1).bit_length()))
 
 
 def key_log_gate(call: LinearAttentionCall) -> jax.Array:
@@ -111,8 +117,8 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
         return TritonLinearAttentionConfig()
 
     def candidate_configs(self, call: LinearAttentionCall) -> Sequence[TritonLinearAttentionConfig]:
-        return (TritonLinearAttentionConfig(), TritonLinearAttentionConfig(block_k=32, block_v=64),
-                TritonLinearAttentionConfig(num_warps=8))
+        return (TritonLinearAttentionConfig(), TritonLinearAttentionConfig(output_block_v=64),
+                TritonLinearAttentionConfig(block_k=32), TritonLinearAttentionConfig(state_num_warps=8))
 
     def __call__(self, call: LinearAttentionCall, config: TritonLinearAttentionConfig) -> tuple[jax.Array, jax.Array]:
         q, k, v = call.query, call.key, call.value
@@ -139,8 +145,10 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
             if padded != total:  # neutral tokens at the end: zero keys and gates leave the state as it is
                 arrays = [jnp.pad(x, [(0, 0), (0, padded - total), (0, 0), (0, 0)]) for x in arrays]
         st = StaticParams(scale=float(call.softmax_scale), block_k=_block(dk, config.block_k),
-                          block_v=_block(v.shape[-1], config.block_v), num_warps=config.num_warps,
-                          num_stages=config.num_stages, interpret=interpreting(), varlen=varlen)
+                          block_v=_block(v.shape[-1], config.block_v),
+                          output_block_v=_block(v.shape[-1], config.output_block_v, 128), num_warps=config.num_warps,
+                          num_stages=config.num_stages, state_num_warps=config.state_num_warps,
+                          interpret=interpreting(), varlen=varlen)
         o, final = linear_attention(*arrays, call.initial_state, tables, st)
         o = o[:, :total]
         if call.reverse:

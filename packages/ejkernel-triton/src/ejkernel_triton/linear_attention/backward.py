@@ -166,7 +166,7 @@ def _dqkg_kernel(
             on_rows_i = (sub == i)[:, None]
             on_cols = (sub < i)[:, None]
             keys = tl.where(on_cols, k32 * tl.exp(tl.where(on_cols, ref[None, :] - g, 0.0)), 0.0)
-            part = tl.dot(d_a.to(k.dtype), keys.to(k.dtype), input_precision=DOT_PRECISION)
+            part = tl.dot(d_a, keys, input_precision=DOT_PRECISION)  # float32 operands: TF32 / IEEE
             dq += tl.where(on_rows_i, part * tl.exp(tl.where(on_rows_i, g - ref[None, :], 0.0)), 0.0)
     for j in range(0, NC - 1):  # dk: queries of later sub-chunks, split at the last row of sub-chunk j
         if (j + 1) * BC < length:
@@ -174,7 +174,7 @@ def _dqkg_kernel(
             on_rows_j = (sub == j)[:, None]
             on_cols = (sub > j)[:, None]
             queries = tl.where(on_cols, q_scaled * tl.exp(tl.where(on_cols, g - ref[None, :], 0.0)), 0.0)
-            part = tl.dot(tl.trans(d_a.to(q.dtype)), queries.to(q.dtype), input_precision=DOT_PRECISION)
+            part = tl.dot(tl.trans(d_a), queries, input_precision=DOT_PRECISION)
             dk += tl.where(on_rows_j, part * tl.exp(tl.where(on_rows_j, ref[None, :] - g, 0.0)), 0.0)
     # pairs inside one sub-chunk, exactly: column j of every sub-chunk at once
     for j in range(BC):

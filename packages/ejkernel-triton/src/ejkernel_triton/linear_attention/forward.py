@@ -136,7 +136,8 @@ def across_sub_chunks(x, x_gates, y, y_gates, offs_t, length, BC: tl.constexpr, 
             cols = (sub < i)[:, None]
             xi = tl.where(rows, x * tl.exp(tl.where(rows, x_gates - ref[None, :], 0.0)), 0.0)
             yi = tl.where(cols, y * tl.exp(tl.where(cols, ref[None, :] - y_gates, 0.0)), 0.0)
-            acc = tl.dot(xi.to(y.dtype), tl.trans(yi.to(y.dtype)), acc, input_precision=DOT_PRECISION)
+            # float32 operands (TF32 for 16-bit inputs, IEEE for float32), as fla keeps its intra-chunk A
+            acc = tl.dot(xi, tl.trans(yi), acc, input_precision=DOT_PRECISION)
     return acc
 
 

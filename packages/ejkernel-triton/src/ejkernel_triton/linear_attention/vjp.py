@@ -31,8 +31,10 @@ class StaticParams:
     scale: float
     block_k: int
     block_v: int
+    output_block_v: int
     num_warps: int
     num_stages: int
+    state_num_warps: int
     interpret: bool
     varlen: bool = False
 
@@ -99,7 +101,7 @@ def _states(k, v, gc, a, h0, tables, st: StaticParams):
                   jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32))
     grid = (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), seqs * h)
     return launch(_state_kernel, (k, v, gc, a, h0 if h0 is not None else _placeholder(), *_tables(tables), per_seq),
-                  out_shapes, grid, num_warps=st.num_warps, num_stages=st.num_stages, interpret=st.interpret,
+                  out_shapes, grid, num_warps=st.state_num_warps, num_stages=st.num_stages, interpret=st.interpret,
                   BK=st.block_k, BV=st.block_v, HAS_H0=h0 is not None, **_meta(k, v, st))
 
 
@@ -112,9 +114,9 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32))
     ch_start, ch_len, _ = _tables(tables)
     o, attn = launch(_output_kernel, (q, k, v, gc, hs, ch_start, ch_len, np.float32(st.scale)), out_shapes,
-                     (triton.cdiv(dv, st.block_v), chunks, h), num_warps=st.num_warps, num_stages=st.num_stages,
-                     zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret, BC=SUB_CHUNK,
-                     BK=st.block_k, BV=st.block_v, **_meta(q, v, st))
+                     (triton.cdiv(dv, st.output_block_v), chunks, h), num_warps=st.num_warps,
+                     num_stages=st.num_stages, zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret,
+                     BC=SUB_CHUNK, BK=st.block_k, BV=st.output_block_v, **_meta(q, v, st))
     return o, final, gc, attn
 
 
@@ -122,24 +124,25 @@ def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     chunks, seqs, per_seq = _num_chunks(q, tables)
-    common = dict(num_warps=st.num_warps, num_stages=st.num_stages, interpret=st.interpret, **_meta(q, v, st))
+    common = dict(num_stages=st.num_stages, interpret=st.interpret, **_meta(q, v, st))
     hs, _ = _states(k, v, gc, a, h0, tables, st)
     ch_start, ch_len, seq_first = _tables(tables)
     dhs, dh0 = launch(
         _state_grad_kernel, (q, gc, do, dht, ch_start, ch_len, seq_first, np.float32(st.scale), per_seq),
         (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(q)), jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32)),
-        (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), seqs * h), BK=st.block_k, BV=st.block_v,
-        **common)
+        (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), seqs * h), num_warps=st.state_num_warps,
+        BK=st.block_k, BV=st.block_v, **common)
     d_v, d_attn = launch(
         _dv_kernel, (k, v, gc, attn, do, dhs, ch_start, ch_len),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)),
-        (chunks, h), zeroed_outputs=(0,) if st.varlen else (), BK=st.block_k, BV=st.block_v, **common)
+        (chunks, h), num_warps=st.num_warps, zeroed_outputs=(0,) if st.varlen else (), BK=st.block_k,
+        BV=st.block_v, **common)
     d_q, d_k, d_a = launch(
         _dqkg_kernel, (q, k, v, gc, hs, do, dhs, d_attn, ch_start, ch_len, np.float32(st.scale)),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(q.shape, jnp.float32)),
-        (triton.cdiv(dk, st.block_k), chunks, h), zeroed_outputs=(0, 1, 2) if st.varlen else (), BC=SUB_CHUNK,
-        BK=st.block_k, BV=st.block_v, **common)
+        (triton.cdiv(dk, st.block_k), chunks, h), num_warps=st.num_warps,
+        zeroed_outputs=(0, 1, 2) if st.varlen else (), BC=SUB_CHUNK, BK=st.block_k, BV=st.block_v, **common)
     return d_q, d_k, d_v, d_a, dh0
 
 
