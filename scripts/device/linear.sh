@@ -23,6 +23,11 @@ DIR="$OUT/linear"
 mkdir -p "$DIR"
 unset JAX_PLATFORMS
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# fla's Triton kernels (through torch) need a writable cache: batch 1 failed with "Could not create or locate
+# cache dir" under the device's home.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_HOME=${TRITON_HOME:-/tmp/triton-home}
+export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/xdg-cache}
+mkdir -p "$TRITON_CACHE_DIR" "$TRITON_HOME" "$XDG_CACHE_HOME"
 failed=0
 
 # 1. Benchmark first, alone on the GPU (T=4k first: the issue's shape; the JSON is rewritten after every row).
@@ -46,6 +51,7 @@ tests_took=$(($(date +%s) - start))
 echo "== linear summary =="
 echo "benchmark: exit $bench_status in ${bench_took} s"
 grep -E "^(T=|config|\| [0-9]+ \||errors|fla not)" "$DIR/benchmark.log" | head -n 30
+grep -E "Error" "$DIR/benchmark.log" | sort | uniq -c | head -n 5
 [ "$bench_status" -eq 0 ] || tail -n 8 "$DIR/benchmark.log"
 echo "tests: exit $tests_status in ${tests_took} s: $(tail -n 1 "$DIR/tests.log")"
 grep -E "^(FAILED|ERROR)" "$DIR/tests.log" | head -n 15
