@@ -73,7 +73,15 @@ def time_jax(platform, total, sets, warmup, reps, calls, cfg=None):
 
 
 def time_fla(total, sets, warmup, reps, calls):
+    import os
+    import tempfile
+
     import torch
+
+    # jax-triton sets TRITON_CACHE_DIR to "" at import (it compiles in memory); fla's Triton autotuner in the
+    # same process then finds no cache directory ("Could not create or locate cache dir"): give it one.
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fla-triton-cache-")
     from fla.ops.gla import chunk_gla
 
     b, h, dk, dv = SHAPE["batch"], SHAPE["heads"], SHAPE["dk"], SHAPE["dv"]
