@@ -110,9 +110,12 @@ def run_case(name, *, operation="gla_attention", shape=(1, 150, 2, 2, 16, 32), d
 
 CASES = {
     # three chunks (the last one 2 tokens), per-dimension gates, initial state; K=40, V=24: two key tiles of 32
-    # and two value tiles of 16, the second of each masked
+    # and two value tiles of 16, the second of each masked; the state kernels on 3 x 2 tiles of 16 x 16 and
+    # with the decayed keys written by the cumulative-gate kernel
     "gla_vector_gates_odd_dims": dict(shape=(1, 130, 1, 1, 40, 24),
-                                      cfg=TritonLinearAttentionConfig(block_k=32, block_v=16, output_block_v=16)),
+                                      cfg=TritonLinearAttentionConfig(block_k=32, block_v=16, output_block_v=16,
+                                                                      state_block_k=16, state_block_v=16,
+                                                                      decayed_keys=True)),
     # gates 40x stronger than log-sigmoid: every exponent stays <= 0, nothing overflows
     "gla_strong_gates": dict(shape=(1, 70, 1, 1, 16, 16), strength=8.0, gate_scale=40.0),
     # scalar gate + g_gamma, GQA 2:1, reverse, float16
@@ -122,7 +125,7 @@ CASES = {
     # varlen: sequences of 70, 0, 80 and 40 tokens (several chunks each, short last chunks, an empty one,
     # 10 tokens past the end), reverse, initial states
     "gla_varlen_reverse": dict(shape=(1, 200, 1, 1, 16, 16), bounds=(0, 70, 70, 150, 190),
-                               static=dict(reverse=True)),
+                               static=dict(reverse=True), cfg=TritonLinearAttentionConfig(decayed_keys=True)),
     # lightning (g_gamma only), no initial state, under vmap (folded into the batch)
     "lightning_vmap": dict(operation="lightning_attention", shape=(1, 64, 2, 2, 16, 16), gate=None,
                            initial_state=False, static=dict(layer_idx=1, num_layers=4), vmap=True),

@@ -43,13 +43,18 @@ def _power_of_two(name: str, value: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TritonLinearAttentionConfig:
-    """Tiles of the key and value dims (the chunk is fixed at 64 tokens) and the launch shapes.
+    """Tiles of the key and value dims (the chunk is fixed at 64 tokens) and the launch shapes, per pass.
 
     ``block_k``/``block_v``: None picks min(64, head dim rounded up to a power of two >= 16);
     ``output_block_v``: the output kernel's value tile (None: min(128, ...): one tile computes the chunk's
-    intra matrix once for V <= 128). ``num_warps``: the chunk-parallel kernels (output, dv, dq/dk/dg: at 4
-    warps the output and dq/dk/dg kernels spill on sm_90, at 8 they use 200-240 registers without);
-    ``state_num_warps``: the two sequential state kernels."""
+    intra matrix once for V <= 128). ``num_warps``: the forward's output kernel (at 4 warps it spills on
+    sm_90, at 8 it uses 240 registers without); ``backward_num_warps``: the backward's dv and dq/dk/dg kernels
+    (H200, B=4 T=4k H=8 K=V=128: the backward took 1.17 ms at 4 warps, 1.68 at 8, although dq/dk/dg spills
+    216 B at 4). ``state_num_warps``, ``state_block_k``/``state_block_v`` (None: ``block_k``/``block_v``): the
+    two sequential state kernels (forward states, recomputed in the backward, and the state gradients):
+    smaller tiles run more programs (B*H*(K/tile)*(V/tile)) over the same chain of chunks.
+    ``decayed_keys``: the cumulative-gate kernel also writes k * exp(gc_last - gc), so that the state loops only
+    load and multiply (one more [B, T, H, K] array in k's dtype written and read; the backward recomputes it)."""
 
     block_k: int | None = None
     block_v: int | None = None
@@ -57,15 +62,34 @@ class TritonLinearAttentionConfig:
     num_warps: int = 8
     num_stages: int = 2
     state_num_warps: int = 4
+    backward_num_warps: int = 4
+    state_block_k: int | None = None
+    state_block_v: int | None = None
+    decayed_keys: bool = False
 
     def __post_init__(self):
-        for name in ("block_k", "block_v", "output_block_v"):
+        for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v"):
             if getattr(self, name) is not None:
                 _power_of_two(name, getattr(self, name))
-        for name in ("num_warps", "num_stages", "state_num_warps"):
+        for name in ("num_warps", "num_stages", "state_num_warps", "backward_num_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.decayed_keys, bool):
+            raise ValueError(f"TritonLinearAttentionConfig.decayed_keys must be a bool, got {self.decayed_keys!r}")
+
+    @classmethod
+    def parse(cls, spec: str) -> TritonLinearAttentionConfig:
+        """A config from ``name=value`` pairs joined by ``/`` (e.g. ``state_block_k=32/decayed_keys=1``; the
+        benchmark's ``--configs``); ints, ``decayed_keys`` 0/1."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = {}
+        for item in filter(None, spec.split("/")):
+            name, _, raw = item.partition("=")
+            if name not in fields:
+                raise ValueError(f"TritonLinearAttentionConfig has no field {name!r} (spec {spec!r})")
+            values[name] = bool(int(raw)) if name == "decayed_keys" else int(raw)
+        return cls(**values)
 
 
 def _block(dim: int, chosen: int | None, largest: int = 64) -> int:
@@ -117,8 +141,11 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
         return TritonLinearAttentionConfig()
 
     def candidate_configs(self, call: LinearAttentionCall) -> Sequence[TritonLinearAttentionConfig]:
-        return (TritonLinearAttentionConfig(), TritonLinearAttentionConfig(output_block_v=64),
-                TritonLinearAttentionConfig(block_k=32), TritonLinearAttentionConfig(state_num_warps=8))
+        # the default (per pass: batch 2's forward, batch 1's backward), then the state-kernel levers
+        return (TritonLinearAttentionConfig(), TritonLinearAttentionConfig(decayed_keys=True),
+                TritonLinearAttentionConfig(state_block_k=32, state_block_v=32),
+                TritonLinearAttentionConfig(decayed_keys=True, state_block_k=32, state_block_v=32),
+                TritonLinearAttentionConfig(output_block_v=64))
 
     def __call__(self, call: LinearAttentionCall, config: TritonLinearAttentionConfig) -> tuple[jax.Array, jax.Array]:
         q, k, v = call.query, call.key, call.value
@@ -148,7 +175,10 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                           block_v=_block(v.shape[-1], config.block_v),
                           output_block_v=_block(v.shape[-1], config.output_block_v, 128), num_warps=config.num_warps,
                           num_stages=config.num_stages, state_num_warps=config.state_num_warps,
-                          interpret=interpreting(), varlen=varlen)
+                          interpret=interpreting(), varlen=varlen, backward_num_warps=config.backward_num_warps,
+                          state_block_k=_block(dk, config.state_block_k or config.block_k),
+                          state_block_v=_block(v.shape[-1], config.state_block_v or config.block_v),
+                          decayed_keys=config.decayed_keys)
         o, final = linear_attention(*arrays, call.initial_state, tables, st)
         o = o[:, :total]
         if call.reverse:

@@ -59,9 +59,13 @@ def sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _cumsum_kernel(G, CH_START, CH_LEN, GC, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """GC = the log gates G ([B, T, H, K]) cumulated inside each chunk; one program per (chunk, head)."""
+def _cumsum_kernel(G, K_, CH_START, CH_LEN, GC, KD, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, IS_VARLEN: tl.constexpr, WRITE_DECAYED: tl.constexpr):
+    """GC = the log gates G ([B, T, H, K]) cumulated inside each chunk; one program per (chunk, head).
+
+    WRITE_DECAYED: also KD = k * exp(gc_last - gc) in k's dtype (the state kernel's decayed keys, so that its
+    sequential loop only loads and multiplies); the exponent is the suffix sum of the raw gates after each row
+    (exact near the chunk's end, as in ``_state_kernel``)."""
     c = tl.program_id(0)
     head = tl.program_id(1)
     row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
@@ -74,6 +78,10 @@ def _cumsum_kernel(G, CH_START, CH_LEN, GC, H: tl.constexpr, K: tl.constexpr, BT
         m = rmask[:, None] & (offs_k[None, :] < K)
         g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(GC + offs, tl.cumsum(g, axis=0), mask=m)
+        if WRITE_DECAYED:
+            k = tl.load(K_ + offs, mask=m, other=0.0)
+            g_after = tl.cumsum(g, axis=0, reverse=True) - g
+            tl.store(KD + offs, (k.to(tl.float32) * tl.exp(g_after)).to(KD.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -81,8 +89,10 @@ def _state_kernel(
     K_, V_, GC, G, H0, CH_START, CH_LEN, SEQ_FIRST, NUM_CHUNKS,  # inputs (G: the raw log gates)
     HS, HT,  # outputs: h_c entering every chunk c [chunks, H, K, V], final state per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, DECAYED_KEYS: tl.constexpr,
 ):
+    """The chunk recurrence for one K x V tile of one (sequence, head). DECAYED_KEYS: K_ holds the decayed keys
+    of ``_cumsum_kernel`` (G unused): the loop is loads, one scaling and one dot."""
     ik = tl.program_id(0)
     iv = tl.program_id(1)
     sh = tl.program_id(2)  # sequence x head
@@ -107,13 +117,17 @@ def _state_kernel(
         rmask = (offs_t < length)[:, None]
         k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
         k = tl.load(K_ + k_offs, mask=rmask & mk[None, :], other=0.0)
-        # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
-        # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong gates)
-        raw = tl.load(G + k_offs, mask=rmask & mk[None, :], other=0.0)
-        g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
         g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
         v = tl.load(V_ + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
-        k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
+        if DECAYED_KEYS:
+            k_decayed = k.to(v.dtype)
+        else:
+            # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
+            # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong
+            # gates)
+            raw = tl.load(G + k_offs, mask=rmask & mk[None, :], other=0.0)
+            g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
+            k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
         state = state * tl.exp(g_last)[:, None]
         state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
     tl.store(HT + sh.to(tl.int64) * K * V + state_offs, state, mask=mkv)

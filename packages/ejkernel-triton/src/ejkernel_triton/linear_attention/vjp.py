@@ -6,7 +6,8 @@ v [B, T, H, V] (one dtype) with kv heads already repeated, ``a`` float32 [B, T, 
 (then T is a multiple of ``forward.CHUNK``). It is differentiable in the first five. The
 forward saves the in-chunk cumulative gates and the intra-chunk matrix A ([B, T, H, 64] float32, the size
 of one more head of q); the backward recomputes the chunk states. Under ``jax.vmap`` the vmapped axis
-folds into the batch axis (every array here has the batch first): one launch per kernel.
+folds into the batch axis (every array here has the batch first): one launch per kernel; varlen calls loop
+(`batching.fold_batch_rule`, shared with flash attention).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import triton
 
+from ejkernel_triton.batching import fold_batch_rule
 from ejkernel_triton.launch import launch
 from ejkernel_triton.linear_attention.backward import _dqkg_kernel, _dv_kernel, _state_grad_kernel
 from ejkernel_triton.linear_attention.forward import CHUNK, SUB_CHUNK, _cumsum_kernel, _output_kernel, _state_kernel
@@ -37,6 +39,10 @@ class StaticParams:
     state_num_warps: int
     interpret: bool
     varlen: bool = False
+    backward_num_warps: int = 4
+    state_block_k: int = 64
+    state_block_v: int = 64
+    decayed_keys: bool = False
 
 
 def _placeholder(dtype=jnp.float32):
@@ -71,13 +77,18 @@ def _num_chunks(q, tables):
     return b * (t // CHUNK), b, t // CHUNK
 
 
-def chunk_cumsum(a, tables, st: StaticParams):
-    """Log gates [B, T, H, K] cumulated inside each chunk (float32; a Triton kernel: XLA's cumsum is slower)."""
+def chunk_cumsum(a, k, tables, st: StaticParams):
+    """(gc, kd): the log gates [B, T, H, K] cumulated inside each chunk (float32; a Triton kernel: XLA's cumsum
+    is slower) and, with ``st.decayed_keys``, the state kernel's decayed keys k * exp(gc_last - gc) in k's
+    dtype (else None)."""
     chunks = _num_chunks(a, tables)[0]
     ch_start, ch_len, _ = _tables(tables)
-    return launch(_cumsum_kernel, (a, ch_start, ch_len), (jax.ShapeDtypeStruct(a.shape, jnp.float32),),
-                  (chunks, a.shape[2]), num_warps=4, num_stages=1, interpret=st.interpret, H=a.shape[2],
-                  K=a.shape[3], BT=CHUNK, BK=st.block_k, IS_VARLEN=st.varlen)[0]
+    kd_shape = k.shape if st.decayed_keys else (1,)
+    gc, kd = launch(_cumsum_kernel, (a, k, ch_start, ch_len),
+                    (jax.ShapeDtypeStruct(a.shape, jnp.float32), jax.ShapeDtypeStruct(kd_shape, k.dtype)),
+                    (chunks, a.shape[2]), num_warps=4, num_stages=1, interpret=st.interpret, H=a.shape[2],
+                    K=a.shape[3], BT=CHUNK, BK=st.block_k, IS_VARLEN=st.varlen, WRITE_DECAYED=st.decayed_keys)
+    return gc, (kd if st.decayed_keys else None)
 
 
 def _meta(q, v, st: StaticParams):
@@ -92,25 +103,29 @@ def _state_dtype(q):
     return jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
 
 
-def _states(k, v, gc, a, h0, tables, st: StaticParams):
-    """(h_c entering every chunk [chunks, H, K, V], final state [sequences, H, K, V] float32)."""
+def _states(k, kd, v, gc, a, h0, tables, st: StaticParams):
+    """(h_c entering every chunk [chunks, H, K, V], final state [sequences, H, K, V] float32); ``kd``: the
+    decayed keys of :func:`chunk_cumsum` or None (then the kernel decays k itself from the raw gates ``a``)."""
     h, dk = k.shape[2:]
     dv = v.shape[-1]
     chunks, seqs, per_seq = _num_chunks(k, tables)
     out_shapes = (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(k)),
                   jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32))
-    grid = (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), seqs * h)
-    return launch(_state_kernel, (k, v, gc, a, h0 if h0 is not None else _placeholder(), *_tables(tables), per_seq),
+    grid = (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * h)
+    keys, raw = (k, a) if kd is None else (kd, _placeholder())
+    return launch(_state_kernel, (keys, v, gc, raw, h0 if h0 is not None else _placeholder(), *_tables(tables),
+                                  per_seq),
                   out_shapes, grid, num_warps=st.state_num_warps, num_stages=st.num_stages, interpret=st.interpret,
-                  BK=st.block_k, BV=st.block_v, HAS_H0=h0 is not None, **_meta(k, v, st))
+                  BK=st.state_block_k, BV=st.state_block_v, HAS_H0=h0 is not None, DECAYED_KEYS=kd is not None,
+                  **_meta(k, v, st))
 
 
 def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     chunks = _num_chunks(q, tables)[0]
-    gc = chunk_cumsum(a, tables, st)
-    hs, final = _states(k, v, gc, a, h0, tables, st)
+    gc, kd = chunk_cumsum(a, k, tables, st)
+    hs, final = _states(k, kd, v, gc, a, h0, tables, st)
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32))
     ch_start, ch_len, _ = _tables(tables)
     o, attn = launch(_output_kernel, (q, k, v, gc, hs, ch_start, ch_len, np.float32(st.scale)), out_shapes,
@@ -125,48 +140,28 @@ def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
     dv = v.shape[-1]
     chunks, seqs, per_seq = _num_chunks(q, tables)
     common = dict(num_stages=st.num_stages, interpret=st.interpret, **_meta(q, v, st))
-    hs, _ = _states(k, v, gc, a, h0, tables, st)
+    warps = st.backward_num_warps
+    # the states again (recomputed: [chunks, H, K, V] per call would be the largest residual); the decayed
+    # keys too (the cumulative gates it writes again equal the saved gc)
+    hs, _ = _states(k, chunk_cumsum(a, k, tables, st)[1] if st.decayed_keys else None, v, gc, a, h0, tables, st)
     ch_start, ch_len, seq_first = _tables(tables)
     dhs, dh0 = launch(
         _state_grad_kernel, (q, gc, do, dht, ch_start, ch_len, seq_first, np.float32(st.scale), per_seq),
         (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(q)), jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32)),
-        (triton.cdiv(dk, st.block_k), triton.cdiv(dv, st.block_v), seqs * h), num_warps=st.state_num_warps,
-        BK=st.block_k, BV=st.block_v, **common)
+        (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * h),
+        num_warps=st.state_num_warps, BK=st.state_block_k, BV=st.state_block_v, **common)
     d_v, d_attn = launch(
         _dv_kernel, (k, v, gc, attn, do, dhs, ch_start, ch_len),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)),
-        (chunks, h), num_warps=st.num_warps, zeroed_outputs=(0,) if st.varlen else (), BK=st.block_k,
+        (chunks, h), num_warps=warps, zeroed_outputs=(0,) if st.varlen else (), BK=st.block_k,
         BV=st.block_v, **common)
     d_q, d_k, d_a = launch(
         _dqkg_kernel, (q, k, v, gc, hs, do, dhs, d_attn, ch_start, ch_len, np.float32(st.scale)),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(q.shape, jnp.float32)),
-        (triton.cdiv(dk, st.block_k), chunks, h), num_warps=st.num_warps,
+        (triton.cdiv(dk, st.block_k), chunks, h), num_warps=warps,
         zeroed_outputs=(0, 1, 2) if st.varlen else (), BC=SUB_CHUNK, BK=st.block_k, BV=st.block_v, **common)
     return d_q, d_k, d_v, d_a, dh0
-
-
-def _fold_batch_rule(fn, num_out: int, num_batch_like: int):
-    """vmap rule: the first `num_batch_like` arguments have the batch first, so the vmapped axis folds into it
-    (one launch); with varlen tables (the rest), the vmapped calls run one by one (`lax.map`)."""
-
-    def rule(axis_size, in_batched, *args):
-        if any(x is not None for x in args[num_batch_like:]):
-            stacked = [None if x is None else (x if bx else jax.tree.map(
-                lambda y: jnp.broadcast_to(y, (axis_size, *y.shape)), x)) for x, bx in zip(args, in_batched)]
-            return jax.lax.map(lambda xs: fn(*xs), stacked), (True,) * num_out
-        folded = []
-        for x, batched in zip(args[:num_batch_like], in_batched[:num_batch_like]):
-            if x is None:
-                folded.append(None)
-                continue
-            if not batched:
-                x = jnp.broadcast_to(x, (axis_size, *x.shape))
-            folded.append(x.reshape(axis_size * x.shape[1], *x.shape[2:]))
-        outs = fn(*folded, *args[num_batch_like:])
-        return tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs), (True,) * num_out
-
-    return rule
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,13 +170,13 @@ def _batched_calls(st: StaticParams):
     def fwd(q, k, v, a, h0, tables):
         return tuple(_run_forward(q, k, v, a, h0, tables, st))
 
-    fwd.def_vmap(_fold_batch_rule(fwd, 4, 5))
+    fwd.def_vmap(fold_batch_rule(fwd, 5, 4, varlen_args=1))
 
     @jax.custom_batching.custom_vmap
     def bwd(q, k, v, a, gc, h0, attn, do, dht, tables):
         return tuple(_run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st))
 
-    bwd.def_vmap(_fold_batch_rule(bwd, 5, 9))
+    bwd.def_vmap(fold_batch_rule(bwd, 9, 5, varlen_args=1))
     return fwd, bwd
 
 
