@@ -82,13 +82,15 @@ def expected_schedule(call, by):
     return visited, partial
 
 
-def check_schedule(schedule, visited, partial, max_visits):
+def check_schedule(schedule, visited, partial, max_visits, full_first=False):
     indices, counts, part = (np.asarray(x) for x in schedule)
     assert indices.dtype == np.int32 and counts.dtype == np.int32 and part.dtype == bool
     assert indices.shape == (*visited.shape[:3], max_visits) == part.shape
     np.testing.assert_array_equal(counts, visited.sum(-1))
     for index in np.ndindex(*visited.shape[:3]):
         columns = np.flatnonzero(visited[index])
+        if full_first:  # full blocks ascending, then partial ones ascending
+            columns = np.concatenate([columns[~partial[index][columns]], columns[partial[index][columns]]])
         n = len(columns)
         np.testing.assert_array_equal(indices[index][:n], columns)
         np.testing.assert_array_equal(indices[index][n:], columns[-1] if n else 0)
@@ -107,6 +109,25 @@ def test_schedule_matches_brute_force(case, by):
     np.testing.assert_array_equal(np.asarray(effective_block_mask(call)), expected_schedule(call, "q")[0])
     schedule = block_schedule(call, by=by)
     check_schedule(schedule, visited, partial, max(1, int(visited.sum(-1).max())))
+
+
+@pytest.mark.parametrize("case", CASES[:4] + CASES[-2:], ids=str)
+@pytest.mark.parametrize("by", ["q", "kv"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_full_first_order(case, by, traced):
+    q_len, kv_len, block, causal, window = case
+    nq, nk = math.ceil(q_len / block[0]), math.ceil(kv_len / block[1])
+    mask = np.random.default_rng(q_len + kv_len).random((1, 2, nq, nk)) < 0.7
+    call = make_call(q_len, kv_len, block, jnp.asarray(mask), causal=causal, window=window)
+    visited, partial = expected_schedule(call, by)
+    if traced:
+        schedule = jax.jit(lambda m: block_schedule(dataclasses.replace(call, block_mask=m), by=by,
+                                                    order="full_first"))(jnp.asarray(mask))
+        max_visits = visited.shape[-1]
+    else:
+        schedule = block_schedule(call, by=by, order="full_first")
+        max_visits = max(1, int(visited.sum(-1).max()))
+    check_schedule(schedule, visited, partial, max_visits, full_first=True)
 
 
 def test_segments_make_every_block_partial_and_shared_mask_dims_stay_one():
@@ -168,6 +189,8 @@ def test_builders_reject_bad_arguments():
         local_block_mask(0, 64, 16, 4)
     with pytest.raises(ValueError, match="by"):
         block_schedule(make_call(8, 8, 8, None, causal=True, window=None), by="k")
+    with pytest.raises(ValueError, match="order must be"):
+        block_schedule(make_call(8, 8, 8, None, causal=True, window=None), order="full")
 
 
 def test_builders_and_the_default_mask_stay_concrete_under_jit():

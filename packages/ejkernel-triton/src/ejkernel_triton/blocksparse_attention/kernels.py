@@ -39,12 +39,10 @@ def kernel_schedule(call, by: str):
     """(indices, num_full, counts) of ``block_schedule(call, by=by)`` with each row's full blocks first
     (ascending), then its partial ones (ascending): a kernel runs ``[0, num_full)`` unmasked and
     ``[num_full, counts)`` masked. int32 ``[mask_batch, mask_heads, rows, max_visits]``, ``[..., rows]`` x2."""
-    schedule = block_schedule(call, by=by)
+    schedule = block_schedule(call, by=by, order="full_first")  # one sort (the helper orders the classes)
     valid = jnp.arange(schedule.indices.shape[-1], dtype=jnp.int32) < schedule.counts[..., None]
-    order = jnp.argsort(jnp.where(valid, schedule.partial.astype(jnp.int8), 2), axis=-1, stable=True)
-    indices = jnp.take_along_axis(schedule.indices, order, axis=-1).astype(jnp.int32)
     num_full = jnp.sum(valid & ~schedule.partial, axis=-1, dtype=jnp.int32)
-    return indices, num_full, schedule.counts.astype(jnp.int32)
+    return schedule.indices, num_full, schedule.counts.astype(jnp.int32)
 
 
 @triton.jit

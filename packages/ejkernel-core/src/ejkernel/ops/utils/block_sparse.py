@@ -37,9 +37,10 @@ class BlockSchedule(NamedTuple):
     ``by="kv"``). ``mask_batch`` / ``mask_heads`` are those of ``block_mask`` (1 or full)."""
 
     indices: jax.Array
-    """int32 ``[mask_batch, mask_heads, rows, max_visits]``: the column blocks to visit, ascending; entries
-    at or past ``counts`` repeat the last valid index (0 when the row visits nothing), so a kernel whose
-    index map follows them loads no new block there."""
+    """int32 ``[mask_batch, mask_heads, rows, max_visits]``: the column blocks to visit, ascending (with
+    ``order="full_first"``: the row's full blocks ascending, then its partial ones ascending); entries at or
+    past ``counts`` repeat the last valid index (0 when the row visits nothing), so a kernel whose index map
+    follows them loads no new block there."""
     counts: jax.Array
     """int32 ``[mask_batch, mask_heads, rows]``: how many entries of ``indices`` are real."""
     partial: jax.Array
@@ -118,15 +119,21 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def block_schedule(call: BlockSparseAttentionCall, *, by: Literal["q", "kv"] = "q") -> BlockSchedule:
+def block_schedule(call: BlockSparseAttentionCall, *, by: Literal["q", "kv"] = "q",
+                   order: Literal["ascending", "full_first"] = "ascending") -> BlockSchedule:
     """The visiting schedule of ``call``'s blocks (see :class:`BlockSchedule`).
 
     ``by="q"``: rows are query blocks, columns key blocks (forward and dQ passes); ``by="kv"``: the
-    transpose (dK/dV pass). ``max_visits`` (static) is the largest count when ``call.block_mask`` is
-    concrete, else the number of column blocks; at least 1, so a kernel grid always has a step. A concrete
-    mask is scheduled with numpy (no compilation per mask shape), a traced one with the same jnp code."""
+    transpose (dK/dV pass). ``order="full_first"``: each row lists its full blocks first, then its partial
+    ones (each group ascending), for a kernel that runs ``[0, number of full)`` through a mask-free loop and
+    the rest through a masked one; the same single sort as ``"ascending"`` (no second pass).
+    ``max_visits`` (static) is the largest count when ``call.block_mask`` is concrete, else the number of
+    column blocks; at least 1, so a kernel grid always has a step. A concrete mask is scheduled with numpy
+    (no compilation per mask shape), a traced one with the same jnp code."""
     if by not in ("q", "kv"):
         raise ValueError(f"block_schedule: by must be 'q' or 'kv', got {by!r}")
+    if order not in ("ascending", "full_first"):
+        raise ValueError(f"block_schedule: order must be 'ascending' or 'full_first', got {order!r}")
     concrete = _is_concrete(call.block_mask)
     xp = np if concrete else jnp
     mask = xp.logical_and(xp.asarray(call.block_mask), _reachable_of(call))
@@ -141,17 +148,20 @@ def block_schedule(call: BlockSparseAttentionCall, *, by: Literal["q", "kv"] = "
         partial = partial.T
     counts = xp.sum(mask, axis=3, dtype=xp.int32)
     max_visits = max(1, int(np.max(counts, initial=0)) if concrete else mask.shape[3])
-    # enabled columns first, ascending (a stable sort of the disabled flags)
-    disabled = xp.logical_not(mask).astype(xp.int8)
+    # enabled columns first, ascending: a stable sort of the disabled flags (full_first: of the class
+    # 0 enabled full, 1 enabled partial, 2 disabled)
+    key = xp.where(mask, 0, 2).astype(xp.int8)
+    if order == "full_first":
+        key = xp.where(mask, xp.asarray(partial, dtype=xp.int8), key).astype(xp.int8)
     if concrete:
-        order = np.argsort(disabled, axis=3, kind="stable")
+        columns = np.argsort(key, axis=3, kind="stable")
     else:
-        order = jnp.argsort(disabled, axis=3, stable=True)
-    order = order[..., :max_visits].astype(xp.int32)
-    last = xp.take_along_axis(order, xp.clip(counts - 1, 0, max_visits - 1)[..., None], axis=3)
+        columns = jnp.argsort(key, axis=3, stable=True)
+    columns = columns[..., :max_visits].astype(xp.int32)
+    last = xp.take_along_axis(columns, xp.clip(counts - 1, 0, max_visits - 1)[..., None], axis=3)
     last = xp.where(counts[..., None] > 0, last, 0)
     step = xp.arange(max_visits, dtype=xp.int32)
-    indices = xp.where(step < counts[..., None], order, last).astype(xp.int32)
+    indices = xp.where(step < counts[..., None], columns, last).astype(xp.int32)
     partial_rows = xp.broadcast_to(xp.asarray(partial), (*mask.shape[:2], *partial.shape))
     partial = xp.take_along_axis(partial_rows, indices, axis=3)
     return BlockSchedule(indices=jnp.asarray(indices), counts=jnp.asarray(counts), partial=jnp.asarray(partial))
