@@ -7,6 +7,8 @@ with ``fla-core==0.6.0`` among the carried wheels for the fla column):
     python benchmarks/linear_attention.py                         # T = 1k, 4k, 16k; xla at 4k only
     python benchmarks/linear_attention.py --seqs 4096 --xla-seqs 1024,4096 --out /tmp/out
     python benchmarks/linear_attention.py --seqs 4096 --configs 64:64:4:2,64:128:8:2   # + Triton configs at 4k
+    python benchmarks/linear_attention.py --seqs 4096 --xla-seqs "" --no-numerics --fla-last \
+        --configs decayed_keys=1,state_block_k=32/state_block_v=32             # candidates, then fla
 
 Shape: B=4, H=8, K=V=128, bf16, per-dimension log-sigmoid gates g [B, T, H, K] (float32), no initial state.
 Modes: ``fwd`` (output and final state) and ``fwd+bwd`` (gradients of q, k, v and g under a random
@@ -152,7 +154,20 @@ def plot(rows, path: Path, title: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    configs = [r for r in rows if "config" in r and r.get("ms")]
+    fig, axes = plt.subplots(1, 3 if configs else 2, figsize=(15 if configs else 10, 3.8))
+    if configs:  # bars at the config length: the default, each config, fla
+        seq = configs[0]["seq"]
+        ref = [r for r in rows if r["seq"] == seq and "config" not in r and r["impl"] in ("triton", "fla") and r.get("ms")]
+        labels = sorted({r.get("config", r["impl"]) for r in ref + configs}, key=lambda n: (n != "triton", n == "fla", n))
+        ax = axes[2]
+        for i, mode in enumerate(("fwd", "fwd+bwd")):
+            ms = {r.get("config", r["impl"]): r["ms"] for r in ref + configs if r["mode"] == mode}
+            ax.barh([j + 0.4 * i for j in range(len(labels))], [ms.get(n, 0) for n in labels], height=0.4, label=mode)
+        ax.set_yticks([j + 0.2 for j in range(len(labels))], [n.replace("/", "\n") for n in labels], fontsize=6)
+        ax.set_xlabel(f"ms at T={seq}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="x")
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
         for impl in ("triton", "xla", "fla"):
             pts = sorted((r["seq"], r["ms"]) for r in rows
@@ -180,8 +195,11 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--no-numerics", action="store_true")
-    parser.add_argument("--configs", default="", help="Triton configs to time at --config-seq, "
-                        "block_k:block_v:num_warps:num_stages[:output_block_v],... (e.g. 64:64:4:2:64,32:64:8:2)")
+    parser.add_argument("--configs", default="", help="Triton configs to time at --config-seq, comma-separated; "
+                        "each either name=value pairs joined by '/' (TritonLinearAttentionConfig.parse, e.g. "
+                        "decayed_keys=1/state_block_k=32) or block_k:block_v:num_warps:num_stages[:output_block_v]")
+    parser.add_argument("--fla-last", action="store_true", help="time fla after the config rows (a short run "
+                        "keeps the config comparison if fla's autotuning runs out of time)")
     parser.add_argument("--config-seq", type=int, default=4096)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args(argv)
@@ -208,7 +226,8 @@ def main(argv=None) -> int:
     seqs = [int(s) for s in args.seqs.split(",") if s]
     xla_seqs = {int(s) for s in args.xla_seqs.split(",") if s}
     for total in seqs:
-        todo = [("triton", None)] + ([("xla", None)] if total in xla_seqs else []) + ([("fla", None)] if have_fla else [])
+        fla_here = have_fla and not (args.fla_last and total == args.config_seq and args.configs)
+        todo = [("triton", None)] + ([("xla", None)] if total in xla_seqs else []) + ([("fla", None)] if fla_here else [])
         for impl, _ in todo:
             t0 = time.perf_counter()
             try:
@@ -238,9 +257,12 @@ def main(argv=None) -> int:
     for spec in [c for c in args.configs.split(",") if c]:
         from ejkernel_triton.linear_attention import TritonLinearAttentionConfig
 
-        bk, bv, warps, stages, *out_bv = (int(x) for x in spec.split(":"))
-        cfg = TritonLinearAttentionConfig(block_k=bk, block_v=bv, num_warps=warps, num_stages=stages,
-                                          output_block_v=out_bv[0] if out_bv else None)
+        if "=" in spec:
+            cfg = TritonLinearAttentionConfig.parse(spec)
+        else:
+            bk, bv, warps, stages, *out_bv = (int(x) for x in spec.split(":"))
+            cfg = TritonLinearAttentionConfig(block_k=bk, block_v=bv, num_warps=warps, num_stages=stages,
+                                              output_block_v=out_bv[0] if out_bv else None)
         t0 = time.perf_counter()
         try:
             t_fwd, t_bwd = time_jax("triton", args.config_seq, args.sets, args.warmup, args.reps, args.calls, cfg)
@@ -251,9 +273,32 @@ def main(argv=None) -> int:
             continue
         for mode, t in (("fwd", t_fwd), ("fwd+bwd", t_bwd)):
             doc["rows"].append(dict(impl="triton", config=spec, seq=args.config_seq, mode=mode, ms=round(t * 1e3, 4)))
-        print(f"config {spec:12s} T={args.config_seq} fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"
+        print(f"config {spec:40s} T={args.config_seq} fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"
               f"  ({time.perf_counter() - t0:.1f} s incl. compile)", flush=True)
         save()
+    if have_fla and args.fla_last and args.configs and args.config_seq in seqs:
+        t0 = time.perf_counter()
+        try:
+            t_fwd, t_bwd = time_fla(args.config_seq, args.sets, args.warmup, args.reps, args.calls)
+            for mode, t in (("fwd", t_fwd), ("fwd+bwd", t_bwd)):
+                doc["rows"].append(dict(impl="fla", seq=args.config_seq, mode=mode, ms=round(t * 1e3, 4)))
+            print(f"T={args.config_seq:6d} fla     fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"
+                  f"  ({time.perf_counter() - t0:.1f} s incl. compile)", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            doc["rows"].append(dict(impl="fla", seq=args.config_seq, mode="fwd", error=repr(exc)[:500]))
+        save()
+    configs = [r for r in doc["rows"] if "config" in r and r.get("ms")]
+    if configs:
+        fla_ms = {r["mode"]: r["ms"] for r in doc["rows"]
+                  if r["impl"] == "fla" and r["seq"] == args.config_seq and r.get("ms")}
+        base = {r["mode"]: r["ms"] for r in doc["rows"]
+                if r["impl"] == "triton" and r["seq"] == args.config_seq and "config" not in r and r.get("ms")}
+        print(f"\n| config (T={args.config_seq}) | mode | ms | / default | / fla |")
+        print("|---|---|---|---|---|")
+        for r in configs:
+            rel = lambda ref: f"{r['ms'] / ref[r['mode']]:.2f}" if ref.get(r["mode"]) else "-"  # noqa: E731
+            print(f"| {r['config']} | {r['mode']} | {r['ms']:.3f} | {rel(base)} | {rel(fla_ms)} |")
     print("\n| T | mode | triton ms | xla ms | fla ms | triton / fla |")
     print("|---|---|---|---|---|---|")
     for total in seqs:
