@@ -49,13 +49,21 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("batch,total,heads,kv_heads,dk,dv,gate,reverse", [
-    (2, 1000, 4, 4, 128, 128, "vector", False),  # 16 chunks, the last one partial
-    (1, 2048, 8, 2, 64, 128, "scalar", True),  # GQA 4:1, scalar gates, reverse
-    (1, 512, 2, 2, 256, 64, "vector", False),  # head dim 256: four key tiles
-    (1, 1500, 4, 4, 128, 128, "varlen", True),  # packed sequences of 300, 0, 1000 and 150 tokens (+50 past the end)
+CANDIDATE = "decayed_keys=1/state_block_k=32/state_block_v=32"  # the forward's state-kernel levers (benchmark)
+
+
+@pytest.mark.parametrize("batch,total,heads,kv_heads,dk,dv,gate,reverse,spec", [
+    (2, 1000, 4, 4, 128, 128, "vector", False, None),  # 16 chunks, the last one partial
+    (1, 2048, 8, 2, 64, 128, "scalar", True, None),  # GQA 4:1, scalar gates, reverse
+    (1, 512, 2, 2, 256, 64, "vector", False, None),  # head dim 256: four key tiles
+    (1, 1500, 4, 4, 128, 128, "varlen", True, None),  # packed sequences of 300, 0, 1000 and 150 tokens (+50 past the end)
+    (2, 1000, 4, 4, 128, 128, "vector", False, CANDIDATE),
+    (1, 1500, 4, 4, 128, 128, "varlen", True, CANDIDATE),
 ])
-def test_bf16_model_shapes_against_float32_xla(batch, total, heads, kv_heads, dk, dv, gate, reverse):
+def test_bf16_model_shapes_against_float32_xla(batch, total, heads, kv_heads, dk, dv, gate, reverse, spec):
+    from ejkernel_triton.linear_attention import TritonLinearAttentionConfig
+
+    cfg = TritonLinearAttentionConfig.parse(spec) if spec else None
     keys = jax.random.split(jax.random.PRNGKey(total + dk), 6)
     q = jax.random.normal(keys[0], (batch, total, heads, dk), jnp.float32).astype(jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, total, kv_heads, dk), jnp.float32).astype(jnp.bfloat16)
@@ -68,7 +76,8 @@ def test_bf16_model_shapes_against_float32_xla(batch, total, heads, kv_heads, dk
     op = recurrent_attention if gate == "scalar" else gla_attention
 
     def loss(platform, q, k, v, g, h0, cot_o, cot_s):
-        out, final = op(q, k, v, g, initial_state=h0, reverse=reverse, cu_seqlens=cu, platform=platform)
+        out, final = op(q, k, v, g, initial_state=h0, reverse=reverse, cu_seqlens=cu, platform=platform,
+                        cfg=cfg if platform == "triton" else None)
         return jnp.sum(out.astype(jnp.float32) * cot_o) + jnp.sum(final * cot_s), (out, final)
 
     cot_o = jax.random.normal(keys[4], (batch, total, heads, dv), jnp.float32)
