@@ -16,11 +16,12 @@ Copy bandwidth: `x + 1` over 4 GiB of float32, bytes read + written. Timing as `
 median of `--reps` samples, each the mean of `--calls` back-to-back calls, rotating over enough input sets to
 exceed the L2 cache. Numerics: relative L2 error of each output against a float32 reference (shapes up to
 2 GB of cache). `--sweep`: the Triton kernels with other configs at the standard shape (the schedule
-candidates of packages/ejkernel-triton/NOTES.md).
+candidates of packages/ejkernel-triton/NOTES.md). `--final`: the short run of scripts/device/serving.sh with
+FINAL=1: the defaults, then the mixed batch, then a few candidates at the shapes they concern.
 
 `--mixed` (on by default): `ragged_page_attention` on the mixed batch of `MIXED` (pages of `--page-sizes`),
 with its two parts alone (the prefill chunks only; the decode rows only; first page size) to split the time,
-and the Triton schedule candidates (`[m64]`, `[fused,m64]`, `[fused,m64,inline]`), against both
+and the Triton schedule candidates (`--mixed-candidates`, `MIXED_CANDIDATES`), against both
 ceilings: bytes (K+V of every sequence read once, plus queries and outputs) at the copy bandwidth, and FLOPs
 (4·H·D per visible (query, key) pair) at the bf16 matmul rate measured in the same run (8192^3 `jnp.dot`).
 `--mixed-platforms` picks the backends (XLA gathers every query row's pages: slow, off in the device script).
@@ -63,6 +64,7 @@ class Impl:
     fn: Callable  # (inputs dict) -> out [B, H, D]
     standard_only: bool = False  # slow or reference-only peers: the standard shape only
     note: str = ""
+    sweep_shapes: frozenset = frozenset()  # a config-sweep row: the (batch, context) shapes it runs at
 
 
 # ---- inputs ------------------------------------------------------------------------------------------
@@ -101,6 +103,8 @@ def layout_inputs(layout, k, v, page_size, seed):
 
 
 def ejkernel_impls(sweep_configs=(), sweep_layouts=("paged", "contiguous")) -> list[Impl]:
+    """Every GPU backend's default, and the Triton configs of ``sweep_configs`` ([(config, shapes)]) as extra
+    rows at their shapes."""
     from ejkernel.modules import page_attention, ragged_decode_attention
 
     impls = []
@@ -108,7 +112,7 @@ def ejkernel_impls(sweep_configs=(), sweep_layouts=("paged", "contiguous")) -> l
         for platform in usable_gpu_platforms(algorithm):
             layout = "paged" if algorithm == "page_attention" else "contiguous"
             sweep = sweep_configs if platform == "triton" and layout in sweep_layouts else ()
-            for cfg in [None, *sweep]:
+            for cfg, shapes in [(None, ()), *sweep]:
                 suffix = "" if cfg is None else f"[{cfg_text(cfg)}]"
                 if algorithm == "page_attention":
                     def fn(x, platform=platform, cfg=cfg):
@@ -116,7 +120,7 @@ def ejkernel_impls(sweep_configs=(), sweep_layouts=("paged", "contiguous")) -> l
                                               cfg=cfg)
 
                     impls.append(Impl(f"ejkernel-{platform} paged{suffix}", "paged", fn,
-                                      standard_only=platform != "triton" or cfg is not None))
+                                      standard_only=platform != "triton", sweep_shapes=frozenset(shapes)))
                 else:
                     def fn(x, platform=platform, cfg=cfg):
                         start = jnp.zeros_like(x["lens"])
@@ -124,7 +128,7 @@ def ejkernel_impls(sweep_configs=(), sweep_layouts=("paged", "contiguous")) -> l
                                                        cfg=cfg)
 
                     impls.append(Impl(f"ejkernel-{platform} ragged{suffix}", "contiguous", fn,
-                                      standard_only=platform != "triton" or cfg is not None))
+                                      standard_only=platform != "triton", sweep_shapes=frozenset(shapes)))
     return impls
 
 
@@ -133,28 +137,36 @@ def cfg_text(cfg) -> str:
 
 
 def sweep_configs(batch, context, kv_heads) -> list:
-    """The decode schedule candidates (NOTES.md, "decode schedule") at the standard shape: the heuristic's
-    splits with other pipeline depths, wave-aligned splits, one split (FA3's schedule), 128-key steps
-    (several pages per step), 8 warps, the inline combine (the last split merges: no second launch)."""
+    """The decode schedule candidates (NOTES.md, "decode schedule") at the standard shape: [(config, shapes)]."""
     try:
-        from ejkernel_triton.decode.config import TritonDecodeConfig, heuristic_splits, wave_splits
+        from ejkernel_triton.decode.config import TritonDecodeConfig, heuristic_config
     except Exception:  # noqa: BLE001
         return []
-    h = heuristic_splits(batch * kv_heads, context)
-    w = wave_splits(batch * kv_heads, context)
-    # first H200 run (2026-11-23, 32 x 4096, p16): 1 split 3222 GB/s, 128-key steps + 8 warps + 1 split 3262,
-    # 3 splits 3043, 5 splits 2697 (the former default), prefetch 1/3 and 10 splits no better: the default is now
-    # ~2 programs per SM; the sweep keeps the neighbours and the inline combine
-    variants = [(64, max(h, 5), 2, 4, False), (64, 2 * h, 2, 4, False), (64, w, 2, 4, False), (64, w, 2, 4, True),
-                (64, 2 * h, 2, 4, True), (128, h, 2, 8, False), (128, h, 1, 4, False), (64, h, 2, 8, False),
-                (64, h, 3, 4, False)]
+    h = heuristic_config(batch * kv_heads, context, 128, jnp.bfloat16).num_splits
+    # H200 runs of 2026-11-23: 1 split (the default) 84-86 %, 2/3/5 splits 57-76 %, 128-key steps / 8 warps /
+    # prefetch 3 / the inline combine no better
+    variants = [(64, 2 * h, 2, 4, False), (64, 3 * h, 2, 4, True), (128, h, 1, 4, False), (32, 2 * h, 3, 4, False),
+                (32, h, 3, 4, False), (32, 2 * h, 2, 4, False)]
     out = []
     for n, splits, prefetch, warps, inline in variants:
         cfg = TritonDecodeConfig(block_n=n, num_splits=splits, prefetch=prefetch, num_warps=warps,
                                  inline_combine=inline)
-        if cfg not in out:
-            out.append(cfg)
+        if cfg not in [c for c, _ in out]:
+            out.append((cfg, [(batch, context)]))
     return out
+
+
+def final_sweep_configs() -> list:
+    """The few candidates of the final H200 run (NOTES.md, "decode heuristic"), each at the shapes where the
+    heuristic's model is least certain: [(config, shapes)]."""
+    from ejkernel_triton.decode.config import TritonDecodeConfig as C
+
+    return [
+        (C(block_n=64, num_splits=1, prefetch=2), [(64, 4096)]),  # the former default at B=64 (1.29 waves)
+        (C(block_n=32, num_splits=8, prefetch=3), [(8, 4096)]),  # B=8: 512 narrow programs, 4 per SM
+        (C(block_n=64, num_splits=16, prefetch=2), [(8, 4096)]),  # B=8: 16 splits, as Pallas gqa (2.6 waves)
+        (C(block_n=32, num_splits=2, prefetch=3), [(32, 1024)]),  # one full wave of narrow programs
+    ]
 
 
 def peer_impls() -> list[Impl]:
@@ -289,14 +301,32 @@ def mixed_cost(sequences, heads, kv_heads, dim, itemsize) -> tuple[float, float]
     return kv_bytes + 2 * tokens * heads * dim * itemsize, 4.0 * heads * dim * pairs
 
 
-def fused_config(inputs):
-    """The Triton heuristic's config for these inputs, with the decode and prefill programs in one launch."""
+def heuristic_mixed_config(inputs):
+    """The Triton heuristic's config of ragged_page_attention for these inputs."""
     from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention
     from ejkernel_triton.ragged_page_attention import IMPLEMENTATION
 
     names = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
     call = RaggedPageAttention().validate(*[inputs[n] for n in names])
-    return dataclasses.replace(IMPLEMENTATION.heuristic_config(call), fused=True)
+    return IMPLEMENTATION.heuristic_config(call)
+
+
+MIXED_CANDIDATES = {
+    # 64-row, 4-warp prefill tiles, two launches
+    "m64": dict(fused=False, block_m=64, num_warps=4),
+    # one launch: decode programs (64-key steps, two in flight) and 64-row prefill tiles; H200 batch 2: 625 us
+    # at pages of 64 (the default there now), 876 at pages of 16
+    "fused-m64": dict(fused=True, block_m=64, num_warps=4, decode_block_n=64, decode_prefetch=2),
+    "fused-m64-inline": dict(fused=True, block_m=64, num_warps=4, decode_block_n=64, decode_prefetch=2,
+                             decode_inline_combine=True),
+    # one launch of 3 programs per SM (sm_90 compile: 66.5 KB shared memory, 160 registers; fused-m64: 116 KB,
+    # 220 registers, 1-2 per SM): 32-key steps for both parts
+    "fused-m64-n32": dict(fused=True, block_m=64, num_warps=4, block_n=32, decode_block_n=32, decode_prefetch=2),
+    # two launches, the 128-row prefill tile with three K/V steps in flight (one program per SM: latency)
+    "seq-p3": dict(fused=False, block_m=128, num_warps=8, prefetch=3),
+}
+"""Schedule candidates of the Triton mixed batch (``--mixed-candidates``): fields replaced in the heuristic's
+config (NOTES.md, "mixed batch")."""
 
 
 def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
@@ -306,7 +336,7 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
                  if not args.mixed_platforms or p in args.mixed_platforms.split(",")]
     key = jax.random.key(3)
     page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
-    for part in ("mixed", "prefill", "decode"):
+    for part in args.mixed_parts.split(","):
         sequences = mixed_sequences(part, **MIXED)
         nbytes, flops = mixed_cost(sequences, H, Hkv, D, dtype.itemsize)
         t_bytes, t_flops = nbytes / (copy_gbps * 1e9), flops / (tflops * 1e12)
@@ -315,16 +345,12 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
             ref = jax.jit(mixed_reference, static_argnums=(3, 4))(*sets[0][1][:3], tuple(sets[0][1][3].tolist()),
                                                                   tuple(sets[0][1][4].tolist()))
             variants = [(f"ejkernel-{platform} ragged-page", platform, None) for platform in platforms]
-            if "triton" in platforms and args.mixed_fused and part == "mixed":
-                # schedule candidates (NOTES.md): 64-row, 4-warp prefill tiles, alone and in one launch with the
-                # decode programs (small enough to share an SM with them), with the inline combine
-                fused = fused_config(sets[0][0])
-                m64 = dict(block_m=max(64, fused.block_m // 2), num_warps=4)
-                variants += [("ejkernel-triton ragged-page[m64]", "triton",
-                              dataclasses.replace(fused, fused=False, **m64)),
-                             ("ejkernel-triton ragged-page[fused,m64]", "triton", dataclasses.replace(fused, **m64)),
-                             ("ejkernel-triton ragged-page[fused,m64,inline]", "triton",
-                              dataclasses.replace(fused, decode_inline_combine=True, **m64))]
+            if "triton" in platforms and part == "mixed":
+                default = heuristic_mixed_config(sets[0][0])
+                for cand in filter(None, args.mixed_candidates.split(",")):
+                    cfg = dataclasses.replace(default, **MIXED_CANDIDATES[cand])
+                    if cfg != default:
+                        variants.append((f"ejkernel-triton ragged-page[{cand}]", "triton", cfg))
             for name, platform, cfg in variants:
                 row = dict(impl=name, part=part, page_size=ps, batch=len(sequences),
                            context=MIXED["context"], bytes=nbytes, flops=flops, bytes_us=t_bytes * 1e6,
@@ -381,9 +407,10 @@ def print_report(doc) -> None:
     print(markdown_table(doc))
     sweep = [r for r in doc["results"] if "[" in r["impl"] and "gbps" in r]
     if sweep:
-        print("\n## config sweep at the standard shape (GB/s)")
-        for r in sorted(sweep, key=lambda r: (series(r).split("[")[0], -r["gbps"])):
-            print(f"{series(r):70s} {r['gbps']:7.0f}  err {r.get('rel_err', float('nan')):.1e}")
+        print("\n## config sweep (GB/s)")
+        for r in sorted(sweep, key=lambda r: (r["batch"], r["context"], series(r).split("[")[0], -r["gbps"])):
+            print(f"B={r['batch']:3d} ctx={r['context']:6d} {series(r):70s} {r['gbps']:7.0f}  "
+                  f"err {r.get('rel_err', float('nan')):.1e}")
     mixed = [r for r in doc["results"] if "part" in r and "ms" in r]
     if mixed:
         print(f"\n## ragged_page_attention, mixed batch {MIXED} (matmul rate {doc.get('matmul_tflops', 0):.0f} "
@@ -455,8 +482,12 @@ def main(argv=None) -> int:
     p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                    help="ragged_page_attention on the mixed prefill + decode batch")
     p.add_argument("--mixed-platforms", default="", help="comma-separated platforms for --mixed (default: all)")
-    p.add_argument("--mixed-fused", action=argparse.BooleanOptionalAction, default=True,
-                   help="also the schedule candidates of the Triton kernel (64-row tiles, one launch) on the mixed batch")
+    p.add_argument("--mixed-candidates", default="m64,fused-m64,fused-m64-n32,seq-p3",
+                   help=f"Triton schedule candidates on the mixed batch, of {','.join(MIXED_CANDIDATES)}")
+    p.add_argument("--mixed-parts", default="mixed,prefill,decode", help="the mixed batch and/or its parts alone")
+    p.add_argument("--final", action="store_true",
+                   help="the short final run: the decode defaults at --shapes, then the mixed batch, then the few "
+                        "candidates of final_sweep_configs (instead of the standard shape's sweep)")
     args = p.parse_args(argv)
     if args.replot:
         doc = json.loads(Path(args.replot).read_text())
@@ -473,7 +504,7 @@ def main(argv=None) -> int:
     page_sizes = [int(s) for s in args.page_sizes.split(",") if s]
     dtype = jnp.dtype(args.dtype)
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
-    sweep = sweep_configs(*standard_shape, Hkv) if args.sweep else []
+    sweep = (final_sweep_configs() if args.final else sweep_configs(*standard_shape, Hkv)) if args.sweep else []
     impls = ejkernel_impls(sweep, tuple(args.sweep_layouts.split(","))) + peer_impls()
     if args.impls:
         impls = [i for i in impls if any(i.name.startswith(s) for s in args.impls.split(","))]
@@ -500,14 +531,19 @@ def main(argv=None) -> int:
     def save():
         (out_dir / f"{stem}.json").write_text(json.dumps(document(), indent=1))
 
-    if args.mixed:  # first: the ragged target, before the long decode sweep
+    if args.mixed and not args.final:  # first: the ragged target, before the long decode sweep
         run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save)
     key = jax.random.key(0)
+    mixed_done = False
     # every implementation's default at every shape first, then the Triton sweep at the standard shape (a run cut
     # off by a time limit keeps the comparisons)
     for sweep_pass, (batch, context) in [(p, shape) for p in (False, True) for shape in shapes]:
+        if sweep_pass and args.final and args.mixed and not mixed_done:
+            # the final run: the mixed batch between the defaults and the candidates
+            mixed_done = True
+            run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save)
         standard = (batch, context) == standard_shape
-        if sweep_pass and not (standard and sweep):
+        if sweep_pass and not any((batch, context) in i.sweep_shapes for i in impls):
             continue
         kv_bytes = 2 * batch * context * Hkv * D * dtype.itemsize
         sets = max(1, min(16, math.ceil(args.rotate_bytes / kv_bytes)))
@@ -524,7 +560,7 @@ def main(argv=None) -> int:
                 groups.append((layout, ps))
         for layout, ps in groups:
             chosen = [i for i in impls if i.layout == layout and (standard or not i.standard_only)
-                      and ("[" in i.name) == sweep_pass]
+                      and (((batch, context) in i.sweep_shapes) if sweep_pass else not i.sweep_shapes)]
             if not chosen:
                 continue
             inputs = [dict(q=q, **layout_inputs(layout, k, v, ps, seed=s))
@@ -534,9 +570,10 @@ def main(argv=None) -> int:
                 try:
                     variants = [dict()]
                     if impl.layout == "fa3-paged":  # generous to the peer: its best split count
-                        from ejkernel_triton.decode.config import heuristic_splits
+                        from ejkernel_triton.decode.config import heuristic_config
 
-                        variants = [dict(num_splits=n) for n in sorted({1, heuristic_splits(batch * Hkv, context)})]
+                        ours = heuristic_config(batch * Hkv, context, D, dtype).num_splits
+                        variants = [dict(num_splits=n) for n in sorted({1, ours})]
                     best = None
                     for extra in variants:
                         step = jax.jit(lambda x, extra=extra, impl=impl: impl.fn(x, **extra))
@@ -557,6 +594,8 @@ def main(argv=None) -> int:
                 print(f"B={batch:3d} ctx={context:6d} {impl.name + (f' p{ps}' if ps else ''):62s} {shown}", flush=True)
             del inputs
         del logical, queries, ref
+    if args.final and args.mixed and not mixed_done:
+        run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save)
 
     save()
     doc = document()

@@ -24,6 +24,7 @@ from ejkernel_triton import launch, plugin
 from ejkernel_triton.decode import TritonDecodeConfig, config
 from ejkernel_triton.decode.page_attention import IMPLEMENTATION as PAGED
 from ejkernel_triton.decode.ragged_decode_attention import IMPLEMENTATION as RAGGED
+from ejkernel_triton.ttgir import kernel_ttgir
 
 CASES_SCRIPT = Path(__file__).with_name("decode_interpreter_cases.py")
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -115,42 +116,13 @@ def test_ragged_decode_attention_compiles_for_sm90(sm90, dtype):
     call = _ragged_call(dtype=dtype)
 
     def fn(q, k, v, start, end, aux):
-        call = RaggedDecodeAttention().validate(q, k, v, start, end, aux, sliding_window=(300, 0), logit_soft_cap=20.0)
+        call = RaggedDecodeAttention().validate(q, k, v, start, end, softmax_aux=aux, sliding_window=(300, 0),
+                                             logit_soft_cap=20.0)
         return RAGGED(call, TritonDecodeConfig(num_splits=3))  # the sinks join in the combine kernel
 
     text = _lower(fn, call.query, call.key, call.value, call.sequence_start, call.sequence_end,
                   _spec((8, 2), jnp.float32))
     assert text.count("triton_kernel_call") == 2
-
-
-def _ttgir(kernel, args, constexprs, num_warps, num_stages) -> str:
-    """Triton's TTGIR (after software pipelining) of `kernel` for sm_90."""
-    import triton
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-
-    types = {np.dtype(np.float32): "fp32", np.dtype(np.int32): "i32", np.dtype(jnp.bfloat16): "bf16"}
-    signature = {}
-    for name, arg in zip(kernel.arg_names, args):
-        signature[name] = ("" if isinstance(arg, np.generic) else "*") + types[np.dtype(arg.dtype)]
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t[0] == "*"}
-    signature.update({name: "constexpr" for name in constexprs})
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
-    stages: dict = {}
-    backend.add_stages(stages, options, src.language)
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-                         context)
-    metadata = {"target": target, **options.__dict__}
-    for stage in ("ttir", "ttgir"):
-        module = stages[stage](module, metadata)
-    return str(module)
 
 
 @pytest.mark.parametrize("page_size,prefetch", [(16, 2), (64, 2), (0, 2), (16, 1)])
@@ -174,7 +146,7 @@ def test_key_loop_keeps_prefetch_steps_in_flight(monkeypatch, page_size, prefetc
         call = _ragged_call(batch=2, heads=32, kv_heads=8, dim=128, seq_len=1024)
         jax.eval_shape(lambda c: RAGGED(c, cfg), call)
     kernel, args, constexprs, num_warps, num_stages = launches[0]  # the split kernel (outputs follow inputs)
-    ttgir = _ttgir(kernel, args, constexprs, num_warps, num_stages)
+    ttgir = kernel_ttgir(kernel, args, constexprs, num_warps, num_stages)
     assert f"memdesc<{prefetch}x64x128xbf16" in ttgir, [line for line in ttgir.splitlines() if "x64x128xbf16" in line][:3]
 
 
@@ -206,20 +178,37 @@ def test_takes_every_precision_and_page_size():
 
 @pytest.mark.parametrize(
     "num_seqs,context",
-    [(32, 4096), (32, 512), (32, 32768), (1, 4096), (8, 4096), (64, 4096)],
+    [(32, 4096), (32, 512), (32, 32768), (1, 4096), (8, 4096), (64, 4096), (128, 4096)],
 )
-def test_heuristic_fills_the_gpu(num_seqs, context):
-    """Short and long contexts, small and large batches: a program for every SM (or chunks of the shortest
-    allowed length) and at most PROGRAMS_PER_SM per SM unless one split already gives more; never more splits
-    than blocks of keys."""
+def test_heuristic_makes_one_full_wave(num_seqs, context):
+    """The model of NOTES.md ("decode heuristic"): every program resident at once (one wave of the config's slots
+    per SM) and the wave as full as splitting allows, or, with more work than one wave, the config whose last
+    wave is fuller; never more splits than blocks of keys."""
     call = _paged_call(num_seqs=num_seqs, context=context)
     cfg = PAGED.heuristic_config(call)
     chunk, splits = config.split_plan(context, cfg.block_n, cfg.num_splits)
-    programs = num_seqs * 8 * splits
+    work = num_seqs * 8
+    programs = work * splits
+    slots = config.DEFAULT_SM_COUNT * config.resident_programs(cfg.block_n, cfg.prefetch, 128, jnp.bfloat16)
     assert chunk % cfg.block_n == 0 and chunk * splits >= context
-    assert programs >= config.DEFAULT_SM_COUNT or chunk <= 2 * config.MIN_CHUNK
-    assert splits == 1 or programs <= config.PROGRAMS_PER_SM * config.DEFAULT_SM_COUNT
+    if splits > 1:
+        assert programs <= slots  # one wave
+        assert work * (splits + 1) > slots or chunk < 2 * config.MIN_CHUNK  # no further split fits it
+    wide_slots = 3 * config.DEFAULT_SM_COUNT
+    if work > wide_slots:  # the 32-key program's 4 per SM make a fuller wave
+        assert (cfg.block_n, cfg.prefetch, splits) == (32, 3, 1)
+        assert config.wave_fill(programs, slots) > config.wave_fill(programs, wide_slots)
+    else:
+        assert (cfg.block_n, cfg.prefetch) == (64, 2)
     assert cfg in PAGED.candidate_configs(call) and len(PAGED.candidate_configs(call)) > 1
+
+
+def test_resident_programs_match_the_sm90_compile():
+    """Shared memory per program (ptxas, sm_90, bf16, D=128): 72 KB at 64-key steps with two in flight (3 per
+    SM), 55 KB at 32-key steps with three (4 per SM, the register limit)."""
+    assert config.resident_programs(64, 2, 128, jnp.bfloat16) == 3
+    assert config.resident_programs(32, 3, 128, jnp.bfloat16) == 4
+    assert config.resident_programs(64, 2, 128, jnp.float32) == 1
 
 
 def test_ragged_heuristic_counts_the_window():

@@ -85,6 +85,8 @@ def _float32(fn, **inputs):
         (16, 32, 8, 128, [300, 1, 0, 200] * 64, 20, None),  # 256 short contexts: one split
         (16, 32, 8, 128, [4096, 1, 0, 3000], 256, TritonDecodeConfig(block_n=128, num_splits=16, prefetch=1)),
         (64, 32, 8, 128, [4096, 1, 0, 3000] * 16, 64, TritonDecodeConfig(num_splits=7, inline_combine=True)),
+        # the heuristic's 4-per-SM program (32-key steps, three in flight) with one table entry per step
+        (64, 32, 8, 128, [4096, 1, 0, 3000] * 16, 64, TritonDecodeConfig(block_n=32, prefetch=3)),
     ],
 )
 def test_bf16_paged_serving_shapes(page_size, heads, kv_heads, dim, lengths, max_pages, cfg):

@@ -140,11 +140,14 @@ def test_supports():
 def test_heuristic_and_candidates():
     call = _call()
     cfg = IMPLEMENTATION.heuristic_config(call)
-    assert cfg.block_m == 128 and cfg.decode_config().num_splits >= 1
-    # 64 slots x 8 kv heads over 4k keys: the decode heuristic's splits for that work
+    assert cfg.block_m == 128 and not cfg.fused and cfg.decode_config().num_splits >= 1
+    # pages of 16: two launches; the decode rows take the decode heuristic's config for 64 slots x 8 kv heads
     from ejkernel_triton.decode import config as decode_config
 
-    assert cfg.decode_num_splits == decode_config.heuristic_splits(64 * 8, 4096)
+    assert cfg.decode_config() == decode_config.heuristic_config(64 * 8, 4096, 128, jnp.bfloat16)
+    # pages of 64 (whole 64-key steps): one launch of 64-row prefill tiles and 64-key decode programs
+    fused = IMPLEMENTATION.heuristic_config(_call(page_size=64))
+    assert fused.fused and (fused.block_m, fused.num_warps, fused.decode_block_n, fused.decode_prefetch) == (64, 4, 64, 2)
     candidates = IMPLEMENTATION.candidate_configs(call)
     assert candidates[0] == cfg and len(set(candidates)) == len(candidates) > 1
     assert {c.fused for c in candidates} == {False, True}  # one launch and two are both tried

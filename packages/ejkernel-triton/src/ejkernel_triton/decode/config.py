@@ -2,11 +2,14 @@
 config splits a sequence's keys over programs (:func:`split_plan`).
 
 Decode reads every cached key and value once and does little arithmetic on it, so it is bound by memory
-bandwidth: the config's job is to keep enough bytes in flight on every SM. ``num_splits`` cuts each
-sequence's keys into that many chunks, one program each (flash-decoding), so that a small batch or a few kv
-heads still put work on all SMs; the heuristic aims at about ``PROGRAMS_PER_SM`` programs per SM without
-cutting chunks below ``MIN_CHUNK`` keys (each split writes a float32 partial result that a second pass
-merges, which is cheap next to the keys it saves only while chunks stay long).
+bandwidth. The heuristic's model (measured on the H200, packages/ejkernel-triton/NOTES.md "decode heuristic"):
+equal-length programs start and end together, so the grid should be ONE wave: every program resident at once,
+as many of the SM's slots busy as the work allows. A program's slots per SM follow from its shared memory
+(:func:`resident_programs`): 64-key steps with two in flight take 72 KB (3 per SM), 32-key steps with three in
+flight 55 KB (4 per SM). With few (sequence, kv head) pairs, ``num_splits`` cuts each sequence's keys into
+chunks (flash-decoding) until the wave is full; with more pairs than one wave of the 64-key program holds, the
+32-key program is used when its wave is fuller (batch 64 x 8 kv heads: 512 programs = one wave of 528 slots
+instead of 1.3 waves of 396, where the last 0.3 wave streamed alone: 70 % of the copy bandwidth measured).
 """
 
 from __future__ import annotations
@@ -18,12 +21,6 @@ import math
 import numpy as np
 
 MAX_HEAD_DIM = 256
-PROGRAMS_PER_SM = 2
-"""Programs the heuristic aims at per SM, rounded down (never fewer than one split): few long-lived programs.
-Measured on the H200 (2026-11-23, 32 x 4096, pages of 16): one split (256 programs, ~2 per SM) streamed 3222 GB/s,
-3 splits 3043, 5 (the former target of 8 per SM) 2697, 10 splits 2740."""
-MIN_CHUNK = 256
-"""Fewest keys the heuristic gives one split."""
 DEFAULT_SM_COUNT = 132  # H100 / H200 SXM
 
 
@@ -99,47 +96,66 @@ def default_block_n(head_dim: int, dtype) -> int:
     return max(16, min(64, 64 * 256 // row_bytes))
 
 
-def heuristic_splits(work: int, max_tokens: int, sms: int | None = None) -> int:
-    """Splits per (sequence, kv head): at most ``PROGRAMS_PER_SM`` programs per SM (at least one split), chunks
-    >= ``MIN_CHUNK``.
+SHARED_MEMORY_PER_SM = 228 * 1024
+"""sm_90: shared memory of one SM, 1 KB of it reserved per resident program."""
+SHARED_MEMORY_EXTRA = 8 * 1024
+"""A program's shared memory besides its K/V buffers (the query tile, the probabilities, the page ids): 72192 B
+in all at 64-key steps with two in flight, bf16, D=128 (sm_90 compile, ptxas)."""
+MAX_RESIDENT = 4
+"""Programs per SM the registers allow at 4 warps (<= 128 registers per thread: 128 at 64-key steps with per-row
+page lookups, 104 at 32-key steps with three in flight; ptxas, sm_90)."""
+MIN_CHUNK = 256
+"""Fewest keys the heuristic gives one split."""
+NARROW_PREFETCH = 3
+"""K/V steps in flight of the half-width (32-key) program the heuristic uses to fit 4 programs on an SM."""
+
+
+def resident_programs(block_n: int, prefetch: int, head_dim: int, dtype) -> int:
+    """Decode programs one SM holds at once (4 warps): the K/V buffers (``prefetch`` steps of ``block_n``
+    keys, K and V) and :data:`SHARED_MEMORY_EXTRA` per program, at most :data:`MAX_RESIDENT`."""
+    row_bytes = max(16, 1 << (head_dim - 1).bit_length()) * np.dtype(dtype).itemsize
+    per_program = 2 * prefetch * block_n * row_bytes + SHARED_MEMORY_EXTRA + 1024
+    return max(1, min(MAX_RESIDENT, SHARED_MEMORY_PER_SM // per_program))
+
+
+def wave_fill(programs: int, slots: int) -> float:
+    """Share of the slots of all waves that ``programs`` equal programs keep busy."""
+    return programs / (math.ceil(programs / slots) * slots)
+
+
+def heuristic_splits(work: int, max_tokens: int, sms: int | None = None, resident: int = 3) -> int:
+    """Splits per (sequence, kv head) that make one full wave: the most whose ``work x splits`` programs are all
+    resident at once (``sms x resident`` slots), chunks >= ``MIN_CHUNK``; one split when the work alone fills
+    the wave (or more).
 
     ``work``: programs per split (sequences x kv heads x head blocks); ``max_tokens``: the longest context the
     call can have (static).
     """
-    target = PROGRAMS_PER_SM * (sms or sm_count())
-    by_work = max(1, target // max(work, 1))
-    by_length = max(1, max_tokens // MIN_CHUNK)
-    return max(1, min(by_work, by_length))
+    slots = resident * (sms or sm_count())
+    return max(1, min(slots // max(work, 1), max_tokens // MIN_CHUNK))
 
 
-RESIDENT_PROGRAMS = 3
-"""Split programs one SM holds at once (bf16, D=128, 64-key steps, two in flight: 72 KB of shared memory
-each, sm_90 TTGIR; NOTES.md)."""
-WAVE_FILL = 0.9
-"""Share of the last wave's slots that :func:`wave_splits` asks to be busy."""
+def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype, sms: int | None = None) -> TritonDecodeConfig:
+    """One wave of programs (the model in the module docstring; predictions per shape in NOTES.md):
 
-
-def wave_splits(work: int, max_tokens: int, sms: int | None = None, resident: int = RESIDENT_PROGRAMS) -> int:
-    """Splits that make whole waves (a schedule candidate, NOTES.md "decode schedule"; not the default until
-    measured): the fewest splits whose programs fill at least ``WAVE_FILL`` of every wave's
-    ``sms x resident`` slots, chunks >= ``MIN_CHUNK``; without one, the best-filled count."""
-    slots = (sms or sm_count()) * resident
-    most = max(1, max_tokens // MIN_CHUNK)
-    best, best_fill = 1, 0.0
-    for splits in range(1, most + 1):
-        programs = max(work, 1) * splits
-        fill = programs / (math.ceil(programs / slots) * slots)
-        if fill >= WAVE_FILL:
-            return splits
-        if fill > best_fill + 1e-9:
-            best, best_fill = splits, fill
-    return best
-
-
-def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype) -> TritonDecodeConfig:
+    - the work fits one wave of the wide program (``block_n`` keys per step, two in flight): split each
+      sequence until the wave is full (B=32 x 8 kv heads, 4k: 1 split = 256 of 396 slots; B=8: 6 splits = 384);
+    - more work than that: the half-width program (4 per SM) when its last wave is fuller (B=64 x 8: one wave
+      of 512 in 528 slots, instead of 1.29 waves), one split either way.
+    """
+    sms = sms or sm_count()
     block_n = default_block_n(head_dim, dtype)
-    return TritonDecodeConfig(block_n=block_n, num_splits=heuristic_splits(work, max_tokens), num_warps=4,
-                              prefetch=2)
+    wide = TritonDecodeConfig(block_n=block_n, num_splits=1, num_warps=4, prefetch=2)
+    wide_slots = sms * resident_programs(block_n, wide.prefetch, head_dim, dtype)
+    if work <= wide_slots:
+        splits = heuristic_splits(work, max_tokens, sms, wide_slots // sms)
+        return dataclasses.replace(wide, num_splits=splits)
+    if block_n >= 32:
+        narrow = TritonDecodeConfig(block_n=block_n // 2, num_splits=1, num_warps=4, prefetch=NARROW_PREFETCH)
+        narrow_slots = sms * resident_programs(narrow.block_n, narrow.prefetch, head_dim, dtype)
+        if wave_fill(work, narrow_slots) > wave_fill(work, wide_slots) + 0.05:
+            return narrow
+    return wide
 
 
 def candidate_configs(work: int, max_tokens: int, head_dim: int, dtype) -> list[TritonDecodeConfig]:

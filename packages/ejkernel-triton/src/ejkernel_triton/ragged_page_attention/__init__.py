@@ -26,8 +26,9 @@ from ejkernel_triton.ragged_page_attention.config import MAX_GROUP, TritonRagged
 __all__ = ["IMPLEMENTATION", "TritonRaggedPageAttention", "TritonRaggedPageConfig"]
 
 
-def _shape(call: RaggedPageAttentionCall) -> tuple[int, int, int, int, int, object]:
-    """(max_num_seqs, kv heads, group, longest visible key range, head_dim, dtype) for the heuristics."""
+def _shape(call: RaggedPageAttentionCall) -> tuple[int, int, int, int, int, object, int]:
+    """(max_num_seqs, kv heads, group, longest visible key range, head_dim, dtype, page size) for the
+    heuristics."""
     _, num_heads, head_dim = call.queries.shape
     _, page_size, combined, _ = call.kv_pages.shape
     kv_heads = combined // 2
@@ -35,14 +36,14 @@ def _shape(call: RaggedPageAttentionCall) -> tuple[int, int, int, int, int, obje
     tokens = max_pages * page_size
     if call.sliding_window is not None:
         tokens = min(tokens, call.sliding_window)
-    return max_num_seqs, kv_heads, num_heads // kv_heads, tokens, head_dim, call.queries.dtype
+    return max_num_seqs, kv_heads, num_heads // kv_heads, tokens, head_dim, call.queries.dtype, page_size
 
 
 class TritonRaggedPageAttention(Implementation[RaggedPageAttentionCall, TritonRaggedPageConfig]):
     config_type = TritonRaggedPageConfig
 
     def supports(self, call: RaggedPageAttentionCall) -> None:
-        _, kv_heads, group, _, head_dim, _ = _shape(call)
+        _, kv_heads, group, _, head_dim, _, _ = _shape(call)
         if not 8 <= head_dim <= MAX_HEAD_DIM:
             raise UnsupportedFeature(f"triton ragged_page_attention: head_dim {head_dim} outside [8, {MAX_HEAD_DIM}]")
         if group > MAX_GROUP:

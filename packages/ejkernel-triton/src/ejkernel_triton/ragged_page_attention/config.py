@@ -77,24 +77,34 @@ def padded_group(group: int) -> int:
 
 
 def heuristic_config(max_num_seqs: int, kv_heads: int, group: int, max_tokens: int, head_dim: int,
-                     dtype) -> TritonRaggedPageConfig:
-    """Prefill: 128-row tiles (64 for rows wider than 256 bytes), 64-key steps (fewer for wide rows), 8 warps, two steps in
-    flight. Decode: the decode package's heuristic for ``max_num_seqs`` sequences (every slot may be a
+                     dtype, page_size: int = 0) -> TritonRaggedPageConfig:
+    """Pages that hold whole 64-key steps (``page_size % 64 == 0``, bf16/fp16, D <= 128): ONE launch
+    (``fused``) of the decode split programs (64-key steps, two in flight, one split) and 64-row, 4-warp
+    prefill tiles, the fastest schedule measured on the H200 (2026-11-23, batch 2: 625 us against 718 us for
+    two launches, pages of 64; NOTES.md). Otherwise two launches (fused was slower with per-row page lookups:
+    876 against 831 us, pages of 16): 128-row prefill tiles (64 for rows wider than 256 bytes), 8 warps, two
+    steps in flight, and the decode package's heuristic for ``max_num_seqs`` sequences (every slot may be a
     decode row)."""
-    decode = decode_tuning.heuristic_config(
-        max_num_seqs * kv_heads * -(-group // decode_tuning.block_heads(group)), max_tokens, head_dim, dtype)
+    work = max_num_seqs * kv_heads * -(-group // decode_tuning.block_heads(group))
+    decode = decode_tuning.heuristic_config(work, max_tokens, head_dim, dtype)
     wide_rows = head_dim * np.dtype(dtype).itemsize > 256  # float32 or D > 128: half the tile (registers)
-    block_m = max(64 if wide_rows else 128, padded_group(group))
     block_n = decode_tuning.default_block_n(head_dim, dtype)
+    if page_size and page_size % 64 == 0 and block_n == 64 and padded_group(group) <= 64:
+        # the fused kernel takes the larger program's registers and shared memory: the decode programs keep
+        # the wide (64-key, two in flight) steps, whose shared memory the 64-row prefill tile's covers
+        return TritonRaggedPageConfig(block_m=64, block_n=block_n, num_warps=4, prefetch=2, decode_block_n=block_n,
+                                      decode_num_splits=decode_tuning.heuristic_splits(work, max_tokens),
+                                      decode_num_warps=4, decode_prefetch=2, fused=True)
+    block_m = max(64 if wide_rows else 128, padded_group(group))
     return TritonRaggedPageConfig(block_m=block_m, block_n=block_n, num_warps=8 if block_m >= 128 else 4,
                                   prefetch=2, decode_block_n=decode.block_n, decode_num_splits=decode.num_splits,
                                   decode_num_warps=decode.num_warps, decode_prefetch=decode.prefetch)
 
 
 def candidate_configs(max_num_seqs: int, kv_heads: int, group: int, max_tokens: int, head_dim: int,
-                      dtype) -> list[TritonRaggedPageConfig]:
+                      dtype, page_size: int = 0) -> list[TritonRaggedPageConfig]:
     """The heuristic first, then other prefill tiles and decode splits (autotuning only)."""
-    base = heuristic_config(max_num_seqs, kv_heads, group, max_tokens, head_dim, dtype)
+    base = heuristic_config(max_num_seqs, kv_heads, group, max_tokens, head_dim, dtype, page_size)
     out = [base]
     for block_m, num_warps in ((64, 4), (128, 8), (128, 4)):
         for block_n in (32, 64):
