@@ -47,7 +47,8 @@ if [ -n "${FINAL:-}" ]; then
         --out "$DIR" >"$DIR/benchmark.log" 2>&1
 else
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout --kill-after=5 78 python3 benchmarks/linear_attention.py \
-        --seqs 4096,1024,16384 --xla-seqs 4096 --configs "$CANDIDATES,state_block_k=32/state_block_v=32" --reps 5 --calls 5 \
+        --seqs 4096,1024,16384 --xla-seqs 4096 --fla-last --configs "$CANDIDATES,state_block_k=32/state_block_v=32" \
+        --reps 5 --calls 5 \
         --out "$DIR" >"$DIR/benchmark.log" 2>&1
 fi
 bench_status=$?
