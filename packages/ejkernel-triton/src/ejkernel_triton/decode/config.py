@@ -7,9 +7,9 @@ equal-length programs start and end together, so the grid should be ONE wave: ev
 as many of the SM's slots busy as the work allows. A program's slots per SM follow from its shared memory
 (:func:`resident_programs`): 64-key steps with two in flight take 72 KB (3 per SM), 32-key steps with three in
 flight 55 KB (4 per SM). With few (sequence, kv head) pairs, ``num_splits`` cuts each sequence's keys into
-chunks (flash-decoding) until the wave is full; with more pairs than one wave of the 64-key program holds, the
-32-key program is used when its wave is fuller (batch 64 x 8 kv heads: 512 programs = one wave of 528 slots
-instead of 1.3 waves of 396, where the last 0.3 wave streamed alone: 70 % of the copy bandwidth measured).
+chunks (flash-decoding) until the wave is full; with more pairs than one wave of the 64-key program holds, paged
+caches take the 32-key program when its wave is fuller (batch 64 x 8 kv heads: 512 programs = one wave of 528
+slots instead of 1.3 waves of 396, where the last 0.3 wave streamed alone: 70 % of the copy bandwidth measured).
 """
 
 from __future__ import annotations
@@ -135,13 +135,17 @@ def heuristic_splits(work: int, max_tokens: int, sms: int | None = None, residen
     return max(1, min(slots // max(work, 1), max_tokens // MIN_CHUNK))
 
 
-def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype, sms: int | None = None) -> TritonDecodeConfig:
+def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype, sms: int | None = None,
+                     paged: bool = True) -> TritonDecodeConfig:
     """One wave of programs (the model in the module docstring; predictions per shape in NOTES.md):
 
     - the work fits one wave of the wide program (``block_n`` keys per step, two in flight): split each
       sequence until the wave is full (B=32 x 8 kv heads, 4k: 1 split = 256 of 396 slots; B=8: 6 splits = 384);
-    - more work than that: the half-width program (4 per SM) when its last wave is fuller (B=64 x 8: one wave
-      of 512 in 528 slots, instead of 1.29 waves), one split either way.
+    - more work than that, paged caches: the half-width program (4 per SM) when its last wave is fuller
+      (B=64 x 8: one wave of 512 in 528 slots, instead of 1.29 waves: 70 % of copy measured), one split.
+      Dense (``paged=False``, ragged decode) keeps the wide program there: it measured 87 % at B=64 in 1.29
+      waves (H200, batch 2), which the wave model does not explain (NOTES.md); until the half-width program is
+      measured on it, the measured config stays.
     """
     sms = sms or sm_count()
     block_n = default_block_n(head_dim, dtype)
@@ -150,7 +154,7 @@ def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype, sms: int 
     if work <= wide_slots:
         splits = heuristic_splits(work, max_tokens, sms, wide_slots // sms)
         return dataclasses.replace(wide, num_splits=splits)
-    if block_n >= 32:
+    if paged and block_n >= 32:
         narrow = TritonDecodeConfig(block_n=block_n // 2, num_splits=1, num_warps=4, prefetch=NARROW_PREFETCH)
         narrow_slots = sms * resident_programs(narrow.block_n, narrow.prefetch, head_dim, dtype)
         if wave_fill(work, narrow_slots) > wave_fill(work, wide_slots) + 0.05:
@@ -158,9 +162,9 @@ def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype, sms: int 
     return wide
 
 
-def candidate_configs(work: int, max_tokens: int, head_dim: int, dtype) -> list[TritonDecodeConfig]:
+def candidate_configs(work: int, max_tokens: int, head_dim: int, dtype, paged: bool = True) -> list[TritonDecodeConfig]:
     """The heuristic first, then other blocks, pipeline depths and split counts (autotuning only)."""
-    base = heuristic_config(work, max_tokens, head_dim, dtype)
+    base = heuristic_config(work, max_tokens, head_dim, dtype, paged=paged)
     out = [base]
     splits = sorted({max(1, base.num_splits // 2), base.num_splits, base.num_splits * 2})
     for block_n in sorted({16 if base.block_n <= 32 else 32, base.block_n, min(128, base.block_n * 2)}):

@@ -41,10 +41,10 @@ class TritonRaggedDecodeAttention(Implementation[RaggedDecodeAttentionCall, Trit
                 f"triton ragged_decode_attention: head_dim {head_dim} outside [8, {MAX_HEAD_DIM}]")
 
     def heuristic_config(self, call: RaggedDecodeAttentionCall) -> TritonDecodeConfig:
-        return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.query.dtype)
+        return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.query.dtype, paged=False)
 
     def candidate_configs(self, call: RaggedDecodeAttentionCall) -> Sequence[TritonDecodeConfig]:
-        return tuning.candidate_configs(*_work_and_tokens(call), call.query.shape[-1], call.query.dtype)
+        return tuning.candidate_configs(*_work_and_tokens(call), call.query.shape[-1], call.query.dtype, paged=False)
 
     def __call__(self, call: RaggedDecodeAttentionCall, config: TritonDecodeConfig) -> jax.Array:
         from ejkernel_triton.decode.kernels import DecodeStatic, decode_attention
