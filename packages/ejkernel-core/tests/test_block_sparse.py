@@ -82,15 +82,16 @@ def expected_schedule(call, by):
     return visited, partial
 
 
-def check_schedule(schedule, visited, partial, max_visits, full_first=False):
+def check_schedule(schedule, visited, partial, max_visits, order="ascending"):
     indices, counts, part = (np.asarray(x) for x in schedule)
     assert indices.dtype == np.int32 and counts.dtype == np.int32 and part.dtype == bool
     assert indices.shape == (*visited.shape[:3], max_visits) == part.shape
     np.testing.assert_array_equal(counts, visited.sum(-1))
     for index in np.ndindex(*visited.shape[:3]):
         columns = np.flatnonzero(visited[index])
-        if full_first:  # full blocks ascending, then partial ones ascending
-            columns = np.concatenate([columns[~partial[index][columns]], columns[partial[index][columns]]])
+        if order != "ascending":  # full blocks ascending, then partial ones ascending (or the reverse)
+            full, part_ = columns[~partial[index][columns]], columns[partial[index][columns]]
+            columns = np.concatenate([full, part_] if order == "full_first" else [part_, full])
         n = len(columns)
         np.testing.assert_array_equal(indices[index][:n], columns)
         np.testing.assert_array_equal(indices[index][n:], columns[-1] if n else 0)
@@ -114,7 +115,8 @@ def test_schedule_matches_brute_force(case, by):
 @pytest.mark.parametrize("case", CASES[:4] + CASES[-2:], ids=str)
 @pytest.mark.parametrize("by", ["q", "kv"])
 @pytest.mark.parametrize("traced", [False, True])
-def test_full_first_order(case, by, traced):
+@pytest.mark.parametrize("order", ["full_first", "partial_first"])
+def test_full_or_partial_first_order(case, by, traced, order):
     q_len, kv_len, block, causal, window = case
     nq, nk = math.ceil(q_len / block[0]), math.ceil(kv_len / block[1])
     mask = np.random.default_rng(q_len + kv_len).random((1, 2, nq, nk)) < 0.7
@@ -122,12 +124,12 @@ def test_full_first_order(case, by, traced):
     visited, partial = expected_schedule(call, by)
     if traced:
         schedule = jax.jit(lambda m: block_schedule(dataclasses.replace(call, block_mask=m), by=by,
-                                                    order="full_first"))(jnp.asarray(mask))
+                                                    order=order))(jnp.asarray(mask))
         max_visits = visited.shape[-1]
     else:
-        schedule = block_schedule(call, by=by, order="full_first")
+        schedule = block_schedule(call, by=by, order=order)
         max_visits = max(1, int(visited.sum(-1).max()))
-    check_schedule(schedule, visited, partial, max_visits, full_first=True)
+    check_schedule(schedule, visited, partial, max_visits, order=order)
 
 
 def test_segments_make_every_block_partial_and_shared_mask_dims_stay_one():

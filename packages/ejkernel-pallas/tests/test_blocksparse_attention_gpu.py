@@ -100,18 +100,28 @@ def test_refuses_blocks_triton_cannot_tile(pallas_interpret_gpu):
     assert gpu_blocksparse.refusal(BlockSparseAttention().validate(q, q, q, block_size=(16, 32))) is None
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_sm90(dtype):
+def test_heuristic_takes_the_wide_forward_for_128_blocks():
+    q = jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
+    wide = gpu_blocksparse.heuristic_tuning(BlockSparseAttention().validate(q, q, q, block_size=128))
+    assert (wide.fwd_q, wide.fwd_kv, wide.fwd_warps, wide.fwd_stages) == (128, 128, 8, 3)
+    assert (wide.dkv_q, wide.dkv_kv, wide.bwd_warps) == (64, 64, 4)  # the backward keeps the flash defaults
+    narrow = gpu_blocksparse.heuristic_tuning(BlockSparseAttention().validate(q, q, q, block_size=(128, 64)))
+    assert (narrow.fwd_q, narrow.fwd_kv, narrow.fwd_warps, narrow.fwd_stages) == (128, 64, 4, 2)
+
+
+@pytest.mark.parametrize("dtype,block", [(jnp.bfloat16, (128, 64)), (jnp.float32, (128, 64)),
+                                         (jnp.bfloat16, (128, 128))])
+def test_lowers_for_sm90(dtype, block):
     """Triton lowering (jax side) of forward, dK/dV and dQ for an H100: scalar schedule loads and the
-    partial/full branch inside the block loop."""
+    partial/full branch inside the block loop (128-blocks: the wide forward)."""
     q = jax.ShapeDtypeStruct((1, 512, 2, 128), dtype)
     kv = jax.ShapeDtypeStruct((1, 512, 1, 128), dtype)
-    mask = random_block_mask(0, 1, 2, 512, 512, 128, 64)
+    mask = random_block_mask(0, 1, 2, 512, 512, *block)
     seg = jnp.zeros((1, 512), jnp.int32)
 
     def loss(q, k, v):
         call = BlockSparseAttention().validate(
-            q, k, v, seg, seg, jnp.zeros((2, 3)), block_mask=mask, block_size=(128, 64), causal=True,
+            q, k, v, seg, seg, jnp.zeros((2, 3)), block_mask=mask, block_size=block, causal=True,
             sliding_window=(256, 0), logits_soft_cap=30.0,
         )
         out = gpu_blocksparse.blocksparse_attention(call, gpu_blocksparse.heuristic_tuning(call))

@@ -38,7 +38,8 @@ class BlockSchedule(NamedTuple):
 
     indices: jax.Array
     """int32 ``[mask_batch, mask_heads, rows, max_visits]``: the column blocks to visit, ascending (with
-    ``order="full_first"``: the row's full blocks ascending, then its partial ones ascending); entries at or
+    ``order="full_first"``: the row's full blocks ascending, then its partial ones ascending;
+    ``"partial_first"`` the reverse); entries at or
     past ``counts`` repeat the last valid index (0 when the row visits nothing), so a kernel whose index map
     follows them loads no new block there."""
     counts: jax.Array
@@ -120,20 +121,21 @@ def _is_concrete(x) -> bool:
 
 
 def block_schedule(call: BlockSparseAttentionCall, *, by: Literal["q", "kv"] = "q",
-                   order: Literal["ascending", "full_first"] = "ascending") -> BlockSchedule:
+                   order: Literal["ascending", "full_first", "partial_first"] = "ascending") -> BlockSchedule:
     """The visiting schedule of ``call``'s blocks (see :class:`BlockSchedule`).
 
     ``by="q"``: rows are query blocks, columns key blocks (forward and dQ passes); ``by="kv"``: the
     transpose (dK/dV pass). ``order="full_first"``: each row lists its full blocks first, then its partial
     ones (each group ascending), for a kernel that runs ``[0, number of full)`` through a mask-free loop and
-    the rest through a masked one; the same single sort as ``"ascending"`` (no second pass).
+    the rest through a masked one (``"partial_first"``: partial ones first); the same single sort as
+    ``"ascending"`` (no second pass).
     ``max_visits`` (static) is the largest count when ``call.block_mask`` is concrete, else the number of
     column blocks; at least 1, so a kernel grid always has a step. A concrete mask is scheduled with numpy
     (no compilation per mask shape), a traced one with the same jnp code."""
     if by not in ("q", "kv"):
         raise ValueError(f"block_schedule: by must be 'q' or 'kv', got {by!r}")
-    if order not in ("ascending", "full_first"):
-        raise ValueError(f"block_schedule: order must be 'ascending' or 'full_first', got {order!r}")
+    if order not in ("ascending", "full_first", "partial_first"):
+        raise ValueError(f"block_schedule: order must be 'ascending', 'full_first' or 'partial_first', got {order!r}")
     concrete = _is_concrete(call.block_mask)
     xp = np if concrete else jnp
     mask = xp.logical_and(xp.asarray(call.block_mask), _reachable_of(call))
@@ -149,10 +151,11 @@ def block_schedule(call: BlockSparseAttentionCall, *, by: Literal["q", "kv"] = "
     counts = xp.sum(mask, axis=3, dtype=xp.int32)
     max_visits = max(1, int(np.max(counts, initial=0)) if concrete else mask.shape[3])
     # enabled columns first, ascending: a stable sort of the disabled flags (full_first: of the class
-    # 0 enabled full, 1 enabled partial, 2 disabled)
+    # 0 enabled full, 1 enabled partial, 2 disabled; partial_first: the enabled classes swapped)
     key = xp.where(mask, 0, 2).astype(xp.int8)
-    if order == "full_first":
-        key = xp.where(mask, xp.asarray(partial, dtype=xp.int8), key).astype(xp.int8)
+    if order != "ascending":
+        first = np.asarray(partial if order == "full_first" else ~partial, dtype=np.int8)
+        key = xp.where(mask, first, key).astype(xp.int8)
     if concrete:
         columns = np.argsort(key, axis=3, kind="stable")
     else:
