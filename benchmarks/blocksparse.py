@@ -18,9 +18,13 @@ TFLOP/s >= dense TFLOP/s / 1.3. Timing as `attention.py` (`time_calls`: jit, war
 samples of `--calls` back-to-back calls over rotating input sets). Numerics: relative L2 error of the
 Triton output against XLA block-sparse on the first input set (S=8k).
 
-`triton-const`: the mask a constant of the jitted function (the schedule is then built once, at trace time:
-kernel time only), at the lowest density and the longest sequence. `triton-tma`: the same with the opt-in Hopper TMA + warp-specialized forward (`TritonBlockSparseConfig(...,
-tma_forward=True)`; it applies here: non-causal, whole blocks).
+`triton`: the dispatcher's default config (since 2026-11-23 evening the Hopper TMA + warp-specialized forward
+wherever it applies: non-causal, whole blocks, as here). `triton-const`: the mask a constant of the jitted
+function (the schedule is then built once, at trace time: kernel time only), at the lowest density and the
+longest sequence. `triton:<candidate>`: forward configs to compare at the lowest density and the longest
+sequence (`FWD_CANDIDATES`: the pointer forward as the former default, other tiles / warps / stages).
+`--final`: only S=16k at 10 %: dense flash and the default config forward and forward+backward, and the
+forward candidates (no XLA, no mean_pooling; ~40 s on an H200 with compiles).
 
 Writes `<out>/<gpu>-<date>-blocksparse.json` (after every measurement) and a PNG, prints a table.
 """
@@ -55,6 +59,32 @@ def block_mask(seed: int, heads: int, seq: int, density: float) -> np.ndarray:
     return mask
 
 
+FWD_CANDIDATES = {
+    # name: (fwd_block_q, fwd_block_kv, fwd_num_warps, fwd_num_stages, tma_forward); backward: the heuristic's
+    "pointer-128x64-w8s3": (128, 64, 8, 3, False),  # the default before the TMA forward (flash's tuned forward)
+    "pointer-128x128-w8s2": (128, 128, 8, 2, False),  # one tile per mask block: half the loop iterations
+    "pointer-64x64-w4s3": (64, 64, 4, 3, False),  # 64 KB of shared memory: ~3 programs per SM overlap their
+    #                                              prologues / epilogues with the others' loops
+    "tma-128x64-w4s2": (128, 64, 4, 2, True),  # 96 KB: 2 programs per SM if registers allow
+}
+"""Forward configs compared at S=16k, 10 % (short rows: ~14 visits per query block)."""
+
+
+def candidate_config(name: str):
+    """The heuristic's config with candidate `name`'s forward fields."""
+    import dataclasses
+
+    from ejkernel_triton.blocksparse_attention import TritonBlockSparseConfig
+    from ejkernel_triton.flash_attention import tuning
+    from ejkernel_triton.launch import gpu_device_kind
+
+    base = tuning.heuristic_config(128, 128, jnp.bfloat16, device_kind=gpu_device_kind())
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    *fwd, tma = FWD_CANDIDATES[name]
+    fields.update(zip(tuning.FWD_FIELDS, fwd))
+    return TritonBlockSparseConfig(**fields, tma_forward=tma)
+
+
 def make_step(kind: str, mode: str, constant_mask=None):
     from ejkernel.modules import blocksparse_attention, flash_attention
 
@@ -67,8 +97,8 @@ def make_step(kind: str, mode: str, constant_mask=None):
         def attend(q, k, v, mask):
             del mask
             return flash_attention(q, k, v, causal=False, platform="triton")
-    elif kind == "triton-tma":
-        config = tma_config()
+    elif kind.startswith("triton:"):
+        config = candidate_config(kind.split(":", 1)[1])
 
         def attend(q, k, v, mask):
             return blocksparse_attention(q, k, v, block_mask=mask, block_size=BLOCK, causal=False, platform="triton",
@@ -84,23 +114,6 @@ def make_step(kind: str, mode: str, constant_mask=None):
         return out, pullback(do)
 
     return jax.jit(fwd_bwd)
-
-
-def tma_config():
-    """The heuristic's config with the TMA forward asked for (flash attention's TMA blocks: 128 x 128, 4 warps,
-    2 stages); the backward's blocks unchanged."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from ejkernel_triton.blocksparse_attention import TritonBlockSparseConfig
-    from ejkernel_triton.flash_attention import tuning
-    from ejkernel_triton.launch import gpu_device_kind
-
-    base = tuning.heuristic_config(128, 128, jnp.bfloat16, device_kind=gpu_device_kind())
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    fields.update(zip(tuning.FWD_FIELDS, tuning.TMA_FWD_DEFAULT))
-    return TritonBlockSparseConfig(**fields, tma_forward=True)
 
 
 def schedule_step():
@@ -155,10 +168,14 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in doc["results"] if r.get("ms")]
+    if len({r["density"] for r in rows if r["impl"] != "triton-flash-dense"}) == 1:
+        plot_bars(doc, rows, path)
+        return
     combos = sorted({(r["seq"], r["mode"]) for r in rows})
     fig, axes = plt.subplots(2, max(1, len(combos)), figsize=(4.2 * max(1, len(combos)), 6.4), squeeze=False)
     for col, (seq, mode) in enumerate(combos):
-        for impl in ("triton", "triton-tma", "triton-const", "xla"):
+        impls = ["triton", "triton-const", "xla", *sorted({r["impl"] for r in rows if r["impl"].startswith("triton:")})]
+        for impl in impls:
             pts = sorted((r["density"], r["ms"], r["tflops"]) for r in rows
                          if (r["seq"], r["mode"], r["impl"]) == (seq, mode, impl))
             if pts:
@@ -180,6 +197,33 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"block-sparse attention, {doc['device']}, {doc['date'][:10]} (B=1, H=16, D=128, bf16, "
                  f"128-blocks)", fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    fig.savefig(path, dpi=110)
+
+
+def plot_bars(doc: dict, rows: list, path: Path) -> None:
+    """One density (`--final`): time of every implementation, one panel per (S, mode), dense as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    combos = sorted({(r["seq"], r["mode"]) for r in rows})
+    fig, axes = plt.subplots(1, len(combos), figsize=(5.5 * len(combos), 4.2), squeeze=False)
+    for ax, (seq, mode) in zip(axes[0], combos):
+        sparse = [r for r in rows if (r["seq"], r["mode"]) == (seq, mode) and r["impl"] != "triton-flash-dense"]
+        ax.barh([r["impl"] for r in sparse], [r["ms"] for r in sparse])
+        for i, r in enumerate(sparse):
+            ax.text(r["ms"], i, f" {r['ms']:.3f} ms, {r.get('tflops_vs_dense', float('nan')):.2f}", va="center",
+                    fontsize=7)
+        dense = [r for r in rows if (r["seq"], r["mode"], r["impl"]) == (seq, mode, "triton-flash-dense")]
+        if dense:
+            ax.axvline(dense[0]["ms"] / 5, color="k", ls="--", label="dense / 5 (target)")
+            ax.legend(fontsize=7)
+        ax.set_title(f"S={seq} {mode}, density {sparse[0]['density'] if sparse else ''}", fontsize=9)
+        ax.set_xlabel("ms (label: kept-block TFLOP/s / dense)")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.suptitle(f"block-sparse attention, {doc['device']}, {doc['date'][:10]} (B=1, H=16, D=128, bf16, "
+                 f"128-blocks)", fontsize=10)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
@@ -209,7 +253,7 @@ def print_report(doc: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--seqs", type=int, nargs="+", default=None, help="default 8192 16384 (--final: 16384)")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
     parser.add_argument("--heads", type=int, default=16)
@@ -222,7 +266,14 @@ def main(argv=None) -> int:
     parser.add_argument("--no-mean-pooling", action="store_true")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--replot", type=Path)
+    parser.add_argument("--final", action="store_true",
+                        help="S=16k, 10 %%: dense, default (fwd, fwd+bwd) and the forward candidates only")
+    parser.add_argument("--candidates", nargs="*", default=list(FWD_CANDIDATES),
+                        help="forward candidates (FWD_CANDIDATES names) at the longest sequence, lowest density")
     args = parser.parse_args(argv)
+    if args.final:
+        args.densities, args.no_xla, args.no_mean_pooling = [0.1], True, True
+    args.seqs = args.seqs or ([16384] if args.final else [8192, 16384])
     if args.replot:
         doc = json.loads(args.replot.read_text())
         plot(doc, args.replot.with_suffix(".png"))
@@ -251,10 +302,10 @@ def main(argv=None) -> int:
             runs = [("triton-flash-dense", "flash", 1.0)]
             runs += [("triton", "triton", density) for density in args.densities]  # ours first: a timeout
             if seq == max(args.seqs):
-                # the mask a constant of the jitted function: its schedule is built once, at trace time
-                runs += [("triton-const", "triton-const", min(args.densities))]
-                if args.head_dim == 128:  # the opt-in TMA forward (non-causal, whole blocks: it applies here)
-                    runs += [("triton-tma", "triton-tma", density) for density in args.densities]
+                if not args.final:  # the mask a constant of the jitted function: schedule built at trace time
+                    runs += [("triton-const", "triton-const", min(args.densities))]
+                if args.head_dim == 128 and mode == "fwd":
+                    runs += [(f"triton:{name}", f"triton:{name}", min(args.densities)) for name in args.candidates]
             if not args.no_xla and seq <= args.xla_max_seq:  # (the device script's) cuts the slow XLA rows
                 runs += [("xla", "xla", density) for density in args.densities]
             steps = {}
@@ -276,7 +327,7 @@ def main(argv=None) -> int:
                     elif dense_ms:
                         row["vs_dense_time"] = row["ms"] / dense_ms
                         row["tflops_vs_dense"] = row["tflops"] / dense_tflops
-                    if kind == "triton" and mode == "fwd":
+                    if kind == "triton" and mode == "fwd" and not args.final:
                         sched = schedule_step()
                         row["schedule_ms"] = 1e3 * time_calls(lambda c: sched(*sets[c % 2][:4]), 2, 5, 3)
                 except Exception as exc:  # noqa: BLE001 -- one failing row must not end the run

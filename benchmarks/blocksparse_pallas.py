@@ -48,8 +48,14 @@ def random_mask(seed: int, heads: int, seq: int, density: float) -> np.ndarray:
     return mask
 
 
-# extra tilings of the pallas block-sparse kernel ("pallas:<name>" rows, forward only): GpuFlashTuning fields
-VARIANTS = {"fwd128x128": dict(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3)}
+# extra tilings of the pallas block-sparse kernel ("pallas:<name>" rows; GpuFlashTuning fields). The default
+# (heuristic) forward for 128-blocks is 128x128 / 8 warps / 3 stages since 2026-11-23 evening.
+VARIANTS = {
+    "fwd128x64": dict(),  # the flash defaults: the block-sparse default before (forward only)
+    "bwd-wide": dict(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3, dkv_q=64, dkv_kv=128, dq_q=128, dq_kv=64,
+                     bwd_warps=8),  # Triton block-sparse's tuned backward blocks (fwd+bwd only)
+}
+VARIANT_MODES = {"fwd128x64": "fwd", "bwd-wide": "fwd+bwd"}
 
 
 def attend_fn(kind: str, platform: str):
@@ -138,8 +144,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--no-numerics", action="store_true")
+    parser.add_argument("--final", action="store_true",
+                        help="pallas block-sparse (default config) and dense Triton flash only, no numerics")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
+    if args.final:
+        args.no_numerics = True
 
     device = jax.devices()[0]
     gpu = device.device_kind.replace(" ", "_")
@@ -155,9 +165,10 @@ def main(argv=None) -> int:
     pairs = args.seq * args.seq
     for mode in args.modes:
         # the target's pair first (the JSON is rewritten after every row, so a timeout keeps what was measured)
-        impls = [("sparse", "pallas"), ("dense", "triton"), ("sparse", "triton"), ("dense", "pallas")]
-        if mode == "fwd":
-            impls += [("sparse", f"pallas:{name}") for name in VARIANTS]
+        impls = [("sparse", "pallas"), ("dense", "triton")]
+        if not args.final:
+            impls += [("sparse", "triton"), ("dense", "pallas")]
+            impls += [("sparse", f"pallas:{name}") for name in VARIANTS if VARIANT_MODES[name] == mode]
         for kind, platform in impls:
             row = dict(kind=kind, platform=platform, mode=mode)
             try:

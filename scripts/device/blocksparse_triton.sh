@@ -12,6 +12,10 @@
 # mean_pooling Triton vs XLA GB/s). About 145 s on one
 # H200, compile included: each part under its own timeout; one failing part does not stop the other. Prints
 # a summary (test counts, the issue's targets MET / NOT MET, mean_pooling GB/s). Exit status 1 if a part failed.
+#
+# FINAL=1: no tests (gpu_tests.sh runs them), only `benchmarks/blocksparse.py --final` (S=16k, 10 %: dense
+# Triton flash, the default block-sparse config forward and forward+backward, and the forward candidates of
+# FWD_CANDIDATES), <= 45 s on one H200 with compiles; writes benchmark.log, JSON and PNG under $DIR.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -25,6 +29,21 @@ mkdir -p "$DIR"
 unset JAX_PLATFORMS
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 failed=0
+
+if [ -n "${FINAL:-}" ]; then
+    start=$(date +%s)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout --kill-after=3 45 python3 benchmarks/blocksparse.py --final \
+        --warmup 2 --reps 5 --calls 3 --out "$DIR" >"$DIR/benchmark.log" 2>&1
+    bench_status=$?
+    echo "== blocksparse_triton (FINAL) summary =="
+    echo "benchmark: exit $bench_status in $(($(date +%s) - start)) s"
+    grep -E "^(target|\| 16384)" "$DIR/benchmark.log" | sort -u | head -n 30
+    if [ "$bench_status" -ne 0 ]; then  # cut short: the rows measured so far (also in the JSON)
+        grep -F '{"seq"' "$DIR/benchmark.log" | cut -c1-220 | head -n 12
+        tail -n 8 "$DIR/benchmark.log"
+    fi
+    exit "$bench_status"
+fi
 
 # 1. GPU tests: 8 workers, each may grow to 1/9 of the GPU's memory.
 start=$(date +%s)
