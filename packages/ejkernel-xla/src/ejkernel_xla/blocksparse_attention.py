@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejkernel.modules.operations._contract import Implementation, NoConfig
+from ejkernel.modules.operations._contract import NoConfig
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
 from ejkernel.ops.utils.block_sparse import effective_block_mask
 from ejkernel_xla._blockwise import (
@@ -33,6 +33,7 @@ from ejkernel_xla._blockwise import (
     query_tokens,
     sink_lse,
 )
+from ejkernel_xla._jitted import JittedImplementation
 
 
 def _layout(q, k, q_tok, kv_tok, q_block, kv_block):
@@ -146,23 +147,17 @@ _blocksparse = jax.custom_vjp(_blocksparse_primal, nondiff_argnums=(0, 1, 2))
 _blocksparse.defvjp(_blocksparse_fwd, _blocksparse_bwd)
 
 
-# One compiled program per (shapes, static fields): eager lax.scan would re-trace its body per call.
-@jax.jit
-def _blocksparse_jit(call: BlockSparseAttentionCall) -> jax.Array:
-    (batch, q_len), kv_len = call.query.shape[:2], call.key.shape[1]
-    q_tok = query_tokens(batch, q_len, kv_len, segment_ids=call.q_segment_ids)
-    kv_tok = key_tokens(batch, kv_len, segment_ids=call.kv_segment_ids)
-    return _blocksparse(
-        AttentionParams.of(call), call.q_block_size, call.kv_block_size, call.query, call.key, call.value,
-        call.softmax_aux, effective_block_mask(call), q_tok, kv_tok,
-    )
-
-
-class XlaBlockSparseAttention(Implementation[BlockSparseAttentionCall, NoConfig]):
+class XlaBlockSparseAttention(JittedImplementation[BlockSparseAttentionCall, NoConfig]):
     config_type = NoConfig
 
-    def __call__(self, call: BlockSparseAttentionCall, config: NoConfig) -> jax.Array:
-        return _blocksparse_jit(call)
+    def compute(self, call: BlockSparseAttentionCall, config: NoConfig) -> jax.Array:
+        (batch, q_len), kv_len = call.query.shape[:2], call.key.shape[1]
+        q_tok = query_tokens(batch, q_len, kv_len, segment_ids=call.q_segment_ids)
+        kv_tok = key_tokens(batch, kv_len, segment_ids=call.kv_segment_ids)
+        return _blocksparse(
+            AttentionParams.of(call), call.q_block_size, call.kv_block_size, call.query, call.key, call.value,
+            call.softmax_aux, effective_block_mask(call), q_tok, kv_tok,
+        )
 
 
 IMPLEMENTATION = XlaBlockSparseAttention()

@@ -18,9 +18,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations._contract import Implementation
-from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.modules.operations.page_attention import PageAttentionCall
+from ejkernel_xla._jitted import JittedImplementation
 
 TOKENS_PER_STEP = 512
 """Default number of cached tokens folded in per scan step (a few pages: big enough to amortize the
@@ -113,10 +112,10 @@ class XlaPageAttentionConfig:
     block_pages: int | None = None
 
 
-class XlaPageAttention(Implementation[PageAttentionCall, XlaPageAttentionConfig]):
+class XlaPageAttention(JittedImplementation[PageAttentionCall, XlaPageAttentionConfig]):
     config_type = XlaPageAttentionConfig
 
-    def __call__(self, call: PageAttentionCall, config: XlaPageAttentionConfig) -> jax.Array:
+    def compute(self, call: PageAttentionCall, config: XlaPageAttentionConfig) -> jax.Array:
         query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
         num_seqs, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
@@ -141,16 +140,14 @@ class XlaPageAttention(Implementation[PageAttentionCall, XlaPageAttentionConfig]
             return positions[None, :] < lengths[:, None]
 
         grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        # plain autodiff: the transposed matmuls keep the precision their forward recorded
-        with matmul_precision(call.precision):
-            out = attend_over_blocks(
-                grouped,
-                num_steps,
-                load_block,
-                visible_block,
-                softmax_scale=call.attn_scale,
-                logits_soft_cap=call.attn_logits_soft_cap,
-            )
+        out = attend_over_blocks(
+            grouped,
+            num_steps,
+            load_block,
+            visible_block,
+            softmax_scale=call.attn_scale,
+            logits_soft_cap=call.attn_logits_soft_cap,
+        )
         return out.reshape(num_seqs, num_heads, -1).astype(query.dtype)
 
 

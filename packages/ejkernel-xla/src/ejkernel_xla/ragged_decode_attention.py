@@ -10,9 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations._contract import Implementation
-from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttentionCall
+from ejkernel_xla._jitted import JittedImplementation
 from ejkernel_xla.page_attention import TOKENS_PER_STEP, attend_over_blocks
 
 
@@ -23,10 +22,10 @@ class XlaRaggedDecodeAttentionConfig:
     block_keys: int | None = None
 
 
-class XlaRaggedDecodeAttention(Implementation[RaggedDecodeAttentionCall, XlaRaggedDecodeAttentionConfig]):
+class XlaRaggedDecodeAttention(JittedImplementation[RaggedDecodeAttentionCall, XlaRaggedDecodeAttentionConfig]):
     config_type = XlaRaggedDecodeAttentionConfig
 
-    def __call__(self, call: RaggedDecodeAttentionCall, config: XlaRaggedDecodeAttentionConfig) -> jax.Array:
+    def compute(self, call: RaggedDecodeAttentionCall, config: XlaRaggedDecodeAttentionConfig) -> jax.Array:
         query, key, value = call.query, call.key, call.value
         sequence_start, sequence_end, sliding_window = call.sequence_start, call.sequence_end, call.sliding_window
         batch, num_heads, head_dim = query.shape
@@ -55,17 +54,15 @@ class XlaRaggedDecodeAttention(Implementation[RaggedDecodeAttentionCall, XlaRagg
 
         group = num_heads // num_kv_heads
         sinks = None if call.softmax_aux is None else call.softmax_aux.reshape(num_kv_heads, group, -1)
-        # plain autodiff: the transposed matmuls keep the precision their forward recorded
-        with matmul_precision(call.precision):
-            out = attend_over_blocks(
-                query.reshape(batch, num_kv_heads, group, head_dim),
-                num_steps,
-                load_block,
-                visible_block,
-                softmax_scale=call.softmax_scale,
-                logits_soft_cap=call.logit_soft_cap,
-                sinks=sinks,
-            )
+        out = attend_over_blocks(
+            query.reshape(batch, num_kv_heads, group, head_dim),
+            num_steps,
+            load_block,
+            visible_block,
+            softmax_scale=call.softmax_scale,
+            logits_soft_cap=call.logit_soft_cap,
+            sinks=sinks,
+        )
         return out.reshape(batch, num_heads, -1).astype(query.dtype)
 
 

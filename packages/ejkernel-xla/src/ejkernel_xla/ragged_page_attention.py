@@ -15,9 +15,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ejkernel.modules.operations._contract import Implementation
-from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
+from ejkernel_xla._jitted import JittedImplementation
 from ejkernel_xla.page_attention import TOKENS_PER_STEP, attend_over_blocks, padded_tables, pages_per_step
 
 GATHERED_TOKENS_PER_STEP = 32 * TOKENS_PER_STEP
@@ -50,13 +49,11 @@ class XlaRaggedPageAttentionConfig:
     """Query rows per block of the outer loop (None: ``GATHERED_TOKENS_PER_STEP`` rows x tokens per step)."""
 
 
-class XlaRaggedPageAttention(Implementation[RaggedPageAttentionCall, XlaRaggedPageAttentionConfig]):
+class XlaRaggedPageAttention(JittedImplementation[RaggedPageAttentionCall, XlaRaggedPageAttentionConfig]):
     config_type = XlaRaggedPageAttentionConfig
 
-    def __call__(self, call: RaggedPageAttentionCall, config: XlaRaggedPageAttentionConfig) -> jax.Array:
-        # plain autodiff: the transposed matmuls keep the precision their forward recorded
-        with matmul_precision(call.precision):
-            return _ragged_page_attention(call, config)
+    def compute(self, call: RaggedPageAttentionCall, config: XlaRaggedPageAttentionConfig) -> jax.Array:
+        return _ragged_page_attention(call, config)
 
 
 def _ragged_page_attention(call: RaggedPageAttentionCall, config: XlaRaggedPageAttentionConfig) -> jax.Array:

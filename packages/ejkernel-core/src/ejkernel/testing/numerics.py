@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -336,9 +337,8 @@ class BadInputChecks:
     ``ValueError`` naming ``match`` by the operation itself (through the executor, so before anything
     compiles), and by the public function (whose type annotations may speak first: ``TypeError``).
 
-    The call goes by keyword (``Op.validate`` binds to the public signature). ``operation_arguments`` is
-    only for an operation whose ``validate`` still lists its own parameters: those names are passed
-    positionally, None where the call lacks them."""
+    The call goes by keyword (``Op.validate`` binds to the public signature). ``operation_arguments``, where
+    a suite still sets it, names arguments passed as None where the call lacks them."""
 
     platform: ClassVar[str]
     operation_type: ClassVar[type]
@@ -349,11 +349,11 @@ class BadInputChecks:
 
         from ejkernel.ops import get_default_executor
 
-        positional = [call.pop(name, None) for name in self.operation_arguments]
+        call = {**dict.fromkeys(self.operation_arguments), **call}
         with pytest.raises(ValueError, match=match):
-            get_default_executor()(self.operation_type(), *positional, platform=self.platform, **call)
+            get_default_executor()(self.operation_type(), platform=self.platform, **call)
         with pytest.raises((ValueError, TypeError), match=match):
-            self.call(**dict(zip(self.operation_arguments, positional, strict=True)), **call)
+            self.call(**call)
 
 
 class ConformanceSuite(BadInputChecks):
@@ -373,11 +373,18 @@ class ConformanceSuite(BadInputChecks):
     """The operation's public function in ``ejkernel.modules``: what :meth:`call` runs."""
 
     def call(self, **arguments: Any) -> Any:
-        """The public function on ``arguments`` (by name) with the suite's ``platform`` and ``cfg``
-        (a ``cfg`` in ``arguments`` wins)."""
+        """The public function on ``arguments`` (by name; its positional-only ones in their places) with
+        the suite's ``platform`` and ``cfg`` (a ``cfg`` in ``arguments`` wins)."""
         import ejkernel.modules
 
-        return getattr(ejkernel.modules, self.public_name)(**{"platform": self.platform, "cfg": self.cfg, **arguments})
+        function = getattr(ejkernel.modules, self.public_name)
+        arguments = {"platform": self.platform, "cfg": self.cfg, **arguments}
+        positional = []
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.kind is not parameter.POSITIONAL_ONLY or parameter.name not in arguments:
+                break
+            positional.append(arguments.pop(parameter.name))
+        return function(*positional, **arguments)
 
     def check_call(
         self,

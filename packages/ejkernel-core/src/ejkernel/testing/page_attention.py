@@ -119,18 +119,7 @@ class PageAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform`` (see the module docstring)."""
 
     operation_type: ClassVar[type] = PageAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = (
-        "query",
-        "key_cache",
-        "value_cache",
-        "context_lens",
-        "block_tables",
-    )
-
-    def call(self, **kwargs):
-        from ejkernel.modules import page_attention
-
-        return page_attention(**kwargs, platform=self.platform, cfg=self.cfg)
+    public_name = "page_attention"
 
     def make_inputs(self, seed, shape, dtype, *, scale=1.0):
         num_seqs, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks, include = shape

@@ -72,28 +72,7 @@ class RaggedDecodeAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = RaggedDecodeAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = (
-        "query",
-        "key",
-        "value",
-        "sequence_start",
-        "sequence_end",
-        "softmax_aux",
-    )
-
-    def call(self, query, key, value, sequence_start, sequence_end, softmax_aux=None, **kw):
-        from ejkernel.modules import ragged_decode_attention
-
-        return ragged_decode_attention(
-            query,
-            key,
-            value,
-            sequence_start,
-            sequence_end,
-            softmax_aux=softmax_aux,
-            platform=self.platform,
-            **{"cfg": self.cfg, **kw},
-        )
+    public_name = "ragged_decode_attention"
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
         batch, heads, kv_heads, head_dim, seq_len, ranges = case

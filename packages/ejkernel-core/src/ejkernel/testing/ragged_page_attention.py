@@ -83,30 +83,7 @@ class RaggedPageAttentionConformance(ConformanceSuite):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = RaggedPageAttention
-    operation_arguments: ClassVar[tuple[str, ...]] = (
-        "queries",
-        "kv_pages",
-        "context_lens",
-        "block_tables",
-        "query_start_loc",
-        "num_seqs",
-        "softmax_aux",
-    )
-
-    def call(self, queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_aux=None, **kw):
-        from ejkernel.modules import ragged_page_attention
-
-        return ragged_page_attention(
-            queries,
-            kv_pages,
-            context_lens,
-            block_tables,
-            query_start_loc,
-            num_seqs,
-            softmax_aux,
-            platform=self.platform,
-            **{"cfg": self.cfg, **kw},
-        )
+    public_name = "ragged_page_attention"
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
         heads, kv_heads, head_dim, page_size, sequences, inactive, padding = case

@@ -107,7 +107,12 @@ def public_function(operation: type[RegistryOperation]) -> Callable[[F], F]:
 
     def declare(function: F) -> F:
         signature = inspect.signature(function)
-        parameters = [p for name, p in signature.parameters.items() if name not in _DISPATCH_PARAMETERS]
+        # positional-only ones stay so in the public function; the body forwards every argument by name
+        parameters = [
+            p.replace(kind=p.POSITIONAL_OR_KEYWORD) if p.kind is p.POSITIONAL_ONLY else p
+            for name, p in signature.parameters.items()
+            if name not in _DISPATCH_PARAMETERS
+        ]
         operation.signature = _Signature(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
         return typechecked(function)
 

@@ -30,50 +30,38 @@ Backends get their visiting schedule from ``ejkernel.ops.utils.block_sparse`` (`
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Bool, Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
-from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
+from ejkernel.modules.operations._contract import array_field
 from ejkernel.modules.operations._validation import (
     check_array,
     check_positive_int,
     describe,
     normalize_sliding_window,
-    typechecked,
 )
-from ejkernel.modules.operations.flash_attention import FlashAttention, restricted_call
+from ejkernel.modules.operations.flash_attention import FlashAttention, flash_attention_subset, restricted_call
 from ejkernel.ops.utils.block_sparse import reachable_blocks
 
 
-@canonical_call
+@flash_attention_subset(
+    "query", "key", "value", "q_segment_ids", "kv_segment_ids", "softmax_aux",
+    "softmax_scale", "causal", "sliding_window", "logits_soft_cap", "precision",
+)
 class BlockSparseAttentionCall:
-    """A validated ``blocksparse_attention`` call: what every backend receives (see above)."""
+    """A validated ``blocksparse_attention`` call: what every backend receives (see above); besides the
+    block mask and its block sizes, its fields are ``FlashAttentionCall``'s of those names (no bias, mask,
+    varlen or dropout)."""
 
-    query: Float[jax.Array, "batch q_len num_heads head_dim"] = array_field()
-    key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"] = array_field()
-    value: Float[jax.Array, "batch kv_len num_kv_heads v_head_dim"] = array_field()
-    q_segment_ids: Int[jax.Array, "batch q_len"] | None = array_field()
-    """int32; given together with ``kv_segment_ids`` or not at all."""
-    kv_segment_ids: Int[jax.Array, "batch kv_len"] | None = array_field()
-    softmax_aux: Float[jax.Array, "num_heads"] | Float[jax.Array, "num_heads num_sinks"] | None = array_field()
     block_mask: Bool[jax.Array, "mask_batch mask_heads q_blocks kv_blocks"] = array_field()
     """``[batch or 1, num_heads or 1, ceil(q_len / q_block_size), ceil(kv_len / kv_block_size)]``."""
-    softmax_scale: float = 1.0
-    causal: bool = True
-    sliding_window: tuple[int, int] | None = None
-    logits_soft_cap: float | None = None
     q_block_size: int = 128
     kv_block_size: int = 128
-    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
-    """Matmul precision floor (``_precision``): HIGHEST for float32 inputs unless the caller asked otherwise."""
-
-    # a flash_attention feature this operation does not have (code shared with it reads it)
-    dropout_prob: ClassVar[float] = 0.0
 
 
 def normalize_block_size(value: Any) -> tuple[int, int]:
@@ -167,29 +155,13 @@ class BlockSparseAttention(RegistryOperation):
 
     algorithm = "blocksparse_attention"
 
-    def validate(
-        self,
-        query,
-        key,
-        value,
-        q_segment_ids=None,
-        kv_segment_ids=None,
-        softmax_aux=None,
-        block_mask=None,
-        *,
-        causal=True,
-        block_size=128,
-        **keywords,
-    ) -> BlockSparseAttentionCall:
-        """``keywords``: the others of :func:`blocksparse_attention`, checked and normalized by
-        ``FlashAttention.validate``."""
-        flash_call = FlashAttention().validate(
-            query, key, value, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, softmax_aux=softmax_aux,
-            causal=causal, **keywords,
-        )
-        (batch, q_len, num_heads, _), kv_len = query.shape, key.shape[1]
-        q_block, kv_block = normalize_block_size(block_size)
+    def canonicalize(self, args: Arguments) -> BlockSparseAttentionCall:
+        """The arguments shared with ``flash_attention`` are checked and normalized by ``FlashAttention.validate``."""
+        flash_call = FlashAttention().validate(**args.without("block_mask", "block_size"))
+        (batch, q_len, num_heads, _), kv_len = args.query.shape, args.key.shape[1]
+        q_block, kv_block = normalize_block_size(args.block_size)
         blocks = (math.ceil(q_len / q_block), math.ceil(kv_len / kv_block))
+        block_mask = args.block_mask
         if block_mask is None:
             with jax.ensure_compile_time_eval():  # concrete under jit too: kernels size their schedules by it
                 block_mask = jnp.ones((1, 1, *blocks), bool)
@@ -200,7 +172,7 @@ class BlockSparseAttention(RegistryOperation):
         )
 
 
-@typechecked
+@public_function(BlockSparseAttention)
 def blocksparse_attention(
     query: Float[jax.Array, "batch q_len num_heads head_dim"],
     key: Float[jax.Array, "batch kv_len num_kv_heads head_dim"],

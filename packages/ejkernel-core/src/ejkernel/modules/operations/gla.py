@@ -18,8 +18,7 @@ from typing import Any
 import jax
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
-from ejkernel.modules.operations._validation import typechecked
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations.recurrent import LinearAttentionCall, RecurrentAttention
 
 
@@ -28,16 +27,12 @@ class GLAttention(RegistryOperation):
 
     algorithm = "gla"
 
-    def validate(
-        self, query, key, value, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, **keywords
-    ) -> LinearAttentionCall:
-        """``keywords``: those of :func:`gla_attention`, checked by ``RecurrentAttention.validate``."""
-        return RecurrentAttention().validate(
-            query, key, value, g, g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens, **keywords
-        )
+    def canonicalize(self, args: Arguments) -> LinearAttentionCall:
+        """Checked and normalized by ``RecurrentAttention.validate`` (gla's arguments are a subset)."""
+        return RecurrentAttention().validate(**args)
 
 
-@typechecked
+@public_function(GLAttention)
 def gla_attention(
     query: Float[jax.Array, "batch seq heads head_dim"],
     key: Float[jax.Array, "batch seq kv_heads head_dim"],

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
-from ejkernel.modules.operations._validation import typechecked
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations.recurrent import LinearAttentionCall, RecurrentAttention
 
 
@@ -45,18 +44,16 @@ class LightningAttention(RegistryOperation):
 
     algorithm = "lightning_attention"
 
-    def validate(
-        self, query, key, value, initial_state=None, cu_seqlens=None, *, layer_idx, num_layers, **keywords
-    ) -> LinearAttentionCall:
-        """``keywords``: those of :func:`lightning_attention`, checked by ``RecurrentAttention.validate``."""
-        layer_idx, num_layers = _check_layers(layer_idx, num_layers)
-        call = RecurrentAttention().validate(query, key, value, initial_state=initial_state, cu_seqlens=cu_seqlens, **keywords)
-        batch, _, heads, _ = query.shape
+    def canonicalize(self, args: Arguments) -> LinearAttentionCall:
+        """Every argument but ``layer_idx``/``num_layers`` is checked by ``RecurrentAttention.validate``."""
+        layer_idx, num_layers = _check_layers(args.layer_idx, args.num_layers)
+        call = RecurrentAttention().validate(**args.without("layer_idx", "num_layers"))
+        batch, _, heads, _ = args.query.shape
         slopes = lightning_decay_slopes(heads, layer_idx, num_layers)
         return dataclasses.replace(call, g_gamma=jnp.broadcast_to(slopes, (batch, heads)))
 
 
-@typechecked
+@public_function(LightningAttention)
 def lightning_attention(
     query: Float[jax.Array, "batch seq heads head_dim"],
     key: Float[jax.Array, "batch seq kv_heads head_dim"],

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
@@ -49,7 +49,6 @@ from ejkernel.modules.operations._validation import (
     concrete,
     normalize_soft_cap,
     resolve_softmax_scale,
-    typechecked,
 )
 
 DEFAULT_MASK_VALUE = -2.381976426469702e38
@@ -82,19 +81,9 @@ class PageAttention(RegistryOperation):
 
     algorithm = "page_attention"
 
-    def validate(
-        self,
-        query,
-        key_cache,
-        value_cache,
-        context_lens,
-        block_tables,
-        *,
-        attn_scale=None,
-        max_context_len=None,
-        attn_logits_soft_cap=None,
-        precision=None,
-    ) -> PageAttentionCall:
+    def canonicalize(self, args: Arguments) -> PageAttentionCall:
+        query, key_cache, value_cache = args.query, args.key_cache, args.value_cache
+        context_lens, block_tables, max_context_len = args.context_lens, args.block_tables, args.max_context_len
         check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what="[num_seqs, num_heads, head_dim]")
         layout = "[num_blocks, num_kv_heads, block_size, head_dim]"
         check_array("key_cache", key_cache, rank=4, dtypes=FLOAT_DTYPES, what=layout)
@@ -122,20 +111,18 @@ class PageAttention(RegistryOperation):
             check_page_indices(
                 "block_tables", block_tables, np.minimum(lengths, max_context_len), block_size, num_blocks
             )
-        return PageAttentionCall(
-            query=query,
-            key_cache=key_cache,
-            value_cache=value_cache,
+        return args.build(
+            PageAttentionCall,
             context_lens=context_lens.astype("int32"),
             block_tables=block_tables.astype("int32"),
-            attn_scale=resolve_softmax_scale(attn_scale, head_dim, name="attn_scale"),
+            attn_scale=resolve_softmax_scale(args.attn_scale, head_dim, name="attn_scale"),
             max_context_len=max_context_len,
-            attn_logits_soft_cap=normalize_soft_cap(attn_logits_soft_cap, name="attn_logits_soft_cap"),
-            precision=resolve_precision(precision, query.dtype),
+            attn_logits_soft_cap=normalize_soft_cap(args.attn_logits_soft_cap, name="attn_logits_soft_cap"),
+            precision=resolve_precision(args.precision, query.dtype),
         )
 
 
-@typechecked
+@public_function(PageAttention)
 def page_attention(
     query: Float[jax.Array, "num_seqs num_heads head_dim"],
     key_cache: Float[jax.Array, "num_blocks num_kv_heads block_size head_dim"],

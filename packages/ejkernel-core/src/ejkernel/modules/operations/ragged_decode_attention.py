@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
@@ -43,7 +43,6 @@ from ejkernel.modules.operations._validation import (
     normalize_sliding_window,
     normalize_soft_cap,
     resolve_softmax_scale,
-    typechecked,
 )
 
 
@@ -72,20 +71,10 @@ class RaggedDecodeAttention(RegistryOperation):
 
     algorithm = "ragged_decode_attention"
 
-    def validate(
-        self,
-        query,
-        key,
-        value,
-        sequence_start,
-        sequence_end,
-        softmax_aux=None,
-        *,
-        softmax_scale=None,
-        sliding_window=None,
-        logit_soft_cap=None,
-        precision=None,
-    ) -> RaggedDecodeAttentionCall:
+    def canonicalize(self, args: Arguments) -> RaggedDecodeAttentionCall:
+        query, key, value, sequence_start, sequence_end = (
+            args.query, args.key, args.value, args.sequence_start, args.sequence_end
+        )
         check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what="[batch, num_heads, head_dim]")
         layout = "[batch, seq_len, num_kv_heads, head_dim]"
         check_array("key", key, rank=4, dtypes=FLOAT_DTYPES, what=layout)
@@ -101,22 +90,19 @@ class RaggedDecodeAttention(RegistryOperation):
             check_dim(name, bound, 0, batch, "batch of query")
         for name, bound in (("sequence_start", sequence_start), ("sequence_end", sequence_end)):
             check_values_in(name, bound, 0, key.shape[1], "seq_len of key")
-        softmax_aux = check_softmax_aux(softmax_aux, num_heads)
-        return RaggedDecodeAttentionCall(
-            query=query,
-            key=key,
-            value=value,
+        return args.build(
+            RaggedDecodeAttentionCall,
             sequence_start=sequence_start.astype(jnp.int32),
             sequence_end=sequence_end.astype(jnp.int32),
-            softmax_aux=softmax_aux,
-            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
-            sliding_window=normalize_sliding_window(sliding_window),
-            logit_soft_cap=normalize_soft_cap(logit_soft_cap, name="logit_soft_cap"),
-            precision=resolve_precision(precision, query.dtype),
+            softmax_aux=check_softmax_aux(args.softmax_aux, num_heads),
+            softmax_scale=resolve_softmax_scale(args.softmax_scale, head_dim),
+            sliding_window=normalize_sliding_window(args.sliding_window),
+            logit_soft_cap=normalize_soft_cap(args.logit_soft_cap, name="logit_soft_cap"),
+            precision=resolve_precision(args.precision, query.dtype),
         )
 
 
-@typechecked
+@public_function(RaggedDecodeAttention)
 def ragged_decode_attention(
     query: Float[jax.Array, "batch num_heads head_dim"],
     key: Float[jax.Array, "batch seq_len num_kv_heads head_dim"],

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
@@ -55,7 +55,6 @@ from ejkernel.modules.operations._validation import (
     is_array,
     normalize_soft_cap,
     resolve_softmax_scale,
-    typechecked,
 )
 
 
@@ -114,21 +113,9 @@ class RaggedPageAttention(RegistryOperation):
 
     algorithm = "ragged_page_attention"
 
-    def validate(
-        self,
-        queries,
-        kv_pages,
-        context_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        softmax_aux=None,
-        *,
-        softmax_scale=None,
-        logits_soft_cap=None,
-        sliding_window=None,
-        precision=None,
-    ) -> RaggedPageAttentionCall:
+    def canonicalize(self, args: Arguments) -> RaggedPageAttentionCall:
+        queries, kv_pages, context_lens = args.queries, args.kv_pages, args.context_lens
+        block_tables, query_start_loc = args.block_tables, args.query_start_loc
         check_array("queries", queries, rank=3, dtypes=FLOAT_DTYPES, what="[total_tokens, num_q_heads, head_dim]")
         check_array(
             "kv_pages", kv_pages, rank=4, dtypes=FLOAT_DTYPES, what="[num_pages, page_size, 2 * num_kv_heads, head_dim]"
@@ -149,8 +136,8 @@ class RaggedPageAttention(RegistryOperation):
         check_dim("block_tables", block_tables, 0, max_num_seqs, "max_num_seqs = len(context_lens)")
         check_cum_seqlens("query_start_loc", query_start_loc, total_tokens, "total_tokens of queries")
         check_dim("query_start_loc", query_start_loc, 0, max_num_seqs + 1, "max_num_seqs + 1")
-        num_seqs = normalize_num_seqs(num_seqs, max_num_seqs)
-        softmax_aux = check_softmax_aux(softmax_aux, num_heads)
+        num_seqs = normalize_num_seqs(args.num_seqs, max_num_seqs)
+        softmax_aux = check_softmax_aux(args.softmax_aux, num_heads)
         check_values_in("context_lens", context_lens, 0)
         starts, lengths, active = concrete(query_start_loc), concrete(context_lens), concrete(num_seqs)
         if starts is not None and lengths is not None and active is not None:
@@ -164,22 +151,21 @@ class RaggedPageAttention(RegistryOperation):
                 )
             live = np.where(np.arange(max_num_seqs) < count, lengths, 0)
             check_page_indices("block_tables", block_tables, live, page_size, num_pages)
-        return RaggedPageAttentionCall(
-            queries=queries,
-            kv_pages=kv_pages,
+        return args.build(
+            RaggedPageAttentionCall,
             context_lens=context_lens.astype(jnp.int32),
             block_tables=block_tables.astype(jnp.int32),
             query_start_loc=query_start_loc.astype(jnp.int32),
             num_seqs=num_seqs,
             softmax_aux=softmax_aux,
-            softmax_scale=resolve_softmax_scale(softmax_scale, head_dim),
-            logits_soft_cap=normalize_soft_cap(logits_soft_cap),
-            sliding_window=check_window("sliding_window", sliding_window),
-            precision=resolve_precision(precision, queries.dtype),
+            softmax_scale=resolve_softmax_scale(args.softmax_scale, head_dim),
+            logits_soft_cap=normalize_soft_cap(args.logits_soft_cap),
+            sliding_window=check_window("sliding_window", args.sliding_window),
+            precision=resolve_precision(args.precision, queries.dtype),
         )
 
 
-@typechecked
+@public_function(RaggedPageAttention)
 def ragged_page_attention(
     queries: Float[jax.Array, "total_tokens num_q_heads head_dim"],
     kv_pages: Float[jax.Array, "num_pages page_size num_combined_kv_heads head_dim"],

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Float, Int
 
-from ejkernel.modules.operations._base import RegistryOperation, execute
+from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
@@ -53,7 +53,6 @@ from ejkernel.modules.operations._validation import (
     check_same_dtype,
     describe,
     resolve_softmax_scale,
-    typechecked,
 )
 
 
@@ -85,11 +84,11 @@ class RecurrentAttention(RegistryOperation):
 
     algorithm = "recurrent"
 
-    def validate(
-        self, query, key, value, g=None, g_gamma=None, gk=None, gv=None, initial_state=None, cu_seqlens=None,
-        *, softmax_scale=None, reverse=False, precision=None,
-    ) -> LinearAttentionCall:
-        """The checks of the whole linear family (``gla``, ``lightning_attention`` call them too)."""
+    def canonicalize(self, args: Arguments) -> LinearAttentionCall:
+        """The checks of the whole linear family (``gla``, ``lightning_attention`` forward their arguments)."""
+        query, key, value, g_gamma, cu_seqlens, initial_state = (
+            args.query, args.key, args.value, args.g_gamma, args.cu_seqlens, args.initial_state
+        )
         check_array("query", query, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, heads, head_dim]")
         check_array("key", key, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, kv_heads, head_dim]")
         check_array("value", value, rank=4, dtypes=FLOAT_DTYPES, what="[batch, seq, kv_heads, value_dim]")
@@ -103,7 +102,7 @@ class RecurrentAttention(RegistryOperation):
         check_gqa("query", heads, "key", key.shape[2], key)
         dv = value.shape[3]
         gates = {}
-        for name, x in (("g", g), ("gk", gk), ("gv", gv)):
+        for name, x in (("g", args.g), ("gk", args.gk), ("gv", args.gv)):
             if x is None:
                 gates[name] = None
                 continue
@@ -134,21 +133,18 @@ class RecurrentAttention(RegistryOperation):
                     f"initial_state must have shape [{states}, {heads}, {dk}, {dv}] ([{rows}, heads, head_dim, value_dim]), "
                     f"got {describe(initial_state)}"
                 )
-        return LinearAttentionCall(
-            query=query,
-            key=key,
-            value=value,
+        return args.build(
+            LinearAttentionCall,
             **gates,
             g_gamma=g_gamma,
-            initial_state=initial_state,
             cu_seqlens=cu_seqlens,
-            softmax_scale=resolve_softmax_scale(softmax_scale, dk),
-            reverse=check_bool("reverse", reverse),
-            precision=resolve_precision(precision, query.dtype),
+            softmax_scale=resolve_softmax_scale(args.softmax_scale, dk),
+            reverse=check_bool("reverse", args.reverse),
+            precision=resolve_precision(args.precision, query.dtype),
         )
 
 
-@typechecked
+@public_function(RecurrentAttention)
 def recurrent_attention(
     query: Float[jax.Array, "batch seq heads head_dim"],
     key: Float[jax.Array, "batch seq kv_heads head_dim"],
