@@ -322,6 +322,10 @@ MIXED_CANDIDATES = {
     # one launch of 3 programs per SM (sm_90 compile: 66.5 KB shared memory, 160 registers; fused-m64: 116 KB,
     # 220 registers, 1-2 per SM): 32-key steps for both parts
     "fused-m64-n32": dict(fused=True, block_m=64, num_warps=4, block_n=32, decode_block_n=32, decode_prefetch=2),
+    # the same with decode and prefill programs alternating in the launch (every SM holds both from the start)
+    "fused-m64-n32-mix": dict(fused=True, block_m=64, num_warps=4, block_n=32, decode_block_n=32, decode_prefetch=2,
+                              interleave=True),
+    "fused-m64-mix": dict(fused=True, block_m=64, num_warps=4, decode_block_n=64, decode_prefetch=2, interleave=True),
     # two launches, the 128-row prefill tile with three K/V steps in flight (one program per SM: latency)
     "seq-p3": dict(fused=False, block_m=128, num_warps=8, prefetch=3),
 }
@@ -347,7 +351,10 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
             variants = [(f"ejkernel-{platform} ragged-page", platform, None) for platform in platforms]
             if "triton" in platforms and part == "mixed":
                 default = heuristic_mixed_config(sets[0][0])
-                for cand in filter(None, args.mixed_candidates.split(",")):
+                for token in filter(None, args.mixed_candidates.split(",")):
+                    cand, _, only = token.partition("@")  # name@64: at pages of 64 only
+                    if only and int(only) != ps:
+                        continue
                     cfg = dataclasses.replace(default, **MIXED_CANDIDATES[cand])
                     if cfg != default:
                         variants.append((f"ejkernel-triton ragged-page[{cand}]", "triton", cfg))
@@ -482,8 +489,9 @@ def main(argv=None) -> int:
     p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                    help="ragged_page_attention on the mixed prefill + decode batch")
     p.add_argument("--mixed-platforms", default="", help="comma-separated platforms for --mixed (default: all)")
-    p.add_argument("--mixed-candidates", default="m64,fused-m64,fused-m64-n32,seq-p3",
-                   help=f"Triton schedule candidates on the mixed batch, of {','.join(MIXED_CANDIDATES)}")
+    p.add_argument("--mixed-candidates", default="m64,fused-m64,fused-m64-n32,fused-m64-n32-mix,fused-m64-mix,seq-p3",
+                   help=f"Triton schedule candidates on the mixed batch, of {','.join(MIXED_CANDIDATES)} (name@64: "
+                        "at pages of 64 only)")
     p.add_argument("--mixed-parts", default="mixed,prefill,decode", help="the mixed batch and/or its parts alone")
     p.add_argument("--final", action="store_true",
                    help="the short final run: the decode defaults at --shapes, then the mixed batch, then the few "

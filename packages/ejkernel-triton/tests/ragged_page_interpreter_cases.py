@@ -38,7 +38,8 @@ SMALL = TritonRaggedPageConfig(block_m=16, block_n=16, num_warps=4, prefetch=1, 
 # one launch for the decode programs and the prefill tiles (with one split, and with three + the combine pass)
 ONE_PASS_FUSED = TritonRaggedPageConfig(block_m=32, block_n=16, num_warps=4, prefetch=1, decode_block_n=16,
                                         decode_num_splits=1, decode_prefetch=1, fused=True)
-SMALL_FUSED = dataclasses.replace(SMALL, fused=True, decode_inline_combine=True)  # one launch in all
+# one launch in all, decode and prefill programs alternating in the grid
+SMALL_FUSED = dataclasses.replace(SMALL, fused=True, decode_inline_combine=True, interleave=True)
 
 # (num_q_heads, num_kv_heads, head_dim, page_size, [(q_len, kv_len) per active sequence], inactive, padding)
 CASES = {

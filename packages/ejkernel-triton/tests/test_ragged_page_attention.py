@@ -102,19 +102,22 @@ def test_tile_table_covers_prefill_and_padding_rows_once():
 
 
 @CUDA_LOWERING
-@pytest.mark.parametrize("page_size,window,fused,inline", [(16, None, False, False), (64, 1000, False, False),
-                                                          (12, None, True, True)])
-def test_compiles_for_sm90(monkeypatch, page_size, window, fused, inline):
+@pytest.mark.parametrize("page_size,window,fused,inline,interleave", [
+    (16, None, False, False, False), (64, 1000, False, False, False), (12, None, True, True, False),
+    (64, None, True, False, True)])
+def test_compiles_for_sm90(monkeypatch, page_size, window, fused, inline, interleave):
     """Both launches (prefill tiles; decode split + combine), or the fused launch with the inline combine (one
-    launch in all; pages of 12: per-row lookups), lower for sm_90: pages of 16 and 64 (one table entry per step),
-    a window, sinks (float32's IEEE dots: the interpreter cases)."""
+    launch in all; pages of 12: per-row lookups), or fused with decode and prefill programs alternating, lower for
+    sm_90: pages of 16 and 64 (one table entry per step), a window, sinks (float32's IEEE dots: the interpreter
+    cases)."""
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
     call = _call(tokens=600, max_num_seqs=8, context=1024, page_size=page_size)
-    cfg = TritonRaggedPageConfig(decode_num_splits=4, fused=fused, decode_inline_combine=inline)
+    cfg = TritonRaggedPageConfig(decode_num_splits=4, fused=fused, decode_inline_combine=inline,
+                                 interleave=interleave)
 
     def fn(q, kv, lens, tables, starts, count, aux):
-        validated = RaggedPageAttention().validate(q, kv, lens, tables, starts, count, aux, sliding_window=window,
-                                                   logits_soft_cap=30.0)
+        validated = RaggedPageAttention().validate(q, kv, lens, tables, starts, count, softmax_aux=aux,
+                                                   sliding_window=window, logits_soft_cap=30.0)
         return IMPLEMENTATION(validated, cfg)
 
     text = jax.jit(fn).trace(call.queries, call.kv_pages, call.context_lens, call.block_tables,
@@ -158,6 +161,7 @@ def test_heuristic_and_candidates():
 
 @pytest.mark.parametrize("field,value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("prefetch", 0),
                                          ("decode_num_splits", 0), ("decode_block_n", 24), ("fused", 1),
+                                         ("interleave", 1),
                                          ("decode_inline_combine", 0)])
 def test_config_fields_are_checked(field, value):
     with pytest.raises(ValueError, match=field):

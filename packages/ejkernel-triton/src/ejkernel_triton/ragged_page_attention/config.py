@@ -28,7 +28,9 @@ class TritonRaggedPageConfig:
     ``prefetch``: the prefill kernel's warps and K/V steps in flight. ``decode_*``: the decode rows' split-K
     config (see :class:`~ejkernel_triton.decode.TritonDecodeConfig`). ``fused``: one launch runs the decode
     split programs and the prefill tiles side by side (SMs stream decode keys while others multiply prefill
-    tiles) instead of one launch after the other; it takes the prefill's ``num_warps`` for both."""
+    tiles) instead of one launch after the other; it takes the prefill's ``num_warps`` for both. ``interleave``
+    (with ``fused``): decode and prefill programs alternate in the launch's order instead of decode first, so
+    that every SM holds both kinds from the start."""
 
     block_m: int = 128
     block_n: int = 64
@@ -40,13 +42,14 @@ class TritonRaggedPageConfig:
     decode_prefetch: int = 2
     decode_inline_combine: bool = False
     fused: bool = False
+    interleave: bool = False
 
     def __post_init__(self):
-        for name in ("decode_inline_combine", "fused"):
+        for name in ("decode_inline_combine", "fused", "interleave"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TritonRaggedPageConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for field in dataclasses.fields(self):
-            if field.name in ("decode_inline_combine", "fused"):
+            if field.name in ("decode_inline_combine", "fused", "interleave"):
                 continue
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -183,14 +183,27 @@ def _mixed_kernel(
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     """One launch for the whole mixed batch: the decode split programs first (memory-bound streams, started
     first), then the prefill tiles (compute-bound), so that SMs run both at once instead of one launch after
-    the other. A 1-D grid; each part keeps its own grid order (splits fastest; tiles fastest)."""
+    the other. ``INTERLEAVE`` (> 0: that many pairs): decode and prefill programs alternate in the grid (then
+    the rest of the larger part), so that the first wave already holds both kinds on every SM. A 1-D grid;
+    each part keeps its own grid order (splits fastest; tiles fastest)."""
     pid = tl.program_id(0)
     decode_programs = NUM_SPLITS * MAX_SEQS * KV_HEADS * HEAD_BLOCKS
-    if pid < decode_programs:
+    if INTERLEAVE:  # INTERLEAVE: the pairs (decode, prefill) that alternate, min of both parts' programs
+        if pid < 2 * INTERLEAVE:
+            is_decode = pid % 2 == 0
+            idx = pid // 2
+        else:  # the rest of the larger part
+            is_decode = (pid * 0 + decode_programs) > MAX_TILES * KV_HEADS
+            idx = pid - INTERLEAVE
+    else:
+        is_decode = pid < decode_programs
+        idx = tl.where(is_decode, pid, pid - decode_programs)
+    if is_decode:
+        pid = idx
         _split_program(pid % NUM_SPLITS, (pid // NUM_SPLITS) % MAX_SEQS, pid // (NUM_SPLITS * MAX_SEQS), Q, K, V,
                        Starts, Ends, Tables, Aux, QRows, scale, softcap, DecOut, PartAcc, PartM, PartL, Counter, H, GROUP,
                        HEAD_BLOCKS, D, BLOCK_D, BLOCK_H, BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES,
@@ -198,7 +211,7 @@ def _mixed_kernel(
                        USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO,
                        INLINE_COMBINE)
     else:
-        t = pid - decode_programs
+        t = idx
         _prefill_program(t % MAX_TILES, t // MAX_TILES, Q, K, Tiles, Tables, Aux, scale, softcap, Out, H, GROUP,
                          GROUP_P, BLOCK_M, D, BLOCK_D, PREFILL_BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
                          HEAD_STRIDE, ROW_STRIDE, WINDOW, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION)
@@ -280,6 +293,7 @@ def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_sta
                       num_warps=cfg.num_warps, num_stages=max(num_stages, cfg.num_stages()),
                       zeroed_outputs=tuple(i + 1 for i in zeroed), interpret=st.interpret,
                       PREFILL_BLOCK_N=cfg.block_n, MAX_TILES=tiles.shape[0], KV_HEADS=kv_heads, MAX_SEQS=grid[1],
+                      INTERLEAVE=min(math.prod(grid), tiles.shape[0] * kv_heads) if cfg.interleave else 0,
                       **prefill_constexprs, **constexprs)
         prefill = outs[0]
         return outs[1:]
