@@ -382,6 +382,23 @@ def check_matching_dims(name: str, x: Any, reference_name: str, reference: Any, 
         check_dim(name, x, axis, reference.shape[axis], f"{meaning} of {reference_name}")
 
 
+def check_decode_inputs(
+    query: Any, key_name: str, key: Any, value_name: str, value: Any, query_axes: str, kv_axes: tuple[str, ...],
+    kv_heads_axis: int,
+) -> None:
+    """The arrays of a decode operation: float ``query`` ``[rows, num_heads, head_dim]`` (``query_axes``
+    names them), ``key``/``value`` rank 4 with axes ``kv_axes`` (head_dim last), of one shape and query's
+    dtype; ``key``'s axis ``kv_heads_axis`` holds the KV heads (GQA: they divide the query heads)."""
+    check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what=query_axes)
+    layout = f"[{', '.join(kv_axes)}]"
+    check_array(key_name, key, rank=4, dtypes=FLOAT_DTYPES, what=layout)
+    check_array(value_name, value, rank=4, dtypes=FLOAT_DTYPES, what=layout)
+    check_same_dtype("query", query, **{key_name: key, value_name: value})
+    check_dim(key_name, key, 3, query.shape[2], "head_dim of query")
+    check_matching_dims(value_name, value, key_name, key, kv_axes)
+    check_gqa("query", query.shape[1], key_name, key.shape[kv_heads_axis], key)
+
+
 def check_page_indices(name: str, block_tables: Any, lengths: Any, page_size: int, num_pages: int) -> None:
     """The block-table entries that are read (a sequence's pages below ``ceil(length / page_size)``) are page
     indices in ``[0, num_pages)``; entries past a sequence's last page may hold anything (-1 often). Checked

@@ -36,15 +36,12 @@ from ejkernel.modules.operations._base import Arguments, RegistryOperation, exec
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
-    FLOAT_DTYPES,
     INT_DTYPES,
     check_array,
+    check_decode_inputs,
     check_dim,
-    check_gqa,
-    check_matching_dims,
     check_page_indices,
     check_positive_int,
-    check_same_dtype,
     check_values_in,
     concrete,
     normalize_soft_cap,
@@ -84,18 +81,12 @@ class PageAttention(RegistryOperation):
     def canonicalize(self, args: Arguments) -> PageAttentionCall:
         query, key_cache, value_cache = args.query, args.key_cache, args.value_cache
         context_lens, block_tables, max_context_len = args.context_lens, args.block_tables, args.max_context_len
-        check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what="[num_seqs, num_heads, head_dim]")
-        layout = "[num_blocks, num_kv_heads, block_size, head_dim]"
-        check_array("key_cache", key_cache, rank=4, dtypes=FLOAT_DTYPES, what=layout)
-        check_array("value_cache", value_cache, rank=4, dtypes=FLOAT_DTYPES, what=layout)
-        check_same_dtype("query", query, key_cache=key_cache, value_cache=value_cache)
-        num_seqs, num_heads, head_dim = query.shape
-        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-        check_dim("key_cache", key_cache, 3, head_dim, "head_dim of query")
-        check_matching_dims(
-            "value_cache", value_cache, "key_cache", key_cache, ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+        check_decode_inputs(
+            query, "key_cache", key_cache, "value_cache", value_cache, "[num_seqs, num_heads, head_dim]",
+            ("num_blocks", "num_kv_heads", "block_size", "head_dim"), kv_heads_axis=1,
         )
-        check_gqa("query", num_heads, "key_cache", num_kv_heads, key_cache)
+        num_seqs, _, head_dim = query.shape
+        num_blocks, _, block_size, _ = key_cache.shape
         check_array("context_lens", context_lens, rank=1, dtypes=INT_DTYPES, what="[num_seqs]")
         check_dim("context_lens", context_lens, 0, num_seqs, "num_seqs of query")
         check_array("block_tables", block_tables, rank=2, dtypes=INT_DTYPES, what="[num_seqs, max_blocks]")

@@ -31,13 +31,10 @@ from ejkernel.modules.operations._base import Arguments, RegistryOperation, exec
 from ejkernel.modules.operations._contract import array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
-    FLOAT_DTYPES,
     INT_DTYPES,
     check_array,
+    check_decode_inputs,
     check_dim,
-    check_gqa,
-    check_matching_dims,
-    check_same_dtype,
     check_softmax_aux,
     check_values_in,
     normalize_sliding_window,
@@ -75,16 +72,12 @@ class RaggedDecodeAttention(RegistryOperation):
         query, key, value, sequence_start, sequence_end = (
             args.query, args.key, args.value, args.sequence_start, args.sequence_end
         )
-        check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what="[batch, num_heads, head_dim]")
-        layout = "[batch, seq_len, num_kv_heads, head_dim]"
-        check_array("key", key, rank=4, dtypes=FLOAT_DTYPES, what=layout)
-        check_array("value", value, rank=4, dtypes=FLOAT_DTYPES, what=layout)
-        check_same_dtype("query", query, key=key, value=value)
+        check_decode_inputs(
+            query, "key", key, "value", value, "[batch, num_heads, head_dim]",
+            ("batch", "seq_len", "num_kv_heads", "head_dim"), kv_heads_axis=2,
+        )
         batch, num_heads, head_dim = query.shape
         check_dim("key", key, 0, batch, "batch of query")
-        check_dim("key", key, 3, head_dim, "head_dim of query")
-        check_matching_dims("value", value, "key", key, ("batch", "seq_len", "num_kv_heads", "head_dim"))
-        check_gqa("query", num_heads, "key", key.shape[2], key)
         for name, bound in (("sequence_start", sequence_start), ("sequence_end", sequence_end)):
             check_array(name, bound, rank=1, dtypes=INT_DTYPES, what="[batch]")
             check_dim(name, bound, 0, batch, "batch of query")
