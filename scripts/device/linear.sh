@@ -31,11 +31,11 @@ export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/xdg-cache}
 mkdir -p "$TRITON_CACHE_DIR" "$TRITON_HOME" "$XDG_CACHE_HOME"
 failed=0
 
-# The candidate configs at T=4k against the default (TritonLinearAttentionConfig.parse specs): the forward's
-# state-kernel levers (decayed keys written by the cumulative-gate kernel; 32 x 32 state tiles: 4x the
-# programs) and the batch-2 backward (8 warps) to check the per-pass choice in the same run.
-# FINAL keeps three (fla's autotuning needs the rest of the 60 s); the full run adds the 32 x 32 tiles alone.
-CANDIDATES="decayed_keys=1,decayed_keys=1/state_block_k=32/state_block_v=32,backward_num_warps=8"
+# The candidate configs at T=4k against the default (TritonLinearAttentionConfig.parse specs), the forward's
+# levers: decayed keys written by the cumulative-gate kernel (a lighter sequential state loop), the intra-chunk
+# matrix by its own kernel of small programs, both. FINAL keeps these three (fla's autotuning needs the rest of
+# the 60 s); the full run adds 32 x 32 state tiles and the batch-2 backward (8 warps: the per-pass check).
+CANDIDATES="decayed_keys=1,intra_kernel=1,decayed_keys=1/intra_kernel=1"
 
 # 1. Benchmark first, alone on the GPU (T=4k first: the shape; the JSON is rewritten after every row).
 start=$(date +%s)
@@ -47,7 +47,7 @@ if [ -n "${FINAL:-}" ]; then
         --out "$DIR" >"$DIR/benchmark.log" 2>&1
 else
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout --kill-after=5 78 python3 benchmarks/linear_attention.py \
-        --seqs 4096,1024,16384 --xla-seqs 4096 --fla-last --configs "$CANDIDATES,state_block_k=32/state_block_v=32" \
+        --seqs 4096,1024,16384 --xla-seqs 4096 --fla-last --configs "$CANDIDATES,decayed_keys=1/intra_kernel=1/state_block_k=32/state_block_v=32,backward_num_warps=8" \
         --reps 5 --calls 5 \
         --out "$DIR" >"$DIR/benchmark.log" 2>&1
 fi

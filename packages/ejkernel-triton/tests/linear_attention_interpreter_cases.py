@@ -111,11 +111,11 @@ def run_case(name, *, operation="gla_attention", shape=(1, 150, 2, 2, 16, 32), d
 CASES = {
     # three chunks (the last one 2 tokens), per-dimension gates, initial state; K=40, V=24: two key tiles of 32
     # and two value tiles of 16, the second of each masked; the state kernels on 3 x 2 tiles of 16 x 16 and
-    # with the decayed keys written by the cumulative-gate kernel
+    # with the decayed keys written by the cumulative-gate kernel; A by its own kernel (sub-chunks past the end)
     "gla_vector_gates_odd_dims": dict(shape=(1, 130, 1, 1, 40, 24),
                                       cfg=TritonLinearAttentionConfig(block_k=32, block_v=16, output_block_v=16,
                                                                       state_block_k=16, state_block_v=16,
-                                                                      decayed_keys=True)),
+                                                                      decayed_keys=True, intra_kernel=True)),
     # gates 40x stronger than log-sigmoid: every exponent stays <= 0, nothing overflows
     "gla_strong_gates": dict(shape=(1, 70, 1, 1, 16, 16), strength=8.0, gate_scale=40.0),
     # scalar gate + g_gamma, GQA 2:1, reverse, float16

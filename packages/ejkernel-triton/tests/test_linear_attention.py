@@ -89,15 +89,16 @@ def test_refuses_what_it_does_not_implement():
 
 def test_config_validation():
     TritonLinearAttentionConfig(block_k=32, block_v=128, output_block_v=64, num_warps=4, state_num_warps=8,
-                                backward_num_warps=8, state_block_k=16, state_block_v=32, decayed_keys=True)
+                                backward_num_warps=8, state_block_k=16, state_block_v=32, decayed_keys=True,
+                                intra_kernel=True)
     for bad in (dict(block_k=48), dict(block_v=8), dict(output_block_v=96), dict(num_warps=0), dict(num_stages=True),
                 dict(state_num_warps=-1), dict(backward_num_warps=0), dict(state_block_k=24), dict(state_block_v=8),
-                dict(decayed_keys=1)):
+                dict(decayed_keys=1), dict(intra_kernel="yes")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TritonLinearAttentionConfig(**bad)
     # the benchmark's --configs specs
-    assert TritonLinearAttentionConfig.parse("decayed_keys=1/state_block_k=32/backward_num_warps=8") == \
-        TritonLinearAttentionConfig(decayed_keys=True, state_block_k=32, backward_num_warps=8)
+    assert TritonLinearAttentionConfig.parse("decayed_keys=1/intra_kernel=1/state_block_k=32/backward_num_warps=8") == \
+        TritonLinearAttentionConfig(decayed_keys=True, intra_kernel=True, state_block_k=32, backward_num_warps=8)
     assert TritonLinearAttentionConfig.parse("") == TritonLinearAttentionConfig()
     with pytest.raises(ValueError, match="no field 'block'"):
         TritonLinearAttentionConfig.parse("block=32")

@@ -49,7 +49,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-CANDIDATE = "decayed_keys=1/state_block_k=32/state_block_v=32"  # the forward's state-kernel levers (benchmark)
+CANDIDATE = "decayed_keys=1/intra_kernel=1/state_block_k=32/state_block_v=32"  # the forward's levers (benchmark)
 
 
 @pytest.mark.parametrize("batch,total,heads,kv_heads,dk,dv,gate,reverse,spec", [

@@ -54,7 +54,9 @@ class TritonLinearAttentionConfig:
     two sequential state kernels (forward states, recomputed in the backward, and the state gradients):
     smaller tiles run more programs (B*H*(K/tile)*(V/tile)) over the same chain of chunks.
     ``decayed_keys``: the cumulative-gate kernel also writes k * exp(gc_last - gc), so that the state loops only
-    load and multiply (one more [B, T, H, K] array in k's dtype written and read; the backward recomputes it)."""
+    load and multiply (one more [B, T, H, K] array in k's dtype written and read; the backward recomputes it).
+    ``intra_kernel``: the intra-chunk matrix A by its own kernel of small programs (one per sub-chunk of 16 rows,
+    chunk and head; 4 warps) instead of inside the output kernel, which then reads it (A is stored anyway)."""
 
     block_k: int | None = None
     block_v: int | None = None
@@ -66,6 +68,7 @@ class TritonLinearAttentionConfig:
     state_block_k: int | None = None
     state_block_v: int | None = None
     decayed_keys: bool = False
+    intra_kernel: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v"):
@@ -75,20 +78,21 @@ class TritonLinearAttentionConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.decayed_keys, bool):
-            raise ValueError(f"TritonLinearAttentionConfig.decayed_keys must be a bool, got {self.decayed_keys!r}")
+        for name in ("decayed_keys", "intra_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TritonLinearAttentionConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def parse(cls, spec: str) -> TritonLinearAttentionConfig:
         """A config from ``name=value`` pairs joined by ``/`` (e.g. ``state_block_k=32/decayed_keys=1``; the
-        benchmark's ``--configs``); ints, ``decayed_keys`` 0/1."""
+        benchmark's ``--configs``); ints, ``decayed_keys``/``intra_kernel`` 0/1."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values = {}
         for item in filter(None, spec.split("/")):
             name, _, raw = item.partition("=")
             if name not in fields:
                 raise ValueError(f"TritonLinearAttentionConfig has no field {name!r} (spec {spec!r})")
-            values[name] = bool(int(raw)) if name == "decayed_keys" else int(raw)
+            values[name] = bool(int(raw)) if name in ("decayed_keys", "intra_kernel") else int(raw)
         return cls(**values)
 
 
@@ -141,11 +145,12 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
         return TritonLinearAttentionConfig()
 
     def candidate_configs(self, call: LinearAttentionCall) -> Sequence[TritonLinearAttentionConfig]:
-        # the default (per pass: batch 2's forward, batch 1's backward), then the state-kernel levers
+        # the default (per pass: batch 2's forward, batch 1's backward), then the forward's levers (not yet
+        # measured: the final device run of 2026-11-23 compares them)
         return (TritonLinearAttentionConfig(), TritonLinearAttentionConfig(decayed_keys=True),
-                TritonLinearAttentionConfig(state_block_k=32, state_block_v=32),
-                TritonLinearAttentionConfig(decayed_keys=True, state_block_k=32, state_block_v=32),
-                TritonLinearAttentionConfig(output_block_v=64))
+                TritonLinearAttentionConfig(intra_kernel=True),
+                TritonLinearAttentionConfig(decayed_keys=True, intra_kernel=True),
+                TritonLinearAttentionConfig(decayed_keys=True, intra_kernel=True, state_block_k=32, state_block_v=32))
 
     def __call__(self, call: LinearAttentionCall, config: TritonLinearAttentionConfig) -> tuple[jax.Array, jax.Array]:
         q, k, v = call.query, call.key, call.value
@@ -178,7 +183,7 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                           interpret=interpreting(), varlen=varlen, backward_num_warps=config.backward_num_warps,
                           state_block_k=_block(dk, config.state_block_k or config.block_k),
                           state_block_v=_block(v.shape[-1], config.state_block_v or config.block_v),
-                          decayed_keys=config.decayed_keys)
+                          decayed_keys=config.decayed_keys, intra_kernel=config.intra_kernel)
         o, final = linear_attention(*arrays, call.initial_state, tables, st)
         o = o[:, :total]
         if call.reverse:

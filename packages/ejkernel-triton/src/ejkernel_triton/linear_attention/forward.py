@@ -156,11 +156,60 @@ def across_sub_chunks(x, x_gates, y, y_gates, offs_t, length, BC: tl.constexpr, 
 
 
 @triton.jit
+def _intra_kernel(
+    Q, K_, GC, CH_START, CH_LEN, scale,  # inputs
+    A,  # output: A [B, T, H, BT] float32 (scale included; zero above the diagonal)
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The rows of one sub-chunk of A (``BC`` x ``BT``): small programs (grid: sub-chunks x chunks x heads), so
+    many share an SM and hide each other's load latency (the output kernel then only reads A). Same numerics as
+    the output kernel's own A: across sub-chunks split at the sub-chunk's first row, pairs inside it exact."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    head = tl.program_id(2)
+    row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
+    if i * BC >= length:  # a sub-chunk past a short (varlen) chunk's end, or an unused table entry
+        return
+    offs_r = tl.arange(0, BC)
+    offs_c = tl.arange(0, BT)
+    local = i * BC + offs_r  # this sub-chunk's rows in the chunk
+    rmask = local < length
+    before = offs_c < i * BC  # columns of the earlier sub-chunks
+    acc = tl.zeros([BC, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < K
+        m = rmask[:, None] & mk[None, :]
+        mc = before[:, None] & mk[None, :]
+        q_offs = (row0 + local)[:, None] * (H * K) + head * K + offs_k[None, :]
+        c_offs = (row0 + offs_c)[:, None] * (H * K) + head * K + offs_k[None, :]
+        q = tl.load(Q + q_offs, mask=m, other=0.0).to(tl.float32) * scale
+        gq = tl.load(GC + q_offs, mask=m, other=0.0)
+        ref = tl.load(GC + (row0 + i * BC) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+        if i > 0:
+            kc = tl.load(K_ + c_offs, mask=mc, other=0.0).to(tl.float32)
+            gk = tl.load(GC + c_offs, mask=mc, other=0.0)
+            xq = q * tl.exp(tl.where(m, gq - ref[None, :], 0.0))
+            yk = kc * tl.exp(tl.where(mc, ref[None, :] - gk, 0.0))
+            acc = tl.dot(xq, tl.trans(yk), acc, input_precision=DOT_PRECISION)
+        for j in range(BC):
+            src = i * BC + j
+            ms = mk & (src < length)
+            y = tl.load(K_ + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0).to(tl.float32)
+            gy = tl.load(GC + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0)
+            on = offs_r >= j
+            col = tl.sum(q * y[None, :] * tl.exp(tl.where(on[:, None] & m, gq - gy[None, :], 0.0)), 1)
+            acc += tl.where(offs_c[None, :] == src, tl.where(on, col, 0.0)[:, None], 0.0)
+    tl.store(A + (row0 + local)[:, None] * (H * BT) + head * BT + offs_c[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit
 def _output_kernel(
-    Q, K_, V_, GC, HS, CH_START, CH_LEN, scale,  # inputs
+    Q, K_, V_, GC, HS, A_IN, CH_START, CH_LEN, scale,  # inputs (A_IN: ``_intra_kernel``'s A if PRECOMPUTED_A)
     O, A,  # outputs: o [B, T, H, V]; A [B, T, H, BT] float32 (scale included; zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECOMPUTED_A: tl.constexpr,
 ):
     iv = tl.program_id(0)
     c = tl.program_id(1)
@@ -183,20 +232,24 @@ def _output_kernel(
         mk = offs_k < K
         m = rmask & mk[None, :]
         q = tl.load(Q + qk_offs + offs_k[None, :], mask=m, other=0.0)
-        k = tl.load(K_ + qk_offs + offs_k[None, :], mask=m, other=0.0)
         g = tl.load(GC + qk_offs + offs_k[None, :], mask=m, other=0.0)
         q_scaled = q.to(tl.float32) * scale
         h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
         acc_o = tl.dot((q_scaled * tl.exp(g)).to(q.dtype), h.to(q.dtype), acc_o, input_precision=DOT_PRECISION)
-        acc_a += across_sub_chunks(q_scaled, g, k, g, offs_t, length, BC, BT // BC, DOT_PRECISION)
-        acc_a += _diag_pairs(q_scaled, g, K_ + head * K, GC + head * K, row0, sub_first, length, offs_t, offs_k,
-                             mk, H * K, BC)
+        if not PRECOMPUTED_A:
+            k = tl.load(K_ + qk_offs + offs_k[None, :], mask=m, other=0.0)
+            acc_a += across_sub_chunks(q_scaled, g, k, g, offs_t, length, BC, BT // BC, DOT_PRECISION)
+            acc_a += _diag_pairs(q_scaled, g, K_ + head * K, GC + head * K, row0, sub_first, length, offs_t, offs_k,
+                                 mk, H * K, BC)
+    a_offs = rows[:, None] * (H * BT) + head * BT + offs_t[None, :]
+    if PRECOMPUTED_A:
+        acc_a = tl.load(A_IN + a_offs, mask=rmask, other=0.0)
     v_offs = rows[:, None] * (H * V) + head * V + offs_v[None, :]
     v = tl.load(V_ + v_offs, mask=rmask & mv[None, :], other=0.0)
     acc_o = tl.dot(acc_a.to(v.dtype), v, acc_o, input_precision=DOT_PRECISION)
     tl.store(O + v_offs, acc_o.to(O.dtype.element_ty), mask=rmask & mv[None, :])
-    if iv == 0:
-        tl.store(A + rows[:, None] * (H * BT) + head * BT + offs_t[None, :], acc_a, mask=rmask)
+    if not PRECOMPUTED_A and iv == 0:
+        tl.store(A + a_offs, acc_a, mask=rmask)
 
 
 @triton.jit

@@ -23,7 +23,8 @@ import triton
 from ejkernel_triton.batching import fold_batch_rule
 from ejkernel_triton.launch import launch
 from ejkernel_triton.linear_attention.backward import _dqkg_kernel, _dv_kernel, _state_grad_kernel
-from ejkernel_triton.linear_attention.forward import CHUNK, SUB_CHUNK, _cumsum_kernel, _output_kernel, _state_kernel
+from ejkernel_triton.linear_attention.forward import (CHUNK, SUB_CHUNK, _cumsum_kernel, _intra_kernel, _output_kernel,
+                                                      _state_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class StaticParams:
     state_block_k: int = 64
     state_block_v: int = 64
     decayed_keys: bool = False
+    intra_kernel: bool = False
 
 
 def _placeholder(dtype=jnp.float32):
@@ -126,13 +128,22 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     chunks = _num_chunks(q, tables)[0]
     gc, kd = chunk_cumsum(a, k, tables, st)
     hs, final = _states(k, kd, v, gc, a, h0, tables, st)
-    out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32))
     ch_start, ch_len, _ = _tables(tables)
-    o, attn = launch(_output_kernel, (q, k, v, gc, hs, ch_start, ch_len, np.float32(st.scale)), out_shapes,
+    attn_shape = jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)
+    attn_in = _placeholder()
+    if st.intra_kernel:  # A by its own small programs; the output kernel reads it
+        attn_in = launch(_intra_kernel, (q, k, gc, ch_start, ch_len, np.float32(st.scale)), (attn_shape,),
+                         (CHUNK // SUB_CHUNK, chunks, h), num_warps=4, num_stages=st.num_stages,
+                         zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret, H=h, K=dk, BT=CHUNK, BC=SUB_CHUNK, BK=st.block_k,
+                         IS_VARLEN=st.varlen, DOT_PRECISION=_meta(q, v, st)["DOT_PRECISION"])[0]
+    out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
+                  jax.ShapeDtypeStruct((1,), jnp.float32) if st.intra_kernel else attn_shape)
+    o, attn = launch(_output_kernel, (q, k, v, gc, hs, attn_in, ch_start, ch_len, np.float32(st.scale)), out_shapes,
                      (triton.cdiv(dv, st.output_block_v), chunks, h), num_warps=st.num_warps,
                      num_stages=st.num_stages, zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret,
-                     BC=SUB_CHUNK, BK=st.block_k, BV=st.output_block_v, **_meta(q, v, st))
-    return o, final, gc, attn
+                     BC=SUB_CHUNK, BK=st.block_k, BV=st.output_block_v, PRECOMPUTED_A=st.intra_kernel,
+                     **_meta(q, v, st))
+    return o, final, gc, (attn_in if st.intra_kernel else attn)
 
 
 def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
