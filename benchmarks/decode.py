@@ -103,8 +103,8 @@ def layout_inputs(layout, k, v, page_size, seed):
 
 
 def ejkernel_impls(sweep_configs=(), sweep_layouts=("paged", "contiguous")) -> list[Impl]:
-    """Every GPU backend's default, and the Triton configs of ``sweep_configs`` ([(config, shapes)]) as extra
-    rows at their shapes."""
+    """Every GPU backend's default, and the Triton configs of ``sweep_configs`` ([(config, shapes[, layouts])])
+    as extra rows at their shapes (and layouts)."""
     from ejkernel.modules import page_attention, ragged_decode_attention
 
     impls = []
@@ -112,7 +112,9 @@ def ejkernel_impls(sweep_configs=(), sweep_layouts=("paged", "contiguous")) -> l
         for platform in usable_gpu_platforms(algorithm):
             layout = "paged" if algorithm == "page_attention" else "contiguous"
             sweep = sweep_configs if platform == "triton" and layout in sweep_layouts else ()
-            for cfg, shapes in [(None, ()), *sweep]:
+            for cfg, shapes, *only in [(None, ()), *sweep]:
+                if only and layout not in only[0]:
+                    continue
                 suffix = "" if cfg is None else f"[{cfg_text(cfg)}]"
                 if algorithm == "page_attention":
                     def fn(x, platform=platform, cfg=cfg):
@@ -158,14 +160,15 @@ def sweep_configs(batch, context, kv_heads) -> list:
 
 def final_sweep_configs() -> list:
     """The few candidates of the final H200 run (NOTES.md, "decode heuristic"), each at the shapes where the
-    heuristic's model is least certain: [(config, shapes)]."""
+    heuristic's model is least certain: [(config, shapes, layouts)]."""
     from ejkernel_triton.decode.config import TritonDecodeConfig as C
 
+    both = ("paged", "contiguous")
     return [
-        (C(block_n=64, num_splits=1, prefetch=2), [(64, 4096)]),  # the former default at B=64 (1.29 waves)
-        (C(block_n=32, num_splits=8, prefetch=3), [(8, 4096)]),  # B=8: 512 narrow programs, 4 per SM
-        (C(block_n=64, num_splits=16, prefetch=2), [(8, 4096)]),  # B=8: 16 splits, as Pallas gqa (2.6 waves)
-        (C(block_n=32, num_splits=2, prefetch=3), [(32, 1024)]),  # one full wave of narrow programs
+        (C(block_n=64, num_splits=1, prefetch=2), [(64, 4096)], ("paged",)),  # the former default at B=64 (1.29 waves)
+        (C(block_n=32, num_splits=8, prefetch=3), [(8, 4096)], both),  # B=8: 512 narrow programs, 4 per SM
+        (C(block_n=64, num_splits=16, prefetch=2), [(8, 4096)], both),  # B=8: 16 splits, as Pallas gqa (2.6 waves)
+        (C(block_n=32, num_splits=2, prefetch=3), [(32, 1024)], both),  # one full wave of narrow programs
     ]
 
 
@@ -478,6 +481,8 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="", help="comma-separated name prefixes to keep")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--sweep-layouts", default="paged,contiguous", help="paged (page_attention), contiguous (ragged)")
+    p.add_argument("--sweep-page-sizes", default="", type=lambda t: [int(x) for x in t.split(",") if x],
+                   help="page sizes of the sweep rows (default: --page-sizes)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--calls", type=int, default=10)
@@ -567,6 +572,8 @@ def main(argv=None) -> int:
             for ps in page_sizes if "paged" in layout else [None]:
                 groups.append((layout, ps))
         for layout, ps in groups:
+            if sweep_pass and ps is not None and args.sweep_page_sizes and ps not in args.sweep_page_sizes:
+                continue
             chosen = [i for i in impls if i.layout == layout and (standard or not i.standard_only)
                       and (((batch, context) in i.sweep_shapes) if sweep_pass else not i.sweep_shapes)]
             if not chosen:

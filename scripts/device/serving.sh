@@ -15,9 +15,10 @@
 # - FINAL=1: benchmark.log, JSON, PNG only (benchmarks/decode.py --final): the defaults of triton paged p16/p64,
 #   triton ragged decode, flash-attn3 paged p16/p64, Pallas gqa (and cuDNN at 32x4096) at 8x4096, 32x4096,
 #   64x4096, 32x1024; then the mixed batch (pages of 64: the default = fused-m64, fused-m64-n32-mix,
-#   fused-m64-mix, fused-m64-n32; pages of 16: the default, fused-m64-n32-mix); then the heuristic's few open questions (final_sweep_configs: B=64 former default, B=8 8 narrow
-#   / 16 wide splits, 32x1024 2 narrow splits). The JSON is rewritten after every row: a run cut off by the
-#   60 s limit keeps what it measured, in that order.
+#   fused-m64-mix, fused-m64-n32; pages of 16: the default, fused-m64-n32-mix); then the heuristic's few open
+#   questions (final_sweep_configs; pages of 16 and ragged: B=64 the former default (paged only), B=8 8 narrow /
+#   16 wide splits, 32x1024 2 narrow splits). The JSON is rewritten after every row: a run cut off by the 57 s
+#   limit keeps what it measured, in that order.
 # Each part under its own timeout; one failing part does not stop the other. Prints a summary. Exit status 1 if a
 # part failed.
 set -uo pipefail
@@ -55,7 +56,7 @@ if [ -n "${FINAL:-}" ]; then
         --final --shapes "${SERVING_SHAPES:-8x4096,32x4096,64x4096,32x1024}" --page-sizes 64,16 \
         --impls ejkernel-triton,flash-attn3,jax-pallas-gqa,cudnn-dense --mixed-platforms triton \
         --mixed-parts mixed --mixed-candidates fused-m64-n32-mix,fused-m64-mix@64,fused-m64-n32@64 \
-        --sweep-layouts paged,contiguous \
+        --sweep-layouts paged,contiguous --sweep-page-sizes 16 \
         --warmup 2 --reps 5 --calls 5 --rotate-bytes 128e6 --out "$DIR" >"$DIR/benchmark.log" 2>&1
 else
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout --kill-after=5 ${SERVING_BENCH_S:-85} python3 benchmarks/decode.py \
