@@ -60,12 +60,16 @@ def block_mask(seed: int, heads: int, seq: int, density: float) -> np.ndarray:
 
 
 FWD_CANDIDATES = {
-    # name: (fwd_block_q, fwd_block_kv, fwd_num_warps, fwd_num_stages, tma_forward); backward: the heuristic's
+    # name: (fwd_block_q, fwd_block_kv, fwd_num_warps, fwd_num_stages, tma_forward[, persistent_forward]);
+    # backward: the heuristic's
     "pointer-128x64-w8s3": (128, 64, 8, 3, False),  # the default before the TMA forward (flash's tuned forward)
     "pointer-128x128-w8s2": (128, 128, 8, 2, False),  # one tile per mask block: half the loop iterations
     "pointer-64x64-w4s3": (64, 64, 4, 3, False),  # 64 KB of shared memory: ~3 programs per SM overlap their
     #                                              prologues / epilogues with the others' loops
     "tma-128x64-w4s2": (128, 64, 4, 2, True),  # 96 KB: 2 programs per SM if registers allow
+    # persistent pointer forward (one program per SM looping over items, longest rows first): no per-item
+    # program start, no tail of long rows
+    "persistent-128x64-w8s3": (128, 64, 8, 3, False, 1),
 }
 """Forward configs compared at S=16k, 10 % (short rows: ~14 visits per query block)."""
 
@@ -80,9 +84,9 @@ def candidate_config(name: str):
 
     base = tuning.heuristic_config(128, 128, jnp.bfloat16, device_kind=gpu_device_kind())
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    *fwd, tma = FWD_CANDIDATES[name]
-    fields.update(zip(tuning.FWD_FIELDS, fwd))
-    return TritonBlockSparseConfig(**fields, tma_forward=tma)
+    bq, bkv, warps, stages, tma, *persistent = FWD_CANDIDATES[name]
+    fields.update(zip(tuning.FWD_FIELDS, (bq, bkv, warps, stages)))
+    return TritonBlockSparseConfig(**fields, tma_forward=tma, persistent_forward=persistent[0] if persistent else 0)
 
 
 def make_step(kind: str, mode: str, constant_mask=None):

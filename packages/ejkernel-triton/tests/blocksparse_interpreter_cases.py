@@ -8,6 +8,7 @@ float64 reference of the shared suite (``reference_blocksparse_attention``) and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -25,12 +26,14 @@ from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttenti
 from ejkernel.testing.blocksparse_attention import random_block_mask, reference_blocksparse_attention  # noqa: E402
 from ejkernel_triton import interpret, launch  # noqa: E402
 from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig  # noqa: E402
+from ejkernel_triton.decode import config as decode_config  # noqa: E402
 
 KERNELS_RUN: list[str] = []
 _run_on_host = interpret.run_on_host
 interpret.run_on_host = lambda kernel, *a, **kw: KERNELS_RUN.append(kernel.__name__) or _run_on_host(kernel, *a, **kw)
 
 SMALL_TILES = TritonBlockSparseConfig(16, 16, 4, 1, 16, 16, 16, 16, 4, 1)
+_sm_count = decode_config.sm_count
 
 
 def _rel(a, b) -> float:
@@ -41,8 +44,11 @@ def _rel(a, b) -> float:
 
 
 def case(name, *, seed, b=1, sq=45, skv=45, h=2, hkv=1, d=64, dv=None, dtype=jnp.float32, blocks=(32, 16),
-         mask_batch=1, mask_heads=None, sinks=0, segments=False, vmap=False, config=SMALL_TILES, hopper=False, **kw):
-    """`hopper`: compile as for sm_90, where a config asking for it takes the TMA forward (`_fwd_tma_kernel`)."""
+         mask_batch=1, mask_heads=None, sinks=0, segments=False, vmap=False, config=SMALL_TILES, hopper=False,
+         sms=None, **kw):
+    """`hopper`: compile as for sm_90, where a config asking for it takes the TMA forward (`_fwd_tma_kernel`);
+    `sms`: the SM count the persistent forward sizes its grid by (so each program loops over several items)."""
+    decode_config.sm_count = (lambda: sms) if sms else _sm_count
     if hopper:
         os.environ[launch.COMPUTE_CAPABILITY_ENV] = "90"
     else:
@@ -118,6 +124,10 @@ CASES = {
     "hopper_tma_forward": dict(seed=5, b=1, sq=64, skv=128, h=2, hkv=1, d=128, dtype=jnp.float16, blocks=(32, 64),
                                sinks=1, causal=False, logits_soft_cap=20.0, hopper=True,
                                config=TritonBlockSparseConfig(16, 32, 4, 2, 16, 16, 16, 16, 4, 1, tma_forward=True)),
+    # the persistent pointer forward: 3 programs (sms=3 x 1 per SM) loop over 2 x 2 x 3 (batch, head, tile)
+    # items longest row first; causal + GQA + per-head mask + a sink + ragged tails
+    "persistent_forward": dict(seed=6, b=2, sinks=1, causal=True, sms=3,
+                               config=dataclasses.replace(SMALL_TILES, persistent_forward=1)),
 }
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def test_interpreter_case_matches_reference(interpreter_results, name):
     for quantity in ("out", "dq", "dk", "dv", "d_aux"):
         assert row[quantity] <= TOLERANCE[row["dtype"]], (quantity, row)
     assert row.get("masked_rows_zero", True), row
-    forward = "_fwd_tma_kernel" if name == "hopper_tma_forward" else "_fwd_kernel"
+    forward = {"hopper_tma_forward": "_fwd_tma_kernel", "persistent_forward": "_fwd_persistent_kernel"}.get(
+        name, "_fwd_kernel")
     assert forward in row["kernels"] and {"_dkv_kernel", "_dq_kernel"} <= set(row["kernels"]), row
 
 
@@ -197,10 +198,12 @@ def test_fwd_bwd_compile_for_sm90(dtype, dim, kw):
     assert text.count("triton_kernel_call") == 3  # forward, dK/dV and dQ kernels
 
 
-def test_block_loops_keep_tiles_in_flight(monkeypatch):
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_block_loops_keep_tiles_in_flight(monkeypatch, persistent):
     """Every block loop of the three kernels waits for its K/V (or Q/dO) tiles with `num_stages - 1` stages
     still in flight, as flash attention's contiguous loops do: the schedule's index load must not take a
-    pipeline stage of its own (it did, `async_wait {num = 0}`, before `_next_visit`)."""
+    pipeline stage of its own (it did, `async_wait {num = 0}`, before `_next_visit`). Also inside the
+    persistent forward's loop over items."""
     import re
 
     from ejkernel_triton.blocksparse_attention import kernels
@@ -215,10 +218,11 @@ def test_block_loops_keep_tiles_in_flight(monkeypatch):
     monkeypatch.setattr(kernels, "launch", record)
     mask = random_block_mask(0, 1, 4, 512, 512, 128, 128, density=0.5)
     call = _call(512, 512, heads=4, kv_heads=4, dim=64, mask=mask, causal=True)
-    config = TritonBlockSparseConfig(128, 64, 4, 3, 64, 64, 64, 64, 4, 3)
+    config = TritonBlockSparseConfig(128, 64, 4, 3, 64, 64, 64, 64, 4, 3, persistent_forward=persistent)
     jax.eval_shape(jax.grad(lambda q: IMPLEMENTATION(dataclasses.replace(call, query=q), config).astype(
         jnp.float32).sum()), call.query)
-    assert [launch[0].__name__ for launch in launches] == ["_fwd_kernel", "_dkv_kernel", "_dq_kernel"]
+    forward = "_fwd_persistent_kernel" if persistent else "_fwd_kernel"
+    assert [launch[0].__name__ for launch in launches] == [forward, "_dkv_kernel", "_dq_kernel"]
     for kernel, args, constexprs, num_warps, num_stages in launches:
         ttgir = kernel_ttgir(kernel, args, constexprs, num_warps, num_stages)
         in_loop_waits = [int(n) for n in re.findall(r"async_wait %[^{]*\{num = (\d+)", ttgir)]

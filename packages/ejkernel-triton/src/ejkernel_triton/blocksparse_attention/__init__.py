@@ -51,10 +51,19 @@ class TritonBlockSparseConfig(TritonFlashConfig):
     kernel, 25 %: 0.30 vs 0.41 of dense time (batch 2, 2026-11-23)."""
 
     tma_forward: bool = False
+    persistent_forward: int = 0
+    """Programs per SM of the pointer forward's persistent variant (`kernels._fwd_persistent_kernel`: each
+    program loops over (batch, head, query tile) items, longest schedule rows first); 0: one program per
+    query tile (the default). Ignored where the TMA forward runs. A candidate against the short rows'
+    per-program cost and tail (NOTES), not measured on a GPU yet."""
 
     def __post_init__(self):
         if not isinstance(self.tma_forward, bool):
             raise ValueError(f"TritonBlockSparseConfig.tma_forward must be a bool, got {self.tma_forward!r}")
+        if isinstance(self.persistent_forward, bool) or not isinstance(self.persistent_forward, int) or \
+                self.persistent_forward < 0:
+            raise ValueError("TritonBlockSparseConfig.persistent_forward must be an int >= 0, got "
+                             f"{self.persistent_forward!r}")
         TritonFlashConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TritonFlashConfig)})
 
 
@@ -147,7 +156,8 @@ class TritonBlockSparseAttention(Implementation[BlockSparseAttentionCall, Triton
                              window_right=right, softcap=call.logits_soft_cap or 0.0, config=config,
                              interpret=interpreting())
         st = BlockSparseStatic(flash=flash, q_block_size=call.q_block_size, kv_block_size=call.kv_block_size,
-                               tma_forward=tma_forward_applies(call, config))
+                               tma_forward=tma_forward_applies(call, config),
+                               persistent_forward=config.persistent_forward)
         return attention(call.query, call.key, call.value, call.q_segment_ids, call.kv_segment_ids, aux,
                          *kernel_schedule(call, "q"), *kernel_schedule(call, "kv"), st)
 

@@ -64,9 +64,8 @@ def _next_visit(visits, i, TILES: tl.constexpr, MAX_VISITS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(
-    Q, K, V, QSeg, KSeg, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs, scalars
-    O, LSE,  # outputs
+def _fwd_query_tile(
+    Q, K, V, QSeg, KSeg, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV, O, LSE, m0, batch, head,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
     stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
@@ -77,9 +76,8 @@ def _fwd_kernel(
     MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
     Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
 ):
-    m0 = tl.program_id(0) * BLOCK_Q
-    batch = tl.program_id(1)
-    head = tl.program_id(2)
+    """The forward of query tile `m0` of (batch, head) over its schedule row (the body of `_fwd_kernel` and of
+    each item of `_fwd_persistent_kernel`)."""
     b64 = batch.to(tl.int64)  # element offsets of large batches overflow int32
     kv_head = head // GROUP
     offs_q = tl.arange(0, BLOCK_Q)
@@ -121,6 +119,59 @@ def _fwd_kernel(
     o_ptrs = O + b64 * SEQ_Q * stride_os + head * stride_oh + rows[:, None] * stride_os + offs_dv[None, :]
     store_rows(o_ptrs, LSE + (b64 * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
                (rows[:, None] < SEQ_Q) & (offs_dv[None, :] < DV), rows < SEQ_Q)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, QSeg, KSeg, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs, scalars
+    O, LSE,  # outputs
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
+    Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+):
+    """One program per (query tile, batch, head)."""
+    _fwd_query_tile(
+        Q, K, V, QSeg, KSeg, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV, O, LSE,
+        tl.program_id(0) * BLOCK_Q, tl.program_id(1), tl.program_id(2), NUM_HEADS, GROUP, stride_qs, stride_qh,
+        stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_oh, D, DV, BLOCK_D, BLOCK_DV, BLOCK_Q,
+        BLOCK_KV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, USE_SOFTCAP, HAS_SEGMENTS, NUM_SINKS, BLOCK_SINKS,
+        DOT_PRECISION, MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS, Q_BLOCK_SIZE, KV_BLOCK_SIZE)
+
+
+@triton.jit
+def _fwd_persistent_kernel(
+    Q, K, V, QSeg, KSeg, Aux, Indices, NumFull, Counts, Order, qk_scale, softcap, SEQ_Q, SEQ_KV, NUM_ITEMS,
+    O, LSE,  # outputs
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_qs: tl.constexpr, stride_qh: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+    NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
+    Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, Q_TILES: tl.constexpr,
+):
+    """A fixed number of programs (`TritonBlockSparseConfig.persistent_forward` per SM), each taking the
+    (batch, head, query tile) items `Order[program], Order[program + programs], ...`; `Order` lists the items
+    longest schedule row first (an item is `(batch * NUM_HEADS + head) * Q_TILES + tile`), so the last items
+    to start are the shortest (no long tail) and no program start is paid per item."""
+    for slot in range(tl.program_id(0), NUM_ITEMS, tl.num_programs(0)):
+        item = tl.load(Order + slot)
+        tile = item % Q_TILES
+        batch_head = item // Q_TILES
+        _fwd_query_tile(
+            Q, K, V, QSeg, KSeg, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV, O, LSE,
+            tile * BLOCK_Q, batch_head // NUM_HEADS, batch_head % NUM_HEADS, NUM_HEADS, GROUP, stride_qs,
+            stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_oh, D, DV, BLOCK_D, BLOCK_DV,
+            BLOCK_Q, BLOCK_KV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, USE_SOFTCAP, HAS_SEGMENTS, NUM_SINKS,
+            BLOCK_SINKS, DOT_PRECISION, MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS, Q_BLOCK_SIZE, KV_BLOCK_SIZE)
 
 
 @triton.jit
@@ -318,10 +369,21 @@ def _meta(q, k, v, st: StaticParams, has_segments: bool, schedule, q_block_size:
                 Q_BLOCK_SIZE=q_block_size, KV_BLOCK_SIZE=kv_block_size)
 
 
+def longest_first(counts, batch: int, heads: int, q_tiles: int, block_q: int, q_block_size: int):
+    """int32 ``[batch * heads * q_tiles]``: the forward's (batch, head, query tile) items, encoded
+    ``(b * heads + h) * q_tiles + t``, by decreasing schedule-row length (stable: ties keep launch order)."""
+    mask_batch, mask_heads, _ = counts.shape
+    rows = (np.arange(q_tiles) * block_q) // q_block_size
+    per_item = counts[np.arange(batch)[:, None, None] % mask_batch, np.arange(heads)[None, :, None] % mask_heads,
+                      rows[None, None, :]]
+    return jnp.argsort(-per_item.reshape(-1), stable=True).astype(jnp.int32)
+
+
 def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_block_size: int, kv_block_size: int,
-                tma: bool = False):
+                tma: bool = False, persistent: int = 0):
     """(out [B, Sq, H, Dv], lse [B, H, Sq] float32, log2 units); `q_schedule`: `kernel_schedule(call, "q")`;
-    `tma`: run `_fwd_tma_kernel` (a call `tma_forward_applies` admits)."""
+    `tma`: run `_fwd_tma_kernel` (a call `tma_forward_applies` admits); else `persistent` > 0: run
+    `_fwd_persistent_kernel` with `persistent` programs per SM (longest rows first)."""
     b, sq, h, _ = q.shape
     dv = v.shape[-1]
     config = st.config
@@ -341,8 +403,21 @@ def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_blo
             NUM_SINKS=num_sinks, BLOCK_SINKS=sink_blocks(num_sinks), MASK_BATCH=mask_batch, MASK_HEADS=mask_heads,
             ROWS=rows, MAX_VISITS=max_visits, VISITS_P2=triton.next_power_of_2(max_visits),
             Q_BLOCK_SIZE=q_block_size, KV_BLOCK_SIZE=kv_block_size)
+    q_tiles = triton.cdiv(sq, config.fwd_block_q)
+    if persistent:
+        from ejkernel_triton.decode.config import sm_count
+
+        items = b * h * q_tiles
+        order = longest_first(q_schedule[2], b, h, q_tiles, config.fwd_block_q, q_block_size)
+        return launch(
+            _fwd_persistent_kernel, (*args[:9], order, *args[9:], items), out_shapes,
+            (min(items, persistent * sm_count()), 1, 1), num_warps=config.fwd_num_warps,
+            num_stages=config.fwd_num_stages, zeroed_outputs=(), interpret=st.interpret,
+            **_meta(q, k, v, st, has_seg, q_schedule, q_block_size, kv_block_size),
+            BLOCK_Q=config.fwd_block_q, BLOCK_KV=config.fwd_block_kv, NUM_SINKS=num_sinks,
+            BLOCK_SINKS=sink_blocks(num_sinks), Q_TILES=q_tiles)
     return launch(
-        _fwd_kernel, args, out_shapes, (triton.cdiv(sq, config.fwd_block_q), b, h),
+        _fwd_kernel, args, out_shapes, (q_tiles, b, h),
         num_warps=config.fwd_num_warps, num_stages=config.fwd_num_stages, zeroed_outputs=(), interpret=st.interpret,
         **_meta(q, k, v, st, has_seg, q_schedule, q_block_size, kv_block_size),
         BLOCK_Q=config.fwd_block_q, BLOCK_KV=config.fwd_block_kv, NUM_SINKS=num_sinks,

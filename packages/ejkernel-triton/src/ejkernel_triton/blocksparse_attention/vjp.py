@@ -26,6 +26,7 @@ class BlockSparseStatic:
     q_block_size: int
     kv_block_size: int
     tma_forward: bool = False  # the forward runs `kernels._fwd_tma_kernel`
+    persistent_forward: int = 0  # else, > 0: `kernels._fwd_persistent_kernel` with that many programs per SM
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,7 +36,7 @@ def _batched_calls(st: BlockSparseStatic):
     @jax.custom_batching.custom_vmap
     def fwd(q, k, v, q_seg, kv_seg, aux, q_idx, q_full, q_count):
         return tuple(run_forward(q, k, v, q_seg, kv_seg, aux, (q_idx, q_full, q_count), st.flash, *blocks,
-                                 tma=st.tma_forward))
+                                 tma=st.tma_forward, persistent=st.persistent_forward))
 
     fwd.def_vmap(fold_batch_rule(fwd, 5, 2, varlen_args=0))
 
