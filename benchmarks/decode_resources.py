@@ -3,7 +3,8 @@ Triton's TTGIR -> PTX, then the ptxas Triton ships, `-v`). What the decode heuri
 (`ejkernel_triton.decode.config.resident_programs`) and the mixed-batch notes rest on (NOTES.md).
 
     JAX_PLATFORMS=cpu python benchmarks/decode_resources.py
-    JAX_PLATFORMS=cpu python benchmarks/decode_resources.py --decode "block_n=32,prefetch=3" --mixed "fused=True,block_m=64,num_warps=4"
+    JAX_PLATFORMS=cpu python benchmarks/decode_resources.py --decode "block_n=32,prefetch=3" \
+        --mixed "fused=True,block_m=64,num_warps=4"
 
 Each line: the kernel, its warps and stages, shared memory (bytes), registers per thread, spill stores (bytes).
 """
@@ -89,7 +90,8 @@ def parse(text: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--decode", action="append", default=[], help="TritonDecodeConfig fields, e.g. block_n=32,prefetch=3")
+    p.add_argument("--decode", action="append", default=[],
+                   help="TritonDecodeConfig fields, e.g. block_n=32,prefetch=3")
     p.add_argument("--mixed", action="append", default=[],
                    help="TritonRaggedPageConfig fields replaced in the heuristic's config of the mixed batch")
     p.add_argument("--page-sizes", default="16,64")
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
         calls = [(f"paged p{ps}", PAGED, _paged_call(num_seqs=2, context=4096, page_size=ps)) for ps in page_sizes]
         calls.append(("dense", RAGGED, _ragged_call(batch=2, heads=32, kv_heads=8, dim=128, seq_len=4096)))
         for name, impl, call in calls:
-            for kernel, a, c, w, s in recorded_launches([kernels], lambda: jax.eval_shape(lambda x: impl(x, cfg), call))[:1]:
+            run = lambda impl=impl, call=call: jax.eval_shape(lambda x: impl(x, cfg), call)  # noqa: E731
+            for kernel, a, c, w, s in recorded_launches([kernels], run)[:1]:
                 print(f"decode {name:9s} {text:30s} warps {w} stages {s}: shared, registers, spills =",
                       compile_info(kernel, a, c, w, s), flush=True)
     for text in mixed:
@@ -121,8 +124,9 @@ def main(argv=None) -> int:
             cfg = dataclasses.replace(MIXED.heuristic_config(call), **parse(text))
             for kernel, a, c, w, s in recorded_launches([kernels, mixed_kernels],
                                                         lambda: jax.eval_shape(lambda x: MIXED(x, cfg), call)):
-                print(f"mixed p{ps} {text or 'heuristic':40s} {kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel.__name__}"
-                      f" warps {w} stages {s}: shared, registers, spills =", compile_info(kernel, a, c, w, s), flush=True)
+                name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+                print(f"mixed p{ps} {text or 'heuristic':40s} {name} warps {w} stages {s}: shared, registers, spills =",
+                      compile_info(kernel, a, c, w, s), flush=True)
     return 0
 
 

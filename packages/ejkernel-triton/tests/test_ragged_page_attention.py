@@ -150,7 +150,8 @@ def test_heuristic_and_candidates():
     assert cfg.decode_config() == decode_config.heuristic_config(64 * 8, 4096, 128, jnp.bfloat16)
     # pages of 64 (whole 64-key steps): one launch of 64-row prefill tiles and 64-key decode programs
     fused = IMPLEMENTATION.heuristic_config(_call(page_size=64))
-    assert fused.fused and (fused.block_m, fused.num_warps, fused.decode_block_n, fused.decode_prefetch) == (64, 4, 64, 2)
+    assert fused.fused and not fused.interleave
+    assert (fused.block_m, fused.num_warps, fused.decode_block_n, fused.decode_prefetch) == (64, 4, 64, 2)
     candidates = IMPLEMENTATION.candidate_configs(call)
     assert candidates[0] == cfg and len(set(candidates)) == len(candidates) > 1
     assert {c.fused for c in candidates} == {False, True}  # one launch and two are both tried

@@ -100,7 +100,8 @@ def mixed_batch(seed, sequences, heads, kv_heads, dim, page_size, max_pages, pad
          TritonRaggedPageConfig(decode_num_splits=4, fused=True, decode_inline_combine=True)),
         # the benchmark's schedule candidates: one launch of 32-key steps; two launches, three prefill steps in flight
         (64, 32, 8, 128, [(33, 1000), (1, 64), (1, 65), (16, 64), (1, 1000)], 16, {},
-         TritonRaggedPageConfig(block_m=64, num_warps=4, block_n=32, decode_block_n=32, fused=True, interleave=True)),
+         TritonRaggedPageConfig(block_m=64, num_warps=4, block_n=32, decode_block_n=32, fused=True,
+                                interleave=True)),
         (16, 32, 8, 128, [(40, 1000), (1, 1023), (1, 1), (12, 12)] + [(1, 300)] * 4, 64, {},
          TritonRaggedPageConfig(block_m=64, num_warps=4, fused=True, interleave=True)),
         (16, 32, 8, 128, [(40, 1000), (1, 1023), (1, 1), (12, 12)] + [(1, 300)] * 4, 64, {},
