@@ -300,9 +300,8 @@ def main(argv=None) -> int:
     for seq in args.seqs:
         inputs = random_inputs(seq, 1, seq, h, d, jnp.bfloat16, sets=2)
         dense_pairs = float(h) * seq * seq
+        passes = []
         for mode in args.modes:
-            factor = 4.0 * d * (3.5 if mode == "fwd+bwd" else 1.0)
-            dense_ms = None
             runs = [("triton-flash-dense", "flash", 1.0)]
             runs += [("triton", "triton", density) for density in args.densities]  # ours first: a timeout
             if seq == max(args.seqs):
@@ -312,6 +311,15 @@ def main(argv=None) -> int:
                     runs += [(f"triton:{name}", f"triton:{name}", min(args.densities)) for name in args.candidates]
             if not args.no_xla and seq <= args.xla_max_seq:  # (the device script's) cuts the slow XLA rows
                 runs += [("xla", "xla", density) for density in args.densities]
+            passes.append((mode, runs))
+        if args.final:  # the default's fwd and fwd+bwd rows before the candidates (a timeout cuts candidates)
+            candidates = [run for _, runs in passes for run in runs if run[1].startswith("triton:")]
+            passes = [(mode, [run for run in runs if run not in candidates]) for mode, runs in passes]
+            passes.append(("fwd", candidates))
+        dense_of_mode = {}
+        for mode, runs in passes:
+            factor = 4.0 * d * (3.5 if mode == "fwd+bwd" else 1.0)
+            dense_ms, dense_tflops = dense_of_mode.get(mode, (None, None))
             steps = {}
             for name, kind, density in runs:
                 mask = jnp.asarray(block_mask(7, h, seq, density)) if kind != "flash" else jnp.ones((1,), bool)
@@ -328,6 +336,7 @@ def main(argv=None) -> int:
                     row.update(ms=seconds * 1e3, tflops=factor * dense_pairs * kept / seconds / 1e12)
                     if kind == "flash":
                         dense_ms, dense_tflops = row["ms"], row["tflops"]
+                        dense_of_mode[mode] = (dense_ms, dense_tflops)
                     elif dense_ms:
                         row["vs_dense_time"] = row["ms"] / dense_ms
                         row["tflops_vs_dense"] = row["tflops"] / dense_tflops
