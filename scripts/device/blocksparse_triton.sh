@@ -8,7 +8,7 @@
 # Writes under $OUT/blocksparse_triton/: tests.log and tests.xml (pytest -m gpu of test_blocksparse_gpu.py and
 # test_mean_pooling_gpu.py, 8 xdist workers sharing the GPU), benchmark.log and <gpu>-<date>-blocksparse.json
 # / .png (benchmarks/blocksparse.py: S=16k and 8k, densities 0.1/0.25/0.5, fwd and fwd+bwd, Triton block-sparse
-# vs dense Triton flash attention vs XLA block-sparse at 8k, with triton-const / triton-tma rows at 16k;
+# vs dense Triton flash attention vs XLA block-sparse at 8k, with triton-const and the forward candidates (FWD_CANDIDATES) at 16k;
 # mean_pooling Triton vs XLA GB/s). About 145 s on one
 # H200, compile included: each part under its own timeout; one failing part does not stop the other. Prints
 # a summary (test counts, the targets MET / NOT MET, mean_pooling GB/s). Exit status 1 if a part failed.
