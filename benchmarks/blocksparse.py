@@ -70,6 +70,7 @@ FWD_CANDIDATES = {
     # persistent pointer forward (one program per SM looping over items, longest rows first): no per-item
     # program start, no tail of long rows
     "persistent-128x64-w8s3": (128, 64, 8, 3, False, 1),
+    "tma-persistent-128x128-w4s2": (128, 128, 4, 2, True, 1),  # the default's kernel, persistent
 }
 """Forward configs compared at S=16k, 10 % (short rows: ~14 visits per query block)."""
 

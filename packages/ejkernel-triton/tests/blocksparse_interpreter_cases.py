@@ -124,6 +124,11 @@ CASES = {
     "hopper_tma_forward": dict(seed=5, b=1, sq=64, skv=128, h=2, hkv=1, d=128, dtype=jnp.float16, blocks=(32, 64),
                                sinks=1, causal=False, logits_soft_cap=20.0, hopper=True,
                                config=TritonBlockSparseConfig(16, 32, 4, 2, 16, 16, 16, 16, 4, 1, tma_forward=True)),
+    # the persistent TMA forward: one program (sms=1) loops over the 2 x 2 x 4 items; otherwise as above
+    "hopper_tma_persistent_forward": dict(
+        seed=7, b=2, sq=64, skv=128, h=2, hkv=1, d=128, dtype=jnp.float16, blocks=(32, 64), sinks=1, causal=False,
+        logits_soft_cap=20.0, hopper=True, sms=1,
+        config=TritonBlockSparseConfig(16, 32, 4, 2, 16, 16, 16, 16, 4, 1, tma_forward=True, persistent_forward=1)),
     # the persistent pointer forward: 3 programs (sms=3 x 1 per SM) loop over 2 x 2 x 3 (batch, head, tile)
     # items longest row first; causal + GQA + per-head mask + a sink + ragged tails
     "persistent_forward": dict(seed=6, b=2, sinks=1, causal=True, sms=3,

@@ -64,8 +64,8 @@ def test_interpreter_case_matches_reference(interpreter_results, name):
     for quantity in ("out", "dq", "dk", "dv", "d_aux"):
         assert row[quantity] <= TOLERANCE[row["dtype"]], (quantity, row)
     assert row.get("masked_rows_zero", True), row
-    forward = {"hopper_tma_forward": "_fwd_tma_kernel", "persistent_forward": "_fwd_persistent_kernel"}.get(
-        name, "_fwd_kernel")
+    forward = {"hopper_tma_forward": "_fwd_tma_kernel", "persistent_forward": "_fwd_persistent_kernel",
+               "hopper_tma_persistent_forward": "_fwd_tma_persistent_kernel"}.get(name, "_fwd_kernel")
     assert forward in row["kernels"] and {"_dkv_kernel", "_dq_kernel"} <= set(row["kernels"]), row
 
 
@@ -158,7 +158,7 @@ def _sm90(monkeypatch):
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
 
 
-def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, tma=False, **kw):
+def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, tma=False, persistent=0, **kw):
     """sm_90 lowering of forward and gradients; `tma`: the TMA forward (it compiles the warp-specialized loop,
     which Triton 3.6 refuses for some loop shapes: see `kernels._fwd_tma_kernel`)."""
     spec = jax.ShapeDtypeStruct
@@ -177,6 +177,7 @@ def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, tma=Fals
             config = dataclasses.replace(config, fwd_block_q=128, fwd_block_kv=128, fwd_num_warps=4,
                                          fwd_num_stages=2, tma_forward=True)
             assert tma_forward_applies(call, config)
+        config = dataclasses.replace(config, persistent_forward=persistent)
         return IMPLEMENTATION(call, config).astype(jnp.float32).sum()
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, k, spec((heads, 2), jnp.float32)).lower(
@@ -191,7 +192,10 @@ def _lower(dtype, dim, heads, kv_heads, *, sinks=False, segments=False, tma=Fals
     (jnp.float16, 64, dict(causal=False, sliding_window=(200, 0), logits_soft_cap=20.0, sinks=True,
                            segments=True)),
     (jnp.bfloat16, 128, dict(causal=False, sinks=True, tma=True)),
-], ids=["bf16-d128-causal", "fp16-d64-window-softcap-sinks-segments", "bf16-d128-tma-forward"])
+    (jnp.bfloat16, 128, dict(causal=False, sinks=True, tma=True, persistent=1)),
+    (jnp.bfloat16, 128, dict(causal=True, persistent=2)),
+], ids=["bf16-d128-causal", "fp16-d64-window-softcap-sinks-segments", "bf16-d128-tma-forward",
+        "bf16-d128-tma-persistent-forward", "bf16-d128-causal-persistent-forward"])
 def test_fwd_bwd_compile_for_sm90(dtype, dim, kw):
     # (float32's IEEE tile steps are flash attention's, compiled for sm_90 by test_triton_lowering.py)
     text = _lower(dtype, dim, 8, 2, **kw)

@@ -52,10 +52,10 @@ class TritonBlockSparseConfig(TritonFlashConfig):
 
     tma_forward: bool = False
     persistent_forward: int = 0
-    """Programs per SM of the pointer forward's persistent variant (`kernels._fwd_persistent_kernel`: each
-    program loops over (batch, head, query tile) items, longest schedule rows first); 0: one program per
-    query tile (the default). Ignored where the TMA forward runs. A candidate against the short rows'
-    per-program cost and tail (NOTES), not measured on a GPU yet."""
+    """Programs per SM of the forward's persistent variant (`kernels._fwd_persistent_kernel`, or
+    `kernels._fwd_tma_persistent_kernel` where the TMA forward runs: each program loops over (batch, head,
+    query tile) items, longest schedule rows first); 0: one program per query tile (the default). A candidate
+    against the short rows' per-program cost and tail (NOTES), not measured on a GPU yet."""
 
     def __post_init__(self):
         if not isinstance(self.tma_forward, bool):

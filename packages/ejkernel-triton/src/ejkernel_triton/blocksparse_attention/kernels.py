@@ -226,6 +226,59 @@ def _fwd_tma_kernel(
 
 
 @triton.jit
+def _fwd_tma_persistent_kernel(
+    Q, K, V, Aux, Indices, NumFull, Counts, Order, qk_scale, softcap, SEQ_Q, SEQ_KV, NUM_ITEMS,
+    O, LSE,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
+    MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
+    VISITS_P2: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, Q_TILES: tl.constexpr,
+    BATCH: tl.constexpr,
+):
+    """The persistent form of `_fwd_tma_kernel` (`TritonBlockSparseConfig.persistent_forward` programs per
+    SM): the TMA descriptors are made once per program, which then loops over the (batch, head, query tile)
+    items `Order[program], Order[program + programs], ...` (longest schedule rows first, as
+    `_fwd_persistent_kernel`); each item runs the warp-specialized visit loop of `_fwd_tma_kernel` (Triton 3.6
+    warp-specializes the inner loop: one `ttg.warp_specialize`, as the one-item kernel, on the sm_90 TTGIR)."""
+    kv_width = (NUM_HEADS // GROUP) * D
+    q_desc = tl.make_tensor_descriptor(Q, shape=[BATCH * SEQ_Q, NUM_HEADS * D], strides=[NUM_HEADS * D, 1],
+                                       block_shape=[BLOCK_Q, D])
+    k_desc = tl.make_tensor_descriptor(K, shape=[BATCH * SEQ_KV, kv_width], strides=[kv_width, 1],
+                                       block_shape=[BLOCK_KV, D])
+    v_desc = tl.make_tensor_descriptor(V, shape=[BATCH * SEQ_KV, kv_width], strides=[kv_width, 1],
+                                       block_shape=[BLOCK_KV, D])
+    TILES: tl.constexpr = KV_BLOCK_SIZE // BLOCK_KV
+    slots = tl.arange(0, VISITS_P2)
+    for slot in range(tl.program_id(0), NUM_ITEMS, tl.num_programs(0)):
+        item = tl.load(Order + slot)
+        m0 = (item % Q_TILES) * BLOCK_Q
+        batch = item // Q_TILES // NUM_HEADS
+        head = (item // Q_TILES) % NUM_HEADS
+        kv_head = head // GROUP
+        q = q_desc.load([batch * SEQ_Q + m0, head * D])
+        acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+        m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
+        visits, _, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
+                                         MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
+        row_visits = tl.load(visits + slots, mask=slots < MAX_VISITS, other=0)
+        for i in tl.range(0, count * TILES, warp_specialize=True):
+            block = tl.sum(tl.where(slots == i // TILES, row_visits, 0), 0)
+            n0 = block * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+            k = k_desc.load([batch * SEQ_KV + n0, kv_head * D])
+            s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, "tf32")
+            p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
+            v = v_desc.load([batch * SEQ_KV + n0, kv_head * D])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        rows = m0 + tl.arange(0, BLOCK_Q)
+        offs_d = tl.arange(0, D)
+        row0 = batch.to(tl.int64) * SEQ_Q
+        o_ptrs = O + (row0 + rows[:, None]) * (NUM_HEADS * D) + head * D + offs_d[None, :]
+        store_rows(o_ptrs, LSE + (batch.to(tl.int64) * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
+                   (rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), rows < SEQ_Q)
+
+
+
+@triton.jit
 def _dkv_kernel(
     Q, K, V, DO, LSE, Delta, QSeg, KSeg, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,
     DKOut, DVOut,
@@ -382,8 +435,8 @@ def longest_first(counts, batch: int, heads: int, q_tiles: int, block_q: int, q_
 def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_block_size: int, kv_block_size: int,
                 tma: bool = False, persistent: int = 0):
     """(out [B, Sq, H, Dv], lse [B, H, Sq] float32, log2 units); `q_schedule`: `kernel_schedule(call, "q")`;
-    `tma`: run `_fwd_tma_kernel` (a call `tma_forward_applies` admits); else `persistent` > 0: run
-    `_fwd_persistent_kernel` with `persistent` programs per SM (longest rows first)."""
+    `tma`: run `_fwd_tma_kernel` (a call `tma_forward_applies` admits); `persistent` > 0: the persistent form
+    (`_fwd_tma_persistent_kernel`, else `_fwd_persistent_kernel`) with `persistent` programs per SM."""
     b, sq, h, _ = q.shape
     dv = v.shape[-1]
     config = st.config
@@ -393,6 +446,22 @@ def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_blo
             aux if aux is not None else jnp.zeros((1,), jnp.float32), *q_schedule,
             np.float32(st.softmax_scale), np.float32(st.softcap or 1.0), sq, k.shape[1])
     out_shapes = (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+    q_tiles = triton.cdiv(sq, config.fwd_block_q)
+    if tma and persistent:
+        from ejkernel_triton.decode.config import sm_count
+
+        mask_batch, mask_heads, rows, max_visits = q_schedule[0].shape
+        items = b * h * q_tiles
+        order = longest_first(q_schedule[2], b, h, q_tiles, config.fwd_block_q, q_block_size)
+        return launch(
+            _fwd_tma_persistent_kernel, (q, k, v, *args[5:9], order, *args[9:], items), out_shapes,
+            (min(items, persistent * sm_count()), 1, 1), num_warps=config.fwd_num_warps,
+            num_stages=config.fwd_num_stages, zeroed_outputs=(), interpret=st.interpret, tma=True, NUM_HEADS=h,
+            GROUP=h // k.shape[2], D=q.shape[-1], BLOCK_Q=config.fwd_block_q, BLOCK_KV=config.fwd_block_kv,
+            USE_SOFTCAP=st.softcap > 0, NUM_SINKS=num_sinks, BLOCK_SINKS=sink_blocks(num_sinks),
+            MASK_BATCH=mask_batch, MASK_HEADS=mask_heads, ROWS=rows, MAX_VISITS=max_visits,
+            VISITS_P2=triton.next_power_of_2(max_visits), Q_BLOCK_SIZE=q_block_size, KV_BLOCK_SIZE=kv_block_size,
+            Q_TILES=q_tiles, BATCH=b)
     if tma:
         mask_batch, mask_heads, rows, max_visits = q_schedule[0].shape
         return launch(
@@ -403,7 +472,6 @@ def run_forward(q, k, v, q_seg, kv_seg, aux, q_schedule, st: StaticParams, q_blo
             NUM_SINKS=num_sinks, BLOCK_SINKS=sink_blocks(num_sinks), MASK_BATCH=mask_batch, MASK_HEADS=mask_heads,
             ROWS=rows, MAX_VISITS=max_visits, VISITS_P2=triton.next_power_of_2(max_visits),
             Q_BLOCK_SIZE=q_block_size, KV_BLOCK_SIZE=kv_block_size)
-    q_tiles = triton.cdiv(sq, config.fwd_block_q)
     if persistent:
         from ejkernel_triton.decode.config import sm_count
 

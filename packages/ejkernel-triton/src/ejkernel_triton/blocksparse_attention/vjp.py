@@ -26,7 +26,7 @@ class BlockSparseStatic:
     q_block_size: int
     kv_block_size: int
     tma_forward: bool = False  # the forward runs `kernels._fwd_tma_kernel`
-    persistent_forward: int = 0  # else, > 0: `kernels._fwd_persistent_kernel` with that many programs per SM
+    persistent_forward: int = 0  # > 0: the forward's persistent form, with that many programs per SM
 
 
 @functools.lru_cache(maxsize=None)
