@@ -92,3 +92,29 @@ def test_tma_forward_against_float32_reference():
         q, k, v, softmax_aux=x, **kw), *a))(*(x.astype(jnp.float32) for x in (q, k, v)), aux, do.astype(jnp.float32))
     for name, g, r in zip(("out", "dq", "dk", "dv", "d_aux"), got, ref):
         assert_close(g, r, dtype="bfloat16", gradient=name != "out", name=name)
+
+
+@pytest.mark.parametrize("tma,causal", [(True, False), (False, True)], ids=["tma", "pointer-causal"])
+def test_persistent_forward_against_float32_reference(tma, causal):
+    """The persistent forwards (`persistent_forward=1`: one program per SM looping over the items, longest
+    schedule rows first), TMA where it applies, the pointer kernel with causal partial blocks."""
+    import dataclasses
+
+    from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, tma_forward_applies
+    from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
+
+    b, s, h, hkv, d = 2, 2048, 8, 2, 128  # 2 x 8 x 16 items over 132 programs: some programs take two
+    q, k, v, do = (normal_array(i, shape, "bfloat16") for i, shape in
+                   enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]))
+    aux = normal_array(9, (h,))
+    mask = random_block_mask(5, b, h, s, s, 128, 128, density=0.25)
+    kw = dict(block_mask=mask, block_size=128, causal=causal, logits_soft_cap=30.0)
+    call = BlockSparseAttention().validate(q, k, v, softmax_aux=aux, **kw)
+    cfg = dataclasses.replace(IMPLEMENTATION.heuristic_config(call), persistent_forward=1)
+    assert tma_forward_applies(call, cfg) is tma
+    got = jax.jit(lambda *a: _grads(lambda q, k, v, x: blocksparse_attention(
+        q, k, v, softmax_aux=x, platform="triton", cfg=cfg, **kw), *a))(q, k, v, aux, do)
+    ref = jax.jit(lambda *a: _grads(lambda q, k, v, x: reference_blocksparse_attention(
+        q, k, v, softmax_aux=x, **kw), *a))(*(x.astype(jnp.float32) for x in (q, k, v)), aux, do.astype(jnp.float32))
+    for name, g, r in zip(("out", "dq", "dk", "dv", "d_aux"), got, ref):
+        assert_close(g, r, dtype="bfloat16", gradient=name != "out", name=name)
