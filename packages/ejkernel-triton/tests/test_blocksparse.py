@@ -148,7 +148,8 @@ def test_heuristic_takes_the_tma_forward_where_it_applies(monkeypatch, kw, tma):
     config = IMPLEMENTATION.heuristic_config(call)
     assert config.tma_forward is tma and tma_forward_applies(call, config) is tma
     if tma:
-        assert (config.fwd_num_warps, config.fwd_num_stages, config.fwd_block_q, config.fwd_block_kv) == (4, 2, 128, 128)
+        forward = (config.fwd_num_warps, config.fwd_num_stages, config.fwd_block_q, config.fwd_block_kv)
+        assert forward == (4, 2, 128, 128)
     else:  # the pointer forward keeps flash attention's tuned (8-warp / 4-warp) forward blocks
         assert not config.tma_forward
 
