@@ -10,6 +10,7 @@ and sinks.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +62,9 @@ def _float32(fn, **inputs):
 
 
 def _positional(inputs):
-    """The public function's positional arguments, in order (a jitted dict of inputs comes back key-sorted)."""
-    return [inputs[name] for name in RaggedPageAttentionConformance.operation_arguments]
+    """The public function's positional-only arguments, in order (a jitted dict of inputs comes back key-sorted)."""
+    parameters = inspect.signature(ragged_page_attention).parameters.values()
+    return [inputs[p.name] for p in parameters if p.kind is inspect.Parameter.POSITIONAL_ONLY]
 
 
 def mixed_batch(seed, sequences, heads, kv_heads, dim, page_size, max_pages, padding=0, inactive=0, sinks=None):
