@@ -131,27 +131,17 @@ def test_config_that_does_not_divide_the_mask_blocks_is_an_error():
         IMPLEMENTATION(call, TritonBlockSparseConfig(64, 64, 4, 2, 32, 64, 32, 64, 4, 1))
 
 
-@pytest.mark.parametrize("kw,tma", [
-    (dict(causal=False), True),
-    (dict(causal=True), False),  # partial (diagonal) blocks: the pointer forward
-    (dict(causal=False, q_len=600), False),  # a ragged tail block
-    (dict(causal=False, dim=64), False),
-])
-def test_heuristic_takes_the_tma_forward_where_it_applies(monkeypatch, kw, tma):
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(causal=False, q_len=600)])
+def test_heuristic_keeps_the_pointer_forward(monkeypatch, kw):
+    """The TMA forward is opt-in (its GPU tests hung on the H200 on 2026-11-23): the heuristic never asks."""
     import ejkernel_triton.blocksparse_attention as package
 
     monkeypatch.setattr(package.launch, "target_compute_capability", lambda: 90)
     monkeypatch.setattr(package.launch, "available", lambda: True)
     monkeypatch.setattr(package, "gpu_device_kind", lambda: "NVIDIA H200")
-    kw = dict(dict(q_len=512, kv_len=512, block_size=128, dim=128), **kw)
-    call = _call(dtype=jnp.bfloat16, **kw)
+    call = _call(dtype=jnp.bfloat16, **dict(dict(q_len=512, kv_len=512, block_size=128, dim=128), **kw))
     config = IMPLEMENTATION.heuristic_config(call)
-    assert config.tma_forward is tma and tma_forward_applies(call, config) is tma
-    if tma:
-        forward = (config.fwd_num_warps, config.fwd_num_stages, config.fwd_block_q, config.fwd_block_kv)
-        assert forward == (4, 2, 128, 128)
-    else:  # the pointer forward keeps flash attention's tuned (8-warp / 4-warp) forward blocks
-        assert not config.tma_forward
+    assert not config.tma_forward and not tma_forward_applies(call, config)
 
 
 @pytest.fixture
