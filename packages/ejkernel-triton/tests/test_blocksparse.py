@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -24,6 +20,8 @@ from ejkernel.testing.blocksparse_attention import random_block_mask
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig, tma_forward_applies
 from ejkernel_triton.blocksparse_attention.kernels import kernel_schedule
+from interpreter_support import case_names, run_cases
+
 
 CASES_SCRIPT = Path(__file__).with_name("blocksparse_interpreter_cases.py")
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -42,22 +40,10 @@ def _call(q_len=256, kv_len=256, heads=4, kv_heads=2, dim=64, v_dim=None, dtype=
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(CASES_SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {row["name"]: row for row in map(json.loads, filter(lambda s: s.startswith("{"), proc.stdout.splitlines()))}
+    return run_cases(CASES_SCRIPT)
 
 
-def _case_names():
-    import ast
-
-    for node in ast.parse(CASES_SCRIPT.read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
-            return [key.value for key in node.value.keys]
-    raise AssertionError("CASES not found")
-
-
-@pytest.mark.parametrize("name", _case_names())
+@pytest.mark.parametrize("name", case_names(CASES_SCRIPT))
 def test_interpreter_case_matches_reference(interpreter_results, name):
     row = interpreter_results[name]
     assert row["finite"], row

@@ -5,10 +5,6 @@ for the paged loop, and what the implementations and their config accept."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -25,6 +21,8 @@ from ejkernel_triton.decode import TritonDecodeConfig, config
 from ejkernel_triton.decode.page_attention import IMPLEMENTATION as PAGED
 from ejkernel_triton.decode.ragged_decode_attention import IMPLEMENTATION as RAGGED
 from ejkernel_triton.ttgir import kernel_ttgir
+from interpreter_support import case_names, run_cases
+
 
 CASES_SCRIPT = Path(__file__).with_name("decode_interpreter_cases.py")
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -62,22 +60,10 @@ def _ragged_call(batch=4, heads=8, kv_heads=2, dim=64, seq_len=1000, dtype=jnp.b
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(CASES_SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {row["name"]: row for row in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+    return run_cases(CASES_SCRIPT)
 
 
-def _case_names():
-    import ast
-
-    for node in ast.parse(CASES_SCRIPT.read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
-            return [key.value for key in node.value.keys]
-    raise AssertionError("CASES not found")
-
-
-@pytest.mark.parametrize("name", _case_names())
+@pytest.mark.parametrize("name", case_names(CASES_SCRIPT))
 def test_interpreter_case_matches_reference(interpreter_results, name):
     row = interpreter_results[name]
     assert row["finite"] and row["out"] <= TOLERANCE[row["dtype"]], row

@@ -5,10 +5,6 @@ and what the implementation and its config accept or refuse."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -19,6 +15,8 @@ from ejkernel import UnsupportedFeature
 from ejkernel.modules.operations.recurrent import RecurrentAttention
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.linear_attention import IMPLEMENTATION, TritonLinearAttentionConfig
+from interpreter_support import case_names, run_cases
+
 
 CASES_SCRIPT = Path(__file__).with_name("linear_attention_interpreter_cases.py")
 TOLERANCE = {"float32": 2e-6, "float16": 2e-3}
@@ -37,22 +35,10 @@ def _spec(shape, dtype=jnp.bfloat16):
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(CASES_SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {row["name"]: row for row in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+    return run_cases(CASES_SCRIPT)
 
 
-def _case_names():
-    import ast
-
-    for node in ast.parse(CASES_SCRIPT.read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
-            return [key.value for key in node.value.keys]
-    raise AssertionError("CASES not found")
-
-
-@pytest.mark.parametrize("name", _case_names())
+@pytest.mark.parametrize("name", case_names(CASES_SCRIPT))
 def test_interpreter_case_matches_reference(interpreter_results, name):
     """Output, final state and every gradient (initial state included) against the float64 recurrence."""
     row = interpreter_results[name]

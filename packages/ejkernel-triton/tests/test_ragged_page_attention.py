@@ -5,10 +5,6 @@ accept. The GPU tests are in test_ragged_page_attention_gpu.py."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -21,6 +17,8 @@ from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention, RaggedPageAttentionCall
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.ragged_page_attention import IMPLEMENTATION, TritonRaggedPageConfig, config
+from interpreter_support import case_names, run_cases
+
 
 CASES_SCRIPT = Path(__file__).with_name("ragged_page_interpreter_cases.py")
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -47,22 +45,10 @@ def _call(tokens=2108, heads=32, kv_heads=8, dim=128, page_size=16, max_num_seqs
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(CASES_SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {row["name"]: row for row in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+    return run_cases(CASES_SCRIPT)
 
 
-def _case_names():
-    import ast
-
-    for node in ast.parse(CASES_SCRIPT.read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
-            return [key.value for key in node.value.keys]
-    raise AssertionError("CASES not found")
-
-
-@pytest.mark.parametrize("name", _case_names())
+@pytest.mark.parametrize("name", case_names(CASES_SCRIPT))
 def test_interpreter_case_matches_reference(interpreter_results, name):
     row = interpreter_results[name]
     assert row["finite"] and row["out"] <= TOLERANCE[row["dtype"]], row

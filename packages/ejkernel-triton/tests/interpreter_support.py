@@ -1,0 +1,32 @@
+"""Run a file of Triton interpreter cases in a fresh process and read its rows (shared by the tests of every
+Triton kernel family): the interpreter must be switched on before triton is imported, which this pytest
+process has already done without it.
+
+A cases file defines ``CASES = {name: ...}`` and prints one JSON object per case (with ``"name"``) on stdout.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_cases(script: Path, timeout: float = 600) -> dict[str, dict]:
+    """Every case's row, by name (the subprocess runs on the CPU with TRITON_INTERPRET=1)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    return {row["name"]: row for row in rows}
+
+
+def case_names(script: Path) -> list[str]:
+    """The keys of the file's ``CASES`` dict, read without importing it (for test parametrization)."""
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
+            return [key.value for key in node.value.keys]
+    raise AssertionError(f"CASES not found in {script}")
