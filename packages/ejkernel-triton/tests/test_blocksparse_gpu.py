@@ -8,6 +8,8 @@ against the float32 reference, plus a full mask against the Triton flash attenti
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,10 +71,10 @@ def test_full_mask_matches_flash_attention():
     np.testing.assert_allclose(np.asarray(sparse, np.float32), np.asarray(dense, np.float32), atol=2e-2, rtol=2e-2)
 
 
-TMA_HANG = pytest.mark.skip(reason=(
-    "the opt-in TMA forward hung in this test on the H200 on 2026-11-23 (twice, whole GPU suite stalled); "
-    "suspected: rows of the mask that visit no block, a warp-specialized loop of zero trips); "
-    "the heuristic never takes it: re-enable once fixed and run alone on a GPU"))
+TMA_HANG = pytest.mark.skipif(not os.environ.get("EJKERNEL_TRITON_TMA_TESTS"), reason=(
+    "the opt-in TMA forward hung in this test on the H200 on 2026-11-23 (twice, the whole GPU suite stalled; "
+    "suspected: rows of the mask that visit no block, a warp-specialized loop of zero trips) and the "
+    "heuristic never takes it: EJKERNEL_TRITON_TMA_TESTS=1 runs it, alone, once a fix is in"))
 
 
 @TMA_HANG
