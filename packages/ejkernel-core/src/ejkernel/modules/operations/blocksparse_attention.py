@@ -80,9 +80,11 @@ def check_block_mask(block_mask: Any, batch: int, num_heads: int, blocks: tuple[
     )
     shape = block_mask.shape
     if shape[0] not in (1, batch) or shape[1] not in (1, num_heads) or tuple(shape[2:]) != blocks:
+        leading = ", ".join(f"{size} or 1" if size != 1 else "1" for size in (batch, num_heads))
         raise ValueError(
-            f"block_mask must have shape [{batch} or 1, {num_heads} or 1, {blocks[0]}, {blocks[1]}] "
-            f"(ceil(q_len / {block_size[0]}), ceil(kv_len / {block_size[1]})), got {describe(block_mask)}"
+            f"block_mask must have shape [{leading}, {blocks[0]}, {blocks[1]}] (ceil(q_len / {block_size[0]}), "
+            f"ceil(kv_len / {block_size[1]}) for block_size={block_size}: a mask built for another block_size "
+            f"has other block counts), got {describe(block_mask)}"
         )
 
 
