@@ -57,7 +57,6 @@ def xla_impls(names: list[str]) -> list[bench.Impl]:
         "ejkernel-xla[dense:selects]": dense_variant("selects", 1),
         "ejkernel-xla[dense:one-call]": dense_variant("constants", 1),
         "ejkernel-xla[dense:selects+chunks]": dense_variant("selects", None),
-        "ejkernel-xla[dense:long-rows]": dense_variant("constants", None, long_rows=True),
         "xla": bench._jax_nn("xla"),
         "cudnn": bench._jax_nn("cudnn"),
     }
@@ -67,7 +66,7 @@ def xla_impls(names: list[str]) -> list[bench.Impl]:
     return [bench.Impl(name, known[name]) for name in names]
 
 
-def dense_variant(empty_row_guard: str, causal_chunks: int | None, long_rows: bool = False):
+def dense_variant(empty_row_guard: str, causal_chunks: int | None):
     """The dense path with another ``empty_row_guard`` (``ejkernel_xla._dense.EMPTY_ROW_GUARDS``) or number
     of causal query chunks (None: the rule, ``causal_chunk_count``; 1: one dense call over all keys): the
     formulations compared in one process. Plain q, k, v (no masks or sinks), as the timed calls pass them;
@@ -76,12 +75,10 @@ def dense_variant(empty_row_guard: str, causal_chunks: int | None, long_rows: bo
     ``[dense:selects]``: last session's dense forward (isfinite/positive selects, one call: 0.85-0.90x
     jax.nn causal on the H100); ``[dense:one-call]``: this session's guard without the causal chunks;
     ``[dense:selects+chunks]``: the old guard with the causal chunks (on the H200 the old guard's unfused
-    softmax beat XLA's fused masked one: 51.5 vs 47.0 TFLOP/s causal at S=8k); ``[dense:long-rows]``: the
-    default without the key chunks of long unmasked rows (``long_rows``: one softmax over all keys, as
-    ``jax.nn``; compare non-causal forwards at S > 8192)."""
+    softmax beat XLA's fused masked one: 51.5 vs 47.0 TFLOP/s causal at S=8k)."""
     from ejkernel.modules.operations._precision import resolve_precision
     from ejkernel_xla._blockwise import AttentionParams, key_tokens, query_tokens
-    from ejkernel_xla._dense import DENSE_ROW_KEYS, flash_attention_dense
+    from ejkernel_xla._dense import flash_attention_dense
 
     def attend(q, k, v, causal):
         batch, q_len, _, head_dim = q.shape
@@ -90,19 +87,19 @@ def dense_variant(empty_row_guard: str, causal_chunks: int | None, long_rows: bo
                                  precision=resolve_precision(None, q.dtype))
         return flash_attention_dense(q, k, v, params=params, q_tokens=query_tokens(batch, q_len, kv_len),
                                      kv_tokens=key_tokens(batch, kv_len), empty_row_guard=empty_row_guard,
-                                     causal_chunks=causal_chunks, row_keys=None if long_rows else DENSE_ROW_KEYS)
+                                     causal_chunks=causal_chunks)
 
     return attend
 
 
-def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype, mode: str = "fwd+bwd") -> str:
+def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype, mode: str = "fwd+bwd", causal: bool = True) -> str:
     """Which path the default config takes at this shape on this device: differentiated (``fwd+bwd``) or a
     forward that is not (``fwd``; its own, smaller memory rule)."""
     from ejkernel.modules.operations.flash_attention import FlashAttentionCall
     from ejkernel_xla.flash_attention import XlaFlashConfig, takes_dense_path
 
     x = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype)
-    call = FlashAttentionCall(query=x, key=x, value=x)
+    call = FlashAttentionCall(query=x, key=x, value=x, causal=causal)
     return "dense" if takes_dense_path(call, XlaFlashConfig(), differentiated=mode != "fwd") else "blockwise"
 
 
@@ -190,11 +187,9 @@ def main(argv=None) -> int:
                         "ejkernel-xla[dense] (forced), ejkernel-xla[dense:selects] (forced, the old empty-row "
                         "guard: ejkernel_xla._dense.EMPTY_ROW_GUARDS, one call), ejkernel-xla[dense:one-call] "
                         "(forced, no causal query chunks), ejkernel-xla[dense:selects+chunks] (the old guard, "
-                        "chunked), ejkernel-xla[dense:long-rows] (no key chunks of long unmasked rows), xla, cudnn "
-                        "(jax.nn implementations)")
+                        "chunked), xla, cudnn (jax.nn implementations)")
     p.add_argument("--causal-only-impls", default="", help="comma-separated impls measured only in causal cases "
                    "(variants that differ from the default only there)")
-    p.add_argument("--full-only-impls", default="", help="comma-separated impls measured only in non-causal cases")
     p.add_argument("--fwd-only-impls", default="", help="comma-separated impls measured only in mode fwd")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq")
     p.add_argument("--heads", type=int, default=16)
@@ -254,7 +249,6 @@ def main(argv=None) -> int:
     error_impls = set(filter(None, args.errors_impls.split(","))) or {i.name for i in impls}
     causal_only = set(filter(None, args.causal_only_impls.split(",")))
     fwd_only = set(filter(None, args.fwd_only_impls.split(",")))
-    full_only = set(filter(None, args.full_only_impls.split(",")))
     key = jax.random.key(0)
     for seq in (int(s) for s in args.seqs.split(",") if s):
         batch = max(1, args.tokens // seq)
@@ -262,7 +256,7 @@ def main(argv=None) -> int:
         inputs = bench.random_inputs(sub, batch, seq, args.heads, args.head_dim, dtype, args.sets)
         for causal in (c == "yes" for c in args.causal.split(",")):
             for impl in impls:
-                if (not causal and impl.name in causal_only) or (causal and impl.name in full_only):
+                if not causal and impl.name in causal_only:
                     continue
                 if seq in error_seqs and impl.name in error_impls:
                     try:
@@ -275,7 +269,7 @@ def main(argv=None) -> int:
                         continue
                     row = dict(impl=impl.name, seq=seq, batch=batch, causal=causal, mode=mode)
                     if impl.name == "ejkernel-xla":
-                        row["path"] = rule_path(batch, seq, args.heads, args.head_dim, dtype, mode)
+                        row["path"] = rule_path(batch, seq, args.heads, args.head_dim, dtype, mode, causal)
                     elif impl.name.startswith("ejkernel-xla["):
                         row["path"] = "blockwise" if "blockwise" in impl.name else "dense"
                     try:

@@ -11,8 +11,6 @@
 #   1. speed, one process, per S: causal (then not), forward and forward+backward, for
 #      ejkernel-xla               the default config (the rule: dense on an H200 at these S; causal calls
 #                                 in query chunks, ejkernel_xla._dense.causal_chunk_count),
-#      ejkernel-xla[dense:long-rows]  non-causal forward only: the default without the key chunks of
-#                                 rows longer than 8192 keys (one softmax over all keys, as jax.nn);
 #      ejkernel-xla[dense:selects+chunks]  the chunks with the old empty-row guard (causal only; on the
 #                                 H200 the old guard's unfused softmax beat XLA's fused masked one),
 #      xla, cudnn                 jax.nn.dot_product_attention's implementations.
@@ -53,10 +51,9 @@ status=0
 echo "== 1/2 speed: forward, then forward+backward, per S (causal first) =="
 # one process: XLA's autotuning results carry over between the programs that share GEMM shapes
 timeout --kill-after=5 "${XLA_FLASH_SPEED_S:-200}" python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd,fwd+bwd \
-    --tag speed --impls "${XLA_FLASH_IMPLS:-ejkernel-xla,ejkernel-xla[dense:selects+chunks],ejkernel-xla[dense:long-rows],xla,cudnn}" \
-    --full-only-impls "ejkernel-xla[dense:long-rows]" \
+    --tag speed --impls "${XLA_FLASH_IMPLS:-ejkernel-xla,ejkernel-xla[dense:selects+chunks],xla,cudnn}" \
     --causal-only-impls "ejkernel-xla[dense:selects+chunks],ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" \
-    --fwd-only-impls "ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects],ejkernel-xla[dense:long-rows]" --errors "" 2>&1 | tee "$DIR/speed.log"
+    --fwd-only-impls "ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" --errors "" 2>&1 | tee "$DIR/speed.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== 2/2 memory at S=32k, 64k (B=1, causal, default config) =="

@@ -34,7 +34,6 @@ from ejkernel.ops.utils.dropout import seed_bits
 from ejkernel_xla._blockwise import (
     AttentionParams,
     Tokens,
-    combine,
     _dropout_keep,
     _grouped,
     _logits,
@@ -179,71 +178,25 @@ def _backward(params: AttentionParams, res, d_out):
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), dbias, d_aux
 
 
-def _dense_fwd(params, guard, row_keys, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
+def _dense_fwd(params, guard, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
     with params.matmuls():
         out, p, lse = _forward(params, guard, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, residuals=True)
     return out, (q, k, v, bias, aux, mask, q_tok, kv_tok, seed, out, p, lse)
 
 
-def _dense_bwd(params, guard, row_keys, res, d_out):
+def _dense_bwd(params, guard, res, d_out):
     with params.matmuls():
         dq, dk, dv, dbias, d_aux = _backward(params, res, d_out)
     # mask, tokens and seed are integers/booleans: no cotangent
     return dq, dk, dv, dbias, d_aux, None, None, None, None
 
 
-DENSE_ROW_KEYS = 8192
-"""A dense forward that is not differentiated and masks nothing splits its keys into chunks of at most
-this many: each chunk is ``jax.nn``'s formula over its keys (one fused softmax kernel over rows of <= 8k
-float32 logits), the chunks' normalized outputs merge by their log-sum-exp (O(S) work). The same bytes
-as one call, but XLA's fused softmax slows down on longer rows: ``jax.nn`` ran 116 TFLOP/s at S=8k and 89
-at S=16k on an H100 (bf16, 16 heads, B*S = 16k; 2026-11-23), with identical kernels
-(``benchmarks/xla_gpu_hlo.py``). The backward keeps one call: its saved probabilities must be normalized
-over all keys."""
-
-
-def _splits_keys(params: AttentionParams, q_tok: Tokens, bias, aux, mask, kv_len: int, row_keys: int | None) -> bool:
-    return (
-        row_keys is not None
-        and kv_len > row_keys
-        and bias is None
-        and aux is None
-        and params.dropout_prob == 0.0
-        and not params.causal
-        and params.sliding_window is None
-        and mask is None
-        and q_tok.segment is None
-        and q_tok.sequence is None
-    )
-
-
-def _forward_key_chunks(params: AttentionParams, q, k, v, row_keys: int) -> jax.Array:
-    """Unmasked forward over key chunks of at most ``row_keys``, merged exactly (``_blockwise.combine``)."""
-    batch, q_len, num_heads, _ = q.shape
-    kv_len = k.shape[1]
-    chunks = -(-kv_len // row_keys)
-    bounds = [round(c * kv_len / chunks) for c in range(chunks + 1)]
-    merged = None
-    for start, stop in zip(bounds[:-1], bounds[1:]):
-        s, _ = _logits(q, k[:, start:stop], None, params)  # float32 [B, Hkv, g, Sq, chunk]
-        m = jnp.max(s, axis=-1, keepdims=True)
-        e = jnp.exp(s - m)
-        denominator = jnp.sum(e, axis=-1, keepdims=True)
-        out = weighted_values((e / denominator).astype(v.dtype), v[:, start:stop])
-        out = out.reshape(batch, q_len, num_heads, v.shape[-1])
-        lse = _ungrouped((m + jnp.log(denominator))[..., 0])
-        merged = (out, lse) if merged is None else combine(*merged, out, lse)
-    return merged[0].astype(q.dtype)
-
-
-def _dense_primal(params, guard, row_keys, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
+def _dense_primal(params, guard, q, k, v, bias, aux, mask, q_tok, kv_tok, seed):
     with params.matmuls():
-        if _splits_keys(params, q_tok, bias, aux, mask, k.shape[1], row_keys):
-            return _forward_key_chunks(params, q, k, v, row_keys)
         return _forward(params, guard, q, k, v, bias, aux, mask, q_tok, kv_tok, seed, residuals=False)[0]
 
 
-_dense = jax.custom_vjp(_dense_primal, nondiff_argnums=(0, 1, 2))
+_dense = jax.custom_vjp(_dense_primal, nondiff_argnums=(0, 1))
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
@@ -314,14 +267,11 @@ def flash_attention_dense(
     dropout_seed=None,
     empty_row_guard: str = "constants",
     causal_chunks: int | None = None,
-    row_keys: int | None = DENSE_ROW_KEYS,
 ) -> jax.Array:
     """Dense attention with the VJP of the module docstring (memory O(S²)); the arguments of
     ``_blockwise.flash_attention_blockwise`` but no block sizes. ``empty_row_guard``: one of
     ``EMPTY_ROW_GUARDS``; ``causal_chunks``: query chunks of a causal call (None: ``causal_chunk_count``;
-    1: one dense call); ``row_keys``: key chunks of an undifferentiated unmasked forward
-    (``DENSE_ROW_KEYS``; None: one call). The defaults are the fast ones; the others are there to be
-    measured against."""
+    1: one dense call). The defaults are the fast ones; the others are there to be measured against."""
     if empty_row_guard not in EMPTY_ROW_GUARDS:
         raise ValueError(f"empty_row_guard must be one of {EMPTY_ROW_GUARDS}, got {empty_row_guard!r}")
     seed = None if params.dropout_prob == 0.0 else seed_bits(dropout_seed)
@@ -330,8 +280,7 @@ def flash_attention_dense(
     )
 
     def attend(q, k, v, q_tok, kv_tok):
-        return _dense(params, empty_row_guard, row_keys, q, k, v, bias, softmax_aux, attention_mask, q_tok, kv_tok,
-                      seed)
+        return _dense(params, empty_row_guard, q, k, v, bias, softmax_aux, attention_mask, q_tok, kv_tok, seed)
 
     if chunks == 1:
         return attend(query, key, value, q_tokens, kv_tokens)
@@ -344,7 +293,7 @@ def dense_forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_t
     chunks = causal_chunk_count(params, q.shape[1], k.shape[1], bias, mask, q_tok.sequence is not None)
 
     def attend(q_, k_, v_, q_tok_, kv_tok_):
-        return _dense_primal(params, "constants", DENSE_ROW_KEYS, q_, k_, v_, bias, aux, mask, q_tok_, kv_tok_, seed)
+        return _dense_primal(params, "constants", q_, k_, v_, bias, aux, mask, q_tok_, kv_tok_, seed)
 
     if chunks == 1:
         return attend(q, k, v, q_tok, kv_tok)
@@ -355,4 +304,4 @@ def window_left(params: AttentionParams) -> int | None:
     return None if params.sliding_window is None else max(0, params.sliding_window[0])
 
 
-__all__ = ["CAUSAL_CHUNK_QUERIES", "DENSE_ROW_KEYS", "EMPTY_ROW_GUARDS", "causal_chunk_count", "causal_chunk_spans", "dense_forward", "flash_attention_dense"]
+__all__ = ["CAUSAL_CHUNK_QUERIES", "EMPTY_ROW_GUARDS", "causal_chunk_count", "causal_chunk_spans", "dense_forward", "flash_attention_dense"]

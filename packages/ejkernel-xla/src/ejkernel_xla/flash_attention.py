@@ -36,10 +36,7 @@ The dense forward is ``jax.nn``'s formula and no more where nothing is masked: f
 matmul with keys as the minor axis (no S² transpose), row max, ``exp``, row sum, divide, cast, matmul;
 causal adds one comparison of two iotas, and runs in query chunks over the key prefixes they can see
 (``_dense.causal_chunk_count``: 62.5 % of the logits at 4 chunks). Masks, segments, varlen, sinks and
-dropout add only their own work, and only when given. A forward that is not differentiated and masks
-nothing splits rows of more than ``_dense.DENSE_ROW_KEYS`` (8192) keys into key chunks merged by their
-log-sum-exp: XLA's fused softmax is slower on longer rows (``jax.nn`` on an H100: 116 TFLOP/s at S=8k,
-89 at S=16k).
+dropout add only their own work, and only when given.
 
 Why: on a GPU the blockwise loops pay per-block kernel launches, loop overhead and small matmuls; the
 dense program does not, and runs about twice as fast where it fits (H200, bf16, D=128: blockwise 35-83
