@@ -66,9 +66,9 @@ def xla_impls(names: list[str]) -> list[bench.Impl]:
     return [bench.Impl(name, known[name]) for name in names]
 
 
-def dense_variant(empty_row_guard: str, causal_chunks: int | None):
+def dense_variant(empty_row_guard: str, query_chunks: int | None):
     """The dense path with another ``empty_row_guard`` (``ejkernel_xla._dense.EMPTY_ROW_GUARDS``) or number
-    of causal query chunks (None: the rule, ``causal_chunk_count``; 1: one dense call over all keys): the
+    of query chunks (None: the rule, ``query_chunk_count``; 1: one dense call over all keys): the
     formulations compared in one process. Plain q, k, v (no masks or sinks), as the timed calls pass them;
     otherwise what ``XlaFlashAttention`` does for ``XlaFlashConfig(dense=True)``.
 
@@ -87,7 +87,7 @@ def dense_variant(empty_row_guard: str, causal_chunks: int | None):
                                  precision=resolve_precision(None, q.dtype))
         return flash_attention_dense(q, k, v, params=params, q_tokens=query_tokens(batch, q_len, kv_len),
                                      kv_tokens=key_tokens(batch, kv_len), empty_row_guard=empty_row_guard,
-                                     causal_chunks=causal_chunks)
+                                     query_chunks=query_chunks)
 
     return attend
 

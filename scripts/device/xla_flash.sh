@@ -9,15 +9,16 @@
 # bf16, D=128, 16 heads, batch*S = 16384, S = 2048, 8192, 16384. Two parts, each under its own timeout (one
 # failing or running out of time does not stop the next; every measurement is saved as it is taken):
 #   1. speed, one process, per S: causal (then not), forward and forward+backward, for
-#      ejkernel-xla               the default config (the rule: dense on an H200 at these S; causal calls
-#                                 in query chunks, ejkernel_xla._dense.causal_chunk_count),
+#      ejkernel-xla               the default config (the rule: dense at these S; calls in query chunks,
+#                                 ejkernel_xla._dense.query_chunk_count: causal ones over the keys each
+#                                 chunk sees, others above 8192 queries in rows of 8192),
+#      ejkernel-xla[dense:one-call]  forward only: the dense path as one call (no query chunks),
 #      ejkernel-xla[dense:selects+chunks]  the chunks with the old empty-row guard (causal only; on the
 #                                 H200 the old guard's unfused softmax beat XLA's fused masked one),
 #      xla, cudnn                 jax.nn.dot_product_attention's implementations.
 #      XLA_FLASH_IMPLS=... adds the variants measured in the H200 batch 1 run (2026-11-23 18:35,
-#      benchmarks/results/logs/nvidia-h200-2026-11-23-batch1-xla_flash.log): ejkernel-xla[dense:one-call]
-#      (the new guard, one call; causal fwd only) and ejkernel-xla[dense:selects] (last session's forward:
-#      one call, old guard; causal fwd only);
+#      benchmarks/results/logs/nvidia-h200-2026-11-23-batch1-xla_flash.log): ejkernel-xla[dense:selects]
+#      (last session's forward: one call, old guard; causal fwd only);
 #   2. memory: compiled temp bytes of the default config's forward+backward at S=32k and 64k (B=1, causal;
 #      the blockwise path there, O(S)) and one S=64k forward+backward run (device peak bytes).
 # Writes under $OUT/xla_flash/: <device>-<date>-xla-flash-{speed,memory}.json (benchmarks/xla_flash.py's
@@ -51,8 +52,8 @@ status=0
 echo "== 1/2 speed: forward, then forward+backward, per S (causal first) =="
 # one process: XLA's autotuning results carry over between the programs that share GEMM shapes
 timeout --kill-after=5 "${XLA_FLASH_SPEED_S:-200}" python3 benchmarks/xla_flash.py "${COMMON[@]}" --modes fwd,fwd+bwd \
-    --tag speed --impls "${XLA_FLASH_IMPLS:-ejkernel-xla,ejkernel-xla[dense:selects+chunks],xla,cudnn}" \
-    --causal-only-impls "ejkernel-xla[dense:selects+chunks],ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" \
+    --tag speed --impls "${XLA_FLASH_IMPLS:-ejkernel-xla,ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects+chunks],xla,cudnn}" \
+    --causal-only-impls "ejkernel-xla[dense:selects+chunks],ejkernel-xla[dense:selects]" \
     --fwd-only-impls "ejkernel-xla[dense:one-call],ejkernel-xla[dense:selects]" --errors "" 2>&1 | tee "$DIR/speed.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -189,12 +189,14 @@ def _budget(monkeypatch, budget):
 
 def test_rule_on_the_logits_bytes():
     """Standard benchmark shapes (bf16, 16 heads, batch * seq = 16384) with an H200's budget (half of the
-    ~105 GiB JAX may allocate): dense up to S=16k (48 GiB of S² buffers, 12 bytes per logit); S=64k
+    ~105 GiB JAX may allocate): dense up to S=16k (12 bytes per logit as one call; 28 GiB at S=16k in two
+    query chunks); S=64k
     (768 GiB) stays blockwise; float32 counts 16 bytes per logit; no budget (CPU): never dense."""
     budget = int(0.5 * 105 * GiB)
     for seq in (1024, 2048, 4096, 8192, 16384):
         call = _abstract_call(16384 // seq, seq)
-        assert xla_flash.dense_peak_bytes(call) == (16384 // seq) * 16 * seq * seq * 12
+        chunks = -(-seq // 8192)  # query chunks of <= 8192 rows (_dense.FULL_CHUNK_QUERIES): one chunk's transients
+        assert xla_flash.dense_peak_bytes(call) == (16384 // seq) * 16 * seq * seq * (2 + 10 // chunks)
         assert xla_flash.dense_fits(call, budget), seq
     assert not xla_flash.dense_fits(_abstract_call(1, 65536), budget)
     assert xla_flash.dense_peak_bytes(_abstract_call(1, 4096, dtype=jnp.float32)) == 16 * 4096 * 4096 * 16

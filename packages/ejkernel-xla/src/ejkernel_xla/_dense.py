@@ -20,7 +20,7 @@ On a GPU the program is a few large XLA kernels: the logits GEMM, ONE fused soft
 "normalization diamond": row max, exp, row sum and divide in one pass over the logits; masks built from
 iotas inside it), the P @ V GEMM -- bound by the bytes of the S² logits, not by FLOPs. Two things keep it
 there: rows that see nothing are guarded with constants (``EMPTY_ROW_GUARDS``), which that fusion
-accepts, and causal calls run in query chunks over the key prefix each can see (``causal_chunk_count``),
+accepts, and causal calls run in query chunks over the key prefix each can see (``query_chunk_count``),
 so they do not pay for the masked half. ``benchmarks/xla_gpu_hlo.py`` lists the kernels XLA compiles
 for an H100 (no GPU needed); packages/ejkernel-xla/NOTES.md has the numbers.
 """
@@ -202,50 +202,63 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 
 CAUSAL_CHUNK_QUERIES = 1024
 """Causal calls split their queries into chunks of about this many (at most ``MAX_CAUSAL_CHUNKS``); each
-chunk attends densely to the key prefix it can see (``_causal_chunks``)."""
+chunk attends densely to the key prefix it can see (``query_chunk_spans``)."""
 
 MAX_CAUSAL_CHUNKS = 4
 """n chunks compute (n+1)/(2n) of the logits: 2 -> 75 %, 4 -> 62.5 %, 8 -> 56 %. Each chunk's key length
 is another GEMM shape, which XLA's GPU autotuner tunes once per program: 4 keeps that compile time down
 for most of the gain (NOTES.md)."""
 
+FULL_CHUNK_QUERIES = 8192
+"""Calls without causality split their queries into chunks of at most this many: the same logits, in S²
+buffers of at most 8192 query rows each, so a forward+backward holds one chunk's transients at a time
+(S=16k, 16 heads, bf16: 28 instead of 48 GiB of S² buffers, within an H100's dense budget; the rule in
+``flash_attention.dense_peak_bytes`` counts them). Shorter calls run as one call, as before."""
 
-def causal_chunk_count(params: AttentionParams, q_len: int, kv_len: int, bias, mask, varlen: bool) -> int:
+
+def query_chunk_count(params: AttentionParams, q_len: int, kv_len: int, bias, mask, varlen: bool) -> int:
     """How many query chunks a call runs as (1: one dense attention over all keys).
 
     Causal with queries aligned to the end of the keys: query chunk ``c`` of ``n`` sees no key past its
     last query's position (nor, under a sliding window, before its first query's window), so it needs
     only a prefix (a range) of the keys -- the n chunks together compute
     ``(n+1)/(2n)`` of the S² logits (n = 4: 62.5 %) where the one dense call computes all of them, masks half
-    and pays the bytes of every one (the dense path is bound by the S² traffic, NOTES.md). Not with
+    and pays the bytes of every one (the dense path is bound by the S² traffic, NOTES.md). Without
+    causality, chunks of ``FULL_CHUNK_QUERIES`` over all keys (smaller buffers, the same logits). Not with
     varlen (visibility is per packed sequence, not a prefix), a bias or an explicit mask (S² inputs of
-    their own; they would be sliced per chunk -- possible, not done), or more queries than keys."""
-    if not params.causal or varlen or bias is not None or mask is not None or q_len > kv_len:
+    their own; they would be sliced per chunk -- possible, not done), or causal with more queries than
+    keys."""
+    if varlen or bias is not None or mask is not None:
+        return 1
+    if not params.causal:
+        return -(-q_len // FULL_CHUNK_QUERIES)
+    if q_len > kv_len:
         return 1
     return max(1, min(MAX_CAUSAL_CHUNKS, q_len // CAUSAL_CHUNK_QUERIES))
 
 
-def causal_chunk_spans(q_len: int, kv_len: int, chunks: int, window_left: int | None) -> list[tuple[int, int, int, int]]:
-    """``(start, stop, first, last)`` per query chunk: queries ``[start, stop)`` see keys ``[first, last)``
-    (causal with queries aligned to the end of the keys; ``window_left``: a sliding window's left reach)."""
+def query_chunk_spans(params: AttentionParams, q_len: int, kv_len: int, chunks: int) -> list[tuple[int, int, int, int]]:
+    """``(start, stop, first, last)`` per query chunk: queries ``[start, stop)`` see keys ``[first, last)``:
+    every key without causality; causal (queries aligned to the end of the keys), the keys up to the chunk's
+    last query position, from its first query's window start under a sliding window."""
     offset = kv_len - q_len  # query i sits at position i + offset
     bounds = [round(c * q_len / chunks) for c in range(chunks + 1)]
+    if not params.causal:
+        return [(start, stop, 0, kv_len) for start, stop in zip(bounds[:-1], bounds[1:])]
+    left = None if params.sliding_window is None else max(0, params.sliding_window[0])
     return [
-        (start, stop, 0 if window_left is None else max(0, start + offset - window_left), stop + offset)
+        (start, stop, 0 if left is None else max(0, start + offset - left), stop + offset)
         for start, stop in zip(bounds[:-1], bounds[1:])
     ]
 
 
-def _causal_chunks(attend, query, key, value, q_tokens: Tokens, kv_tokens: Tokens, chunks: int,
-                   window_left: int | None):
-    """``attend(q_chunk, k_range, v_range, q_tok_chunk, kv_tok_range)`` per query chunk, outputs
-    concatenated along the sequence. Tokens carry their global positions and indices, so causality, a
-    sliding window, segment ids and dropout's hash see each chunk exactly as in the whole call. A chunk's
-    keys end at its last query's position + 1 and, under a sliding window ``(left, _)``, start at its
-    first query's position - left. Autodiff through the slices sums each chunk's key and value gradients
-    into the whole arrays (O(S) work)."""
+def _query_chunks(attend, query, key, value, q_tokens: Tokens, kv_tokens: Tokens, spans):
+    """``attend(q_chunk, k_range, v_range, q_tok_chunk, kv_tok_range)`` per span of ``query_chunk_spans``,
+    outputs concatenated along the sequence. Tokens carry their global positions and indices, so causality, a
+    sliding window, segment ids and dropout's hash see each chunk exactly as in the whole call. Autodiff
+    through the slices sums each chunk's key and value gradients into the whole arrays (O(S) work)."""
     outs = []
-    for start, stop, first, last in causal_chunk_spans(query.shape[1], key.shape[1], chunks, window_left):
+    for start, stop, first, last in spans:
         outs.append(attend(
             query[:, start:stop], key[:, first:last], value[:, first:last],
             slice_tokens(q_tokens, start, stop - start), slice_tokens(kv_tokens, first, last - first),
@@ -266,42 +279,47 @@ def flash_attention_dense(
     kv_tokens: Tokens,
     dropout_seed=None,
     empty_row_guard: str = "constants",
-    causal_chunks: int | None = None,
+    query_chunks: int | None = None,
 ) -> jax.Array:
     """Dense attention with the VJP of the module docstring (memory O(S²)); the arguments of
     ``_blockwise.flash_attention_blockwise`` but no block sizes. ``empty_row_guard``: one of
-    ``EMPTY_ROW_GUARDS``; ``causal_chunks``: query chunks of a causal call (None: ``causal_chunk_count``;
-    1: one dense call). The defaults are the fast ones; the others are there to be measured against."""
+    ``EMPTY_ROW_GUARDS``; ``query_chunks``: how many query chunks (None: ``query_chunk_count``; 1: one
+    dense call). The defaults are the fast ones; the others are there to be measured against."""
     if empty_row_guard not in EMPTY_ROW_GUARDS:
         raise ValueError(f"empty_row_guard must be one of {EMPTY_ROW_GUARDS}, got {empty_row_guard!r}")
     seed = None if params.dropout_prob == 0.0 else seed_bits(dropout_seed)
-    chunks = causal_chunks or causal_chunk_count(
-        params, query.shape[1], key.shape[1], bias, attention_mask, q_tokens.sequence is not None
-    )
 
     def attend(q, k, v, q_tok, kv_tok):
         return _dense(params, empty_row_guard, q, k, v, bias, softmax_aux, attention_mask, q_tok, kv_tok, seed)
 
-    if chunks == 1:
-        return attend(query, key, value, q_tokens, kv_tokens)
-    return _causal_chunks(attend, query, key, value, q_tokens, kv_tokens, chunks, window_left(params))
+    return _in_query_chunks(attend, params, query, key, value, bias, attention_mask, q_tokens, kv_tokens, query_chunks)
 
 
 def dense_forward(params: AttentionParams, q, k, v, bias, aux, mask, q_tok, kv_tok, seed) -> jax.Array:
     """The dense forward alone (not differentiable by itself: the primal of a custom VJP whose rules are
-    elsewhere), with the causal chunks of ``flash_attention_dense``."""
-    chunks = causal_chunk_count(params, q.shape[1], k.shape[1], bias, mask, q_tok.sequence is not None)
+    elsewhere), in the query chunks of ``flash_attention_dense``."""
 
     def attend(q_, k_, v_, q_tok_, kv_tok_):
         return _dense_primal(params, "constants", q_, k_, v_, bias, aux, mask, q_tok_, kv_tok_, seed)
 
+    return _in_query_chunks(attend, params, q, k, v, bias, mask, q_tok, kv_tok, None)
+
+
+def _in_query_chunks(attend, params, q, k, v, bias, mask, q_tok: Tokens, kv_tok: Tokens, chunks: int | None):
+    """``attend`` over the query chunks of ``query_chunk_count`` (or ``chunks``), or once."""
+    q_len, kv_len = q.shape[1], k.shape[1]
+    chunks = chunks or query_chunk_count(params, q_len, kv_len, bias, mask, q_tok.sequence is not None)
     if chunks == 1:
         return attend(q, k, v, q_tok, kv_tok)
-    return _causal_chunks(attend, q, k, v, q_tok, kv_tok, chunks, window_left(params))
+    return _query_chunks(attend, q, k, v, q_tok, kv_tok, query_chunk_spans(params, q_len, kv_len, chunks))
 
 
-def window_left(params: AttentionParams) -> int | None:
-    return None if params.sliding_window is None else max(0, params.sliding_window[0])
-
-
-__all__ = ["CAUSAL_CHUNK_QUERIES", "EMPTY_ROW_GUARDS", "causal_chunk_count", "causal_chunk_spans", "dense_forward", "flash_attention_dense"]
+__all__ = [
+    "CAUSAL_CHUNK_QUERIES",
+    "EMPTY_ROW_GUARDS",
+    "FULL_CHUNK_QUERIES",
+    "dense_forward",
+    "flash_attention_dense",
+    "query_chunk_count",
+    "query_chunk_spans",
+]

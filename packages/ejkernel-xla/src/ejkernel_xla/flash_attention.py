@@ -17,17 +17,18 @@ configured, and the dense path's S² buffers fit in half of the memory JAX may a
 per element of the logits: the float32 logits and the float32 gradient of the probabilities, plus the
 probabilities (kept for the backward) and the logits' gradient in the inputs' dtype -- the peak of a
 forward+backward (bf16: 12 bytes, 3x the float32 logits; float32: 16; XLA's ``memory_analysis`` agrees,
-docs/xla_memory.md). The other half stays for everything else. A causal call that runs in query chunks
-(below) counts the logits its chunks compute: the kept probabilities of all of them, the transients of
-the largest one (``dense_peak_bytes``): S=16k causal fits an H100 that way (15 of 29.7 GiB, where one
-call would need 48), and its chunked dense forward+backward ran 3.5x faster than the blockwise one there.
+docs/xla_memory.md). The other half stays for everything else. That is one call's count; a call that runs
+in query chunks (below) counts the logits its chunks compute: the kept probabilities of all of them, the
+transients of the largest one (``dense_peak_bytes``). S=16k (B=1, 16 heads, bf16) fits an H100 that way:
+causal 15 GiB, non-causal 28, of 29.7 (one call: 48); the chunked causal forward+backward ran 3.8x faster
+than the blockwise one there (117 vs 31 TFLOP/s).
 
 A forward that is not differentiated has its own rule, the same with its own peak::
 
     B*H*Sq*Skv * (4 + itemsize)  <=  DENSE_MEMORY_SHARE * bytes_limit(device)
 
-(the float32 logits and the probabilities in the inputs' dtype: ``jax.nn``'s forward holds the same). Where
-only this one holds (H100, bf16, 16 heads, S=16k: 24 of ~30 GiB, forward+backward 48) the call runs through
+(the float32 logits and the probabilities in the inputs' dtype: ``jax.nn``'s forward holds the same; the
+largest chunk's, for chunked calls). Where only this one holds the call runs through
 a custom VJP whose primal -- what runs when nobody differentiates -- is the dense forward, and whose
 forward and backward rules are the blockwise path's (the residuals come from the blockwise forward, so
 the backward always matches the forward it belongs to). ``dense=True/False`` forces both.
@@ -35,7 +36,9 @@ the backward always matches the forward it belongs to). ``dense=True/False`` for
 The dense forward is ``jax.nn``'s formula and no more where nothing is masked: float32 logits from the
 matmul with keys as the minor axis (no S² transpose), row max, ``exp``, row sum, divide, cast, matmul;
 causal adds one comparison of two iotas, and runs in query chunks over the key prefixes they can see
-(``_dense.causal_chunk_count``: 62.5 % of the logits at 4 chunks). Masks, segments, varlen, sinks and
+(``_dense.query_chunk_count``: 62.5 % of the logits at 4 chunks); calls without causality longer than
+``_dense.FULL_CHUNK_QUERIES`` (8192) queries run in chunks of rows, which keeps a forward+backward's
+transients to one chunk's (S=16k fits an H100 dense: 28 of 29.7 GiB). Masks, segments, varlen, sinks and
 dropout add only their own work, and only when given.
 
 Why: on a GPU the blockwise loops pay per-block kernel launches, loop overhead and small matmuls; the
@@ -73,13 +76,7 @@ from ejkernel_xla._blockwise import (
     key_tokens,
     query_tokens,
 )
-from ejkernel_xla._dense import (
-    causal_chunk_count,
-    causal_chunk_spans,
-    dense_forward,
-    flash_attention_dense,
-    window_left,
-)
+from ejkernel_xla._dense import dense_forward, flash_attention_dense, query_chunk_count, query_chunk_spans
 
 DENSE_MEMORY_SHARE = 0.5
 """Share of the device memory JAX may allocate (``memory_stats()["bytes_limit"]``) that one call's dense
@@ -155,13 +152,13 @@ def dense_forward_peak_bytes(call: FlashAttentionCall) -> int:
 
 def _logits_counts(call: FlashAttentionCall) -> tuple[int, int]:
     """``(all chunks, the largest chunk)`` logits the dense path computes (``B*H*Sq*Skv`` twice for one call;
-    causal calls in query chunks compute only the key ranges their queries see)."""
+    causal query chunks compute only the key ranges their queries see; other chunks split the rows)."""
     batch, q_len, num_heads, _ = call.query.shape
     kv_len = call.key.shape[1]
     params = AttentionParams.of(call)
-    chunks = causal_chunk_count(params, q_len, kv_len, call.bias, call.attention_mask, call.cum_seqlens_q is not None)
+    chunks = query_chunk_count(params, q_len, kv_len, call.bias, call.attention_mask, call.cum_seqlens_q is not None)
     sizes = [(stop - start) * (last - first) for start, stop, first, last in
-             causal_chunk_spans(q_len, kv_len, chunks, window_left(params))]
+             query_chunk_spans(params, q_len, kv_len, chunks)]
     return batch * num_heads * sum(sizes), batch * num_heads * max(sizes)
 
 
