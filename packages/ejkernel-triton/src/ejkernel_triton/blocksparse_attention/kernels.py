@@ -20,15 +20,21 @@ import triton.language as tl
 
 from ejkernel.ops.utils.block_sparse import block_schedule
 from ejkernel_triton.flash_attention.backward import row_delta
-from ejkernel_triton.flash_attention.common import StaticParams, kernel_meta, placeholder, scores
+from ejkernel_triton.flash_attention.common import StaticParams, kernel_meta, placeholder
 from ejkernel_triton.flash_attention.tiles import (
     dkv_tile,
     dq_tile,
     fwd_tile,
+    gradient_rows,
+    key_operands,
+    query_operands,
     sink_blocks,
     sink_state,
-    softmax_update,
     store_rows,
+    store_tma_rows,
+    store_token_tile,
+    tma_tile,
+    token_tile,
 )
 from ejkernel_triton.launch import launch
 
@@ -86,16 +92,9 @@ def _fwd_query_tile(
     offs_dv = tl.arange(0, BLOCK_DV)
     rows = m0 + offs_q
 
-    q = tl.load(Q + b64 * SEQ_Q * stride_qs + head * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
-                mask=(rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), other=0.0)
-    k_ptrs = K + b64 * SEQ_KV * stride_ks + kv_head * stride_kh + offs_kv[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + b64 * SEQ_KV * stride_vs + kv_head * stride_vh + offs_kv[:, None] * stride_vs + offs_dv[None, :]
-    k_seg_ptr = KSeg + b64 * SEQ_KV
-    if HAS_SEGMENTS:
-        q_seg = tl.load(QSeg + b64 * SEQ_Q + rows, mask=rows < SEQ_Q, other=-2)
-    else:
-        q_seg = rows
-
+    q, k_ptrs, v_ptrs, k_seg_ptr, q_seg = query_operands(
+        Q, K, V, QSeg, KSeg, b64, head, kv_head, 0, 0, rows, SEQ_Q, offs_kv, offs_d, offs_dv, SEQ_Q, SEQ_KV,
+        stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, D, HAS_SEGMENTS)
     acc = tl.zeros([BLOCK_Q, BLOCK_DV], dtype=tl.float32)
     m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
     visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
@@ -116,7 +115,7 @@ def _fwd_query_tile(
             SEQ_KV, k_seg_ptr, q_seg, qk_scale, softcap, 0, 0, 0, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
             WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION, False, 0, 1.0)
 
-    o_ptrs = O + b64 * SEQ_Q * stride_os + head * stride_oh + rows[:, None] * stride_os + offs_dv[None, :]
+    o_ptrs = token_tile(O, b64, 0, head, rows, offs_dv, SEQ_Q, stride_os, stride_oh)
     store_rows(o_ptrs, LSE + (b64 * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
                (rows[:, None] < SEQ_Q) & (offs_dv[None, :] < DV), rows < SEQ_Q)
 
@@ -211,18 +210,9 @@ def _fwd_tma_kernel(
     for i in tl.range(0, count * TILES, warp_specialize=True):
         block = tl.sum(tl.where(slots == i // TILES, row_visits, 0), 0)
         n0 = block * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
-        k = k_desc.load([batch * SEQ_KV + n0, kv_head * D])
-        s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, "tf32")
-        p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
-        v = v_desc.load([batch * SEQ_KV + n0, kv_head * D])
-        acc = tl.dot(p.to(v.dtype), v, acc)
-
-    rows = m0 + tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, D)
-    row0 = batch.to(tl.int64) * SEQ_Q  # element offsets of large batches overflow int32
-    o_ptrs = O + (row0 + rows[:, None]) * (NUM_HEADS * D) + head * D + offs_d[None, :]
-    store_rows(o_ptrs, LSE + (batch.to(tl.int64) * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
-               (rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), rows < SEQ_Q)
+        acc, m_i, l_i = tma_tile(acc, m_i, l_i, q, k_desc, v_desc, batch * SEQ_KV + n0, kv_head * D, qk_scale,
+                                 softcap, USE_SOFTCAP)
+    store_tma_rows(O, LSE, acc, m_i, l_i, batch, head, m0, SEQ_Q, NUM_HEADS, D, BLOCK_Q)
 
 
 @triton.jit
@@ -264,17 +254,9 @@ def _fwd_tma_persistent_kernel(
         for i in tl.range(0, count * TILES, warp_specialize=True):
             block = tl.sum(tl.where(slots == i // TILES, row_visits, 0), 0)
             n0 = block * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
-            k = k_desc.load([batch * SEQ_KV + n0, kv_head * D])
-            s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, "tf32")
-            p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
-            v = v_desc.load([batch * SEQ_KV + n0, kv_head * D])
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        rows = m0 + tl.arange(0, BLOCK_Q)
-        offs_d = tl.arange(0, D)
-        row0 = batch.to(tl.int64) * SEQ_Q
-        o_ptrs = O + (row0 + rows[:, None]) * (NUM_HEADS * D) + head * D + offs_d[None, :]
-        store_rows(o_ptrs, LSE + (batch.to(tl.int64) * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
-                   (rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), rows < SEQ_Q)
+            acc, m_i, l_i = tma_tile(acc, m_i, l_i, q, k_desc, v_desc, batch * SEQ_KV + n0, kv_head * D, qk_scale,
+                                     softcap, USE_SOFTCAP)
+        store_tma_rows(O, LSE, acc, m_i, l_i, batch, head, m0, SEQ_Q, NUM_HEADS, D, BLOCK_Q)
 
 
 
@@ -302,16 +284,8 @@ def _dkv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     cols = n0 + offs_kv
 
-    k_base = K + b64 * SEQ_KV * stride_ks + kv_head * stride_kh
-    v_base = V + b64 * SEQ_KV * stride_vs + kv_head * stride_vh
-    k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :],
-                mask=(cols[:, None] < SEQ_KV) & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(v_base + cols[:, None] * stride_vs + offs_dv[None, :],
-                mask=(cols[:, None] < SEQ_KV) & (offs_dv[None, :] < DV), other=0.0)
-    if HAS_SEGMENTS:
-        k_seg = tl.load(KSeg + b64 * SEQ_KV + cols, mask=cols < SEQ_KV, other=-1)
-    else:
-        k_seg = cols
+    k, v, k_seg = key_operands(K, V, KSeg, b64, kv_head, 0, cols, SEQ_KV, offs_d, offs_dv, SEQ_KV, stride_ks,
+                               stride_kh, stride_vs, stride_vh, D, DV, HAS_SEGMENTS)
     q_seg_ptr = QSeg + b64 * SEQ_Q
 
     dk = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
@@ -320,8 +294,8 @@ def _dkv_kernel(
     # Every query head of this kv head's group adds to the same dK/dV; each follows its own mask column.
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        q_ptrs = Q + b64 * SEQ_Q * stride_qs + head * stride_qh + offs_q[:, None] * stride_qs + offs_d[None, :]
-        do_ptrs = DO + b64 * SEQ_Q * stride_os + head * stride_oh + offs_q[:, None] * stride_os + offs_dv[None, :]
+        q_ptrs = token_tile(Q, b64, 0, head, offs_q, offs_d, SEQ_Q, stride_qs, stride_qh)
+        do_ptrs = token_tile(DO, b64, 0, head, offs_q, offs_dv, SEQ_Q, stride_os, stride_oh)
         row_offset = (b64 * NUM_HEADS + head) * SEQ_Q
         visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, n0 // KV_BLOCK_SIZE,
                                                 MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
@@ -343,10 +317,8 @@ def _dkv_kernel(
                 DOT_PRECISION, False, 0, 1.0)
 
     dk = dk * qk_scale
-    dk_ptrs = DKOut + b64 * SEQ_KV * stride_ks + kv_head * stride_kh + cols[:, None] * stride_ks + offs_d[None, :]
-    tl.store(dk_ptrs, dk.to(DKOut.dtype.element_ty), mask=(cols[:, None] < SEQ_KV) & (offs_d[None, :] < D))
-    dv_ptrs = DVOut + b64 * SEQ_KV * stride_vs + kv_head * stride_vh + cols[:, None] * stride_vs + offs_dv[None, :]
-    tl.store(dv_ptrs, dv.to(DVOut.dtype.element_ty), mask=(cols[:, None] < SEQ_KV) & (offs_dv[None, :] < DV))
+    store_token_tile(DKOut, dk, b64, 0, kv_head, cols, SEQ_KV, offs_d, D, SEQ_KV, stride_ks, stride_kh)
+    store_token_tile(DVOut, dv, b64, 0, kv_head, cols, SEQ_KV, offs_dv, DV, SEQ_KV, stride_vs, stride_vh)
 
 
 @triton.jit
@@ -373,23 +345,11 @@ def _dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     rows = m0 + offs_q
-    row_ok = rows < SEQ_Q
-
-    q = tl.load(Q + b64 * SEQ_Q * stride_qs + head * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + b64 * SEQ_Q * stride_os + head * stride_oh + rows[:, None] * stride_os + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    row_offset = (b64 * NUM_HEADS + head) * SEQ_Q
-    lse = tl.load(LSE + row_offset + rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(Delta + row_offset + rows, mask=row_ok, other=0.0)
-    k_ptrs = K + b64 * SEQ_KV * stride_ks + kv_head * stride_kh + offs_kv[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + b64 * SEQ_KV * stride_vs + kv_head * stride_vh + offs_kv[:, None] * stride_vs + offs_dv[None, :]
-    k_seg_ptr = KSeg + b64 * SEQ_KV
-    if HAS_SEGMENTS:
-        q_seg = tl.load(QSeg + b64 * SEQ_Q + rows, mask=row_ok, other=-2)
-    else:
-        q_seg = rows
-
+    q, k_ptrs, v_ptrs, k_seg_ptr, q_seg = query_operands(
+        Q, K, V, QSeg, KSeg, b64, head, kv_head, 0, 0, rows, SEQ_Q, offs_kv, offs_d, offs_dv, SEQ_Q, SEQ_KV,
+        stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, D, HAS_SEGMENTS)
+    do, lse, delta = gradient_rows(DO, LSE, Delta, b64, head, 0, rows, SEQ_Q, offs_dv, SEQ_Q, stride_os, stride_oh,
+                                   NUM_HEADS, DV)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     visits, num_full, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
                                             MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
@@ -409,8 +369,7 @@ def _dq_kernel(
             SEQ_KV, k_seg_ptr, q_seg, qk_scale, softcap, 0, 0, 0, D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT,
             WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION, False, 0, 1.0)
     dq = dq * qk_scale
-    tl.store(DQ + b64 * SEQ_Q * stride_qs + head * stride_qh + rows[:, None] * stride_qs + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    store_token_tile(DQ, dq, b64, 0, head, rows, SEQ_Q, offs_d, D, SEQ_Q, stride_qs, stride_qh)
 
 
 def _meta(q, k, v, st: StaticParams, has_segments: bool, schedule, q_block_size: int, kv_block_size: int) -> dict:

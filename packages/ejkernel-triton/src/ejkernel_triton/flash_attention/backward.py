@@ -28,7 +28,15 @@ from ejkernel_triton.flash_attention.common import (
     seed_arg,
     sequence_bounds,
 )
-from ejkernel_triton.flash_attention.tiles import dkv_tile, dq_tile
+from ejkernel_triton.flash_attention.tiles import (
+    dkv_tile,
+    dq_tile,
+    gradient_rows,
+    key_operands,
+    query_operands,
+    store_token_tile,
+    token_tile,
+)
 from ejkernel_triton.launch import launch
 
 
@@ -76,16 +84,8 @@ def _dkv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     cols = n0 + offs_kv
 
-    k_base = K + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
-    v_base = V + batch * SEQ_KV * stride_vs + k_start * stride_vs + kv_head * stride_vh
-    k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :],
-                mask=(cols[:, None] < k_len) & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(v_base + cols[:, None] * stride_vs + offs_dv[None, :],
-                mask=(cols[:, None] < k_len) & (offs_dv[None, :] < DV), other=0.0)
-    if HAS_SEGMENTS:
-        k_seg = tl.load(KSeg + batch * SEQ_KV + k_start + cols, mask=cols < k_len, other=-1)
-    else:
-        k_seg = cols
+    k, v, k_seg = key_operands(K, V, KSeg, batch, kv_head, k_start, cols, k_len, offs_d, offs_dv, SEQ_KV, stride_ks,
+                               stride_kh, stride_vs, stride_vh, D, DV, HAS_SEGMENTS)
     q_seg_ptr = QSeg + batch * SEQ_Q + q_start
 
     dk = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
@@ -96,10 +96,8 @@ def _dkv_kernel(
     for g in range(GROUP):
         head = kv_head * GROUP + g
         head_hash = dropout_head_hash(Seed, seq_idx if not IS_VARLEN else 0 * seq_idx, head) if DROPOUT else 0
-        q_ptrs = (Q + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
-                  + offs_q[:, None] * stride_qs + offs_d[None, :])
-        do_ptrs = (DO + batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
-                   + offs_q[:, None] * stride_os + offs_dv[None, :])
+        q_ptrs = token_tile(Q, batch, q_start, head, offs_q, offs_d, SEQ_Q, stride_qs, stride_qh)
+        do_ptrs = token_tile(DO, batch, q_start, head, offs_q, offs_dv, SEQ_Q, stride_os, stride_oh)
         row_offset = (batch * NUM_HEADS + head) * SEQ_Q + q_start
         dk, dv = _dkv_block_loop(
             dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_offset, Delta + row_offset, q_seg_ptr, full_lo,
@@ -118,12 +116,8 @@ def _dkv_kernel(
             WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION, DROPOUT, DROP_THRESHOLD, DROP_SCALE)
 
     dk = dk * qk_scale
-    dk_ptrs = (DKOut + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
-               + cols[:, None] * stride_ks + offs_d[None, :])
-    tl.store(dk_ptrs, dk.to(DKOut.dtype.element_ty), mask=(cols[:, None] < k_len) & (offs_d[None, :] < D))
-    dv_ptrs = (DVOut + batch * SEQ_KV * stride_vs + k_start * stride_vs + kv_head * stride_vh
-               + cols[:, None] * stride_vs + offs_dv[None, :])
-    tl.store(dv_ptrs, dv.to(DVOut.dtype.element_ty), mask=(cols[:, None] < k_len) & (offs_dv[None, :] < DV))
+    store_token_tile(DKOut, dk, batch, k_start, kv_head, cols, k_len, offs_d, D, SEQ_KV, stride_ks, stride_kh)
+    store_token_tile(DVOut, dv, batch, k_start, kv_head, cols, k_len, offs_dv, DV, SEQ_KV, stride_vs, stride_vh)
 
 
 @triton.jit
@@ -171,25 +165,11 @@ def _dq_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     rows = m0 + offs_q
 
-    row_ok = rows < q_len
-    q = tl.load(Q + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
-                + rows[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
-                 + rows[:, None] * stride_os + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    row_offset = (batch * NUM_HEADS + head) * SEQ_Q + q_start
-    lse = tl.load(LSE + row_offset + rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(Delta + row_offset + rows, mask=row_ok, other=0.0)
-    k_ptrs = (K + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
-              + offs_kv[:, None] * stride_ks + offs_d[None, :])
-    v_ptrs = (V + batch * SEQ_KV * stride_vs + k_start * stride_vs + kv_head * stride_vh
-              + offs_kv[:, None] * stride_vs + offs_dv[None, :])
-    k_seg_ptr = KSeg + batch * SEQ_KV + k_start
-    if HAS_SEGMENTS:
-        q_seg = tl.load(QSeg + batch * SEQ_Q + q_start + rows, mask=row_ok, other=-2)
-    else:
-        q_seg = rows
+    q, k_ptrs, v_ptrs, k_seg_ptr, q_seg = query_operands(
+        Q, K, V, QSeg, KSeg, batch, head, kv_head, q_start, k_start, rows, q_len, offs_kv, offs_d, offs_dv, SEQ_Q,
+        SEQ_KV, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, D, HAS_SEGMENTS)
+    do, lse, delta = gradient_rows(DO, LSE, Delta, batch, head, q_start, rows, q_len, offs_dv, SEQ_Q, stride_os,
+                                   stride_oh, NUM_HEADS, DV)
 
     head_hash = dropout_head_hash(Seed, seq_idx if not IS_VARLEN else 0 * seq_idx, head) if DROPOUT else 0
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
@@ -211,9 +191,7 @@ def _dq_kernel(
         D, DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True,
         DOT_PRECISION, DROPOUT, DROP_THRESHOLD, DROP_SCALE)
     dq = dq * qk_scale
-    tl.store(DQ + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
-             + rows[:, None] * stride_qs + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    store_token_tile(DQ, dq, batch, q_start, head, rows, q_len, offs_d, D, SEQ_Q, stride_qs, stride_qh)
 
 
 @triton.jit

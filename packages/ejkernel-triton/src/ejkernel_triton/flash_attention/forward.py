@@ -23,10 +23,18 @@ from ejkernel_triton.flash_attention.common import (
     num_sequences,
     placeholder,
     query_block,
-    scores,
     seed_arg,
 )
-from ejkernel_triton.flash_attention.tiles import fwd_tile, sink_blocks, sink_state, softmax_update, store_rows
+from ejkernel_triton.flash_attention.tiles import (
+    fwd_tile,
+    query_operands,
+    sink_blocks,
+    sink_state,
+    store_rows,
+    store_tma_rows,
+    tma_tile,
+    token_tile,
+)
 from ejkernel_triton.launch import launch
 
 
@@ -76,19 +84,9 @@ def _fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     rows = m0 + offs_q
 
-    q_base = Q + batch * SEQ_Q * stride_qs + q_start * stride_qs + head * stride_qh
-    q = tl.load(q_base + rows[:, None] * stride_qs + offs_d[None, :],
-                mask=(rows[:, None] < q_len) & (offs_d[None, :] < D), other=0.0)
-    k_ptrs = (K + batch * SEQ_KV * stride_ks + k_start * stride_ks + kv_head * stride_kh
-              + offs_kv[:, None] * stride_ks + offs_d[None, :])
-    v_ptrs = (V + batch * SEQ_KV * stride_vs + k_start * stride_vs + kv_head * stride_vh
-              + offs_kv[:, None] * stride_vs + offs_dv[None, :])
-    seg_offset = batch * SEQ_Q + q_start
-    k_seg_ptr = KSeg + batch * SEQ_KV + k_start
-    if HAS_SEGMENTS:
-        q_seg = tl.load(QSeg + seg_offset + rows, mask=rows < q_len, other=-2)
-    else:
-        q_seg = rows
+    q, k_ptrs, v_ptrs, k_seg_ptr, q_seg = query_operands(
+        Q, K, V, QSeg, KSeg, batch, head, kv_head, q_start, k_start, rows, q_len, offs_kv, offs_d, offs_dv, SEQ_Q,
+        SEQ_KV, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, D, HAS_SEGMENTS)
 
     head_hash = dropout_head_hash(Seed, seq_idx if not IS_VARLEN else 0 * seq_idx, head) if DROPOUT else 0
 
@@ -113,8 +111,7 @@ def _fwd_kernel(
         DV, BLOCK_D, BLOCK_DV, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS, USE_SOFTCAP, True, DOT_PRECISION,
         DROPOUT, DROP_THRESHOLD, DROP_SCALE)
 
-    o_ptrs = (O + batch * SEQ_Q * stride_os + q_start * stride_os + head * stride_oh
-              + rows[:, None] * stride_os + offs_dv[None, :])
+    o_ptrs = token_tile(O, batch, q_start, head, rows, offs_dv, SEQ_Q, stride_os, stride_oh)
     store_rows(o_ptrs, LSE + (batch * NUM_HEADS + head) * SEQ_Q + q_start + rows, acc, m_i, l_i,
                 (rows[:, None] < q_len) & (offs_dv[None, :] < DV), rows < q_len)
 
@@ -151,18 +148,9 @@ def _fwd_tma_kernel(
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
     for n0 in tl.range(0, SEQ_KV, BLOCK_KV, warp_specialize=True):
-        k = k_desc.load([batch * SEQ_KV + n0, kv_head * D])
-        s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, "tf32")
-        p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
-        v = v_desc.load([batch * SEQ_KV + n0, kv_head * D])
-        acc = tl.dot(p.to(v.dtype), v, acc)
-
-    rows = m0 + tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, D)
-    row0 = batch.to(tl.int64) * SEQ_Q  # element offsets of large batches overflow int32
-    o_ptrs = O + (row0 + rows[:, None]) * (NUM_HEADS * D) + head * D + offs_d[None, :]
-    store_rows(o_ptrs, LSE + (batch.to(tl.int64) * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
-                (rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), rows < SEQ_Q)
+        acc, m_i, l_i = tma_tile(acc, m_i, l_i, q, k_desc, v_desc, batch * SEQ_KV + n0, kv_head * D, qk_scale,
+                                 softcap, USE_SOFTCAP)
+    store_tma_rows(O, LSE, acc, m_i, l_i, batch, head, m0, SEQ_Q, NUM_HEADS, D, BLOCK_Q)
 
 
 def forward_tma(q, k, v, aux, st: StaticParams):

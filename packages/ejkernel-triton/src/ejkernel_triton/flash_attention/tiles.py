@@ -70,6 +70,107 @@ def softcap_grad(ds, s, softcap, USE_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def token_tile(Base, batch, start, head, idx, offs, SEQ, stride_s, stride_h):
+    """Pointers [len(idx), len(offs)] to tokens `start + idx`, head `head`, of sequence `batch` in a
+    [batch, SEQ, heads, dim] array (`start`: the sequence's first token in a packed batch, else 0)."""
+    return Base + batch * SEQ * stride_s + start * stride_s + head * stride_h + idx[:, None] * stride_s + offs[None, :]
+
+
+@triton.jit
+def load_token_tile(Base, batch, start, head, idx, n, offs, C, SEQ, stride_s, stride_h):
+    """`token_tile`'s elements, zero past `n` tokens or `C` columns."""
+    return tl.load(token_tile(Base, batch, start, head, idx, offs, SEQ, stride_s, stride_h),
+                   mask=(idx[:, None] < n) & (offs[None, :] < C), other=0.0)
+
+
+@triton.jit
+def store_token_tile(Base, x, batch, start, head, idx, n, offs, C, SEQ, stride_s, stride_h):
+    """Store `x` (cast to Base's type) into `token_tile`, skipping what is past `n` tokens or `C` columns."""
+    tl.store(token_tile(Base, batch, start, head, idx, offs, SEQ, stride_s, stride_h),
+             x.to(Base.dtype.element_ty), mask=(idx[:, None] < n) & (offs[None, :] < C))
+
+
+@triton.jit
+def query_operands(Q, K, V, QSeg, KSeg, batch, head, kv_head, q_start, k_start, rows, q_len, offs_kv, offs_d,
+                   offs_dv, SEQ_Q, SEQ_KV, stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                   D: tl.constexpr, HAS_SEGMENTS: tl.constexpr):
+    """What a program owning query rows `rows` reads once (forward and dQ): its Q tile, the pointers of key
+    tile 0 (K, V and key segment ids) that the tile steps offset, and the rows' segment ids."""
+    q = load_token_tile(Q, batch, q_start, head, rows, q_len, offs_d, D, SEQ_Q, stride_qs, stride_qh)
+    k_ptrs = token_tile(K, batch, k_start, kv_head, offs_kv, offs_d, SEQ_KV, stride_ks, stride_kh)
+    v_ptrs = token_tile(V, batch, k_start, kv_head, offs_kv, offs_dv, SEQ_KV, stride_vs, stride_vh)
+    q_seg = segment_ids(QSeg + batch * SEQ_Q + q_start, rows, q_len, -2, HAS_SEGMENTS)
+    return q, k_ptrs, v_ptrs, KSeg + batch * SEQ_KV + k_start, q_seg
+
+
+@triton.jit
+def key_operands(K, V, KSeg, batch, kv_head, k_start, cols, k_len, offs_d, offs_dv, SEQ_KV, stride_ks, stride_kh,
+                 stride_vs, stride_vh, D: tl.constexpr, DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr):
+    """What a dK/dV program owning key rows `cols` reads once: its K and V tiles and their segment ids."""
+    k = load_token_tile(K, batch, k_start, kv_head, cols, k_len, offs_d, D, SEQ_KV, stride_ks, stride_kh)
+    v = load_token_tile(V, batch, k_start, kv_head, cols, k_len, offs_dv, DV, SEQ_KV, stride_vs, stride_vh)
+    return k, v, segment_ids(KSeg + batch * SEQ_KV + k_start, cols, k_len, -1, HAS_SEGMENTS)
+
+
+@triton.jit
+def gradient_rows(DO, LSE, Delta, batch, head, q_start, rows, q_len, offs_dv, SEQ_Q, stride_os, stride_oh,
+                  NUM_HEADS: tl.constexpr, DV: tl.constexpr):
+    """A dQ program's dO tile and its rows' log-sum-exp and delta."""
+    row_ok = rows < q_len
+    do = load_token_tile(DO, batch, q_start, head, rows, q_len, offs_dv, DV, SEQ_Q, stride_os, stride_oh)
+    row_offset = (batch * NUM_HEADS + head) * SEQ_Q + q_start
+    lse = tl.load(LSE + row_offset + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + row_offset + rows, mask=row_ok, other=0.0)
+    return do, lse, delta
+
+
+@triton.jit
+def load_tile(ptrs, idx, n, offs, C: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
+    """A [len(idx), BLOCK_C] tile: bound-checked rows (`idx < n`) when MASKED, padded columns only when the
+    block is wider than the data, else no mask at all (the mask-free middle of a loop)."""
+    if MASKED:
+        tile = tl.load(ptrs, mask=(idx[:, None] < n) & (offs[None, :] < C), other=0.0)
+    elif BLOCK_C != C:
+        tile = tl.load(ptrs, mask=offs[None, :] < C, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def segment_ids(Seg, idx, n, other, HAS_SEGMENTS: tl.constexpr):
+    """Segment ids of tokens `idx` (`other` past `n`); without segments the positions themselves."""
+    if HAS_SEGMENTS:
+        seg = tl.load(Seg + idx, mask=idx < n, other=other)
+    else:
+        seg = idx
+    return seg
+
+
+@triton.jit
+def tma_tile(acc, m_i, l_i, q, k_desc, v_desc, k_row, kv_col, qk_scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """The TMA forward's step over the key tile at row `k_row` of the 2-D K/V descriptors (no mask)."""
+    k = k_desc.load([k_row, kv_col])
+    s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, "tf32")
+    p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
+    v = v_desc.load([k_row, kv_col])
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def store_tma_rows(O, LSE, acc, m_i, l_i, batch, head, m0, SEQ_Q, NUM_HEADS: tl.constexpr, D: tl.constexpr,
+                   BLOCK_Q: tl.constexpr):
+    """`store_rows` for the TMA forwards: output rows `m0 ...` of (batch, head) in a dense [B, SEQ_Q, H, D]."""
+    rows = m0 + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, D)
+    row0 = batch.to(tl.int64) * SEQ_Q  # element offsets of large batches overflow int32
+    o_ptrs = O + (row0 + rows[:, None]) * (NUM_HEADS * D) + head * D + offs_d[None, :]
+    store_rows(o_ptrs, LSE + (batch.to(tl.int64) * NUM_HEADS + head) * SEQ_Q + rows, acc, m_i, l_i,
+               (rows[:, None] < SEQ_Q) & (offs_d[None, :] < D), rows < SEQ_Q)
+
+
+@triton.jit
 def fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, n0,
              rows, offs_kv, offs_d, offs_dv, q_len, k_len, k_seg_ptr, q_seg, qk_scale, softcap,
              head_hash, q_start, k_start,
@@ -80,26 +181,14 @@ def fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, n0,
              DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     """The forward's step over the key tile starting at `n0` (local index): (acc, m_i, l_i) updated."""
     cols = n0 + offs_kv
-    if MASKED:
-        k = tl.load(k_ptrs + n0 * stride_k_seq, mask=(cols[:, None] < k_len) & (offs_d[None, :] < D),
-                    other=0.0)
-    elif BLOCK_D != D:
-        k = tl.load(k_ptrs + n0 * stride_k_seq, mask=offs_d[None, :] < D, other=0.0)
-    else:
-        k = tl.load(k_ptrs + n0 * stride_k_seq)
+    k = load_tile(k_ptrs + n0 * stride_k_seq, cols, k_len, offs_d, D, BLOCK_D, MASKED)
     s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
     if MASKED:
         ok = visible(rows[:, None], cols[None, :], q_len, k_len, k_seg_ptr, q_seg[:, None],
                      CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS)
         s = tl.where(ok, s, float("-inf"))
     p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
-    if MASKED:
-        v = tl.load(v_ptrs + n0 * stride_v_seq, mask=(cols[:, None] < k_len) & (offs_dv[None, :] < DV),
-                    other=0.0)
-    elif BLOCK_DV != DV:
-        v = tl.load(v_ptrs + n0 * stride_v_seq, mask=offs_dv[None, :] < DV, other=0.0)
-    else:
-        v = tl.load(v_ptrs + n0 * stride_v_seq)
+    v = load_tile(v_ptrs + n0 * stride_v_seq, cols, k_len, offs_dv, DV, BLOCK_DV, MASKED)
     if DROPOUT:  # the denominator keeps every probability; only the values see the mask
         p = p * dropout_scale(head_hash, (q_start + rows)[:, None], (k_start + cols)[None, :],
                               DROP_THRESHOLD, DROP_SCALE)
@@ -118,32 +207,19 @@ def dkv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr, m0,
              DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     """The dK/dV step over the query tile starting at `m0` (local index): (dk, dv) updated."""
     rows = m0 + offs_q
+    q = load_tile(q_ptrs + m0 * stride_q_seq, rows, q_len, offs_d, D, BLOCK_D, MASKED)
+    do = load_tile(do_ptrs + m0 * stride_do_seq, rows, q_len, offs_dv, DV, BLOCK_DV, MASKED)
     if MASKED:
-        q = tl.load(q_ptrs + m0 * stride_q_seq, mask=(rows[:, None] < q_len) & (offs_d[None, :] < D),
-                    other=0.0)
-        do = tl.load(do_ptrs + m0 * stride_do_seq,
-                     mask=(rows[:, None] < q_len) & (offs_dv[None, :] < DV), other=0.0)
         lse = tl.load(lse_ptr + rows, mask=rows < q_len, other=float("inf"))
         delta = tl.load(delta_ptr + rows, mask=rows < q_len, other=0.0)
     else:
-        if BLOCK_D != D:
-            q = tl.load(q_ptrs + m0 * stride_q_seq, mask=offs_d[None, :] < D, other=0.0)
-        else:
-            q = tl.load(q_ptrs + m0 * stride_q_seq)
-        if BLOCK_DV != DV:
-            do = tl.load(do_ptrs + m0 * stride_do_seq, mask=offs_dv[None, :] < DV, other=0.0)
-        else:
-            do = tl.load(do_ptrs + m0 * stride_do_seq)
         lse = tl.load(lse_ptr + rows)
         delta = tl.load(delta_ptr + rows)
     # Transposed scores [keys, queries]: dK and dV then need no transposes of the accumulators.
     st = scores(k, q, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
     pt = tl.math.exp2(st - lse[None, :])
     if MASKED:
-        if HAS_SEGMENTS:
-            q_seg = tl.load(q_seg_ptr + rows, mask=rows < q_len, other=-2)
-        else:
-            q_seg = rows
+        q_seg = segment_ids(q_seg_ptr, rows, q_len, -2, HAS_SEGMENTS)
         ok = visible(rows[None, :], cols[:, None], q_len, k_len, None, q_seg[None, :],
                      CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, False)
         if HAS_SEGMENTS:
@@ -173,20 +249,8 @@ def dq_tile(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, n
             DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     """The dQ step over the key tile starting at `n0` (local index): dq updated."""
     cols = n0 + offs_kv
-    if MASKED:
-        k = tl.load(k_ptrs + n0 * stride_k_seq, mask=(cols[:, None] < k_len) & (offs_d[None, :] < D),
-                    other=0.0)
-        v = tl.load(v_ptrs + n0 * stride_v_seq, mask=(cols[:, None] < k_len) & (offs_dv[None, :] < DV),
-                    other=0.0)
-    else:
-        if BLOCK_D != D:
-            k = tl.load(k_ptrs + n0 * stride_k_seq, mask=offs_d[None, :] < D, other=0.0)
-        else:
-            k = tl.load(k_ptrs + n0 * stride_k_seq)
-        if BLOCK_DV != DV:
-            v = tl.load(v_ptrs + n0 * stride_v_seq, mask=offs_dv[None, :] < DV, other=0.0)
-        else:
-            v = tl.load(v_ptrs + n0 * stride_v_seq)
+    k = load_tile(k_ptrs + n0 * stride_k_seq, cols, k_len, offs_d, D, BLOCK_D, MASKED)
+    v = load_tile(v_ptrs + n0 * stride_v_seq, cols, k_len, offs_dv, DV, BLOCK_DV, MASKED)
     s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:
