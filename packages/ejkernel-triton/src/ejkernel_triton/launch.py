@@ -65,24 +65,21 @@ class _Compiled:
 _COMPILED: dict[Any, _Compiled] = {}
 
 
-def _compile(kernel, signature: tuple, constexprs: tuple, num_warps: int, num_stages: int,
-             compute_capability: int) -> _Compiled:
-    key = (kernel, signature, constexprs, num_warps, num_stages, compute_capability)
-    hit = _COMPILED.get(key)
-    if hit is not None:
-        return hit
+def compile_to(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int, compute_capability: int,
+               last_stage: str):
+    """Triton's own compile pipeline for a CUDA target, in memory, up to `last_stage` ("ttgir", "ptx"):
+    (module, metadata). `signature`: each runtime argument's Triton type by name ("*bf16", "i32"); pointers
+    are declared 16-byte aligned, as jax-triton does. No GPU is needed (jaxlib assembles the PTX itself).
+    triton.compile would also write a disk cache under ~/.triton, which a read-only home refuses."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
 
-    sig = dict(signature)
-    sig.update({name: "constexpr" for name, _ in constexprs})
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name, ty in signature if ty.startswith("*")}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=dict(constexprs), attrs=attrs)
-    # Triton's own pipeline up to PTX (jaxlib assembles PTX itself), in memory: triton.compile would
-    # also write a disk cache under ~/.triton, which a read-only home refuses.
+             for name, ty in signature.items() if ty.startswith("*")}
+    src = triton.compiler.ASTSource(fn=kernel, signature={**signature, **{name: "constexpr" for name in constexprs}},
+                                    constexprs=dict(constexprs), attrs=attrs)
     target = GPUTarget("cuda", compute_capability, 32)
     backend = make_backend(target)
     options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
@@ -94,9 +91,21 @@ def _compile(kernel, signature: tuple, constexprs: tuple, num_warps: int, num_st
     backend.load_dialects(context)
     module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
                          context)
-    for stage in ("ttir", "ttgir", "llir", "ptx"):
+    order = ("ttir", "ttgir", "llir", "ptx")
+    for stage in order[:order.index(last_stage) + 1]:
         module = stages[stage](module, metadata)
-    out = _Compiled(name=metadata["name"], num_warps=metadata["num_warps"], shared=metadata["shared"], ptx=module,
+    return module, metadata
+
+
+def _compile(kernel, signature: tuple, constexprs: tuple, num_warps: int, num_stages: int,
+             compute_capability: int) -> _Compiled:
+    key = (kernel, signature, constexprs, num_warps, num_stages, compute_capability)
+    hit = _COMPILED.get(key)
+    if hit is not None:
+        return hit
+    ptx, metadata = compile_to(kernel, dict(signature), dict(constexprs), num_warps, num_stages, compute_capability,
+                               "ptx")
+    out = _Compiled(name=metadata["name"], num_warps=metadata["num_warps"], shared=metadata["shared"], ptx=ptx,
                     scratch_size=metadata["global_scratch_size"], scratch_align=metadata["global_scratch_align"])
     _COMPILED[key] = out
     return out

@@ -16,26 +16,8 @@ def _pointer_type(arg) -> str:
 def kernel_ttgir(kernel, args, constexprs: dict, num_warps: int, num_stages: int, compute_capability: int = 90) -> str:
     """TTGIR (after software pipelining) of `kernel` called with `args` (arrays or shape structs, numpy or
     Python scalars; outputs included, in kernel order) and `constexprs`."""
-    import triton
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
+    from ejkernel_triton.launch import compile_to
 
     signature = {name: _pointer_type(arg) for name, arg in zip(kernel.arg_names, args)}
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t[0] == "*"}
-    signature.update({name: "constexpr" for name in constexprs})
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    target = GPUTarget("cuda", compute_capability, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
-    stages: dict = {}
-    backend.add_stages(stages, options, src.language)
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-                         context)
-    metadata = {"target": target, **options.__dict__}
-    for stage in ("ttir", "ttgir"):
-        module = stages[stage](module, metadata)
+    module, _ = compile_to(kernel, signature, constexprs, num_warps, num_stages, compute_capability, "ttgir")
     return str(module)

@@ -30,6 +30,7 @@ import triton.language as tl
 from ejkernel.errors import UnsupportedFeature
 from ejkernel_triton.decode.config import TritonDecodeConfig, block_heads, split_plan
 from ejkernel_triton.flash_attention.common import _tanh, padded_dim
+from ejkernel_triton.flash_attention.tiles import softmax_update
 from ejkernel_triton.launch import launch
 
 LOG2E = 1.4426950408889634
@@ -117,6 +118,39 @@ def _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED: tl.constexpr, 
 
 
 @triton.jit
+def _load_keys(ptrs, key_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """A K or V tile ``[BLOCK_N, BLOCK_D]``: keys ``key_ok`` only on a ``MASKED`` step, padded columns only
+    when the block is wider than the head, else no mask (the mask-free steps)."""
+    if MASKED:
+        tile = tl.load(ptrs, mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    elif BLOCK_D != D:
+        tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _logits(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scaled (optionally soft-capped) logits of the rows of ``q`` against the keys ``k``, in log2 units."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if USE_SOFTCAP:
+        s = softcap * _tanh(s * scale / softcap) * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    return s
+
+
+@triton.jit
+def _fold_values(acc, m_i, l_i, s, v_ptrs, key_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online-softmax step over logits ``s`` (masked already) and its value tile: (acc, m_i, l_i)."""
+    p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
+    v = _load_keys(v_ptrs, key_ok, offs_d, D, BLOCK_D, MASKED)
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION), m_i, l_i
+
+
+@triton.jit
 def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs_d, scale, softcap, first,
                MASKED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr,
@@ -129,37 +163,15 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
     for n0 in range(start, stop, BLOCK_N):
         offs = _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, BLOCK_N)
-        if MASKED:
-            key_ok = (n0 + offs_n) < stop
-            if LOWER:
-                key_ok = key_ok & ((n0 + offs_n) >= first)
-            mask = key_ok[:, None] & (offs_d[None, :] < D)
-            k = tl.load(K + offs, mask=mask, other=0.0)
-        elif BLOCK_D != D:
-            k = tl.load(K + offs, mask=offs_d[None, :] < D, other=0.0)
-        else:
-            k = tl.load(K + offs)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s * scale / softcap) * 1.4426950408889634
-        else:
-            s = s * (scale * 1.4426950408889634)
+        key_ok = (n0 + offs_n) < stop  # (only masked steps use it)
+        if LOWER:
+            key_ok = key_ok & ((n0 + offs_n) >= first)
+        k = _load_keys(K + offs, key_ok, offs_d, D, BLOCK_D, MASKED)
+        s = _logits(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         if MASKED:
             s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(V + V_SHIFT + offs, mask=mask, other=0.0)
-        elif BLOCK_D != D:
-            v = tl.load(V + V_SHIFT + offs, mask=offs_d[None, :] < D, other=0.0)
-        else:
-            v = tl.load(V + V_SHIFT + offs)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, V + V_SHIFT + offs, key_ok, offs_d, D, BLOCK_D, MASKED,
+                                     DOT_PRECISION)
     return acc, m_i, l_i
 
 

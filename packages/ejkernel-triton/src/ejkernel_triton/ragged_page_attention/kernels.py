@@ -32,14 +32,17 @@ import triton.language as tl
 
 from ejkernel_triton.decode.kernels import (
     DecodeStatic,
+    _fold_values,
     _kv_offsets,
+    _load_keys,
+    _logits,
     _placeholder,
     _sink_state,
     _split_program,
     forward_only,
     split_decode,
 )
-from ejkernel_triton.flash_attention.common import _tanh, padded_dim
+from ejkernel_triton.flash_attention.common import padded_dim
 from ejkernel_triton.launch import launch
 from ejkernel_triton.ragged_page_attention.config import TritonRaggedPageConfig, padded_group
 
@@ -67,38 +70,15 @@ def _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, start, stop, pos, kv_l
         offs = _kv_offsets(Tables, seq, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, 0, BLOCK_N)
         keys = n0 + offs_n
-        if MASKED:
-            key_ok = keys < stop
-            load_mask = key_ok[:, None] & (offs_d[None, :] < D)
-            k = tl.load(KV + offs, mask=load_mask, other=0.0)
-        elif BLOCK_D != D:
-            k = tl.load(KV + offs, mask=offs_d[None, :] < D, other=0.0)
-        else:
-            k = tl.load(KV + offs)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s * scale / softcap) * 1.4426950408889634
-        else:
-            s = s * (scale * 1.4426950408889634)
+        k = _load_keys(KV + offs, keys < stop, offs_d, D, BLOCK_D, MASKED)
+        s = _logits(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         if MASKED:
             visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)
             if WINDOW >= 0:
                 visible = visible & (pos[:, None] - keys[None, :] < WINDOW)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(KV + D + offs, mask=load_mask, other=0.0)
-        elif BLOCK_D != D:
-            v = tl.load(KV + D + offs, mask=offs_d[None, :] < D, other=0.0)
-        else:
-            v = tl.load(KV + D + offs)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, KV + D + offs, keys < stop, offs_d, D, BLOCK_D, MASKED,
+                                     DOT_PRECISION)
     return acc, m_i, l_i
 
 
