@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.linear_attention.forward import chunk_span, sequence_chunks, wide
+from ejkernel_triton.linear_attention.forward import chunk_rows, chunk_span, sequence_chunks, state_tile, wide
 
 
 @triton.jit
@@ -29,27 +29,15 @@ def _state_grad_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    ik = tl.program_id(0)
-    iv = tl.program_id(1)
-    sh = tl.program_id(2)
-    s = sh // H
-    head = sh % H
-    offs_k = ik * BK + tl.arange(0, BK)
-    offs_v = iv * BV + tl.arange(0, BV)
+    sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
-    mk = offs_k < K
-    mv = offs_v < V
-    mkv = mk[:, None] & mv[None, :]
-    state_offs = offs_k[:, None] * V + offs_v[None, :]
     dstate = tl.load(DHT + sh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
     lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN)
     for i in range(hi - lo):
         c = hi - 1 - i
         tl.store(DHS + (wide(c) * H + head) * K * V + state_offs, dstate.to(DHS.dtype.element_ty), mask=mkv)
-        row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
-        rows = row0 + offs_t
-        rmask = (offs_t < length)[:, None]
-        k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+        row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
+                                                       IS_VARLEN)
         q = tl.load(Q + k_offs, mask=rmask & mk[None, :], other=0.0)
         g = tl.load(GC + k_offs, mask=rmask & mk[None, :], other=0.0)
         g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)

@@ -59,6 +59,29 @@ def sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def state_tile(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The K x V state tile of a recurrence program (grid: K tiles, V tiles, sequence x head): (sequence x head,
+    sequence, head, key and value offsets, their masks, the tile's mask and its element offsets)."""
+    sh = tl.program_id(2)
+    offs_k = tl.program_id(0) * BK + tl.arange(0, BK)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    mk = offs_k < K
+    mv = offs_v < V
+    return sh, sh // H, sh % H, offs_k, offs_v, mk, mv, mk[:, None] & mv[None, :], offs_k[:, None] * V + offs_v[None, :]
+
+
+@triton.jit
+def chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+               IS_VARLEN: tl.constexpr):
+    """Chunk ``c`` as a recurrence step reads it: (first row, number of tokens, its rows, their mask [BT, 1],
+    the element offsets of its [BT, BK] key-width tile)."""
+    row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
+    rows = row0 + offs_t
+    k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+    return row0, length, rows, (offs_t < length)[:, None], k_offs
+
+
+@triton.jit
 def _cumsum_kernel(G, K_, CH_START, CH_LEN, GC, KD, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, IS_VARLEN: tl.constexpr, WRITE_DECAYED: tl.constexpr):
     """GC = the log gates G ([B, T, H, K]) cumulated inside each chunk; one program per (chunk, head).
@@ -93,18 +116,8 @@ def _state_kernel(
 ):
     """The chunk recurrence for one K x V tile of one (sequence, head). DECAYED_KEYS: K_ holds the decayed keys
     of ``_cumsum_kernel`` (G unused): the loop is loads, one scaling and one dot."""
-    ik = tl.program_id(0)
-    iv = tl.program_id(1)
-    sh = tl.program_id(2)  # sequence x head
-    s = sh // H
-    head = sh % H
-    offs_k = ik * BK + tl.arange(0, BK)
-    offs_v = iv * BV + tl.arange(0, BV)
+    sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
-    mk = offs_k < K
-    mv = offs_v < V
-    mkv = mk[:, None] & mv[None, :]
-    state_offs = offs_k[:, None] * V + offs_v[None, :]
     if HAS_H0:
         state = tl.load(H0 + sh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
     else:
@@ -112,10 +125,8 @@ def _state_kernel(
     lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN)
     for c in range(lo, hi):
         tl.store(HS + (wide(c) * H + head) * K * V + state_offs, state.to(HS.dtype.element_ty), mask=mkv)
-        row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
-        rows = row0 + offs_t
-        rmask = (offs_t < length)[:, None]
-        k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+        row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
+                                                       IS_VARLEN)
         k = tl.load(K_ + k_offs, mask=rmask & mk[None, :], other=0.0)
         g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
         v = tl.load(V_ + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
