@@ -29,8 +29,8 @@ import triton.language as tl
 
 from ejkernel.errors import UnsupportedFeature
 from ejkernel_triton.decode.config import TritonDecodeConfig, block_heads, split_plan
-from ejkernel_triton.flash_attention.common import _tanh, padded_dim
-from ejkernel_triton.flash_attention.tiles import softmax_update
+from ejkernel_triton.flash_attention.common import padded_dim, scores
+from ejkernel_triton.flash_attention.tiles import load_tile, softmax_update
 from ejkernel_triton.launch import launch
 
 LOG2E = 1.4426950408889634
@@ -118,35 +118,12 @@ def _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED: tl.constexpr, 
 
 
 @triton.jit
-def _load_keys(ptrs, key_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """A K or V tile ``[BLOCK_N, BLOCK_D]``: keys ``key_ok`` only on a ``MASKED`` step, padded columns only
-    when the block is wider than the head, else no mask (the mask-free steps)."""
-    if MASKED:
-        tile = tl.load(ptrs, mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    elif BLOCK_D != D:
-        tile = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
-    else:
-        tile = tl.load(ptrs)
-    return tile
-
-
-@triton.jit
-def _logits(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scaled (optionally soft-capped) logits of the rows of ``q`` against the keys ``k``, in log2 units."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if USE_SOFTCAP:
-        s = softcap * _tanh(s * scale / softcap) * 1.4426950408889634
-    else:
-        s = s * (scale * 1.4426950408889634)
-    return s
-
-
-@triton.jit
 def _fold_values(acc, m_i, l_i, s, v_ptrs, key_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The online-softmax step over logits ``s`` (masked already) and its value tile: (acc, m_i, l_i)."""
+    """The online-softmax step over logits ``s`` (masked already) and its value tile (keys ``key_ok`` on a
+    ``MASKED`` step): (acc, m_i, l_i)."""
     p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
-    v = _load_keys(v_ptrs, key_ok, offs_d, D, BLOCK_D, MASKED)
+    v = load_tile(v_ptrs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED)
     return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION), m_i, l_i
 
 
@@ -166,8 +143,8 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
         key_ok = (n0 + offs_n) < stop  # (only masked steps use it)
         if LOWER:
             key_ok = key_ok & ((n0 + offs_n) >= first)
-        k = _load_keys(K + offs, key_ok, offs_d, D, BLOCK_D, MASKED)
-        s = _logits(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
+        k = load_tile(K + offs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED)
+        s = scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         if MASKED:
             s = tl.where(key_ok[None, :], s, float("-inf"))
         acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, V + V_SHIFT + offs, key_ok, offs_d, D, BLOCK_D, MASKED,

@@ -125,11 +125,11 @@ def gradient_rows(DO, LSE, Delta, batch, head, q_start, rows, q_len, offs_dv, SE
 
 
 @triton.jit
-def load_tile(ptrs, idx, n, offs, C: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
-    """A [len(idx), BLOCK_C] tile: bound-checked rows (`idx < n`) when MASKED, padded columns only when the
-    block is wider than the data, else no mask at all (the mask-free middle of a loop)."""
+def load_tile(ptrs, row_ok, offs, C: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
+    """A [rows, BLOCK_C] tile: rows `row_ok` ([rows, 1]) only when MASKED, padded columns only when the block
+    is wider than the data, else no mask at all (the mask-free middle of a loop; `row_ok` then goes unused)."""
     if MASKED:
-        tile = tl.load(ptrs, mask=(idx[:, None] < n) & (offs[None, :] < C), other=0.0)
+        tile = tl.load(ptrs, mask=row_ok & (offs[None, :] < C), other=0.0)
     elif BLOCK_C != C:
         tile = tl.load(ptrs, mask=offs[None, :] < C, other=0.0)
     else:
@@ -181,14 +181,14 @@ def fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, n0,
              DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     """The forward's step over the key tile starting at `n0` (local index): (acc, m_i, l_i) updated."""
     cols = n0 + offs_kv
-    k = load_tile(k_ptrs + n0 * stride_k_seq, cols, k_len, offs_d, D, BLOCK_D, MASKED)
+    k = load_tile(k_ptrs + n0 * stride_k_seq, cols[:, None] < k_len, offs_d, D, BLOCK_D, MASKED)
     s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
     if MASKED:
         ok = visible(rows[:, None], cols[None, :], q_len, k_len, k_seg_ptr, q_seg[:, None],
                      CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS)
         s = tl.where(ok, s, float("-inf"))
     p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
-    v = load_tile(v_ptrs + n0 * stride_v_seq, cols, k_len, offs_dv, DV, BLOCK_DV, MASKED)
+    v = load_tile(v_ptrs + n0 * stride_v_seq, cols[:, None] < k_len, offs_dv, DV, BLOCK_DV, MASKED)
     if DROPOUT:  # the denominator keeps every probability; only the values see the mask
         p = p * dropout_scale(head_hash, (q_start + rows)[:, None], (k_start + cols)[None, :],
                               DROP_THRESHOLD, DROP_SCALE)
@@ -207,8 +207,8 @@ def dkv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, q_seg_ptr, m0,
              DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     """The dK/dV step over the query tile starting at `m0` (local index): (dk, dv) updated."""
     rows = m0 + offs_q
-    q = load_tile(q_ptrs + m0 * stride_q_seq, rows, q_len, offs_d, D, BLOCK_D, MASKED)
-    do = load_tile(do_ptrs + m0 * stride_do_seq, rows, q_len, offs_dv, DV, BLOCK_DV, MASKED)
+    q = load_tile(q_ptrs + m0 * stride_q_seq, rows[:, None] < q_len, offs_d, D, BLOCK_D, MASKED)
+    do = load_tile(do_ptrs + m0 * stride_do_seq, rows[:, None] < q_len, offs_dv, DV, BLOCK_DV, MASKED)
     if MASKED:
         lse = tl.load(lse_ptr + rows, mask=rows < q_len, other=float("inf"))
         delta = tl.load(delta_ptr + rows, mask=rows < q_len, other=0.0)
@@ -249,8 +249,8 @@ def dq_tile(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_k_seq, stride_v_seq, n
             DROP_THRESHOLD: tl.constexpr, DROP_SCALE: tl.constexpr):
     """The dQ step over the key tile starting at `n0` (local index): dq updated."""
     cols = n0 + offs_kv
-    k = load_tile(k_ptrs + n0 * stride_k_seq, cols, k_len, offs_d, D, BLOCK_D, MASKED)
-    v = load_tile(v_ptrs + n0 * stride_v_seq, cols, k_len, offs_dv, DV, BLOCK_DV, MASKED)
+    k = load_tile(k_ptrs + n0 * stride_k_seq, cols[:, None] < k_len, offs_d, D, BLOCK_D, MASKED)
+    v = load_tile(v_ptrs + n0 * stride_v_seq, cols[:, None] < k_len, offs_dv, DV, BLOCK_DV, MASKED)
     s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:

@@ -34,15 +34,14 @@ from ejkernel_triton.decode.kernels import (
     DecodeStatic,
     _fold_values,
     _kv_offsets,
-    _load_keys,
-    _logits,
     _placeholder,
     _sink_state,
     _split_program,
     forward_only,
     split_decode,
 )
-from ejkernel_triton.flash_attention.common import padded_dim
+from ejkernel_triton.flash_attention.common import padded_dim, scores
+from ejkernel_triton.flash_attention.tiles import load_tile
 from ejkernel_triton.launch import launch
 from ejkernel_triton.ragged_page_attention.config import TritonRaggedPageConfig, padded_group
 
@@ -70,8 +69,8 @@ def _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, start, stop, pos, kv_l
         offs = _kv_offsets(Tables, seq, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, 0, BLOCK_N)
         keys = n0 + offs_n
-        k = _load_keys(KV + offs, keys < stop, offs_d, D, BLOCK_D, MASKED)
-        s = _logits(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
+        k = load_tile(KV + offs, (keys < stop)[:, None], offs_d, D, BLOCK_D, MASKED)
+        s = scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         if MASKED:
             visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)
             if WINDOW >= 0:
