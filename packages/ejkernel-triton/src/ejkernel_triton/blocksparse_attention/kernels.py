@@ -33,6 +33,7 @@ from ejkernel_triton.flash_attention.tiles import (
     store_rows,
     store_tma_rows,
     store_token_tile,
+    tma_descriptors,
     tma_tile,
     token_tile,
 )
@@ -192,13 +193,8 @@ def _fwd_tma_kernel(
     batch = tl.program_id(1)
     head = tl.program_id(2)
     kv_head = head // GROUP
-    kv_width = (NUM_HEADS // GROUP) * D
-    q_desc = tl.make_tensor_descriptor(Q, shape=[tl.num_programs(1) * SEQ_Q, NUM_HEADS * D],
-                                       strides=[NUM_HEADS * D, 1], block_shape=[BLOCK_Q, D])
-    k_desc = tl.make_tensor_descriptor(K, shape=[tl.num_programs(1) * SEQ_KV, kv_width], strides=[kv_width, 1],
-                                       block_shape=[BLOCK_KV, D])
-    v_desc = tl.make_tensor_descriptor(V, shape=[tl.num_programs(1) * SEQ_KV, kv_width], strides=[kv_width, 1],
-                                       block_shape=[BLOCK_KV, D])
+    q_desc, k_desc, v_desc = tma_descriptors(Q, K, V, tl.num_programs(1) * SEQ_Q, tl.num_programs(1) * SEQ_KV,
+                                             NUM_HEADS, GROUP, D, BLOCK_Q, BLOCK_KV)
     q = q_desc.load([batch * SEQ_Q + m0, head * D])
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)
@@ -230,13 +226,8 @@ def _fwd_tma_persistent_kernel(
     items `Order[program], Order[program + programs], ...` (longest schedule rows first, as
     `_fwd_persistent_kernel`); each item runs the warp-specialized visit loop of `_fwd_tma_kernel` (Triton 3.6
     warp-specializes the inner loop: one `ttg.warp_specialize`, as the one-item kernel, on the sm_90 TTGIR)."""
-    kv_width = (NUM_HEADS // GROUP) * D
-    q_desc = tl.make_tensor_descriptor(Q, shape=[BATCH * SEQ_Q, NUM_HEADS * D], strides=[NUM_HEADS * D, 1],
-                                       block_shape=[BLOCK_Q, D])
-    k_desc = tl.make_tensor_descriptor(K, shape=[BATCH * SEQ_KV, kv_width], strides=[kv_width, 1],
-                                       block_shape=[BLOCK_KV, D])
-    v_desc = tl.make_tensor_descriptor(V, shape=[BATCH * SEQ_KV, kv_width], strides=[kv_width, 1],
-                                       block_shape=[BLOCK_KV, D])
+    q_desc, k_desc, v_desc = tma_descriptors(Q, K, V, BATCH * SEQ_Q, BATCH * SEQ_KV, NUM_HEADS, GROUP, D, BLOCK_Q,
+                                             BLOCK_KV)
     TILES: tl.constexpr = KV_BLOCK_SIZE // BLOCK_KV
     slots = tl.arange(0, VISITS_P2)
     for slot in range(tl.program_id(0), NUM_ITEMS, tl.num_programs(0)):

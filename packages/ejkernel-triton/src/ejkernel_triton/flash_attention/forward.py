@@ -32,6 +32,7 @@ from ejkernel_triton.flash_attention.tiles import (
     sink_state,
     store_rows,
     store_tma_rows,
+    tma_descriptors,
     tma_tile,
     token_tile,
 )
@@ -137,13 +138,8 @@ def _fwd_tma_kernel(
     head = tl.program_id(2)
     m0 = tl.program_id(0) * BLOCK_Q
     kv_head = head // GROUP
-    kv_width = (NUM_HEADS // GROUP) * D
-    q_desc = tl.make_tensor_descriptor(Q, shape=[tl.num_programs(1) * SEQ_Q, NUM_HEADS * D],
-                                       strides=[NUM_HEADS * D, 1], block_shape=[BLOCK_Q, D])
-    k_desc = tl.make_tensor_descriptor(K, shape=[tl.num_programs(1) * SEQ_KV, kv_width], strides=[kv_width, 1],
-                                       block_shape=[BLOCK_KV, D])
-    v_desc = tl.make_tensor_descriptor(V, shape=[tl.num_programs(1) * SEQ_KV, kv_width], strides=[kv_width, 1],
-                                       block_shape=[BLOCK_KV, D])
+    q_desc, k_desc, v_desc = tma_descriptors(Q, K, V, tl.num_programs(1) * SEQ_Q, tl.num_programs(1) * SEQ_KV,
+                                             NUM_HEADS, GROUP, D, BLOCK_Q, BLOCK_KV)
     q = q_desc.load([batch * SEQ_Q + m0, head * D])
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     m_i, l_i = sink_state(Aux, head, NUM_SINKS, BLOCK_SINKS, BLOCK_Q)

@@ -148,6 +148,18 @@ def segment_ids(Seg, idx, n, other, HAS_SEGMENTS: tl.constexpr):
 
 
 @triton.jit
+def tma_descriptors(Q, K, V, q_rows, kv_rows, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """Device-side TMA descriptors of dense Q, K, V seen as 2-D [tokens, heads * D] matrices (the data
+    partitioning refuses the reshape of a 3-D view): Q tiles [BLOCK_Q, D], K and V tiles [BLOCK_KV, D]."""
+    kv_width = (NUM_HEADS // GROUP) * D
+    q_desc = tl.make_tensor_descriptor(Q, shape=[q_rows, NUM_HEADS * D], strides=[NUM_HEADS * D, 1],
+                                       block_shape=[BLOCK_Q, D])
+    k_desc = tl.make_tensor_descriptor(K, shape=[kv_rows, kv_width], strides=[kv_width, 1], block_shape=[BLOCK_KV, D])
+    v_desc = tl.make_tensor_descriptor(V, shape=[kv_rows, kv_width], strides=[kv_width, 1], block_shape=[BLOCK_KV, D])
+    return q_desc, k_desc, v_desc
+
+@triton.jit
 def tma_tile(acc, m_i, l_i, q, k_desc, v_desc, k_row, kv_col, qk_scale, softcap, USE_SOFTCAP: tl.constexpr):
     """The TMA forward's step over the key tile at row `k_row` of the 2-D K/V descriptors (no mask)."""
     k = k_desc.load([k_row, kv_col])
