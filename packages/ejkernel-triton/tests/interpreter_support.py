@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def run_cases(script: Path, timeout: float = 600) -> dict[str, dict]:
     """Every case's row, by name (the subprocess runs on the CPU with TRITON_INTERPRET=1)."""
@@ -30,3 +32,25 @@ def case_names(script: Path) -> list[str]:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
             return [key.value for key in node.value.keys]
     raise AssertionError(f"CASES not found in {script}")
+
+
+def case_row_fixture(script: Path):
+    """A pytest fixture for a test module (assign it to a module-level name, e.g. ``case_row``): one
+    parametrization per case of ``script``, giving ``(name, row)``; the script runs once per module."""
+
+    @pytest.fixture(scope="module")
+    def interpreter_results():
+        return run_cases(script)
+
+    @pytest.fixture(params=case_names(script), ids=str)
+    def case_row(request, interpreter_results):
+        return request.param, interpreter_results[request.param]
+
+    return interpreter_results, case_row
+
+
+def assert_forward_only_row(row: dict, tolerance: float) -> None:
+    """The checks every forward-only (serving) case shares: finite output within ``tolerance`` of the
+    reference, and a gradient request refused (these kernels have no backward)."""
+    assert row["finite"] and row["out"] <= tolerance, row
+    assert row.get("gradient", "refused") == "refused", row

@@ -20,7 +20,7 @@ from ejkernel.testing.blocksparse_attention import random_block_mask
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig, tma_forward_applies
 from ejkernel_triton.blocksparse_attention.kernels import kernel_schedule
-from interpreter_support import case_names, run_cases
+from interpreter_support import case_row_fixture
 
 
 CASES_SCRIPT = Path(__file__).with_name("blocksparse_interpreter_cases.py")
@@ -38,14 +38,11 @@ def _call(q_len=256, kv_len=256, heads=4, kv_heads=2, dim=64, v_dim=None, dtype=
     return BlockSparseAttention().validate(q, k, v, block_mask=mask, block_size=block_size, **kw)
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    return run_cases(CASES_SCRIPT)
+interpreter_results, case_row = case_row_fixture(CASES_SCRIPT)
 
 
-@pytest.mark.parametrize("name", case_names(CASES_SCRIPT))
-def test_interpreter_case_matches_reference(interpreter_results, name):
-    row = interpreter_results[name]
+def test_interpreter_case_matches_reference(case_row):
+    name, row = case_row
     assert row["finite"], row
     for quantity in ("out", "dq", "dk", "dv", "d_aux"):
         assert row[quantity] <= TOLERANCE[row["dtype"]], (quantity, row)

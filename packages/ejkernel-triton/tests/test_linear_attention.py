@@ -15,7 +15,7 @@ from ejkernel import UnsupportedFeature
 from ejkernel.modules.operations.recurrent import RecurrentAttention
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.linear_attention import IMPLEMENTATION, TritonLinearAttentionConfig
-from interpreter_support import case_names, run_cases
+from interpreter_support import case_row_fixture
 
 
 CASES_SCRIPT = Path(__file__).with_name("linear_attention_interpreter_cases.py")
@@ -33,15 +33,12 @@ def _spec(shape, dtype=jnp.bfloat16):
 # ---- interpreter numerics ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    return run_cases(CASES_SCRIPT)
+interpreter_results, case_row = case_row_fixture(CASES_SCRIPT)
 
 
-@pytest.mark.parametrize("name", case_names(CASES_SCRIPT))
-def test_interpreter_case_matches_reference(interpreter_results, name):
+def test_interpreter_case_matches_reference(case_row):
     """Output, final state and every gradient (initial state included) against the float64 recurrence."""
-    row = interpreter_results[name]
+    name, row = case_row
     assert row["finite"], row
     tol = LOOSER.get(name, TOLERANCE[row["dtype"]])
     quantities = [key for key in row if key in ("out", "final_state") or key.startswith("d_")]
