@@ -137,7 +137,7 @@ def dense_peak_bytes(call: FlashAttentionCall) -> int:
     """Peak bytes of the dense path's S² buffers in a forward+backward: the probabilities every chunk keeps
     for the backward (``itemsize`` per logit computed) plus one chunk's transients at a time (float32
     logits and probability gradient, the logit gradient in the inputs' dtype: ``8 + itemsize`` per logit
-    of the largest chunk). One call (no causal chunks): ``B*H*Sq*Skv * (8 + 2*itemsize)``."""
+    of the largest chunk). One call (no query chunks): ``B*H*Sq*Skv * (8 + 2*itemsize)``."""
     total, largest = _logits_counts(call)
     itemsize = call.query.dtype.itemsize
     return total * itemsize + largest * (8 + itemsize)
