@@ -66,17 +66,17 @@ def test_chunks_match_one_dense_call(case):
 
 def test_chunk_count_rule():
     params = AttentionParams(softmax_scale=1.0, causal=True)
-    tokens = False  # not varlen
-    assert query_chunk_count(params, 2048, 2048, None, None, tokens) == 2048 // CAUSAL_CHUNK_QUERIES
-    assert query_chunk_count(params, 64 * CAUSAL_CHUNK_QUERIES, 10**6, None, None, tokens) == MAX_CAUSAL_CHUNKS
-    assert query_chunk_count(params, 100, 100, None, None, tokens) == 1  # short: one call
+    varlen = False
+    assert query_chunk_count(params, 2048, 2048, None, None, varlen) == 2048 // CAUSAL_CHUNK_QUERIES
+    assert query_chunk_count(params, 64 * CAUSAL_CHUNK_QUERIES, 10**6, None, None, varlen) == MAX_CAUSAL_CHUNKS
+    assert query_chunk_count(params, 100, 100, None, None, varlen) == 1  # short: one call
     full = AttentionParams(softmax_scale=1.0)
-    assert query_chunk_count(full, 8192, 8192, None, None, tokens) == 1  # not causal: rows of <= 8192 queries
-    assert query_chunk_count(full, 16384, 16384, None, None, tokens) == 2
-    assert query_chunk_count(full, 16385, 100, None, None, tokens) == 3
-    assert query_chunk_count(params, 8192, 4096, None, None, tokens) == 1  # more queries than keys
-    assert query_chunk_count(params, 8192, 8192, jnp.zeros(()), None, tokens) == 1  # a bias
-    assert query_chunk_count(params, 8192, 8192, None, jnp.ones((), bool), tokens) == 1  # a mask
+    assert query_chunk_count(full, 8192, 8192, None, None, varlen) == 1  # not causal: rows of <= 8192 queries
+    assert query_chunk_count(full, 16384, 16384, None, None, varlen) == 2
+    assert query_chunk_count(full, 16385, 100, None, None, varlen) == 3
+    assert query_chunk_count(params, 8192, 4096, None, None, varlen) == 1  # more queries than keys
+    assert query_chunk_count(params, 8192, 8192, jnp.zeros(()), None, varlen) == 1  # a bias
+    assert query_chunk_count(params, 8192, 8192, None, jnp.ones((), bool), varlen) == 1  # a mask
     assert query_chunk_count(params, 8192, 8192, None, None, True) == 1  # varlen
 
 
