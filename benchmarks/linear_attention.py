@@ -201,6 +201,10 @@ def main(argv=None) -> int:
     parser.add_argument("--fla-last", action="store_true", help="time fla after the config rows (a short run "
                         "keeps the config comparison if fla's autotuning runs out of time)")
     parser.add_argument("--config-seq", type=int, default=4096)
+    parser.add_argument("--impls", default="triton,xla,fla", help="which of triton, xla, fla to time (fla alone in "
+                        "its own process: its first-call autotuning is long; see --append)")
+    parser.add_argument("--append", action="store_true", help="add rows to an existing linear_attention.json "
+                        "(e.g. fla timed by an earlier process of the same device call)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
@@ -219,6 +223,11 @@ def main(argv=None) -> int:
         print("fla not importable:", exc)
         have_fla = False
     json_path = out_dir / "linear_attention.json"
+    if args.append and json_path.exists():
+        earlier = json.loads(json_path.read_text())
+        doc["rows"] = earlier.get("rows", [])
+        doc["versions"] = {**earlier.get("versions", {}), **doc["versions"]}
+    impls = set(args.impls.split(","))
 
     def save():
         json_path.write_text(json.dumps(doc, indent=1))
@@ -228,6 +237,7 @@ def main(argv=None) -> int:
     for total in seqs:
         fla_here = have_fla and not (args.fla_last and total == args.config_seq and args.configs)
         todo = [("triton", None)] + ([("xla", None)] if total in xla_seqs else []) + ([("fla", None)] if fla_here else [])
+        todo = [item for item in todo if item[0] in impls]
         for impl, _ in todo:
             t0 = time.perf_counter()
             try:

@@ -31,7 +31,10 @@ from ejkernel_triton.interpret import interpreting
 from ejkernel_triton import launch
 from ejkernel_triton.launch import gpu_device_kind
 
-__all__ = ["IMPLEMENTATION", "TritonBlockSparseAttention", "TritonBlockSparseConfig", "tma_forward_applies"]
+__all__ = [
+    "IMPLEMENTATION", "PERSISTENT_TMA_FORWARD", "TritonBlockSparseAttention", "TritonBlockSparseConfig",
+    "tma_forward_applies",
+]
 
 HEAD_DIMS = (64, 128)
 MIN_TILE = 16  # tl.dot's smallest tile
@@ -46,18 +49,16 @@ class TritonBlockSparseConfig(TritonFlashConfig):
     ``kv_block_size`` (a mask block is then a whole number of kernel tiles).
 
     ``tma_forward``: run the Hopper TMA + warp-specialized forward (`kernels._fwd_tma_kernel`) where it applies
-    (:func:`tma_forward_applies`; elsewhere the pointer kernel runs). Opt-in and experimental: H200, S=16k,
-    10 %: 0.659 ms vs 0.735 for the pointer forward (final run, 2026-11-23), but both of its GPU tests hung
-    on the H200 that day (the whole suite stalled until its time limit; suspected: rows of the mask that
-    visit no block, i.e. a warp-specialized loop of zero trips; the benchmark's masks had none). Until it
-    passes on a GPU the heuristic never asks for it and its GPU tests are skipped: do not opt in."""
+    (:func:`tma_forward_applies`; elsewhere the pointer kernel runs). Its GPU tests hung on the H200 on
+    2026-11-23 on masks with rows that visit no block (a warp-specialized loop of zero trips): the loop now
+    always runs at least one (discarded) visit (`kernels._tma_visits`)."""
 
     tma_forward: bool = False
     persistent_forward: int = 0
     """Programs per SM of the forward's persistent variant (`kernels._fwd_persistent_kernel`, or
     `kernels._fwd_tma_persistent_kernel` where the TMA forward runs: each program loops over (batch, head,
-    query tile) items, longest schedule rows first); 0: one program per query tile (the default). A candidate
-    against the short rows' per-program cost and tail (NOTES), not measured on a GPU yet."""
+    query tile) items, longest schedule rows first); 0: one program per query tile. Against the short rows'
+    per-program cost and tail (NOTES); the heuristic's choice with the TMA forward."""
 
     def __post_init__(self):
         if not isinstance(self.tma_forward, bool):
@@ -81,6 +82,12 @@ def tma_forward_applies(call: BlockSparseAttentionCall, config: TritonBlockSpars
             and call.query.shape[-1] == call.value.shape[-1] == 128
             and config.fwd_num_warps == 4 and config.fwd_num_stages <= 2
             and launch.target_compute_capability() >= 90 and launch.available())
+
+
+PERSISTENT_TMA_FORWARD = dict(fwd_block_q=128, fwd_block_kv=128, fwd_num_warps=4, fwd_num_stages=2)
+"""The heuristic's forward where the TMA forward applies: one program per SM looping over the (batch, head,
+query tile) items, longest rows first. H100, 2026-11-24, S=16k, 10 % (ncu kernel times): 470 us against 652 for
+the pointer forward (128 x 64, 8 warps, 3 stages) and 3560 for the dense TMA flash forward."""
 
 
 def largest_tile(block_size: int) -> int:
@@ -118,11 +125,14 @@ class TritonBlockSparseAttention(Implementation[BlockSparseAttentionCall, Triton
                                          f"{MIN_TILE} (kernel tiles, powers of two >= {MIN_TILE}, must divide it)")
 
     def heuristic_config(self, call: BlockSparseAttentionCall) -> TritonBlockSparseConfig:
-        """Flash attention's tuned blocks, fitted to the mask blocks, with the pointer forward (the TMA forward
-        is opt-in: see ``TritonBlockSparseConfig.tma_forward``)."""
+        """Flash attention's tuned blocks, fitted to the mask blocks; where it applies
+        (:func:`tma_forward_applies`), the persistent TMA forward (``PERSISTENT_TMA_FORWARD``)."""
         base = tuning.heuristic_config(call.query.shape[-1], call.value.shape[-1], call.query.dtype,
                                        device_kind=gpu_device_kind(), causal=call.causal)
-        return fit_blocks(base, call)
+        fitted = fit_blocks(base, call)
+        persistent = fit_blocks(dataclasses.replace(base, **PERSISTENT_TMA_FORWARD), call)
+        persistent = dataclasses.replace(persistent, tma_forward=True, persistent_forward=1)
+        return persistent if tma_forward_applies(call, persistent) else fitted
 
     def candidate_configs(self, call: BlockSparseAttentionCall) -> Sequence[TritonBlockSparseConfig]:
         if tuning.shipped_entries(gpu_device_kind()):

@@ -175,6 +175,24 @@ def _fwd_persistent_kernel(
 
 
 @triton.jit
+def _tma_visits(acc, m_i, l_i, q, k_desc, v_desc, row_visits, slots, count, kv_row0, kv_col, qk_scale, softcap,
+                USE_SOFTCAP: tl.constexpr, TILES: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """The TMA forwards' warp-specialized loop over a schedule row's `count` visits (`row_visits` in registers).
+    A row that visits nothing still runs one visit (of its padding entry, block 0) whose result is discarded:
+    a warp-specialized loop of zero trips hung the GPU (H200, 2026-11-23: both TMA tests stalled on masks with
+    empty rows), so the loop always has a trip and the empty row keeps its initial (sink) state, i.e. zeros
+    and the sinks' log-sum-exp as `store_rows` writes them."""
+    m_start, l_start = m_i, l_i
+    for i in tl.range(0, tl.maximum(count, 1) * TILES, warp_specialize=True):
+        block = tl.sum(tl.where(slots == i // TILES, row_visits, 0), 0)
+        n0 = block * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
+        acc, m_i, l_i = tma_tile(acc, m_i, l_i, q, k_desc, v_desc, kv_row0 + n0, kv_col, qk_scale, softcap,
+                                 USE_SOFTCAP)
+    empty = count == 0
+    return tl.where(empty, 0.0, acc), tl.where(empty, m_start, m_i), tl.where(empty, l_start, l_i)
+
+
+@triton.jit
 def _fwd_tma_kernel(
     Q, K, V, Aux, Indices, NumFull, Counts, qk_scale, softcap, SEQ_Q, SEQ_KV,  # inputs and scalars
     O, LSE,  # outputs
@@ -183,7 +201,7 @@ def _fwd_tma_kernel(
     MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr, ROWS: tl.constexpr, MAX_VISITS: tl.constexpr,
     VISITS_P2: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
 ):
-    """The forward for Hopper on calls whose every visited block is full (opt-in, `tma_forward_applies`):
+    """The forward for Hopper on calls whose every visited block is full (`tma_forward_applies`):
     flash attention's TMA + warp-specialized loop (`flash_attention.forward._fwd_tma_kernel`) walking the
     schedule. Triton 3.6's warp specialization pass fails on a loop that loads its block index from memory
     and on a kernel with a second (masked) loop (sm_90 lowering, 2026-11-23), hence: the row's visit list is
@@ -203,11 +221,8 @@ def _fwd_tma_kernel(
     slots = tl.arange(0, VISITS_P2)
     row_visits = tl.load(visits + slots, mask=slots < MAX_VISITS, other=0)
     TILES: tl.constexpr = KV_BLOCK_SIZE // BLOCK_KV
-    for i in tl.range(0, count * TILES, warp_specialize=True):
-        block = tl.sum(tl.where(slots == i // TILES, row_visits, 0), 0)
-        n0 = block * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
-        acc, m_i, l_i = tma_tile(acc, m_i, l_i, q, k_desc, v_desc, batch * SEQ_KV + n0, kv_head * D, qk_scale,
-                                 softcap, USE_SOFTCAP)
+    acc, m_i, l_i = _tma_visits(acc, m_i, l_i, q, k_desc, v_desc, row_visits, slots, count, batch * SEQ_KV,
+                                kv_head * D, qk_scale, softcap, USE_SOFTCAP, TILES, KV_BLOCK_SIZE, BLOCK_KV)
     store_tma_rows(O, LSE, acc, m_i, l_i, batch, head, m0, SEQ_Q, NUM_HEADS, D, BLOCK_Q)
 
 
@@ -242,11 +257,8 @@ def _fwd_tma_persistent_kernel(
         visits, _, count = _schedule_row(Indices, NumFull, Counts, batch, head, m0 // Q_BLOCK_SIZE,
                                          MASK_BATCH, MASK_HEADS, ROWS, MAX_VISITS)
         row_visits = tl.load(visits + slots, mask=slots < MAX_VISITS, other=0)
-        for i in tl.range(0, count * TILES, warp_specialize=True):
-            block = tl.sum(tl.where(slots == i // TILES, row_visits, 0), 0)
-            n0 = block * KV_BLOCK_SIZE + (i % TILES) * BLOCK_KV
-            acc, m_i, l_i = tma_tile(acc, m_i, l_i, q, k_desc, v_desc, batch * SEQ_KV + n0, kv_head * D, qk_scale,
-                                     softcap, USE_SOFTCAP)
+        acc, m_i, l_i = _tma_visits(acc, m_i, l_i, q, k_desc, v_desc, row_visits, slots, count, batch * SEQ_KV,
+                                    kv_head * D, qk_scale, softcap, USE_SOFTCAP, TILES, KV_BLOCK_SIZE, BLOCK_KV)
         store_tma_rows(O, LSE, acc, m_i, l_i, batch, head, m0, SEQ_Q, NUM_HEADS, D, BLOCK_Q)
 
 
