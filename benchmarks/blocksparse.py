@@ -64,6 +64,7 @@ FWD_CANDIDATES = {
     # backward: the heuristic's. Most promising first (a timeout of the final run cuts the last ones).
     "tma-persistent-128x128-w4s2": (128, 128, 4, 2, True, 1),  # the default's kernel, persistent: descriptors
     #                               once per program, no per-item program start, longest rows first (no tail)
+    "tma-128x128-w4s2": (128, 128, 4, 2, True),  # the TMA forward, one program per query tile
     "tma-128x64-w4s2": (128, 64, 4, 2, True),  # 96 KB: 2 programs per SM if registers allow
     "pointer-64x64-w4s3": (64, 64, 4, 3, False),  # 64 KB of shared memory: ~3 programs per SM overlap their
     #                                              prologues / epilogues with the others' loops
