@@ -114,13 +114,13 @@ def test_config_that_does_not_divide_the_mask_blocks_is_an_error():
         IMPLEMENTATION(call, TritonBlockSparseConfig(64, 64, 4, 2, 32, 64, 32, 64, 4, 1))
 
 
-@pytest.mark.parametrize("kw,persistent_tma", [
+@pytest.mark.parametrize("kw,tma", [
     (dict(causal=False), True), (dict(causal=False, block_size=64), True), (dict(causal=True), False),
     (dict(causal=False, q_len=600), False), (dict(causal=False, dim=64), False),
 ])
-def test_heuristic_takes_the_persistent_tma_forward_where_it_applies(monkeypatch, kw, persistent_tma):
-    """Whole-block calls on Hopper get the persistent TMA forward (tiles fitted to the mask blocks); causal,
-    ragged or D=64 calls the pointer forward."""
+def test_heuristic_takes_the_tma_forward_where_it_applies(monkeypatch, kw, tma):
+    """Whole-block calls on Hopper get the TMA forward (tiles fitted to the mask blocks, one program per query
+    tile); causal, ragged or D=64 calls the pointer forward."""
     import ejkernel_triton.blocksparse_attention as package
 
     monkeypatch.setattr(package.launch, "target_compute_capability", lambda: 90)
@@ -128,9 +128,9 @@ def test_heuristic_takes_the_persistent_tma_forward_where_it_applies(monkeypatch
     monkeypatch.setattr(package, "gpu_device_kind", lambda: "NVIDIA H200")
     call = _call(dtype=jnp.bfloat16, **dict(dict(q_len=512, kv_len=512, block_size=128, dim=128), **kw))
     config = IMPLEMENTATION.heuristic_config(call)
-    assert tma_forward_applies(call, config) is persistent_tma
-    assert (config.tma_forward, config.persistent_forward > 0) == (persistent_tma, persistent_tma)
-    if persistent_tma:
+    assert tma_forward_applies(call, config) is tma
+    assert config.tma_forward is tma and config.persistent_forward == 0
+    if tma:
         assert call.kv_block_size % config.fwd_block_kv == 0 and config.fwd_num_warps == 4
 
 

@@ -32,7 +32,7 @@ from ejkernel_triton import launch
 from ejkernel_triton.launch import gpu_device_kind
 
 __all__ = [
-    "IMPLEMENTATION", "PERSISTENT_TMA_FORWARD", "TritonBlockSparseAttention", "TritonBlockSparseConfig",
+    "IMPLEMENTATION", "TMA_FORWARD", "TritonBlockSparseAttention", "TritonBlockSparseConfig",
     "tma_forward_applies",
 ]
 
@@ -57,8 +57,10 @@ class TritonBlockSparseConfig(TritonFlashConfig):
     persistent_forward: int = 0
     """Programs per SM of the forward's persistent variant (`kernels._fwd_persistent_kernel`, or
     `kernels._fwd_tma_persistent_kernel` where the TMA forward runs: each program loops over (batch, head,
-    query tile) items, longest schedule rows first); 0: one program per query tile. Against the short rows'
-    per-program cost and tail (NOTES); the heuristic's choice with the TMA forward."""
+    query tile) items, longest schedule rows first); 0: one program per query tile. Opt-in: no faster than the
+    one-item TMA forward on the H100 (0.550 vs 0.545 ms, 2026-11-24) and its GPU test with the backward did not
+    finish inside the suite's time twice that day (the forward alone passed every mask probe:
+    benchmarks/experiments/tma_persistent_probe.py)."""
 
     def __post_init__(self):
         if not isinstance(self.tma_forward, bool):
@@ -84,10 +86,10 @@ def tma_forward_applies(call: BlockSparseAttentionCall, config: TritonBlockSpars
             and launch.target_compute_capability() >= 90 and launch.available())
 
 
-PERSISTENT_TMA_FORWARD = dict(fwd_block_q=128, fwd_block_kv=128, fwd_num_warps=4, fwd_num_stages=2)
-"""The heuristic's forward where the TMA forward applies: one program per SM looping over the (batch, head,
-query tile) items, longest rows first. H100, 2026-11-24, S=16k, 10 % (ncu kernel times): 470 us against 652 for
-the pointer forward (128 x 64, 8 warps, 3 stages) and 3560 for the dense TMA flash forward."""
+TMA_FORWARD = dict(fwd_block_q=128, fwd_block_kv=128, fwd_num_warps=4, fwd_num_stages=2, tma_forward=True)
+"""The heuristic's forward where the TMA forward applies (one program per query tile). H100, 2026-11-24,
+S=16k, 10 % (benchmarks/blocksparse.py --final --calls 10): 0.545 ms, against 0.550 for its persistent form,
+0.681 for the pointer forward (128 x 64, 8 warps, 3 stages) and 3.940 for the dense TMA flash forward."""
 
 
 def largest_tile(block_size: int) -> int:
@@ -126,13 +128,12 @@ class TritonBlockSparseAttention(Implementation[BlockSparseAttentionCall, Triton
 
     def heuristic_config(self, call: BlockSparseAttentionCall) -> TritonBlockSparseConfig:
         """Flash attention's tuned blocks, fitted to the mask blocks; where it applies
-        (:func:`tma_forward_applies`), the persistent TMA forward (``PERSISTENT_TMA_FORWARD``)."""
+        (:func:`tma_forward_applies`), the TMA forward (``TMA_FORWARD``)."""
         base = tuning.heuristic_config(call.query.shape[-1], call.value.shape[-1], call.query.dtype,
                                        device_kind=gpu_device_kind(), causal=call.causal)
-        fitted = fit_blocks(base, call)
-        persistent = fit_blocks(dataclasses.replace(base, **PERSISTENT_TMA_FORWARD), call)
-        persistent = dataclasses.replace(persistent, tma_forward=True, persistent_forward=1)
-        return persistent if tma_forward_applies(call, persistent) else fitted
+        tma = dataclasses.replace(fit_blocks(dataclasses.replace(base, **{
+            name: value for name, value in TMA_FORWARD.items() if name != "tma_forward"}), call), tma_forward=True)
+        return tma if tma_forward_applies(call, tma) else fit_blocks(base, call)
 
     def candidate_configs(self, call: BlockSparseAttentionCall) -> Sequence[TritonBlockSparseConfig]:
         if tuning.shipped_entries(gpu_device_kind()):

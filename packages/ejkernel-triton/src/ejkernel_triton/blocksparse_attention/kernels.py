@@ -18,7 +18,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from ejkernel.ops.utils.block_sparse import block_schedule
+from ejkernel.ops.utils.block_sparse import block_schedule, full_blocks
 from ejkernel_triton.flash_attention.backward import row_delta
 from ejkernel_triton.flash_attention.common import StaticParams, kernel_meta, placeholder
 from ejkernel_triton.flash_attention.tiles import (
@@ -47,9 +47,14 @@ def kernel_schedule(call, by: str):
     (ascending), then its partial ones (ascending): a kernel runs ``[0, num_full)`` unmasked and
     ``[num_full, counts)`` masked. int32 ``[mask_batch, mask_heads, rows, max_visits]``, ``[..., rows]`` x2."""
     schedule = block_schedule(call, by=by, order="full_first")  # one sort (the helper orders the classes)
+    counts = schedule.counts.astype(jnp.int32)
+    whole = full_blocks(call.query.shape[1], call.key.shape[1], call.q_block_size, call.kv_block_size,
+                        causal=call.causal, sliding_window=call.sliding_window)
+    if call.q_segment_ids is None and whole.all():
+        return schedule.indices, counts, counts  # every visit full: no reduction kernel for num_full
     valid = jnp.arange(schedule.indices.shape[-1], dtype=jnp.int32) < schedule.counts[..., None]
     num_full = jnp.sum(valid & ~schedule.partial, axis=-1, dtype=jnp.int32)
-    return schedule.indices, num_full, schedule.counts.astype(jnp.int32)
+    return schedule.indices, num_full, counts
 
 
 @triton.jit
