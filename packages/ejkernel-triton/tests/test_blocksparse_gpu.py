@@ -8,8 +8,6 @@ against the float32 reference, plus a full mask against the Triton flash attenti
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,13 +95,7 @@ def test_tma_forward_against_float32_reference():
         assert_close(g, r, dtype="bfloat16", gradient=name != "out", name=name)
 
 
-PERSISTENT_TMA = pytest.mark.skipif(not os.environ.get("EJKERNEL_TRITON_PERSISTENT_TMA_TEST"), reason=(
-    "the opt-in persistent TMA forward: this test did not finish inside the suite's time limit twice on the "
-    "H100 on 2026-11-24 (the forward alone passed every mask probe, benchmarks/experiments/"
-    "tma_persistent_probe.py); EJKERNEL_TRITON_PERSISTENT_TMA_TEST=1 runs it alone"))
-
-
-@pytest.mark.parametrize("tma,causal", [pytest.param(True, False, marks=PERSISTENT_TMA), (False, True)],
+@pytest.mark.parametrize("tma,causal", [(True, False), (False, True)],
                          ids=["tma", "pointer-causal"])
 def test_persistent_forward_against_float32_reference(tma, causal):
     """The persistent forwards (`persistent_forward=1`: one program per SM looping over the items, longest
