@@ -170,15 +170,14 @@ def across_sub_chunks(x, x_gates, y, y_gates, offs_t, length, BC: tl.constexpr, 
 def _intra_kernel(
     Q, K_, GC, CH_START, CH_LEN, scale,  # inputs
     A,  # output: A [B, T, H, BT] float32 (scale included; zero above the diagonal)
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The rows of one sub-chunk of A (``BC`` x ``BT``): small programs (grid: sub-chunks x chunks x heads), so
     many share an SM and hide each other's load latency (the output kernel then only reads A). Same numerics as
     the output kernel's own A: across sub-chunks split at the sub-chunk's first row, pairs inside it exact.
-    The pairs inside the sub-chunk are one [BC, BC, BKD] broadcast per key slice (every pair at once) rather
-    than BC dependent steps of one column each (H100, 2026-11-24: the column loop made this kernel 54 % of the
-    forward, 350 us at T=4k)."""
+    Tried (H100, 2026-11-24): the pairs inside the sub-chunk as one [16, 16, 16] broadcast per key slice instead
+    of the 16 column steps: slower (412 vs 350 us at T=4k; this kernel is ~54 % of the forward, NOTES)."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     head = tl.program_id(2)
@@ -189,42 +188,33 @@ def _intra_kernel(
     offs_c = tl.arange(0, BT)
     local = i * BC + offs_r  # this sub-chunk's rows in the chunk
     rmask = local < length
-    row_base = (row0 + local)[:, None] * (H * K) + head * K
+    before = offs_c < i * BC  # columns of the earlier sub-chunks
     acc = tl.zeros([BC, BT], dtype=tl.float32)
-    if i > 0:  # the earlier sub-chunks: one dot per key tile, split at this sub-chunk's first row
-        before = offs_c < i * BC
-        for k0 in range(0, K, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            mk = offs_k < K
-            m = rmask[:, None] & mk[None, :]
-            mc = before[:, None] & mk[None, :]
-            c_offs = (row0 + offs_c)[:, None] * (H * K) + head * K + offs_k[None, :]
-            q = tl.load(Q + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * scale
-            gq = tl.load(GC + row_base + offs_k[None, :], mask=m, other=0.0)
-            ref = tl.load(GC + (row0 + i * BC) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < K
+        m = rmask[:, None] & mk[None, :]
+        mc = before[:, None] & mk[None, :]
+        q_offs = (row0 + local)[:, None] * (H * K) + head * K + offs_k[None, :]
+        c_offs = (row0 + offs_c)[:, None] * (H * K) + head * K + offs_k[None, :]
+        q = tl.load(Q + q_offs, mask=m, other=0.0).to(tl.float32) * scale
+        gq = tl.load(GC + q_offs, mask=m, other=0.0)
+        ref = tl.load(GC + (row0 + i * BC) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+        if i > 0:
             kc = tl.load(K_ + c_offs, mask=mc, other=0.0).to(tl.float32)
             gk = tl.load(GC + c_offs, mask=mc, other=0.0)
             xq = q * tl.exp(tl.where(m, gq - ref[None, :], 0.0))
             yk = kc * tl.exp(tl.where(mc, ref[None, :] - gk, 0.0))
             acc = tl.dot(xq, tl.trans(yk), acc, input_precision=DOT_PRECISION)
-    # pairs (row r, source s <= r) inside the sub-chunk: sum_k q[r, k] k[s, k] exp(gc[r, k] - gc[s, k])
-    on = offs_r[:, None] >= offs_r[None, :]
-    diag = tl.zeros([BC, BC], dtype=tl.float32)
-    for k0 in range(0, K, BKD):
-        offs_k = k0 + tl.arange(0, BKD)
-        m = rmask[:, None] & (offs_k < K)[None, :]
-        q = tl.load(Q + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * scale
-        kk = tl.load(K_ + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        g = tl.load(GC + row_base + offs_k[None, :], mask=m, other=0.0)
-        # above the diagonal the exponent could overflow: exp(0) there, the product is dropped below
-        decay = tl.exp(tl.where(on[:, :, None], g[:, None, :] - g[None, :, :], 0.0))
-        diag += tl.sum(q[:, None, :] * kk[None, :, :] * decay, 2)
-    diag = tl.where(on, diag, 0.0)
-    # two disjoint stores: the diagonal block's columns, then every other column (earlier sub-chunks, zeros after)
-    a_rows = A + (row0 + local)[:, None] * (H * BT) + head * BT
-    tl.store(a_rows + i * BC + offs_r[None, :], diag, mask=rmask[:, None])
-    off_diag = (offs_c < i * BC) | (offs_c >= (i + 1) * BC)
-    tl.store(a_rows + offs_c[None, :], acc, mask=rmask[:, None] & off_diag[None, :])
+        for j in range(BC):
+            src = i * BC + j
+            ms = mk & (src < length)
+            y = tl.load(K_ + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0).to(tl.float32)
+            gy = tl.load(GC + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0)
+            on = offs_r >= j
+            col = tl.sum(q * y[None, :] * tl.exp(tl.where(on[:, None] & m, gq - gy[None, :], 0.0)), 1)
+            acc += tl.where(offs_c[None, :] == src, tl.where(on, col, 0.0)[:, None], 0.0)
+    tl.store(A + (row0 + local)[:, None] * (H * BT) + head * BT + offs_c[None, :], acc, mask=rmask[:, None])
 
 
 @triton.jit
