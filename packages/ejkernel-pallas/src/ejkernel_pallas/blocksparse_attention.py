@@ -36,8 +36,8 @@ from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttenti
 from ejkernel.ops.utils.block_sparse import BlockSchedule, block_schedule
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
-from ejkernel_pallas.tpu_flash_attention import (
-    TpuFlashBlocks,
+from ejkernel_pallas.tpu_flash_attention import TpuFlashBlocks, sink_gradient
+from ejkernel_pallas.tpu_flash_attention.kernels import (
     _check_tiling,
     _dot,
     _logits_and_mask,
@@ -46,7 +46,6 @@ from ejkernel_pallas.tpu_flash_attention import (
     _specs,
     _Static,
     _struct,
-    sink_gradient,
 )
 from ejkernel_pallas.tpu_tiling import LANES, sublane_multiple
 
