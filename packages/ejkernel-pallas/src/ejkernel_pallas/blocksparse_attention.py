@@ -46,6 +46,7 @@ from ejkernel_pallas.tpu_flash_attention.kernels import (
     _specs,
     _Static,
     _struct,
+    init_softmax_state,
 )
 from ejkernel_pallas.tpu_tiling import LANES, sublane_multiple
 
@@ -123,15 +124,7 @@ def _fwd_kernel(*refs, layout: _Layout, sched: _Schedule, names):
 
     @pl.when(step == 0)
     def _init():
-        if st.num_sinks:
-            sinks = r["sinks"][...].astype(jnp.float32)  # (1, K): extra logits without a value
-            m0 = jnp.max(sinks, axis=-1, keepdims=True)
-            m_ref[...] = jnp.broadcast_to(m0, m_ref.shape)
-            l_ref[...] = jnp.broadcast_to(jnp.sum(jnp.exp(sinks - m0), axis=-1, keepdims=True), l_ref.shape)
-        else:
-            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        init_softmax_state(r["sinks"] if st.num_sinks else None, m_ref, l_ref, acc_ref)
         if layout.count_visits:
             r["visits_out"][...] = jnp.zeros(r["visits_out"].shape, jnp.int32)
 

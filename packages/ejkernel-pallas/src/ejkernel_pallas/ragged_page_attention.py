@@ -33,6 +33,7 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
+from ejkernel_pallas.tpu_flash_attention.kernels import init_softmax_state
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
 
 
@@ -96,15 +97,7 @@ def _kernel(seq_ref, tile_ref, valid_ref, starts_ref, lens_ref, tables_ref, *ref
 
     @pl.when(jnp.logical_and(page == 0, first_of_tile))
     def _init():
-        if st.num_sinks:
-            sinks = sinks_ref[...].astype(jnp.float32)
-            m0 = jnp.max(sinks, axis=-1, keepdims=True)
-            m_ref[...] = jnp.broadcast_to(m0, m_ref.shape)
-            l_ref[...] = jnp.broadcast_to(jnp.sum(jnp.exp(sinks - m0), axis=-1, keepdims=True), l_ref.shape)
-        else:
-            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        init_softmax_state(sinks_ref if st.num_sinks else None, m_ref, l_ref, acc_ref)
 
     @pl.when(jnp.logical_and(valid_ref[v_id] == 1, page * st.page_size < kv_len))
     def _step():

@@ -184,6 +184,20 @@ def _compiler_params(num_parallel: int, num_arbitrary: int):
 # Forward kernel
 
 
+def init_softmax_state(sinks, m_ref, l_ref, acc_ref):
+    """Seed a query block's online softmax: the running max / sum from the attention sinks (``sinks``: a (1, K)
+    ref of extra logits without a value) or empty (-inf / 0) when ``sinks`` is None; a zero accumulator."""
+    if sinks is not None:
+        values = sinks[...].astype(jnp.float32)
+        m0 = jnp.max(values, axis=-1, keepdims=True)
+        m_ref[...] = jnp.broadcast_to(m0, m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(jnp.sum(jnp.exp(values - m0), axis=-1, keepdims=True), l_ref.shape)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
 def _fwd_kernel(*refs, st: _Static, names):
     r = dict(zip(names, refs))
     block_q, block_kv = st.blocks.fwd_q, st.blocks.fwd_kv
@@ -192,15 +206,7 @@ def _fwd_kernel(*refs, st: _Static, names):
 
     @pl.when(ki == 0)
     def _init():
-        if st.num_sinks:
-            sinks = r["sinks"][...].astype(jnp.float32)  # (1, K)
-            m0 = jnp.max(sinks, axis=-1, keepdims=True)
-            m_ref[...] = jnp.broadcast_to(m0, m_ref.shape)
-            l_ref[...] = jnp.broadcast_to(jnp.sum(jnp.exp(sinks - m0), axis=-1, keepdims=True), l_ref.shape)
-        else:
-            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        init_softmax_state(r["sinks"] if st.num_sinks else None, m_ref, l_ref, acc_ref)
 
     @pl.when(_block_visible(st, qi, ki, block_q, block_kv))
     def _step():
