@@ -56,7 +56,8 @@ class TritonLinearAttentionConfig:
     ``decayed_keys``: the cumulative-gate kernel also writes k * exp(gc_last - gc), so that the state loops only
     load and multiply (one more [B, T, H, K] array in k's dtype written and read; the backward recomputes it).
     ``intra_kernel``: the intra-chunk matrix A by its own kernel of small programs (one per sub-chunk of 16 rows,
-    chunk and head; 4 warps) instead of inside the output kernel, which then reads it (A is stored anyway)."""
+    chunk and head) instead of inside the output kernel, which then reads it (A is stored anyway);
+    ``intra_num_warps``: its warps."""
 
     block_k: int | None = None
     block_v: int | None = None
@@ -72,12 +73,13 @@ class TritonLinearAttentionConfig:
     # 1.811 ms)
     decayed_keys: bool = True
     intra_kernel: bool = True
+    intra_num_warps: int = 4
 
     def __post_init__(self):
         for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v"):
             if getattr(self, name) is not None:
                 _power_of_two(name, getattr(self, name))
-        for name in ("num_warps", "num_stages", "state_num_warps", "backward_num_warps"):
+        for name in ("num_warps", "num_stages", "state_num_warps", "backward_num_warps", "intra_num_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
@@ -186,7 +188,8 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                           interpret=interpreting(), varlen=varlen, backward_num_warps=config.backward_num_warps,
                           state_block_k=_block(dk, config.state_block_k or config.block_k),
                           state_block_v=_block(v.shape[-1], config.state_block_v or config.block_v),
-                          decayed_keys=config.decayed_keys, intra_kernel=config.intra_kernel)
+                          decayed_keys=config.decayed_keys, intra_kernel=config.intra_kernel,
+                          intra_num_warps=config.intra_num_warps)
         o, final = linear_attention(*arrays, call.initial_state, tables, st)
         o = o[:, :total]
         if call.reverse:

@@ -170,14 +170,19 @@ def across_sub_chunks(x, x_gates, y, y_gates, offs_t, length, BC: tl.constexpr, 
 def _intra_kernel(
     Q, K_, GC, CH_START, CH_LEN, scale,  # inputs
     A,  # output: A [B, T, H, BT] float32 (scale included; zero above the diagonal)
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The rows of one sub-chunk of A (``BC`` x ``BT``): small programs (grid: sub-chunks x chunks x heads), so
     many share an SM and hide each other's load latency (the output kernel then only reads A). Same numerics as
     the output kernel's own A: across sub-chunks split at the sub-chunk's first row, pairs inside it exact.
-    Tried (H100, 2026-11-24): the pairs inside the sub-chunk as one [16, 16, 16] broadcast per key slice instead
-    of the 16 column steps: slower (412 vs 350 us at T=4k; this kernel is ~54 % of the forward, NOTES)."""
+
+    The pairs inside the sub-chunk go one source column at a time over whole key rows (``KP``: K padded to a
+    power of two) and each column is stored as soon as it is reduced: no [BC, BT] register scatter per column
+    and no accumulation across key tiles, so the BC steps do not depend on each other (H100, 2026-11-24: the
+    former scatter loop at 4 warps took 350 us at B=4 T=4k H=8 K=V=128, 54 % of the forward; a [16, 16, 16]
+    broadcast per key slice, tried instead, 412 us). Few warps (``intra_num_warps``) keep each column's key
+    reduction inside one or two warps."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     head = tl.program_id(2)
@@ -188,33 +193,41 @@ def _intra_kernel(
     offs_c = tl.arange(0, BT)
     local = i * BC + offs_r  # this sub-chunk's rows in the chunk
     rmask = local < length
-    before = offs_c < i * BC  # columns of the earlier sub-chunks
+    row_base = (row0 + local)[:, None] * (H * K) + head * K
+    a_rows = A + (row0 + local) * (H * BT) + head * BT  # [BC] pointers to column 0 of each row
     acc = tl.zeros([BC, BT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        mk = offs_k < K
-        m = rmask[:, None] & mk[None, :]
-        mc = before[:, None] & mk[None, :]
-        q_offs = (row0 + local)[:, None] * (H * K) + head * K + offs_k[None, :]
-        c_offs = (row0 + offs_c)[:, None] * (H * K) + head * K + offs_k[None, :]
-        q = tl.load(Q + q_offs, mask=m, other=0.0).to(tl.float32) * scale
-        gq = tl.load(GC + q_offs, mask=m, other=0.0)
-        ref = tl.load(GC + (row0 + i * BC) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
-        if i > 0:
+    if i > 0:  # the earlier sub-chunks: one dot per key tile, split at this sub-chunk's first row
+        before = offs_c < i * BC
+        for k0 in range(0, K, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mk = offs_k < K
+            m = rmask[:, None] & mk[None, :]
+            mc = before[:, None] & mk[None, :]
+            c_offs = (row0 + offs_c)[:, None] * (H * K) + head * K + offs_k[None, :]
+            q = tl.load(Q + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * scale
+            gq = tl.load(GC + row_base + offs_k[None, :], mask=m, other=0.0)
+            ref = tl.load(GC + (row0 + i * BC) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
             kc = tl.load(K_ + c_offs, mask=mc, other=0.0).to(tl.float32)
             gk = tl.load(GC + c_offs, mask=mc, other=0.0)
             xq = q * tl.exp(tl.where(m, gq - ref[None, :], 0.0))
             yk = kc * tl.exp(tl.where(mc, ref[None, :] - gk, 0.0))
             acc = tl.dot(xq, tl.trans(yk), acc, input_precision=DOT_PRECISION)
-        for j in range(BC):
-            src = i * BC + j
-            ms = mk & (src < length)
-            y = tl.load(K_ + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0).to(tl.float32)
-            gy = tl.load(GC + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0)
-            on = offs_r >= j
-            col = tl.sum(q * y[None, :] * tl.exp(tl.where(on[:, None] & m, gq - gy[None, :], 0.0)), 1)
-            acc += tl.where(offs_c[None, :] == src, tl.where(on, col, 0.0)[:, None], 0.0)
-    tl.store(A + (row0 + local)[:, None] * (H * BT) + head * BT + offs_c[None, :], acc, mask=rmask[:, None])
+    # every column but the diagonal block's (those follow, one by one: disjoint stores)
+    off_diag = (offs_c < i * BC) | (offs_c >= (i + 1) * BC)
+    tl.store(a_rows[:, None] + offs_c[None, :], acc, mask=rmask[:, None] & off_diag[None, :])
+    offs_k = tl.arange(0, KP)
+    mk = offs_k < K
+    m = rmask[:, None] & mk[None, :]
+    q = tl.load(Q + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * scale
+    gq = tl.load(GC + row_base + offs_k[None, :], mask=m, other=0.0)
+    for j in range(BC):
+        src = i * BC + j
+        ms = mk & (src < length)
+        y = tl.load(K_ + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0).to(tl.float32)
+        gy = tl.load(GC + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0)
+        on = offs_r >= j
+        col = tl.sum(q * y[None, :] * tl.exp(tl.where(on[:, None] & m, gq - gy[None, :], 0.0)), 1)
+        tl.store(a_rows + src, tl.where(on, col, 0.0), mask=rmask)
 
 
 @triton.jit

@@ -45,6 +45,7 @@ class StaticParams:
     state_block_v: int = 64
     decayed_keys: bool = False
     intra_kernel: bool = False
+    intra_num_warps: int = 4
 
 
 def _placeholder(dtype=jnp.float32):
@@ -133,9 +134,9 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     attn_in = _placeholder()
     if st.intra_kernel:  # A by its own small programs; the output kernel reads it
         attn_in = launch(_intra_kernel, (q, k, gc, ch_start, ch_len, np.float32(st.scale)), (attn_shape,),
-                         (CHUNK // SUB_CHUNK, chunks, h), num_warps=4, num_stages=st.num_stages,
+                         (CHUNK // SUB_CHUNK, chunks, h), num_warps=st.intra_num_warps, num_stages=st.num_stages,
                          zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret, H=h, K=dk, BT=CHUNK, BC=SUB_CHUNK, BK=st.block_k,
-                         IS_VARLEN=st.varlen, DOT_PRECISION=_meta(q, v, st)["DOT_PRECISION"])[0]
+                         KP=triton.next_power_of_2(dk), IS_VARLEN=st.varlen, DOT_PRECISION=_meta(q, v, st)["DOT_PRECISION"])[0]
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                   jax.ShapeDtypeStruct((1,), jnp.float32) if st.intra_kernel else attn_shape)
     o, attn = launch(_output_kernel, (q, k, v, gc, hs, attn_in, ch_start, ch_len, np.float32(st.scale)), out_shapes,
