@@ -307,16 +307,16 @@ def main(argv=None) -> int:
             doc["rows"].append(dict(impl="fla", seq=args.config_seq, mode="fwd", error=repr(exc)[:500]))
         save()
     configs = [r for r in doc["rows"] if "config" in r and r.get("ms")]
-    if configs:
-        fla_ms = {r["mode"]: r["ms"] for r in doc["rows"]
-                  if r["impl"] == "fla" and r["seq"] == args.config_seq and r.get("ms")}
-        base = {r["mode"]: r["ms"] for r in doc["rows"]
-                if r["impl"] == "triton" and r["seq"] == args.config_seq and "config" not in r and r.get("ms")}
-        print(f"\n| config (T={args.config_seq}) | mode | ms | / default | / fla |")
-        print("|---|---|---|---|---|")
+    if configs:  # each config row against the default and fla at its own length (rows may come from --append)
+        def reference(impl, r):
+            return next((x["ms"] for x in doc["rows"] if x["impl"] == impl and x["seq"] == r["seq"] and
+                         x["mode"] == r["mode"] and "config" not in x and x.get("ms")), None)
+
+        print("\n| config | T | mode | ms | / default | / fla |")
+        print("|---|---|---|---|---|---|")
         for r in configs:
-            rel = lambda ref: f"{r['ms'] / ref[r['mode']]:.2f}" if ref.get(r["mode"]) else "-"  # noqa: E731
-            print(f"| {r['config']} | {r['mode']} | {r['ms']:.3f} | {rel(base)} | {rel(fla_ms)} |")
+            rel = [f"{r['ms'] / ref:.2f}" if ref else "-" for ref in (reference("triton", r), reference("fla", r))]
+            print(f"| {r['config']} | {r['seq']} | {r['mode']} | {r['ms']:.3f} | {rel[0]} | {rel[1]} |")
     print("\n| T | mode | triton ms | xla ms | fla ms | triton / fla |")
     print("|---|---|---|---|---|---|")
     for total in seqs:
