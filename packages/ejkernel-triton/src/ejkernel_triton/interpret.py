@@ -110,9 +110,11 @@ class _HostTensor:
         return self
 
 
-def run_on_host(kernel, args, out_shapes, grid, **constexprs):
+def run_on_host(kernel, args, out_shapes, grid, input_output_aliases=None, **constexprs):
     """`kernel[grid](*args, *outputs, **constexprs)` in the interpreter, as a JAX callback; returns the outputs
-    (zero-initialized, so every output is "zeroed")."""
+    (zero-initialized, so every output is "zeroed"; an output named in `input_output_aliases` ``{argument
+    index: output index}`` starts as a copy of that argument)."""
+    aliases = dict(input_output_aliases or {})
     _patch_interpreter()
     array_idx = [i for i, a in enumerate(args) if not isinstance(a, (int, float, np.floating))]
 
@@ -121,6 +123,8 @@ def run_on_host(kernel, args, out_shapes, grid, **constexprs):
         for i, a in zip(array_idx, arrays):
             call_args[i] = _HostTensor(np.ascontiguousarray(np.asarray(a)))
         outs = [np.zeros(s.shape, s.dtype) for s in out_shapes]
+        for arg_index, out_index in aliases.items():
+            outs[out_index] = np.array(call_args[arg_index].array, dtype=out_shapes[out_index].dtype)
         # XLA may run independent callbacks (the dK/dV and dQ kernels) on two threads at once, and the
         # interpreter patches triton.language globally per launch: one launch at a time.
         with _LAUNCH_LOCK:

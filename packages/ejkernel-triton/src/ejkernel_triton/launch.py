@@ -215,17 +215,20 @@ def target_compute_capability() -> int:
 
 
 def launch(kernel, args, out_shapes, grid, *, num_warps: int, num_stages: int, zeroed_outputs=(), interpret: bool,
-           tma: bool = False, **constexprs):
+           tma: bool = False, input_output_aliases=None, **constexprs):
     """Call `kernel` on `args` (arrays and np.float32 scalars, in kernel order); outputs follow inputs.
 
     Scalars go as np.float32: jax-triton passes a Python float as fp64, which would promote the
     kernel's float32 arithmetic to fp64. `interpret`: run in Triton's interpreter on the host. `tma`: the
     kernel makes TMA descriptors (or is warp-specialized), which needs :func:`triton_call` on a GPU (global
-    scratch, the compiled warp count)."""
+    scratch, the compiled warp count). `input_output_aliases` ``{argument index: output index}``: the output
+    starts as that argument's values (a kernel that writes part of an array another launch filled)."""
     if interpret:
         from ejkernel_triton.interpret import run_on_host
 
-        return run_on_host(kernel, args, out_shapes, grid, **constexprs)
+        return run_on_host(kernel, args, out_shapes, grid, input_output_aliases=input_output_aliases, **constexprs)
+    if input_output_aliases and tma:
+        raise NotImplementedError("launch: input_output_aliases with tma=True")
     if tma:
         return triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
                            num_stages=num_stages, zeroed_outputs=zeroed_outputs,
@@ -235,4 +238,5 @@ def launch(kernel, args, out_shapes, grid, *, num_warps: int, num_stages: int, z
     cc = os.environ.get(COMPUTE_CAPABILITY_ENV)
     return jt.triton_call(
         *args, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps, num_stages=num_stages,
-        zeroed_outputs=zeroed_outputs, compute_capability=int(cc) if cc else None, **constexprs)
+        zeroed_outputs=zeroed_outputs, compute_capability=int(cc) if cc else None,
+        input_output_aliases=dict(input_output_aliases or {}), **constexprs)

@@ -57,7 +57,8 @@ class TritonLinearAttentionConfig:
     load and multiply (one more [B, T, H, K] array in k's dtype written and read; the backward recomputes it).
     ``intra_kernel``: the intra-chunk matrix A by its own kernel of small programs (one per sub-chunk of 16 rows,
     chunk and head) instead of inside the output kernel, which then reads it (A is stored anyway);
-    ``intra_num_warps``: its warps."""
+    ``intra_num_warps``: its warps; ``intra_split``: its two parts (across sub-chunks, inside them) as two
+    launches into the same array, each with its own registers and shared memory."""
 
     block_k: int | None = None
     block_v: int | None = None
@@ -74,6 +75,7 @@ class TritonLinearAttentionConfig:
     decayed_keys: bool = True
     intra_kernel: bool = True
     intra_num_warps: int = 4
+    intra_split: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v"):
@@ -83,7 +85,7 @@ class TritonLinearAttentionConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
-        for name in ("decayed_keys", "intra_kernel"):
+        for name in ("decayed_keys", "intra_kernel", "intra_split"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -97,7 +99,7 @@ class TritonLinearAttentionConfig:
             name, _, raw = item.partition("=")
             if name not in fields:
                 raise ValueError(f"TritonLinearAttentionConfig has no field {name!r} (spec {spec!r})")
-            values[name] = bool(int(raw)) if name in ("decayed_keys", "intra_kernel") else int(raw)
+            values[name] = bool(int(raw)) if name in ("decayed_keys", "intra_kernel", "intra_split") else int(raw)
         return cls(**values)
 
 
@@ -189,7 +191,7 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                           state_block_k=_block(dk, config.state_block_k or config.block_k),
                           state_block_v=_block(v.shape[-1], config.state_block_v or config.block_v),
                           decayed_keys=config.decayed_keys, intra_kernel=config.intra_kernel,
-                          intra_num_warps=config.intra_num_warps)
+                          intra_num_warps=config.intra_num_warps, intra_split=config.intra_split)
         o, final = linear_attention(*arrays, call.initial_state, tables, st)
         o = o[:, :total]
         if call.reverse:

@@ -169,9 +169,10 @@ def across_sub_chunks(x, x_gates, y, y_gates, offs_t, length, BC: tl.constexpr, 
 @triton.jit
 def _intra_kernel(
     Q, K_, GC, CH_START, CH_LEN, scale,  # inputs
+    A_PREV,  # the second launch of a split: the first's A, aliased to A (else a placeholder); never read
     A,  # output: A [B, T, H, BT] float32 (scale included; zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACROSS: tl.constexpr, INSIDE: tl.constexpr,
 ):
     """The rows of one sub-chunk of A (``BC`` x ``BT``): small programs (grid: sub-chunks x chunks x heads), so
     many share an SM and hide each other's load latency (the output kernel then only reads A). Same numerics as
@@ -181,8 +182,10 @@ def _intra_kernel(
     power of two) and each column is stored as soon as it is reduced: no [BC, BT] register scatter per column
     and no accumulation across key tiles, so the BC steps do not depend on each other (H100, 2026-11-24: the
     former scatter loop at 4 warps took 350 us at B=4 T=4k H=8 K=V=128, 54 % of the forward; a [16, 16, 16]
-    broadcast per key slice, tried instead, 412 us). Few warps (``intra_num_warps``) keep each column's key
-    reduction inside one or two warps."""
+    broadcast per key slice, tried instead, 412 us). ``ACROSS`` / ``INSIDE``: which of the two parts this
+    launch writes (disjoint columns of A); as two launches each part keeps its own registers and shared memory
+    (one launch: 112 registers and 51 KB per program, 4 programs per SM, half the cycles waiting on loads: ncu,
+    H100, T=16k)."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     head = tl.program_id(2)
@@ -190,11 +193,22 @@ def _intra_kernel(
     if i * BC >= length:  # a sub-chunk past a short (varlen) chunk's end, or an unused table entry
         return
     offs_r = tl.arange(0, BC)
-    offs_c = tl.arange(0, BT)
     local = i * BC + offs_r  # this sub-chunk's rows in the chunk
     rmask = local < length
     row_base = (row0 + local)[:, None] * (H * K) + head * K
     a_rows = A + (row0 + local) * (H * BT) + head * BT  # [BC] pointers to column 0 of each row
+    if ACROSS:
+        _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H, K, BT, BC, BK, DOT_PRECISION)
+    if INSIDE:
+        _intra_inside(Q, K_, GC, scale, a_rows, row0, length, i, head, offs_r, rmask, row_base, H, K, BC, KP)
+
+
+@triton.jit
+def _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H: tl.constexpr, K: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Every column of a sub-chunk's rows of A but its own block's: the earlier sub-chunks by one dot per key
+    tile, split at this sub-chunk's first row (every exponent <= 0), zeros after the block."""
+    offs_c = tl.arange(0, BT)
     acc = tl.zeros([BC, BT], dtype=tl.float32)
     if i > 0:  # the earlier sub-chunks: one dot per key tile, split at this sub-chunk's first row
         before = offs_c < i * BC
@@ -212,9 +226,15 @@ def _intra_kernel(
             xq = q * tl.exp(tl.where(m, gq - ref[None, :], 0.0))
             yk = kc * tl.exp(tl.where(mc, ref[None, :] - gk, 0.0))
             acc = tl.dot(xq, tl.trans(yk), acc, input_precision=DOT_PRECISION)
-    # every column but the diagonal block's (those follow, one by one: disjoint stores)
     off_diag = (offs_c < i * BC) | (offs_c >= (i + 1) * BC)
     tl.store(a_rows[:, None] + offs_c[None, :], acc, mask=rmask[:, None] & off_diag[None, :])
+
+
+@triton.jit
+def _intra_inside(Q, K_, GC, scale, a_rows, row0, length, i, head, offs_r, rmask, row_base, H: tl.constexpr,
+                  K: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
+    """The sub-chunk's own block of A, exactly: one source column at a time over whole key rows, each column
+    stored once reduced."""
     offs_k = tl.arange(0, KP)
     mk = offs_k < K
     m = rmask[:, None] & mk[None, :]

@@ -46,6 +46,7 @@ class StaticParams:
     decayed_keys: bool = False
     intra_kernel: bool = False
     intra_num_warps: int = 4
+    intra_split: bool = False
 
 
 def _placeholder(dtype=jnp.float32):
@@ -123,6 +124,26 @@ def _states(k, kd, v, gc, a, h0, tables, st: StaticParams):
                   **_meta(k, v, st))
 
 
+def _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st: StaticParams, dot_precision):
+    """A [B, T, H, 64] float32 by `_intra_kernel`: one launch, or (``st.intra_split``) the across-sub-chunk
+    columns first and the sub-chunks' own blocks by a second launch into the same array (aliased), so each
+    part runs with its own registers and shared memory."""
+    b, t, h, dk = q.shape
+    args = (q, k, gc, ch_start, ch_len, np.float32(st.scale))
+    common = dict(num_warps=st.intra_num_warps, num_stages=st.num_stages, interpret=st.interpret, H=h, K=dk,
+                  BT=CHUNK, BC=SUB_CHUNK, BK=st.block_k, KP=triton.next_power_of_2(dk), IS_VARLEN=st.varlen,
+                  DOT_PRECISION=dot_precision)
+    grid = (CHUNK // SUB_CHUNK, chunks, h)
+    zeroed = (0,) if st.varlen else ()
+    if not st.intra_split:
+        return launch(_intra_kernel, (*args, _placeholder()), (attn_shape,), grid, zeroed_outputs=zeroed,
+                      ACROSS=True, INSIDE=True, **common)[0]
+    across = launch(_intra_kernel, (*args, _placeholder()), (attn_shape,), grid, zeroed_outputs=zeroed,
+                    ACROSS=True, INSIDE=False, **common)[0]
+    return launch(_intra_kernel, (*args, across), (attn_shape,), grid, input_output_aliases={len(args): 0},
+                  ACROSS=False, INSIDE=True, **common)[0]
+
+
 def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -133,10 +154,7 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     attn_shape = jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)
     attn_in = _placeholder()
     if st.intra_kernel:  # A by its own small programs; the output kernel reads it
-        attn_in = launch(_intra_kernel, (q, k, gc, ch_start, ch_len, np.float32(st.scale)), (attn_shape,),
-                         (CHUNK // SUB_CHUNK, chunks, h), num_warps=st.intra_num_warps, num_stages=st.num_stages,
-                         zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret, H=h, K=dk, BT=CHUNK, BC=SUB_CHUNK, BK=st.block_k,
-                         KP=triton.next_power_of_2(dk), IS_VARLEN=st.varlen, DOT_PRECISION=_meta(q, v, st)["DOT_PRECISION"])[0]
+        attn_in = _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st, _meta(q, v, st)["DOT_PRECISION"])
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                   jax.ShapeDtypeStruct((1,), jnp.float32) if st.intra_kernel else attn_shape)
     o, attn = launch(_output_kernel, (q, k, v, gc, hs, attn_in, ch_start, ch_len, np.float32(st.scale)), out_shapes,
