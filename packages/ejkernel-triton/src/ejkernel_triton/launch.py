@@ -239,4 +239,14 @@ def launch(kernel, args, out_shapes, grid, *, num_warps: int, num_stages: int, z
     return jt.triton_call(
         *args, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps, num_stages=num_stages,
         zeroed_outputs=zeroed_outputs, compute_capability=int(cc) if cc else None,
-        input_output_aliases=dict(input_output_aliases or {}), **constexprs)
+        input_output_aliases=_operand_aliases(args, input_output_aliases), **constexprs)
+
+
+def _operand_aliases(args, input_output_aliases) -> dict[int, int]:
+    """jax-triton numbers aliased inputs among the array operands (scalars are not operands): argument
+    indices translated."""
+    operand = {}
+    for index, arg in enumerate(args):
+        if not isinstance(arg, (np.generic, int, float)):
+            operand[index] = len(operand)
+    return {operand[arg_index]: out_index for arg_index, out_index in (input_output_aliases or {}).items()}
