@@ -123,10 +123,11 @@ CASES = {
                                                      dtype="float16", gate="scalar", gamma=True,
                                                      static=dict(reverse=True)),
     # varlen: sequences of 70, 0, 80 and 40 tokens (several chunks each, short last chunks, an empty one,
-    # 10 tokens past the end), reverse, initial states; A by the split intra kernel (two aliased launches)
+    # 10 tokens past the end), reverse, initial states; A by the intra kernel in one launch (the others: two
+    # launches, the second aliased to the first's output)
     "gla_varlen_reverse": dict(shape=(1, 200, 1, 1, 16, 16), bounds=(0, 70, 70, 150, 190),
                                static=dict(reverse=True),
-                               cfg=TritonLinearAttentionConfig(decayed_keys=True, intra_split=True)),
+                               cfg=TritonLinearAttentionConfig(decayed_keys=True, intra_split=False)),
     # lightning (g_gamma only), no initial state, under vmap (folded into the batch)
     "lightning_vmap": dict(operation="lightning_attention", shape=(1, 64, 2, 2, 16, 16), gate=None,
                            initial_state=False, static=dict(layer_idx=1, num_layers=4), vmap=True),

@@ -47,6 +47,7 @@ class StaticParams:
     intra_kernel: bool = False
     intra_num_warps: int = 4
     intra_split: bool = False
+    intra_inside_num_warps: int = 4
 
 
 def _placeholder(dtype=jnp.float32):
@@ -141,7 +142,7 @@ def _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st: StaticPara
     across = launch(_intra_kernel, (*args, _placeholder()), (attn_shape,), grid, zeroed_outputs=zeroed,
                     ACROSS=True, INSIDE=False, **common)[0]
     return launch(_intra_kernel, (*args, across), (attn_shape,), grid, input_output_aliases={len(args): 0},
-                  ACROSS=False, INSIDE=True, **common)[0]
+                  ACROSS=False, INSIDE=True, **dict(common, num_warps=st.intra_inside_num_warps))[0]
 
 
 def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
