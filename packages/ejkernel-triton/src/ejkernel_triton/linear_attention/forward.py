@@ -178,11 +178,10 @@ def _intra_kernel(
     many share an SM and hide each other's load latency (the output kernel then only reads A). Same numerics as
     the output kernel's own A: across sub-chunks split at the sub-chunk's first row, pairs inside it exact.
 
-    The pairs inside the sub-chunk go one source column at a time over whole key rows (``KP``: K padded to a
-    power of two) and each column is stored as soon as it is reduced: no [BC, BT] register scatter per column
-    and no accumulation across key tiles, so the BC steps do not depend on each other (H100, 2026-11-24: the
-    former scatter loop at 4 warps took 350 us at B=4 T=4k H=8 K=V=128, 54 % of the forward; a [16, 16, 16]
-    broadcast per key slice, tried instead, 412 us). ``ACROSS`` / ``INSIDE``: which of the two parts this
+    The pairs inside the sub-chunk (`_intra_inside`) go over whole key rows and each result is stored as soon
+    as it is reduced: no [BC, BT] register scatter per column and no accumulation across key tiles, so the
+    steps do not depend on each other (H100, 2026-11-24: the former scatter loop at 4 warps took 350 us at B=4
+    T=4k H=8 K=V=128, 54 % of the forward; a [16, 16, 16] broadcast per key slice, tried instead, 412 us). ``ACROSS`` / ``INSIDE``: which of the two parts this
     launch writes (disjoint columns of A); as two launches each part keeps its own registers and shared memory
     (one launch: 112 registers and 51 KB per program, 4 programs per SM, half the cycles waiting on loads: ncu,
     H100, T=16k)."""
@@ -200,14 +199,14 @@ def _intra_kernel(
     if ACROSS:
         _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H, K, BT, BC, BK, DOT_PRECISION)
     if INSIDE:
-        _intra_inside(Q, K_, GC, scale, a_rows, row0, length, i, head, offs_r, rmask, row_base, H, K, BC, KP)
+        _intra_inside(Q, K_, GC, scale, a_rows, row0, length, i, head, offs_r, rmask, row_base, H, K, BT, BC, KP)
 
 
 @triton.jit
 def _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H: tl.constexpr, K: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Every column of a sub-chunk's rows of A but its own block's: the earlier sub-chunks by one dot per key
-    tile, split at this sub-chunk's first row (every exponent <= 0), zeros after the block."""
+    """Every column of a sub-chunk's rows of A but its own block's lower triangle: the earlier sub-chunks by one
+    dot per key tile, split at this sub-chunk's first row (every exponent <= 0); zeros above the diagonal."""
     offs_c = tl.arange(0, BT)
     acc = tl.zeros([BC, BT], dtype=tl.float32)
     if i > 0:  # the earlier sub-chunks: one dot per key tile, split at this sub-chunk's first row
@@ -226,28 +225,49 @@ def _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H: t
             xq = q * tl.exp(tl.where(m, gq - ref[None, :], 0.0))
             yk = kc * tl.exp(tl.where(mc, ref[None, :] - gk, 0.0))
             acc = tl.dot(xq, tl.trans(yk), acc, input_precision=DOT_PRECISION)
-    off_diag = (offs_c < i * BC) | (offs_c >= (i + 1) * BC)
-    tl.store(a_rows[:, None] + offs_c[None, :], acc, mask=rmask[:, None] & off_diag[None, :])
+    # every column but the block's lower triangle, which `_intra_inside` writes (disjoint stores)
+    local = i * BC + tl.arange(0, BC)
+    skip = (offs_c[None, :] >= i * BC) & (offs_c[None, :] <= local[:, None])
+    tl.store(a_rows[:, None] + offs_c[None, :], acc, mask=rmask[:, None] & ~skip)
 
 
 @triton.jit
 def _intra_inside(Q, K_, GC, scale, a_rows, row0, length, i, head, offs_r, rmask, row_base, H: tl.constexpr,
-                  K: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
-    """The sub-chunk's own block of A, exactly: one source column at a time over whole key rows, each column
-    stored once reduced."""
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
+    """The lower triangle of the sub-chunk's own block of A, exactly, over whole key rows (``KP``: K padded to
+    a power of two). The diagonal is q . k (no decay). Below it, step j serves two source columns at once:
+    tile rows t > j pair with column j (row t), tile rows t < j with column BC-1-j (row BC-1-t, the rows read
+    in reverse), so BC/2 steps form every pair once, each exponent <= 0 (a row never precedes its column),
+    half the exponentials of one column per step (H100, T=16k: 664 us with a column per step)."""
     offs_k = tl.arange(0, KP)
     mk = offs_k < K
     m = rmask[:, None] & mk[None, :]
     q = tl.load(Q + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * scale
     gq = tl.load(GC + row_base + offs_k[None, :], mask=m, other=0.0)
-    for j in range(BC):
-        src = i * BC + j
-        ms = mk & (src < length)
-        y = tl.load(K_ + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0).to(tl.float32)
-        gy = tl.load(GC + (row0 + src) * (H * K) + head * K + offs_k, mask=ms, other=0.0)
-        on = offs_r >= j
-        col = tl.sum(q * y[None, :] * tl.exp(tl.where(on[:, None] & m, gq - gy[None, :], 0.0)), 1)
-        tl.store(a_rows + src, tl.where(on, col, 0.0), mask=rmask)
+    own = tl.load(K_ + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(a_rows + i * BC + offs_r, tl.sum(q * own, 1), mask=rmask)
+    rev = BC - 1 - offs_r
+    rev_base = (row0 + i * BC + rev)[:, None] * (H * K) + head * K + offs_k[None, :]
+    mr = ((i * BC + rev) < length)[:, None] & mk[None, :]
+    q_rev = tl.load(Q + rev_base, mask=mr, other=0.0).to(tl.float32) * scale
+    g_rev = tl.load(GC + rev_base, mask=mr, other=0.0)
+    for j in range(BC // 2):
+        lo = i * BC + j
+        hi = i * BC + BC - 1 - j
+        y_lo = tl.load(K_ + (row0 + lo) * (H * K) + head * K + offs_k, mask=mk & (lo < length), other=0.0)
+        g_lo = tl.load(GC + (row0 + lo) * (H * K) + head * K + offs_k, mask=mk & (lo < length), other=0.0)
+        y_hi = tl.load(K_ + (row0 + hi) * (H * K) + head * K + offs_k, mask=mk & (hi < length), other=0.0)
+        g_hi = tl.load(GC + (row0 + hi) * (H * K) + head * K + offs_k, mask=mk & (hi < length), other=0.0)
+        below = (offs_r > j)[:, None]
+        used = (offs_r != j)[:, None] & mk[None, :]
+        rows_q = tl.where(below, q, q_rev)
+        exponent = tl.where(below, gq, g_rev) - tl.where(below, g_lo[None, :], g_hi[None, :])
+        keys = tl.where(below, y_lo[None, :], y_hi[None, :]).to(tl.float32)
+        value = tl.sum(rows_q * keys * tl.exp(tl.where(used, exponent, 0.0)), 1)
+        row = tl.where(offs_r > j, offs_r, rev)
+        col = tl.where(offs_r > j, j, BC - 1 - j)
+        ok = (offs_r != j) & (i * BC + row < length)
+        tl.store(a_rows + (row - offs_r) * (H * BT) + i * BC + col, value, mask=ok)  # row `row`, not t
 
 
 @triton.jit
