@@ -179,6 +179,9 @@ class PallasRingAttention(Implementation[RingAttentionCall, TpuFlashBlocks]):
     def supports(self, call: RingAttentionCall) -> None:
         if jax.default_backend() not in ("tpu", "cpu"):
             raise UnsupportedFeature("pallas ring_attention uses the TPU block kernels; on GPUs use platform='xla'")
+        if call.sequence_layout != "contiguous":
+            raise UnsupportedFeature(f"pallas ring_attention: sequence_layout={call.sequence_layout!r} (its block "
+                                     "kernels take contiguous shards; platform='xla' takes every layout)")
         tpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
 
     def heuristic_config(self, call: RingAttentionCall) -> TpuFlashBlocks:

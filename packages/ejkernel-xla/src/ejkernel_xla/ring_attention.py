@@ -5,7 +5,8 @@
 Custom VJP: the forward saves only the local shards, the output and the per-row log-sum-exp. The
 backward makes a second trip round the ring in which key, value *and their gradient accumulators*
 travel together, so after ``P`` steps every device holds the gradients of its own key/value shard.
-Ring steps that causal / sliding-window masking empties entirely are skipped (``lax.cond``).
+Ring steps that causal / sliding-window masking empties entirely are skipped (``lax.cond``). Token positions
+follow the call's ``sequence_layout`` (contiguous or zig-zag shards).
 Memory per device: O(local shard) plus one [B, H, bq, bk] logits block. The config is flash attention's
 (``XlaBlockConfig``: the blocks of every ring step); forward and backward run their matmuls at the
 call's precision.
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.modules.operations._contract import Implementation
-from ejkernel.modules.operations.ring_attention import RingAttentionCall
+from ejkernel.modules.operations.ring_attention import RingAttentionCall, ring_token_positions
 from ejkernel_xla._blockwise import (
     AttentionParams,
     BlockSizes,
@@ -50,8 +51,9 @@ def _varying(axis_name, tree):
     return jax.tree.map(lambda x: lax.pcast(x, axis_name, to="varying"), tree)
 
 
-def _tokens(start, length, offset, segment):
-    index = start + jnp.arange(length, dtype=jnp.int32)
+def _tokens(layout: str, rank, size: int, length: int, offset, segment):
+    """The tokens of shard ``rank``'s ``length`` tokens: global positions by the call's sequence layout."""
+    index = ring_token_positions(layout, rank, size, length)
     return Tokens(index=index, position=(index + offset)[None], valid=jnp.ones((1, length), bool), segment=segment)
 
 
@@ -129,12 +131,11 @@ def _step_backward(params, blocks: BlockSizes, axis_name, q, k, v, d_out, lse, d
 
 
 def _layout(axis_name, q, k):
-    """Ring size, this device's rank, its first global query index and the query->key position offset."""
+    """Ring size, this device's rank and the query->key position offset."""
     size, rank = _ring_position(axis_name)
     q_len, kv_len = q.shape[1], k.shape[1]
     offset = size * kv_len - size * q_len  # bottom-right alignment on the global lengths
-    q_first = rank * q_len
-    return size, rank, q_first, offset
+    return size, rank, offset
 
 
 def _rotate(axis_name, size, tree):
@@ -144,18 +145,18 @@ def _rotate(axis_name, size, tree):
     return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
-def _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux):
+def _ring_forward(params, blocks, axis_name, layout, q, k, v, q_seg, kv_seg, aux):
     batch, q_len, num_heads, _ = q.shape
     kv_len = k.shape[1]
-    size, rank, q_first, offset = _layout(axis_name, q, k)
-    q_tok = _tokens(q_first, q_len, offset, q_seg)
+    size, rank, offset = _layout(axis_name, q, k)
+    q_tok = _tokens(layout, rank, size, q_len, offset, q_seg)
     out, lse = _varying(axis_name, (jnp.zeros((batch, q_len, num_heads, v.shape[-1]), F32),
                                     sink_lse(aux, batch, num_heads, q_len)))
 
     def step(carry, s):
         out, lse, k_cur, v_cur, seg_cur = carry
         src = (rank - s) % size
-        kv_tok = _tokens(src * kv_len, kv_len, 0, seg_cur)
+        kv_tok = _tokens(layout, src, size, kv_len, 0, seg_cur)
         visible = blocks_may_meet(q_tok, kv_tok, params)
         out, lse = lax.cond(
             visible,
@@ -169,34 +170,34 @@ def _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux):
     return out.astype(q.dtype), lse
 
 
-def _ring_primal(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux):
+def _ring_primal(params, blocks, axis_name, layout, q, k, v, q_seg, kv_seg, aux):
     with params.matmuls():
-        return _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux)[0]
+        return _ring_forward(params, blocks, axis_name, layout, q, k, v, q_seg, kv_seg, aux)[0]
 
 
-def _ring_fwd(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux):
+def _ring_fwd(params, blocks, axis_name, layout, q, k, v, q_seg, kv_seg, aux):
     with params.matmuls():
-        out, lse = _ring_forward(params, blocks, axis_name, q, k, v, q_seg, kv_seg, aux)
+        out, lse = _ring_forward(params, blocks, axis_name, layout, q, k, v, q_seg, kv_seg, aux)
     return out, (q, k, v, q_seg, kv_seg, aux, out, lse)
 
 
-def _ring_bwd(params, blocks, axis_name, res, d_out):
+def _ring_bwd(params, blocks, axis_name, layout, res, d_out):
     with params.matmuls():  # traced later, outside the forward's scope
-        return _ring_backward(params, blocks, axis_name, res, d_out)
+        return _ring_backward(params, blocks, axis_name, layout, res, d_out)
 
 
-def _ring_backward(params, blocks, axis_name, res, d_out):
+def _ring_backward(params, blocks, axis_name, layout, res, d_out):
     q, k, v, q_seg, kv_seg, aux, out, lse = res
     q_len, kv_len = q.shape[1], k.shape[1]
-    size, rank, q_first, offset = _layout(axis_name, q, k)
-    q_tok = _tokens(q_first, q_len, offset, q_seg)
+    size, rank, offset = _layout(axis_name, q, k)
+    q_tok = _tokens(layout, rank, size, q_len, offset, q_seg)
     d_out = d_out.astype(q.dtype)
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(F32), out.astype(F32))
 
     def step(carry, s):
         dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
         src = (rank - s) % size
-        kv_tok = _tokens(src * kv_len, kv_len, 0, seg_cur)
+        kv_tok = _tokens(layout, src, size, kv_len, 0, seg_cur)
         visible = blocks_may_meet(q_tok, kv_tok, params)
         dq_part, dk_part, dv_part = lax.cond(
             visible,
@@ -224,7 +225,7 @@ def _ring_backward(params, blocks, axis_name, res, d_out):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_aux
 
 
-_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1, 2))
+_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0, 1, 2, 3))
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
@@ -234,8 +235,8 @@ class XlaRingAttention(Implementation[RingAttentionCall, XlaBlockConfig]):
     def __call__(self, call: RingAttentionCall, config: XlaBlockConfig) -> jax.Array:
         blocks = config.blocks(call.query.shape[1], call.key.shape[1], call.query.shape[3])
         return _ring(
-            AttentionParams.of(call), blocks, call.axis_name, call.query, call.key, call.value, call.q_segment_ids,
-            call.kv_segment_ids, call.softmax_aux,
+            AttentionParams.of(call), blocks, call.axis_name, call.sequence_layout, call.query, call.key, call.value,
+            call.q_segment_ids, call.kv_segment_ids, call.softmax_aux,
         )
 
 

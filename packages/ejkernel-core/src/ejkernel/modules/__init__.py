@@ -63,6 +63,8 @@ _EXPORTS: dict[str, str] = {
     "ring_attention": "ejkernel.modules.operations.ring_attention",
     "RingAttention": "ejkernel.modules.operations.ring_attention",
     "RingAttentionCall": "ejkernel.modules.operations.ring_attention",
+    "zigzag_shard": "ejkernel.modules.operations.ring_attention",
+    "zigzag_unshard": "ejkernel.modules.operations.ring_attention",
 }
 
 __all__ = sorted(_EXPORTS)
