@@ -16,6 +16,7 @@ class TestPallasRingAttentionConformance(InterpretedConformance, RingAttentionCo
     # Under shard_map only the TPU-faithful interpreter runs (NOTES.md), at a cost growing with devices x
     # ring steps: 8 devices take ~150 s on 2 cores, 4 devices (3 hops, all cases) a quarter of the run time.
     devices = 8 if full_conformance() else 4
+    refused_cases = 1  # the zig-zag layout: the TPU block kernels take contiguous shards (platform="xla" does)
 
 
 @pytest.mark.parametrize("precision, expected", [(None, jax.lax.Precision.HIGHEST), ("high", jax.lax.Precision.HIGH)])

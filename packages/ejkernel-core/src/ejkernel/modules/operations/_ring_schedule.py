@@ -1,0 +1,204 @@
+"""The ring schedule over a backend's local attention kernels (``ring_attention``'s GPU path).
+
+A backend whose local flash attention is a fast kernel gives the ring two calls on whole local blocks
+(:class:`RingBlocks`): ``forward`` returning the block's output and log-sum-exp, ``backward`` taking the
+*final* output and log-sum-exp, so blocks merge exactly. :func:`ring_attention` runs them around the ring:
+
+- every step issues the ``ppermute`` of the key/value shard for the next step before its own kernel, so
+  XLA can overlap the transfer with the compute; the backward's second trip carries the key/value gradient
+  accumulators with their shard, as the XLA ring does;
+- the step's work depends on where the visiting shard sits (``sequence_layout``): non-causal calls attend
+  to every shard in full; causal contiguous shards see their own shard through a causal diagonal block, the
+  earlier ones in full and skip the later ones (unbalanced: the last device works every step); causal
+  zig-zag shards (device ``r`` holds chunks ``r`` and ``2P - 1 - r``) see their own pair through one causal
+  block, an earlier source's first chunk with all their queries, a later source's two chunks with their
+  second query chunk only: every step is half a shard pair of work, none is skipped;
+- outputs merge in float32 by their log-sum-exps; kv stays at its own head count (GQA is the kernels').
+
+A "causal" block here is the diagonal one: local queries and keys of equal length, query ``i`` sees keys
+``j <= i``. Sliding windows, sinks and unequal local lengths under causal masking are refused by the
+backends that use this schedule (their own ring, or the XLA one, takes those calls).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+
+# the work of one ring step, by the visiting shard's place (see the module docstring)
+NOTHING, DIAGONAL, FULL, FULL_FIRST_KV_HALF, FULL_SECOND_Q_HALF = range(5)
+
+
+class RingBlocks(Protocol):
+    """A backend's local kernels for the ring (hashable: the custom VJP keys on it).
+
+    ``forward(q, k, v, q_seg, kv_seg, causal)``: ``(out [B, Sq, H, Dv], lse [B, H, Sq] float32)``, lse the
+    natural log-sum-exp of each row's logits, ``-inf`` for a row that sees no key (its output zeros).
+    ``backward(q, k, v, q_seg, kv_seg, out, lse, d_out, causal)``: ``(dq, dk, dv)`` of the block, with
+    ``out`` / ``lse`` the *final* (merged) ones of these rows. Segment ids may be None (both or neither).
+    """
+
+    def forward(self, q, k, v, q_seg, kv_seg, causal: bool): ...
+
+    def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, causal: bool): ...
+
+
+def step_kinds(causal: bool, layout: str) -> tuple[int, ...]:
+    """The kinds of step a call can take (the branches of its ``lax.switch``)."""
+    if not causal:
+        return (FULL,)
+    if layout == "zigzag":
+        return (DIAGONAL, FULL_FIRST_KV_HALF, FULL_SECOND_Q_HALF)
+    return (NOTHING, DIAGONAL, FULL)
+
+
+def _step_kind(causal: bool, layout: str, rank, src):
+    """Index into :func:`step_kinds` of the step where ``rank`` meets ``src``'s shard."""
+    if not causal:
+        return jnp.int32(0)
+    if layout == "zigzag":
+        return jnp.where(src == rank, 0, jnp.where(src < rank, 1, 2))
+    return jnp.where(src == rank, 1, jnp.where(src < rank, 2, 0))
+
+
+def _half(x, which: int):
+    if x is None:
+        return None
+    h = x.shape[1] // 2
+    return x[:, :h] if which == 0 else x[:, h:]
+
+
+def _forward_step(blocks: RingBlocks, kind: int, axis_name, q, k, v, q_seg, kv_seg):
+    """(out [B, Sq, H, Dv] float32, lse [B, H, Sq]) of one step of kind ``kind``."""
+    batch, q_len, heads, _ = q.shape
+    if kind == NOTHING:
+        return _varying(axis_name, (jnp.zeros((batch, q_len, heads, v.shape[-1]), F32),
+                                    jnp.full((batch, heads, q_len), -jnp.inf, F32)), q)
+    if kind in (DIAGONAL, FULL):
+        out, lse = blocks.forward(q, k, v, q_seg, kv_seg, kind == DIAGONAL)
+        return out.astype(F32), lse
+    if kind == FULL_FIRST_KV_HALF:
+        out, lse = blocks.forward(q, _half(k, 0), _half(v, 0), q_seg, _half(kv_seg, 0), False)
+        return out.astype(F32), lse
+    out, lse = blocks.forward(_half(q, 1), k, v, _half(q_seg, 1), kv_seg, False)  # FULL_SECOND_Q_HALF
+    h = q_len - out.shape[1]
+    out = jnp.pad(out.astype(F32), ((0, 0), (h, 0), (0, 0), (0, 0)))
+    return out, jnp.pad(lse, ((0, 0), (0, 0), (h, 0)), constant_values=-jnp.inf)
+
+
+def _backward_step(blocks: RingBlocks, kind: int, axis_name, q, k, v, q_seg, kv_seg, out, lse, d_out):
+    """(dq, dk, dv) float32 contributions of one step of kind ``kind`` (full shapes)."""
+    if kind == NOTHING:
+        return _varying(axis_name, (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q)
+    if kind in (DIAGONAL, FULL):
+        parts = blocks.backward(q, k, v, q_seg, kv_seg, out, lse, d_out, kind == DIAGONAL)
+        return tuple(p.astype(F32) for p in parts)
+    if kind == FULL_FIRST_KV_HALF:
+        dq, dk, dv = blocks.backward(q, _half(k, 0), _half(v, 0), q_seg, _half(kv_seg, 0), out, lse, d_out, False)
+        h = k.shape[1] - dk.shape[1]
+        pad = ((0, 0), (0, h), (0, 0), (0, 0))
+        return dq.astype(F32), jnp.pad(dk.astype(F32), pad), jnp.pad(dv.astype(F32), pad)
+    h = q.shape[1] // 2  # FULL_SECOND_Q_HALF
+    dq, dk, dv = blocks.backward(_half(q, 1), k, v, _half(q_seg, 1), kv_seg, _half(out, 1), lse[:, :, h:],
+                                 _half(d_out, 1), False)
+    return jnp.pad(dq.astype(F32), ((0, 0), (q.shape[1] - dq.shape[1], 0), (0, 0), (0, 0))), dk.astype(F32), \
+        dv.astype(F32)
+
+
+def _merge(out, lse, step_out, step_lse):
+    """Two partial softmax results of the same rows, merged exactly (float32; -inf lse: nothing seen)."""
+    new = jnp.logaddexp(lse, step_lse)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    scale = lambda x: jnp.moveaxis(jnp.exp(x - safe), 1, 2)[..., None]  # noqa: E731 -- [B, H, S] -> [B, S, H, 1]
+    return out * scale(lse) + step_out * scale(step_lse), new
+
+
+def _varying(axis_name, tree, like):
+    """Fresh values (zeros) marked as varying over the ring axis, as ``like`` is under ``shard_map``'s checks,
+    so they can share a loop carry or switch branch with per-device values (no-op elsewhere, e.g. a ring
+    simulated by ``jax.vmap(..., axis_name=...)``)."""
+    if axis_name is None or axis_name not in jax.typeof(like).manual_axis_type.varying:
+        return tree
+    return jax.tree.map(lambda x: lax.pcast(x, axis_name, to="varying"), tree)
+
+
+def _rotate(axis_name, size: int, tree):
+    if axis_name is None or size == 1:
+        return tree
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+
+
+def _ring_position(axis_name):
+    if axis_name is None:
+        return 1, jnp.int32(0)
+    return lax.axis_size(axis_name), lax.axis_index(axis_name)
+
+
+def _ring_forward(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg):
+    batch, q_len, heads, _ = q.shape
+    size, rank = _ring_position(axis_name)
+    kinds = step_kinds(causal, layout)
+    out, lse = _varying(axis_name, (jnp.zeros((batch, q_len, heads, v.shape[-1]), F32),
+                                    jnp.full((batch, heads, q_len), -jnp.inf, F32)), q)
+
+    def step(carry, s):
+        out, lse, k_cur, v_cur, seg_cur = carry
+        following = _rotate(axis_name, size, (k_cur, v_cur, seg_cur))  # issued before this step's kernel
+        src = (rank - s) % size
+        branches = [functools.partial(_forward_step, blocks, kind, axis_name) for kind in kinds]
+        step_out, step_lse = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur, q_seg,
+                                        seg_cur)
+        out, lse = _merge(out, lse, step_out, step_lse)
+        return (out, lse, *following), None
+
+    (out, lse, *_), _ = lax.scan(step, (out, lse, k, v, kv_seg), jnp.arange(size))
+    return out.astype(q.dtype), lse
+
+
+def _ring_backward(blocks, causal, layout, axis_name, residuals, d_out):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    size, rank = _ring_position(axis_name)
+    kinds = step_kinds(causal, layout)
+    d_out = d_out.astype(q.dtype)
+
+    def step(carry, s):
+        dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
+        following = _rotate(axis_name, size, (k_cur, v_cur, seg_cur))
+        src = (rank - s) % size
+        branches = [functools.partial(_backward_step, blocks, kind, axis_name) for kind in kinds]
+        dq_part, dk_part, dv_part = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur,
+                                               q_seg, seg_cur, out, lse, d_out)
+        # the gradient accumulators travel with their shard: after `size` steps they are home
+        dk_cur, dv_cur = _rotate(axis_name, size, (dk_cur + dk_part, dv_cur + dv_part))
+        return (dq + dq_part, *following, dk_cur, dv_cur), None
+
+    zeros = _varying(axis_name, (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q)
+    (dq, _, _, _, dk, dv), _ = lax.scan(step, (zeros[0], k, v, kv_seg, zeros[1], zeros[2]), jnp.arange(size))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ring(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg):
+    return _ring_forward(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg)[0]
+
+
+def _ring_fwd(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg):
+    out, lse = _ring_forward(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg)
+    return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+_ring.defvjp(_ring_fwd, _ring_backward)
+
+
+def ring_attention(blocks: RingBlocks, call) -> jax.Array:
+    """``ring_attention`` of a validated :class:`~ejkernel.modules.operations.ring_attention.RingAttentionCall`
+    on ``blocks`` (see the module docstring for what the caller must have refused)."""
+    return _ring(blocks, bool(call.causal), call.sequence_layout, call.axis_name, call.query, call.key, call.value,
+                 call.q_segment_ids, call.kv_segment_ids)
