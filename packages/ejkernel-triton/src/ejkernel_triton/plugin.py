@@ -30,6 +30,7 @@ IMPLEMENTATIONS: dict[str, str] = {
     "blocksparse_attention": "ejkernel_triton.blocksparse_attention:IMPLEMENTATION",
     "mean_pooling": "ejkernel_triton.mean_pooling:IMPLEMENTATION",
     "ragged_page_attention": "ejkernel_triton.ragged_page_attention:IMPLEMENTATION",
+    "ring_attention": "ejkernel_triton.ring_attention:IMPLEMENTATION",
 }
 
 

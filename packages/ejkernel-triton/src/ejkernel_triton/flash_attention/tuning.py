@@ -189,10 +189,14 @@ def tma_forward_applies(call: FlashAttentionCall) -> bool:
     2.97 ms against 2.62 ms at S=8k), dense batches, no mask (causal, window, segment ids) and no dropout.
     It runs when the config's forward blocks fit the call too (:meth:`TritonFlashConfig.fits_tma_forward`).
     Triton's interpreter runs it when EJKERNEL_TRITON_COMPUTE_CAPABILITY names a Hopper (the CPU tests)."""
-    return (not call.masked and not call.dropout_prob
-            and jnp.dtype(call.query.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and call.query.shape[-1] == call.value.shape[-1] == 128
-            and launch.target_compute_capability() >= 90 and launch.available())
+    return not call.dropout_prob and tma_forward_takes(call.query.dtype, call.query.shape[-1], call.value.shape[-1],
+                                                        masked=call.masked)
+
+
+def tma_forward_takes(dtype, head_dim: int, v_head_dim: int, *, masked: bool) -> bool:
+    """:func:`tma_forward_applies` from the facts it reads (also for ring attention's local blocks)."""
+    return (not masked and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim == v_head_dim == 128 and launch.target_compute_capability() >= 90 and launch.available())
 
 
 def tma_blocks_fit(call: FlashAttentionCall) -> bool:

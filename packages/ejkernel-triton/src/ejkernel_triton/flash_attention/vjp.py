@@ -18,7 +18,7 @@ from ejkernel_triton.flash_attention.backward import run_backward
 from ejkernel_triton.flash_attention.common import LOG2E, StaticParams
 from ejkernel_triton.flash_attention.forward import run_forward
 
-__all__ = ["attention", "fold_batch_rule", "sink_gradient"]  # fold_batch_rule: re-exported (block-sparse, mean pooling)
+__all__ = ["attention", "fold_batch_rule", "kernel_calls", "sink_gradient"]  # fold_batch_rule: re-exported (block-sparse, mean pooling)
 
 
 def sink_gradient(aux, lse, delta):
@@ -30,7 +30,7 @@ def sink_gradient(aux, lse, delta):
 
 
 @functools.lru_cache(maxsize=None)
-def _batched_calls(st: StaticParams):
+def kernel_calls(st: StaticParams):
     """The forward and backward kernel calls for `st`, each with its vmap rule."""
 
     foldable = st.dropout_threshold == 0
@@ -56,14 +56,14 @@ def attention(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: StaticParams):
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, st: StaticParams):
-    fwd, _ = _batched_calls(st)
+    fwd, _ = kernel_calls(st)
     out, lse = fwd(q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed)
     return out, (q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse)
 
 
 def _attention_bwd(st: StaticParams, res, d_out):
     q, k, v, q_seg, kv_seg, cu_q, cu_k, aux, seed, out, lse = res
-    _, bwd = _batched_calls(st)
+    _, bwd = kernel_calls(st)
     d_out = d_out.astype(q.dtype)
     # delta_i = <dO_i, O_i> = sum_j P_ij dP_ij comes back with the gradients (the sinks' need it).
     dq, dk, dv, delta = bwd(q, k, v, d_out, lse, out, q_seg, kv_seg, cu_q, cu_k, seed)

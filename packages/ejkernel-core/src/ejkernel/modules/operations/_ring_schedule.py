@@ -135,15 +135,13 @@ def _rotate(axis_name, size: int, tree):
     return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
-def _ring_position(axis_name):
-    if axis_name is None:
-        return 1, jnp.int32(0)
-    return lax.axis_size(axis_name), lax.axis_index(axis_name)
+def _rank(axis_name):
+    return jnp.int32(0) if axis_name is None else lax.axis_index(axis_name)
 
 
-def _ring_forward(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg):
+def _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_seg):
     batch, q_len, heads, _ = q.shape
-    size, rank = _ring_position(axis_name)
+    rank = _rank(axis_name)
     kinds = step_kinds(causal, layout)
     out, lse = _varying(axis_name, (jnp.zeros((batch, q_len, heads, v.shape[-1]), F32),
                                     jnp.full((batch, heads, q_len), -jnp.inf, F32)), q)
@@ -162,9 +160,9 @@ def _ring_forward(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg):
     return out.astype(q.dtype), lse
 
 
-def _ring_backward(blocks, causal, layout, axis_name, residuals, d_out):
+def _ring_backward(blocks, causal, layout, axis_name, size, residuals, d_out):
     q, k, v, q_seg, kv_seg, out, lse = residuals
-    size, rank = _ring_position(axis_name)
+    rank = _rank(axis_name)
     kinds = step_kinds(causal, layout)
     d_out = d_out.astype(q.dtype)
 
@@ -184,13 +182,15 @@ def _ring_backward(blocks, causal, layout, axis_name, residuals, d_out):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg):
-    return _ring_forward(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg)[0]
+# `size` (the ring's length) is read outside: lax.axis_size cannot run in a custom VJP's backward under
+# jax.vmap(axis_name=...) (a ring simulated on one device), axis_index and ppermute can.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _ring(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_seg):
+    return _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_seg)[0]
 
 
-def _ring_fwd(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg):
-    out, lse = _ring_forward(blocks, causal, layout, axis_name, q, k, v, q_seg, kv_seg)
+def _ring_fwd(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_seg):
+    out, lse = _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_seg)
     return out, (q, k, v, q_seg, kv_seg, out, lse)
 
 
@@ -200,5 +200,6 @@ _ring.defvjp(_ring_fwd, _ring_backward)
 def ring_attention(blocks: RingBlocks, call) -> jax.Array:
     """``ring_attention`` of a validated :class:`~ejkernel.modules.operations.ring_attention.RingAttentionCall`
     on ``blocks`` (see the module docstring for what the caller must have refused)."""
-    return _ring(blocks, bool(call.causal), call.sequence_layout, call.axis_name, call.query, call.key, call.value,
-                 call.q_segment_ids, call.kv_segment_ids)
+    size = 1 if call.axis_name is None else int(lax.axis_size(call.axis_name))
+    return _ring(blocks, bool(call.causal), call.sequence_layout, call.axis_name, size, call.query, call.key,
+                 call.value, call.q_segment_ids, call.kv_segment_ids)

@@ -1,0 +1,153 @@
+"""Triton ``ring_attention`` (the shared ring schedule on the Triton flash kernels).
+
+CPU: refusals, registration, the blocks' forward and backward lowered for sm_90. GPU (``-m gpu``, on the
+device): the schedule's contract on the kernels (two kv halves merged by log-sum-exp, each half's backward
+from the merged output and lse, against flash attention on the whole sequence) and a one-GPU ring through
+the dispatcher. The schedule itself (every step kind, 8 devices) is checked with plain jnp blocks in
+ejkernel-core's test_ring_schedule.py: a ring of several devices on the Triton kernels needs several GPUs
+(``benchmarks/ring_scaling.py``, not run: no multi-GPU machine was lent).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel import UnsupportedFeature
+from ejkernel.modules import flash_attention
+from ejkernel.modules.operations.ring_attention import RingAttention
+from ejkernel.testing.numerics import assert_close, normal_array
+from ejkernel_triton import launch, plugin
+from ejkernel_triton.ring_attention import IMPLEMENTATION
+
+AXIS = "sp"
+CUDA_LOWERING = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None
+                                   and importlib.util.find_spec("jax_cuda13_plugin") is None,
+                                   reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
+
+
+def _call(**kw):
+    q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((1, kw.pop("kv_len", 128), 2, 64), jnp.bfloat16)
+    return RingAttention().validate(q, k, k, **kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(sliding_window=16), "sliding_window"),
+    (dict(softmax_aux=jnp.zeros((4,))), "softmax_aux"),
+    (dict(causal=True, kv_len=64), "causal with local query length"),
+])
+def test_refuses_what_the_xla_ring_takes(kw, match):
+    with pytest.raises(UnsupportedFeature, match=match):
+        IMPLEMENTATION.supports(_call(**kw))
+
+
+def test_registered_for_ring_attention():
+    assert plugin.IMPLEMENTATIONS["ring_attention"] == "ejkernel_triton.ring_attention:IMPLEMENTATION"
+    IMPLEMENTATION.supports(_call(causal=True, sequence_layout="zigzag"))
+
+
+def _halves_merged(blocks, q, k, v, do, seg):
+    """Two kv halves through the blocks, merged by the ring schedule's rule, then each half's backward from
+    the merged output and log-sum-exp (what a 2-step ring does): (out, dq, dk, dv)."""
+    from ejkernel.modules.operations._ring_schedule import _merge
+
+    h = k.shape[1] // 2
+    halves = [(k[:, :h], v[:, :h], None if seg is None else seg[:, :h]),
+              (k[:, h:], v[:, h:], None if seg is None else seg[:, h:])]
+    out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
+    lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+    for kh, vh, sh in halves:
+        part, part_lse = blocks.forward(q, kh, vh, seg, sh, False)
+        out, lse = _merge(out, lse, part.astype(jnp.float32), part_lse)
+    out = out.astype(q.dtype)
+    parts = [blocks.backward(q, kh, vh, seg, sh, out, lse, do, False) for kh, vh, sh in halves]
+    dq = sum(p[0].astype(jnp.float32) for p in parts)
+    return out, dq, jnp.concatenate([p[1] for p in parts], 1), jnp.concatenate([p[2] for p in parts], 1)
+
+
+@CUDA_LOWERING
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_compile_for_sm90(monkeypatch, causal):
+    """The blocks' forward and backward (kernel calls, lse conversions) lowered for sm_90."""
+    from ejkernel_triton.ring_attention import TritonRingBlocks
+
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
+    call = _call(causal=causal, kv_len=128)
+    blocks = TritonRingBlocks(IMPLEMENTATION.heuristic_config(call), call.softmax_scale, 0.0, False)
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+
+    def step(q, k, v):
+        out, lse = blocks.forward(q, k, v, None, None, causal)
+        return blocks.backward(q, k, v, None, None, out, lse, out, causal)
+
+    text = jax.jit(step).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton_kernel_call") >= 3  # forward, dK/dV, dQ
+
+
+def gpu_test(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")(fn))
+
+
+@gpu_test
+@pytest.mark.parametrize("segments", [False, True], ids=["", "segments"])
+@pytest.mark.parametrize("softcap", [None, 20.0], ids=["", "softcap"])
+def test_blocks_merge_exactly_on_the_gpu(segments, softcap):
+    """The ring schedule's contract on the Triton kernels: two kv halves merged by their log-sum-exps, and
+    each half's backward from the merged output and lse, equal flash attention over the whole sequence
+    (bf16, GQA 4:2, D=128, 1024 tokens)."""
+    from ejkernel_triton.ring_attention import TritonRingBlocks
+
+    b, s, h, hkv, d = 2, 1024, 4, 2, 128
+    q, k, v, do = (normal_array(i, shape, "bfloat16") for i, shape in
+                   enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]))
+    seg = None
+    if segments:
+        seg = jnp.asarray(np.broadcast_to(np.minimum(np.arange(s) * 3 // s, 2), (b, s)), jnp.int32)
+    call = RingAttention().validate(q, k, v, seg, seg, logits_soft_cap=softcap)
+    blocks = TritonRingBlocks(IMPLEMENTATION.heuristic_config(call), call.softmax_scale, softcap or 0.0, False)
+    got = jax.jit(lambda: _halves_merged(blocks, q, k, v, do, seg))()
+
+    def flash(q, k, v):
+        return flash_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, logits_soft_cap=softcap,
+                               platform="triton")
+
+    out, pullback = jax.vjp(flash, q, k, v)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, (out, *pullback(do))):
+        assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
+
+
+
+@gpu_test
+@pytest.mark.parametrize("layout,causal", [("contiguous", False), ("contiguous", True), ("zigzag", True)])
+def test_one_gpu_ring_matches_flash_attention(layout, causal):
+    """ring_attention(platform="triton") under shard_map on a one-GPU mesh (the diagonal / full steps)."""
+    from jax.sharding import PartitionSpec as P
+
+    from ejkernel.modules import ring_attention
+
+    b, s, h, hkv, d = 1, 2048, 8, 2, 128
+    q, k, v, do = (normal_array(i, shape, "bfloat16") for i, shape in
+                   enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]))
+    mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    spec = P(None, AXIS)
+
+    def ring(q, k, v):
+        local = lambda q, k, v: ring_attention(q, k, v, causal=causal, axis_name=AXIS,  # noqa: E731
+                                               sequence_layout=layout, platform="triton")
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
+
+    def flash(q, k, v):
+        return flash_attention(q, k, v, causal=causal, platform="triton")
+
+    results = []
+    for fn in (ring, flash):
+        out, pullback = jax.vjp(fn, q, k, v)
+        results.append((out, *pullback(do)))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), *results):
+        assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
