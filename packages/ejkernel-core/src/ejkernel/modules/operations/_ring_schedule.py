@@ -120,12 +120,23 @@ def _merge(out, lse, step_out, step_lse):
 
 
 def _varying(axis_name, tree, like):
-    """Fresh values (zeros) marked as varying over the ring axis, as ``like`` is under ``shard_map``'s checks,
-    so they can share a loop carry or switch branch with per-device values (no-op elsewhere, e.g. a ring
-    simulated by ``jax.vmap(..., axis_name=...)``)."""
+    """Values marked as varying over the ring axis where ``like`` is (under ``shard_map``'s checks) and they
+    are not: fresh zeros, and kernel outputs (a jax-triton call's results carry no such mark), so every
+    switch branch and loop carry agrees. A no-op outside ``shard_map``."""
     if axis_name is None or axis_name not in jax.typeof(like).manual_axis_type.varying:
         return tree
-    return jax.tree.map(lambda x: lax.pcast(x, axis_name, to="varying"), tree)
+
+    def mark(x):
+        if axis_name in jax.typeof(x).manual_axis_type.varying:
+            return x
+        return lax.pcast(x, axis_name, to="varying")
+
+    return jax.tree.map(mark, tree)
+
+
+def _marked(axis_name, branch):
+    """``branch`` with its outputs marked varying like its first operand (the local queries)."""
+    return lambda *operands: _varying(axis_name, branch(*operands), operands[0])
 
 
 def _rotate(axis_name, size: int, tree):
@@ -150,7 +161,7 @@ def _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_se
         out, lse, k_cur, v_cur, seg_cur = carry
         following = _rotate(axis_name, size, (k_cur, v_cur, seg_cur))  # issued before this step's kernel
         src = (rank - s) % size
-        branches = [functools.partial(_forward_step, blocks, kind, axis_name) for kind in kinds]
+        branches = [_marked(axis_name, functools.partial(_forward_step, blocks, kind, axis_name)) for kind in kinds]
         step_out, step_lse = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur, q_seg,
                                         seg_cur)
         out, lse = _merge(out, lse, step_out, step_lse)
@@ -170,7 +181,7 @@ def _ring_backward(blocks, causal, layout, axis_name, size, residuals, d_out):
         dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
         following = _rotate(axis_name, size, (k_cur, v_cur, seg_cur))
         src = (rank - s) % size
-        branches = [functools.partial(_backward_step, blocks, kind, axis_name) for kind in kinds]
+        branches = [_marked(axis_name, functools.partial(_backward_step, blocks, kind, axis_name)) for kind in kinds]
         dq_part, dk_part, dv_part = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur,
                                                q_seg, seg_cur, out, lse, d_out)
         # the gradient accumulators travel with their shard: after `size` steps they are home
