@@ -151,3 +151,29 @@ def test_one_gpu_ring_matches_flash_attention(layout, causal):
         results.append((out, *pullback(do)))
     for name, g, w in zip(("out", "dq", "dk", "dv"), *results):
         assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
+
+
+@CUDA_LOWERING
+@pytest.mark.parametrize("layout,causal", [("contiguous", False), ("contiguous", True), ("zigzag", True)])
+def test_one_device_ring_compiles_for_sm90(monkeypatch, layout, causal):
+    """The whole ring under shard_map (one-device mesh) with its gradients, lowered for sm_90: the step
+    branches' types agree although the kernels' results carry no varying-axis mark (caught on the H200
+    before the schedule marked them)."""
+    from jax.sharding import PartitionSpec as P
+
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
+    mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    spec = P(None, AXIS)
+
+    def local(q, k, v):
+        call = RingAttention().validate(q, k, v, causal=causal, axis_name=AXIS, sequence_layout=layout)
+        return IMPLEMENTATION(call, IMPLEMENTATION.heuristic_config(call))
+
+    def loss(q, k, v):
+        ring = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+        return ring(q, k, v).astype(jnp.float32).sum()
+
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton_kernel_call") >= 3
