@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations._ring_schedule import rotate as _rotate
 from ejkernel.modules.operations.ring_attention import RingAttentionCall, ring_token_positions
 from ejkernel_xla._blockwise import (
     AttentionParams,
@@ -136,13 +137,6 @@ def _layout(axis_name, q, k):
     q_len, kv_len = q.shape[1], k.shape[1]
     offset = size * kv_len - size * q_len  # bottom-right alignment on the global lengths
     return size, rank, offset
-
-
-def _rotate(axis_name, size, tree):
-    if axis_name is None or size == 1:
-        return tree
-    perm = [(i, (i + 1) % size) for i in range(size)]
-    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
 def _ring_forward(params, blocks, axis_name, layout, q, k, v, q_seg, kv_seg, aux):

@@ -139,7 +139,9 @@ def _marked(axis_name, branch):
     return lambda *operands: _varying(axis_name, branch(*operands), operands[0])
 
 
-def _rotate(axis_name, size: int, tree):
+def rotate(axis_name, size: int, tree):
+    """Every leaf of ``tree`` one device further round the ring (``ppermute`` r -> r + 1; shared with the XLA
+    ring)."""
     if axis_name is None or size == 1:
         return tree
     perm = [(i, (i + 1) % size) for i in range(size)]
@@ -159,7 +161,7 @@ def _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_se
 
     def step(carry, s):
         out, lse, k_cur, v_cur, seg_cur = carry
-        following = _rotate(axis_name, size, (k_cur, v_cur, seg_cur))  # issued before this step's kernel
+        following = rotate(axis_name, size, (k_cur, v_cur, seg_cur))  # issued before this step's kernel
         src = (rank - s) % size
         branches = [_marked(axis_name, functools.partial(_forward_step, blocks, kind, axis_name)) for kind in kinds]
         step_out, step_lse = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur, q_seg,
@@ -179,13 +181,13 @@ def _ring_backward(blocks, causal, layout, axis_name, size, residuals, d_out):
 
     def step(carry, s):
         dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
-        following = _rotate(axis_name, size, (k_cur, v_cur, seg_cur))
+        following = rotate(axis_name, size, (k_cur, v_cur, seg_cur))
         src = (rank - s) % size
         branches = [_marked(axis_name, functools.partial(_backward_step, blocks, kind, axis_name)) for kind in kinds]
         dq_part, dk_part, dv_part = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur,
                                                q_seg, seg_cur, out, lse, d_out)
         # the gradient accumulators travel with their shard: after `size` steps they are home
-        dk_cur, dv_cur = _rotate(axis_name, size, (dk_cur + dk_part, dv_cur + dv_part))
+        dk_cur, dv_cur = rotate(axis_name, size, (dk_cur + dk_part, dv_cur + dv_part))
         return (dq + dq_part, *following, dk_cur, dv_cur), None
 
     zeros = _varying(axis_name, (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q)
