@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytest.importorskip("mkdocstrings_handlers.python", reason="the docs site needs the workspace's dev dependencies")
 
 # public functions of ejkernel.modules that are helpers, not operations (no page of their own)
-NOT_OPERATIONS = ("create_default_executor", "detect_platform", "causal_block_mask", "local_block_mask", "chunked_block_mask")
+from ejkernel.modules import HELPERS as NOT_OPERATIONS  # noqa: E402
 
 
 def _hooks():

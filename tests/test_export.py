@@ -200,8 +200,7 @@ UNSTABLE_CUSTOM_CALLS = {
 
 def _public_operations() -> list[set[str]]:
     """The names of each public operation (aliases such as ``flash_mla`` name the same function)."""
-    helpers = {"create_default_executor", "detect_platform", "causal_block_mask", "local_block_mask", "chunked_block_mask",
-               "zigzag_shard", "zigzag_unshard"}
+    helpers = set(modules.HELPERS)
     names: dict[int, set[str]] = {}
     for name in modules.__all__:
         value = getattr(modules, name)

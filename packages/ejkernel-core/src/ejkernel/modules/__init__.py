@@ -69,6 +69,10 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
+HELPERS = ("create_default_executor", "detect_platform", "causal_block_mask", "local_block_mask",
+           "chunked_block_mask", "zigzag_shard", "zigzag_unshard")
+"""The public functions that are not operations (no registry entry, no page of their own, no export case)."""
+
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
