@@ -74,12 +74,11 @@ def _half(x, which: int):
     return x[:, :h] if which == 0 else x[:, h:]
 
 
-def _forward_step(blocks: RingBlocks, kind: int, axis_name, q, k, v, q_seg, kv_seg):
+def _forward_step(blocks: RingBlocks, kind: int, q, k, v, q_seg, kv_seg):
     """(out [B, Sq, H, Dv] float32, lse [B, H, Sq]) of one step of kind ``kind``."""
     batch, q_len, heads, _ = q.shape
     if kind == NOTHING:
-        return _varying(axis_name, (jnp.zeros((batch, q_len, heads, v.shape[-1]), F32),
-                                    jnp.full((batch, heads, q_len), -jnp.inf, F32)), q)
+        return jnp.zeros((batch, q_len, heads, v.shape[-1]), F32), jnp.full((batch, heads, q_len), -jnp.inf, F32)
     if kind in (DIAGONAL, FULL):
         out, lse = blocks.forward(q, k, v, q_seg, kv_seg, kind == DIAGONAL)
         return out.astype(F32), lse
@@ -92,10 +91,10 @@ def _forward_step(blocks: RingBlocks, kind: int, axis_name, q, k, v, q_seg, kv_s
     return out, jnp.pad(lse, ((0, 0), (0, 0), (h, 0)), constant_values=-jnp.inf)
 
 
-def _backward_step(blocks: RingBlocks, kind: int, axis_name, q, k, v, q_seg, kv_seg, out, lse, d_out):
+def _backward_step(blocks: RingBlocks, kind: int, q, k, v, q_seg, kv_seg, out, lse, d_out):
     """(dq, dk, dv) float32 contributions of one step of kind ``kind`` (full shapes)."""
     if kind == NOTHING:
-        return _varying(axis_name, (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q)
+        return jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)
     if kind in (DIAGONAL, FULL):
         parts = blocks.backward(q, k, v, q_seg, kv_seg, out, lse, d_out, kind == DIAGONAL)
         return tuple(p.astype(F32) for p in parts)
@@ -163,7 +162,7 @@ def _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_se
         out, lse, k_cur, v_cur, seg_cur = carry
         following = rotate(axis_name, size, (k_cur, v_cur, seg_cur))  # issued before this step's kernel
         src = (rank - s) % size
-        branches = [_marked(axis_name, functools.partial(_forward_step, blocks, kind, axis_name)) for kind in kinds]
+        branches = [_marked(axis_name, functools.partial(_forward_step, blocks, kind)) for kind in kinds]
         step_out, step_lse = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur, q_seg,
                                         seg_cur)
         out, lse = _merge(out, lse, step_out, step_lse)
@@ -183,7 +182,7 @@ def _ring_backward(blocks, causal, layout, axis_name, size, residuals, d_out):
         dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
         following = rotate(axis_name, size, (k_cur, v_cur, seg_cur))
         src = (rank - s) % size
-        branches = [_marked(axis_name, functools.partial(_backward_step, blocks, kind, axis_name)) for kind in kinds]
+        branches = [_marked(axis_name, functools.partial(_backward_step, blocks, kind)) for kind in kinds]
         dq_part, dk_part, dv_part = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur,
                                                q_seg, seg_cur, out, lse, d_out)
         # the gradient accumulators travel with their shard: after `size` steps they are home
