@@ -23,6 +23,8 @@ from jax import lax
 from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.modules.operations._ring_schedule import rotate as _rotate
+from ejkernel.modules.operations._ring_schedule import summed_like, varying_like
 from ejkernel.modules.operations.ring_attention import RingAttentionCall
 
 from ejkernel_pallas import tpu_flash_attention as tpu
@@ -43,20 +45,6 @@ def _ring_position(axis_name):
     return lax.axis_size(axis_name), lax.axis_index(axis_name).astype(jnp.int32)
 
 
-def _varying(axis_name, tree):
-    """Fresh zeros are device-invariant; shard_map's type checks want loop carries marked as varying."""
-    if axis_name is None:
-        return tree
-    return jax.tree.map(lambda x: lax.pcast(x, axis_name, to="varying"), tree)
-
-
-def _rotate(axis_name, size, tree):
-    if axis_name is None or size == 1:
-        return tree
-    perm = [(i, (i + 1) % size) for i in range(size)]
-    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
-
-
 def _merge(o_a, lse_a, o_b, lse_b):
     lse = jnp.logaddexp(lse_a, lse_b)
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
@@ -71,9 +59,9 @@ def _forward(rs: _RingStatic, q, k, v, q_seg, kv_seg, aux):
     sq, skv = q.shape[1], k.shape[1]
     q_len, kv_len = size * sq, size * skv
     batch, _, heads, _ = q.shape
-    o, lse = _varying(rs.axis_name, (
+    o, lse = varying_like((
         jnp.zeros((batch, sq, heads, v.shape[3]), jnp.float32), jnp.full((batch, heads, sq), -jnp.inf, jnp.float32)
-    ))
+    ), q)
 
     def step(s, carry):
         o, lse, k_cur, v_cur, seg_cur = carry
@@ -128,8 +116,8 @@ def _backward(rs, residuals, d_out):
         )
         return dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur
 
-    zeros = _varying(rs.axis_name, (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-                                    jnp.zeros(v.shape, jnp.float32)))
+    zeros = varying_like((jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+                          jnp.zeros(v.shape, jnp.float32)), q)
     init = (zeros[0], k, v, kv_seg, zeros[1], zeros[2])
     dq, _, _, _, dk, dv = lax.fori_loop(0, size, step, init)
     d_aux = None
@@ -137,8 +125,7 @@ def _backward(rs, residuals, d_out):
         finite = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
         p_sink = jnp.exp(aux.astype(jnp.float32)[None, :, None, :] - finite[..., None])  # [B, H, Sq, K]
         d_aux = -jnp.sum(p_sink * delta[..., None], axis=(0, 2))
-        if rs.axis_name is not None:
-            d_aux = lax.psum(d_aux, rs.axis_name)
+        d_aux = summed_like(d_aux, aux, rs.axis_name)
         d_aux = d_aux.astype(aux.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_aux
 

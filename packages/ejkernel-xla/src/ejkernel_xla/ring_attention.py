@@ -20,6 +20,7 @@ from jax import lax
 
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations._ring_schedule import rotate as _rotate
+from ejkernel.modules.operations._ring_schedule import summed_like, varying_like
 from ejkernel.modules.operations.ring_attention import RingAttentionCall, ring_token_positions
 from ejkernel_xla._blockwise import (
     AttentionParams,
@@ -42,14 +43,6 @@ def _ring_position(axis_name):
     if axis_name is None:
         return 1, jnp.int32(0)
     return lax.axis_size(axis_name), lax.axis_index(axis_name)
-
-
-def _varying(axis_name, tree):
-    """Mark values that are the same on every device (fresh zeros, sink terms) as device-varying, so
-    they can share a loop carry / cond branch with per-device values under shard_map's type checks."""
-    if axis_name is None:
-        return tree
-    return jax.tree.map(lambda x: lax.pcast(x, axis_name, to="varying"), tree)
 
 
 def _tokens(layout: str, rank, size: int, length: int, offset, segment):
@@ -122,12 +115,12 @@ def _step_backward(params, blocks: BlockSizes, axis_name, q, k, v, d_out, lse, d
             dq, dk, dv, _ = backward_block(q_b, k_b, v_b, do_b, lse_b, delta_b, qt_b, kt_b, params)
             return (carry[0] + dk, carry[1] + dv), dq_b + dq
 
-        init = _varying(axis_name, (jnp.zeros(k_b.shape, F32), jnp.zeros(v_b.shape, F32)))
+        init = varying_like((jnp.zeros(k_b.shape, F32), jnp.zeros(v_b.shape, F32)), q)
         (dk_b, dv_b), dq_all = lax.scan(q_step, init, (qb, dob, lseb, deltab, qtb, dq_all))
         return dq_all, (dk_b, dv_b)
 
     xs = (_blocks(k, nk, blocks.bwd_kv), _blocks(v, nk, blocks.bwd_kv), _token_blocks(kv_tok, nk, blocks.bwd_kv))
-    dq_all, (dk, dv) = lax.scan(one_kv_block, _varying(axis_name, jnp.zeros(qb.shape, F32)), xs)
+    dq_all, (dk, dv) = lax.scan(one_kv_block, varying_like(jnp.zeros(qb.shape, F32), q), xs)
     return _unblock(dq_all, q_len), _unblock(dk, kv_len), _unblock(dv, kv_len)
 
 
@@ -144,8 +137,8 @@ def _ring_forward(params, blocks, axis_name, layout, q, k, v, q_seg, kv_seg, aux
     kv_len = k.shape[1]
     size, rank, offset = _layout(axis_name, q, k)
     q_tok = _tokens(layout, rank, size, q_len, offset, q_seg)
-    out, lse = _varying(axis_name, (jnp.zeros((batch, q_len, num_heads, v.shape[-1]), F32),
-                                    sink_lse(aux, batch, num_heads, q_len)))
+    out, lse = varying_like((jnp.zeros((batch, q_len, num_heads, v.shape[-1]), F32),
+                             sink_lse(aux, batch, num_heads, q_len)), q)
 
     def step(carry, s):
         out, lse, k_cur, v_cur, seg_cur = carry
@@ -196,7 +189,7 @@ def _ring_backward(params, blocks, axis_name, layout, res, d_out):
         dq_part, dk_part, dv_part = lax.cond(
             visible,
             lambda: _step_backward(params, blocks, axis_name, q, k_cur, v_cur, d_out, lse, delta, q_tok, kv_tok),
-            lambda: _varying(axis_name, (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))),
+            lambda: varying_like((jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q),
         )
         # the gradient accumulators travel with their shard: after `size` steps they are home
         k_cur, v_cur, seg_cur, dk_cur, dv_cur = _rotate(
@@ -204,7 +197,7 @@ def _ring_backward(params, blocks, axis_name, layout, res, d_out):
         )
         return (dq + dq_part, k_cur, v_cur, seg_cur, dk_cur, dv_cur), None
 
-    zeros = _varying(axis_name, (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)))
+    zeros = varying_like((jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q)
     init = (zeros[0], k, v, kv_seg, zeros[1], zeros[2])
     (dq, _, _, _, dk, dv), _ = lax.scan(step, init, jnp.arange(size))
     d_aux = None
@@ -213,8 +206,7 @@ def _ring_backward(params, blocks, axis_name, layout, res, d_out):
         aux2 = aux.astype(F32)[:, None] if aux.ndim == 1 else aux.astype(F32)
         lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
         d_aux = -jnp.einsum("bhqk,bhq->hk", jnp.exp(aux2[None, :, None, :] - lse_safe[..., None]), delta)
-        if axis_name is not None:
-            d_aux = lax.psum(d_aux, axis_name)  # aux is replicated: its gradient sums every device's rows
+        d_aux = summed_like(d_aux, aux, axis_name)  # aux is replicated: its gradient sums every device's rows
         d_aux = d_aux.reshape(aux.shape).astype(aux.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_aux
 

@@ -118,24 +118,36 @@ def _merge(out, lse, step_out, step_lse):
     return out * scale(lse) + step_out * scale(step_lse), new
 
 
-def _varying(axis_name, tree, like):
-    """Values marked as varying over the ring axis where ``like`` is (under ``shard_map``'s checks) and they
-    are not: fresh zeros, and kernel outputs (a jax-triton call's results carry no such mark), so every
-    switch branch and loop carry agrees. A no-op outside ``shard_map``."""
-    if axis_name is None or axis_name not in jax.typeof(like).manual_axis_type.varying:
+def varying_like(tree, like):
+    """``tree``'s leaves marked as varying over every manual mesh axis ``like`` varies over (under
+    ``shard_map``'s checks), where they are not: fresh zeros, replicated values (sinks), and kernel outputs
+    (a jax-triton call's results carry no mark), so loop carries and switch/cond branches agree. The ring
+    axis and any other (a data axis sharding the batch) alike; a no-op outside ``shard_map``. Shared by
+    every ring."""
+    axes = tuple(jax.typeof(like).manual_axis_type.varying)
+    if not axes:
         return tree
 
     def mark(x):
-        if axis_name in jax.typeof(x).manual_axis_type.varying:
-            return x
-        return lax.pcast(x, axis_name, to="varying")
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(mark, tree)
 
 
-def _marked(axis_name, branch):
+def summed_like(grad, primal, axis_name):
+    """The gradient of a value replicated over the ring (sinks), summed over every device whose rows fed it:
+    the ring's axis and any other manual axis the gradient varies over and ``primal`` does not (a data axis
+    sharding the batch). Shared by the rings that take sinks."""
+    axes = set(jax.typeof(grad).manual_axis_type.varying) - set(jax.typeof(primal).manual_axis_type.varying)
+    if axis_name is not None:
+        axes.add(axis_name)
+    return lax.psum(grad, tuple(sorted(axes))) if axes else grad
+
+
+def _marked(branch):
     """``branch`` with its outputs marked varying like its first operand (the local queries)."""
-    return lambda *operands: _varying(axis_name, branch(*operands), operands[0])
+    return lambda *operands: varying_like(branch(*operands), operands[0])
 
 
 def rotate(axis_name, size: int, tree):
@@ -155,14 +167,14 @@ def _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_se
     batch, q_len, heads, _ = q.shape
     rank = _rank(axis_name)
     kinds = step_kinds(causal, layout)
-    out, lse = _varying(axis_name, (jnp.zeros((batch, q_len, heads, v.shape[-1]), F32),
-                                    jnp.full((batch, heads, q_len), -jnp.inf, F32)), q)
+    out, lse = varying_like((jnp.zeros((batch, q_len, heads, v.shape[-1]), F32),
+                             jnp.full((batch, heads, q_len), -jnp.inf, F32)), q)
 
     def step(carry, s):
         out, lse, k_cur, v_cur, seg_cur = carry
         following = rotate(axis_name, size, (k_cur, v_cur, seg_cur))  # issued before this step's kernel
         src = (rank - s) % size
-        branches = [_marked(axis_name, functools.partial(_forward_step, blocks, kind)) for kind in kinds]
+        branches = [_marked(functools.partial(_forward_step, blocks, kind)) for kind in kinds]
         step_out, step_lse = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur, q_seg,
                                         seg_cur)
         out, lse = _merge(out, lse, step_out, step_lse)
@@ -182,14 +194,14 @@ def _ring_backward(blocks, causal, layout, axis_name, size, residuals, d_out):
         dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
         following = rotate(axis_name, size, (k_cur, v_cur, seg_cur))
         src = (rank - s) % size
-        branches = [_marked(axis_name, functools.partial(_backward_step, blocks, kind)) for kind in kinds]
+        branches = [_marked(functools.partial(_backward_step, blocks, kind)) for kind in kinds]
         dq_part, dk_part, dv_part = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur,
                                                q_seg, seg_cur, out, lse, d_out)
         # the gradient accumulators travel with their shard: after `size` steps they are home
         dk_cur, dv_cur = rotate(axis_name, size, (dk_cur + dk_part, dv_cur + dv_part))
         return (dq + dq_part, *following, dk_cur, dv_cur), None
 
-    zeros = _varying(axis_name, (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q)
+    zeros = varying_like((jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q)
     (dq, _, _, _, dk, dv), _ = lax.scan(step, (zeros[0], k, v, kv_seg, zeros[1], zeros[2]), jnp.arange(size))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
