@@ -110,6 +110,10 @@ class AttentionSuiteBase:
     verify_reference: ClassVar[bool] = True
     """Run the suite's check of its own reference (backend-independent: one backend's suite running it is
     enough; the XLA backend's does)."""
+    input_dtype: ClassVar[Any] = None
+    """Half-precision-only backends (cuDNN) set ``jnp.bfloat16``: every float32 input the suite makes is cast
+    to it before the call (the reference sees the rounded values, tolerances follow the dtype), so each
+    test exercises the backend instead of being refused."""
 
     # ---- to define in each suite ------------------------------------------------------------------
     public_name: ClassVar[str]
@@ -154,7 +158,7 @@ class AttentionSuiteBase:
 
     # ---- tests every attention suite runs -----------------------------------------------------------
     def test_jit_matches_eager(self):
-        inputs = attention_inputs(21, batch=1, q_len=37, num_heads=2, head_dim=32)
+        inputs = self.in_input_dtype(attention_inputs(21, batch=1, q_len=37, num_heads=2, head_dim=32))
         with self.maybe_unsupported():
             eager = self.operation(**inputs, causal=True)
             jitted = self.jit(lambda q, k, v: self.operation(query=q, key=k, value=v, causal=True))(
@@ -163,6 +167,13 @@ class AttentionSuiteBase:
         np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)
 
     # ---- helpers ----------------------------------------------------------------------------------
+    def in_input_dtype(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """``inputs`` with float32 arrays cast to :attr:`input_dtype` (unchanged when it is None)."""
+        if self.input_dtype is None:
+            return dict(inputs)
+        return {k: v.astype(self.input_dtype) if getattr(v, "dtype", None) == jnp.float32 else v
+                for k, v in inputs.items()}
+
     def jit(self, fn: Callable, **kwargs: Any) -> Callable:
         """``jax.jit`` with the suite's ``compiler_options`` (every compiled check goes through it)."""
         return jax.jit(fn, compiler_options=dict(self.compiler_options or {}) or None, **kwargs)
@@ -188,6 +199,7 @@ class AttentionSuiteBase:
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Run the operation and the reference on ``inputs`` (+ static ``kwargs``); compare the output
         and (with ``gradients``) every differentiable input's gradient. Returns (out, grads)."""
+        inputs = self.in_input_dtype(inputs)
         dtype = inputs["query"].dtype if dtype is None else dtype
         wrt = [name for name in DIFFERENTIABLE if inputs.get(name) is not None]
         fixed = {k: v for k, v in inputs.items() if k not in wrt}

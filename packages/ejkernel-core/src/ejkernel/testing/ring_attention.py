@@ -31,6 +31,7 @@ from ejkernel.testing.numerics import Tolerance, assert_close, normal_array
 
 DEVICES = 8
 AXIS = "sp"
+DATA_AXIS = "dp"
 
 # name -> (batch, local q_len, local kv_len, heads, kv_heads, head_dim, dtype, options)
 CASES: dict[str, tuple] = {
@@ -44,9 +45,22 @@ CASES: dict[str, tuple] = {
 }
 
 
+# Cases of GPU size for rings of real devices (:class:`DeviceRingConformance`): kernels such as cuDNN's take
+# only bfloat16/float16 with head dims of 64 and more, and blocks of 128 tokens want longer shards.
+DEVICE_CASES: dict[str, tuple] = {
+    "device_full_gqa_bf16": (2, 384, 384, 8, 2, 128, "bfloat16", dict()),
+    "device_causal_bf16": (1, 512, 512, 4, 4, 64, "bfloat16", dict(causal=True)),
+    "device_zigzag_causal_gqa_bf16": (1, 512, 512, 8, 2, 128, "bfloat16", dict(causal=True, sequence_layout="zigzag")),
+    "device_zigzag_causal_fp16": (2, 256, 256, 4, 1, 128, "float16", dict(causal=True, sequence_layout="zigzag")),
+    "device_zigzag_causal_segments_softcap_bf16": (
+        1, 256, 256, 4, 2, 128, "bfloat16", dict(causal=True, segments=True, logits_soft_cap=20.0,
+                                                  sequence_layout="zigzag")),
+}
+
+
 def case_inputs(name: str, seed: int = 0, devices: int = DEVICES) -> tuple[dict[str, Any], dict[str, Any]]:
     """Global (unsharded) arrays and static options of a case on a ring of ``devices``."""
-    batch, q_loc, kv_loc, heads, kv_heads, head_dim, dtype, options = CASES[name]
+    batch, q_loc, kv_loc, heads, kv_heads, head_dim, dtype, options = {**CASES, **DEVICE_CASES}[name]
     q_len, kv_len = devices * q_loc, devices * kv_loc
     arrays = dict(
         query=normal_array(seed * 10 + 0, (batch, q_len, heads, head_dim), dtype),
@@ -127,9 +141,15 @@ def _schedule_reference(**arguments):
 
 
 def run_case(
-    name: str, platform: str, tolerances: Mapping[str, Tolerance] | None = None, devices: int = DEVICES
+    name: str,
+    platform: str,
+    tolerances: Mapping[str, Tolerance] | None = None,
+    devices: int = DEVICES,
+    data: int | None = None,
 ) -> str:
-    """Ring attention on a ``devices``-device mesh vs flash_attention on one device: output and gradients."""
+    """Ring attention on a ``devices``-device ring vs flash_attention on one device: output and gradients.
+    ``data`` given: the mesh is ``(data, devices)`` over axes ``("dp", "sp")``, the batch sharded over ``dp``
+    (another mesh axis beside the ring's); otherwise a one-axis mesh."""
     from jax.sharding import PartitionSpec as P
 
     from ejkernel.modules import flash_attention, ring_attention, zigzag_shard, zigzag_unshard
@@ -137,11 +157,18 @@ def run_case(
     arrays, options = case_inputs(name, devices=devices)
     dtype = arrays["query"].dtype
     names = list(arrays)
-    mesh = jax.make_mesh(
-        (devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:devices]
-    )
-    spec = {"query": P(None, AXIS), "key": P(None, AXIS), "value": P(None, AXIS), "q_segment_ids": P(None, AXIS),
-            "kv_segment_ids": P(None, AXIS), "softmax_aux": P()}
+    if data is None:
+        mesh = jax.make_mesh((devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                             devices=jax.devices()[:devices])
+        sequence = P(None, AXIS)
+    else:
+        if arrays["query"].shape[0] % data:
+            raise ValueError(f"case {name}: batch {arrays['query'].shape[0]} is not a multiple of data={data}")
+        mesh = jax.make_mesh((data, devices), (DATA_AXIS, AXIS), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                             devices=jax.devices()[: data * devices])
+        sequence = P(DATA_AXIS, AXIS)
+    spec = {"query": sequence, "key": sequence, "value": sequence, "q_segment_ids": sequence,
+            "kv_segment_ids": sequence, "softmax_aux": P()}
 
     zigzag = options.get("sequence_layout") == "zigzag"  # laid out by the user helpers, checked on the global order
 
@@ -153,7 +180,7 @@ def run_case(
 
         if zigzag:
             values = [zigzag_shard(x, devices) if spec[n] != P() else x for n, x in zip(names, values)]
-        out = jax.shard_map(local, mesh=mesh, in_specs=tuple(spec[n] for n in names), out_specs=P(None, AXIS))(*values)
+        out = jax.shard_map(local, mesh=mesh, in_specs=tuple(spec[n] for n in names), out_specs=sequence)(*values)
         return zigzag_unshard(out, devices) if zigzag else out
 
     flash_options = {k: v for k, v in options.items() if k != "sequence_layout"}
@@ -195,16 +222,18 @@ def run_in_subprocess(
     timeout: float = 600.0,
     devices: int = DEVICES,
     compiler_options: Mapping[str, Any] | None = None,
+    data: int | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``cases`` in a fresh interpreter with ``devices`` host devices (see the module docstring);
-    ``compiler_options`` become XLA flags there (``--name=value``)."""
+    """Run ``cases`` in a fresh interpreter with ``data * devices`` host devices (see the module docstring
+    and :func:`run_case`); ``compiler_options`` become XLA flags there (``--name=value``)."""
     env = dict(os.environ)
-    flags = [f"--xla_force_host_platform_device_count={devices}"]
+    flags = [f"--xla_force_host_platform_device_count={(data or 1) * devices}"]
     flags += [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (compiler_options or {}).items()]
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
     command = [
-        sys.executable, "-m", "ejkernel.testing.ring_attention", "--platform", platform, "--devices", str(devices), *cases
+        sys.executable, "-m", "ejkernel.testing.ring_attention", "--platform", platform, "--devices", str(devices),
+        *(["--data", str(data)] if data else []), *cases,
     ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -238,6 +267,14 @@ class RingAttentionConformance:
         )
         assert result.stdout.count("OK ") + result.stdout.count("REFUSED ") == len(CASES), result.stdout
         assert result.stdout.count("OK ") >= len(CASES) - self.refused_cases, result.stdout
+
+    def test_ring_beside_a_data_axis(self):
+        """A (2, 4) mesh: the batch sharded over "dp", the sequence over a ring of 4 on "sp"."""
+        cases = ["causal_gqa_softcap", "full_softcap_sinks"]
+        result = run_in_subprocess(self.platform, cases, devices=4, data=2, compiler_options=self.compiler_options)
+        assert result.returncode == 0, f"ring beside a data axis failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+        assert result.stdout.count("OK ") + result.stdout.count("REFUSED ") == len(cases), result.stdout
+        assert result.stdout.count("OK ") >= 1, result.stdout
 
     def test_one_device_is_flash_attention(self):
         from ejkernel.modules import flash_attention
@@ -297,21 +334,72 @@ class RingAttentionConformance:
                 self.call(q, k, v, *segments)
 
 
+class DeviceRingConformance:
+    """Test base for a ring over the real accelerators of one host (every local device, at least 2; skips
+    with fewer): :data:`CASES` and :data:`DEVICE_CASES` in this process, and a ``(1, P)`` mesh with a data
+    axis beside the ring's. Cases the backend refuses (``UnsupportedFeature``) are skipped with its reason;
+    at least ``min_accepted`` must run. Subclass, set ``platform``, and mark the module for its device."""
+
+    platform: ClassVar[str]
+    tolerances: ClassVar[Mapping[str, Tolerance] | None] = None
+    min_accepted: ClassVar[int] = 3
+
+    @staticmethod
+    def _devices() -> int:
+        import pytest
+
+        devices = jax.device_count()
+        if devices < 2:
+            pytest.skip(f"a ring of devices needs 2 or more, jax sees {devices}")
+        return devices
+
+    def _run(self, name: str, **kwargs) -> str:
+        import pytest
+
+        from ejkernel.errors import UnsupportedFeature
+
+        try:
+            return run_case(name, self.platform, self.tolerances, **kwargs)
+        except UnsupportedFeature as reason:
+            pytest.skip(f"{self.platform} refuses {name}: {reason}")
+
+    def test_cases_on_a_ring_of_devices(self):
+        from ejkernel.errors import UnsupportedFeature
+
+        devices, accepted, report = self._devices(), 0, []
+        for name in sorted(CASES) + sorted(DEVICE_CASES):
+            try:
+                report.append(run_case(name, self.platform, self.tolerances, devices=devices))
+                accepted += 1
+            except UnsupportedFeature as reason:
+                report.append(f"{name}: refused ({reason})")
+        print("\n".join(report))
+        assert accepted >= self.min_accepted, report
+
+    def test_ring_beside_a_data_axis(self):
+        devices = self._devices()
+        data = 2 if devices >= 4 and devices % 2 == 0 else 1  # batch 2 over "dp", the rest a ring on "sp"
+        for name in ("device_full_gqa_bf16", "device_zigzag_causal_fp16"):
+            self._run(name, devices=devices // data, data=data)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--platform", default="xla")
-    parser.add_argument("--devices", type=int, default=DEVICES)
+    parser.add_argument("--devices", type=int, default=DEVICES, help="the ring's size")
+    parser.add_argument("--data", type=int, default=None, help="size of a data axis beside the ring's")
     parser.add_argument("cases", nargs="*", default=sorted(CASES))
     args = parser.parse_args(argv)
-    if jax.device_count() < args.devices:
-        print(f"needs {args.devices} devices, jax sees {jax.device_count()} (set XLA_FLAGS)", file=sys.stderr)
+    if jax.device_count() < args.devices * (args.data or 1):
+        print(f"needs {args.devices * (args.data or 1)} devices, jax sees {jax.device_count()} (set XLA_FLAGS)",
+              file=sys.stderr)
         return 2
     failed = 0
     from ejkernel.errors import UnsupportedFeature
 
     for name in args.cases:
         try:
-            print("OK", run_case(name, args.platform, devices=args.devices), flush=True)
+            print("OK", run_case(name, args.platform, devices=args.devices, data=args.data), flush=True)
         except UnsupportedFeature as exc:  # the backend refuses the case's feature (the dispatcher falls back)
             print(f"REFUSED {name}: {exc}", flush=True)
         except Exception as exc:  # report every case, then fail
