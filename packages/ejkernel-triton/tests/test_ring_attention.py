@@ -2,10 +2,10 @@
 
 CPU: refusals, registration, the blocks' forward and backward lowered for sm_90. GPU (``-m gpu``, on the
 device): the schedule's contract on the kernels (two kv halves merged by log-sum-exp, each half's backward
-from the merged output and lse, against flash attention on the whole sequence) and a one-GPU ring through
-the dispatcher. The schedule itself (every step kind, 8 devices) is checked with plain jnp blocks in
-ejkernel-core's test_ring_schedule.py: a ring of several devices on the Triton kernels needs several GPUs
-(``benchmarks/ring_scaling.py``, not run: no multi-GPU machine was lent).
+from the merged output and lse, against flash attention on the whole sequence), a one-GPU ring through
+the dispatcher, and the ring over every GPU of the host (the shared :class:`DeviceRingConformance`; skipped
+with one GPU). The schedule itself (every step kind, 8 devices) is checked with plain jnp blocks in
+ejkernel-core's test_ring_schedule.py.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ejkernel import UnsupportedFeature
 from ejkernel.modules import flash_attention
 from ejkernel.modules.operations.ring_attention import RingAttention
 from ejkernel.testing.numerics import assert_close, normal_array
+from ejkernel.testing.ring_attention import DeviceRingConformance
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.ring_attention import IMPLEMENTATION
 
@@ -121,6 +122,13 @@ def test_blocks_merge_exactly_on_the_gpu(segments, softcap):
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, (out, *pullback(do))):
         assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs GPUs")
+class TestTritonRingOfGpus(DeviceRingConformance):
+    platform = "triton"
+    min_accepted = 8  # refuses only the sinks and window cases
 
 
 @gpu_test

@@ -1,0 +1,203 @@
+"""The CUDA backend's cuDNN attention: flash_attention and ring_attention.
+
+CPU: registration, the backend's status, what cuDNN refuses (before anything compiles), the private JAX API
+it reaches being there. GPU (``-m gpu``, on the device): flash_attention's conformance suite in bfloat16,
+long bf16 problems against float32, the ring schedule's contract on cuDNN's blocks (two kv halves merged by
+log-sum-exp, each half's backward from the merged output and lse), a one-GPU ring, and the ring over every
+GPU of the host (the shared :class:`DeviceRingConformance`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ejkernel import UnsupportedFeature
+from ejkernel.modules import flash_attention
+from ejkernel.modules.operations.flash_attention import FlashAttention
+from ejkernel.modules.operations.ring_attention import RingAttention
+from ejkernel.testing.flash_attention import FlashAttentionConformance, reference_flash_attention
+from ejkernel.testing.numerics import assert_close, normal_array
+from ejkernel.testing.ring_attention import DeviceRingConformance
+from ejkernel_cuda import cudnn_attention, plugin
+from ejkernel_cuda.flash_attention import IMPLEMENTATION as FLASH
+from ejkernel_cuda.ring_attention import IMPLEMENTATION as RING
+
+AXIS = "sp"
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _flash_call(dtype=jnp.bfloat16, q_len=128, kv_len=128, head_dim=64, v_head_dim=None, **kw):
+    q = jnp.zeros((1, q_len, 4, head_dim), dtype)
+    k = jnp.zeros((1, kv_len, 2, head_dim), dtype)
+    v = jnp.zeros((1, kv_len, 2, v_head_dim or head_dim), dtype)
+    return FlashAttention().validate(q, k, v, **kw)
+
+
+def test_registered_with_the_highest_gpu_priority():
+    assert plugin.IMPLEMENTATIONS == {"flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
+                                      "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION"}
+    assert plugin.BACKEND.priority > 15  # above Triton: the faster kernel is tried first
+
+
+def test_jax_exposes_what_the_blocks_use():
+    assert cudnn_attention.api_missing() is None
+
+
+@pytest.mark.skipif(ON_GPU, reason="the status on a machine without a GPU")
+def test_status_without_a_gpu_names_the_reason():
+    assert plugin.BACKEND.check_usable() == "no GPU visible"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dtype=jnp.float32), "dtype float32"),
+    (dict(head_dim=36), "head dims 36/36"),
+    (dict(head_dim=64, v_head_dim=32), "head dims 64/32"),
+    (dict(causal=True, kv_len=256), "query length 128 != key length 256"),
+    (dict(sliding_window=(8, 4)), "reaches right"),
+    (dict(logits_soft_cap=5.0), "logits_soft_cap"),
+    (dict(softmax_aux=jnp.zeros((4,))), "softmax_aux"),
+    (dict(dropout_prob=0.1, dropout_seed=1), "dropout_prob"),
+    (dict(bias=jnp.zeros((1, 4, 128, 128), jnp.bfloat16)), "bias"),
+    (dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.zeros((1, 128), jnp.int32)),
+     "segment_ids"),
+])
+def test_flash_attention_refuses_what_cudnn_cannot_compute(kw, match):
+    with pytest.raises(UnsupportedFeature, match=match):
+        FLASH.supports(_flash_call(**kw))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(sliding_window=(16, 0)),
+                                dict(causal=True, sliding_window=(16, 0)), dict(kv_len=300)])
+def test_flash_attention_takes(kw):
+    FLASH.supports(_flash_call(**kw))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(sliding_window=16), "sliding_window"),
+    (dict(logits_soft_cap=3.0), "logits_soft_cap"),
+    (dict(segments=True), "segment_ids"),
+    (dict(causal=True, kv_len=64), "query length 128 != key length 64"),
+])
+def test_ring_refuses_what_its_blocks_do_not_carry(kw, match):
+    q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((1, kw.pop("kv_len", 128), 2, 64), jnp.bfloat16)
+    seg = [jnp.zeros(x.shape[:2], jnp.int32) for x in (q, k)] if kw.pop("segments", False) else [None, None]
+    with pytest.raises(UnsupportedFeature, match=match):
+        RING.supports(RingAttention().validate(q, k, k, *seg, **kw))
+    RING.supports(RingAttention().validate(q, q[:, :, :2], q[:, :, :2], causal=True, sequence_layout="zigzag"))
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------
+gpu = pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="needs a GPU"))
+
+
+@gpu
+class TestCudnnFlashAttentionConformance(FlashAttentionConformance):
+    platform = "cuda"
+    input_dtype = jnp.bfloat16  # cuDNN takes half precision only: every test runs in bfloat16
+    allow_unsupported = True  # masks, bias, segments, soft cap, sinks, dropout, varlen are refused
+
+
+@gpu
+class TestCudnnRingOfGpus(DeviceRingConformance):
+    platform = "cuda"
+    min_accepted = 4  # the device cases without segments or soft cap
+
+
+def _inputs(b, s, h, hkv, d, dtype="bfloat16"):
+    return [normal_array(i, shape, dtype) for i, shape in
+            enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)])]
+
+
+@gpu
+@pytest.mark.parametrize("d,h,hkv,seq,kw", [
+    (128, 8, 2, 1000, dict(causal=True)),
+    (64, 4, 4, 1536, dict(sliding_window=(300, 0))),
+    (256, 4, 1, 777, dict(causal=True)),
+    (96, 4, 2, 640, dict()),
+])
+def test_bf16_long_problems_match_float32(d, h, hkv, seq, kw):
+    q, k, v, do = _inputs(2, seq, h, hkv, d)
+
+    def run(fn, *args):
+        out, pullback = jax.vjp(fn, *args[:3])
+        return (out, *pullback(args[3]))
+
+    got = jax.jit(lambda *a: run(lambda q, k, v: flash_attention(q, k, v, platform="cuda", **kw), *a))(q, k, v, do)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda *a: run(lambda q, k, v: reference_flash_attention(q, k, v, **kw), *a))(
+            *(x.astype(jnp.float32) for x in (q, k, v, do)))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
+
+
+@gpu
+def test_auto_takes_cudnn_for_what_it_supports():
+    q, k, v, _ = _inputs(1, 256, 4, 2, 128)
+    assert FlashAttention().explain(q, k, v, causal=True).platform == "cuda"
+    assert FlashAttention().explain(q, k, v, logits_soft_cap=5.0).platform == "triton"  # cuDNN refuses
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_merge_exactly_on_the_gpu(causal):
+    """The ring schedule's contract on cuDNN: the first kv half (causal diagonal or full) and the second
+    merged by their log-sum-exps, and each half's backward from the merged output and lse, equal flash
+    attention over the whole sequence."""
+    from ejkernel.modules.operations._ring_schedule import _merge
+    from ejkernel_cuda.ring_attention import CudnnRingBlocks
+
+    b, s, h, hkv, d = 2, 1024, 4, 2, 128
+    q, k, v, do = _inputs(b, s, h, hkv, d)
+    blocks = CudnnRingBlocks(d ** -0.5)
+    half = s // 2
+    # queries of the second half see the first half in full and the second through the diagonal (causal),
+    # or both halves in full
+    qh, doh = (q[:, half:], do[:, half:]) if causal else (q, do)
+    parts = [(k[:, :half], v[:, :half], False), (k[:, half:], v[:, half:], causal)]
+
+    def merged():
+        out = jnp.zeros(qh.shape, jnp.float32)
+        lse = jnp.full((b, h, qh.shape[1]), -jnp.inf, jnp.float32)
+        for kp, vp, diag in parts:
+            o, l = blocks.forward(qh, kp, vp, None, None, diag)
+            out, lse = _merge(out, lse, o.astype(jnp.float32), l)
+        out = out.astype(q.dtype)
+        grads = [blocks.backward(qh, kp, vp, None, None, out, lse, doh, diag) for kp, vp, diag in parts]
+        dq = sum(g[0].astype(jnp.float32) for g in grads)
+        return out, dq, jnp.concatenate([g[1] for g in grads], 1), jnp.concatenate([g[2] for g in grads], 1)
+
+    got = jax.jit(merged)()
+    flash = lambda q, k, v: flash_attention(q, k, v, causal=causal, platform="triton")[:, half:] if causal \
+        else flash_attention(q, k, v, platform="triton")  # noqa: E731
+    out, pullback = jax.vjp(flash, q, k, v)
+    dq, dk, dv = pullback(doh)
+    want = (out, dq[:, half:] if causal else dq, dk, dv)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
+
+
+@gpu
+@pytest.mark.parametrize("layout,causal", [("contiguous", False), ("contiguous", True), ("zigzag", True)])
+def test_one_gpu_ring_matches_flash_attention(layout, causal):
+    from jax.sharding import PartitionSpec as P
+
+    from ejkernel.modules import ring_attention
+
+    q, k, v, do = _inputs(1, 2048, 8, 2, 128)
+    mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    spec = P(None, AXIS)
+
+    def ring(q, k, v):
+        local = lambda q, k, v: ring_attention(q, k, v, causal=causal, axis_name=AXIS,  # noqa: E731
+                                               sequence_layout=layout, platform="cuda")
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
+
+    results = []
+    for fn in (ring, lambda q, k, v: flash_attention(q, k, v, causal=causal, platform="triton")):
+        out, pullback = jax.vjp(fn, q, k, v)
+        results.append((out, *pullback(do)))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), *results):
+        assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
