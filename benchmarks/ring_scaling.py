@@ -2,15 +2,18 @@
 
 For ``nvidia-h200-x2`` (or more GPUs), in one run:
 
-    python benchmarks/ring_scaling.py --seqs 65536 131072 --out /tmp/out
+    python benchmarks/ring_scaling.py --seqs 65536 131072 --ring-only-seqs 262144 --out /tmp/out
 
 Shape: B=1, 16 heads, D=128, bf16 (``--kv-heads`` for GQA). Each S, causal and not, forward and
 forward+backward:
 
 - 1 GPU: ours (``flash_attention``, ``platform="auto"``) and cuDNN (``jax.nn.dot_product_attention``,
   ``implementation="cudnn"``) on the whole sequence; a row records an out-of-memory as its error;
-- P GPUs: ``ring_attention(..., axis_name="sp", platform="auto")`` under ``jax.shard_map`` with the sequence
-  sharded over the P devices, zig-zag layout for causal calls (``zigzag_shard`` outside the timing).
+- P GPUs: ``ring_attention(..., axis_name="sp", platform=...)`` under ``jax.shard_map`` with the sequence
+  sharded over the P devices, zig-zag layout for causal calls (``zigzag_shard`` outside the timing), for
+  each of ``--ring-platforms`` (default ``auto``: what the dispatcher picks, recorded in the row);
+- ``--ring-only-seqs``: causal forward+backward on the P GPUs alone (lengths one GPU's dense formula cannot
+  hold; no efficiency).
 
 Efficiency = t(1 GPU, best of ours and cuDNN) / (P x t(P GPUs)); target >= 0.85. Timing as ``attention.py``
 (warm-up, median of ``--reps`` samples of ``--calls`` back-to-back calls, two input sets). Writes
@@ -63,7 +66,7 @@ def single_gpu(kind: str, causal: bool):
     return lambda q, k, v: flash_attention(q, k, v, causal=causal)
 
 
-def ring(devices: int, causal: bool):
+def ring(devices: int, causal: bool, platform: str):
     from jax.sharding import PartitionSpec as P
 
     from ejkernel.modules import ring_attention
@@ -75,10 +78,40 @@ def ring(devices: int, causal: bool):
 
     def attend(q, k, v):
         local = lambda q, k, v: ring_attention(q, k, v, causal=causal, axis_name=AXIS,  # noqa: E731
-                                               sequence_layout=layout)
+                                               sequence_layout=layout, platform=platform)
         return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
 
     return attend, layout
+
+
+def dispatched(seq: int, heads: int, kv_heads: int, dim: int, devices: int, causal: bool, platform: str) -> str:
+    """The platform ``platform`` resolves to for one device's shards (what ``auto`` picked)."""
+    from ejkernel.modules.operations.ring_attention import RingAttention
+
+    local = seq // devices
+    q = jax.ShapeDtypeStruct((1, local, heads, dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, local, kv_heads, dim), jnp.bfloat16)
+    try:
+        return RingAttention().explain(q, kv, kv, causal=causal, platform=platform).platform
+    except Exception as error:  # the row's own call reports the error
+        return f"{type(error).__name__}: {error}"
+
+
+def timed(doc, path, row, attend, mode, data, args):
+    """Time one row into ``row`` (``ms`` or ``error``), append it to the document; seconds or None."""
+    try:
+        step = with_grads(attend, mode)
+        run = (lambda c: step(*data[c % 2][:3])) if mode == "fwd" else (lambda c: step(*data[c % 2]))
+        seconds = time_calls(run, args.warmup, args.reps, args.calls)
+        row["ms"] = seconds * 1e3
+    except Exception as error:  # an out-of-memory single GPU is a result, not a crash
+        seconds = None
+        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        traceback.print_exc(limit=1)
+    doc["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    path.write_text(json.dumps(doc, indent=1))
+    return seconds
 
 
 def main(argv=None) -> int:
@@ -92,6 +125,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--ring-platforms", nargs="+", default=["auto"],
+                        help="ring_attention platforms to time (auto: the dispatcher's pick)")
+    parser.add_argument("--ring-only-seqs", type=int, nargs="*", default=[],
+                        help="causal forward+backward of the ring alone at these lengths")
     args = parser.parse_args(argv)
     from ejkernel.modules import zigzag_shard
 
@@ -102,43 +139,44 @@ def main(argv=None) -> int:
     path = args.out / f"{kind.replace(' ', '_')}-x{devices}-{date}-ring-scaling.json"
     doc = dict(device=kind, devices=devices, date=date, versions=versions(), heads=args.heads,
                kv_heads=args.kv_heads, head_dim=args.head_dim, rows=[])
+    shape = (args.heads, args.kv_heads, args.head_dim)
+
+    def ring_rows(seq, causal, mode, sets):
+        times = {}
+        for platform in args.ring_platforms:
+            impl = f"ring-{devices}gpu" + ("" if platform == "auto" else f"-{platform}")
+            attend, layout = ring(devices, causal, platform)
+            data = [tuple(zigzag_shard(x, devices) for x in s) for s in sets] if layout == "zigzag" else sets
+            row = dict(seq=seq, causal=causal, mode=mode, impl=impl, layout=layout,
+                       dispatched=dispatched(seq, *shape, devices, causal, platform))
+            times[impl] = timed(doc, path, row, attend, mode, data, args)
+        return times
+
     for seq in args.seqs:
-        sets = inputs(seq, args.heads, args.kv_heads, args.head_dim)
+        sets = inputs(seq, *shape)
         for causal in (False, True):
             for mode in ("fwd", "fwd+bwd"):
-                times = {}
-                for impl in ("ours-1gpu", "cudnn-1gpu", f"ring-{devices}gpu"):
+                single = {}
+                for impl in ("ours-1gpu", "cudnn-1gpu"):
                     row = dict(seq=seq, causal=causal, mode=mode, impl=impl)
-                    try:
-                        data = sets
-                        if impl.startswith("ring"):
-                            attend, layout = ring(devices, causal)
-                            row["layout"] = layout
-                            if layout == "zigzag":
-                                data = [tuple(zigzag_shard(x, devices) for x in s) for s in sets]
-                        else:
-                            attend = single_gpu(impl.split("-")[0], causal)
-                        step = with_grads(attend, mode)
-                        run = (lambda c, step=step, data=data: step(*data[c % 2][:3])) if mode == "fwd" else \
-                            (lambda c, step=step, data=data: step(*data[c % 2]))
-                        seconds = time_calls(run, args.warmup, args.reps, args.calls)
-                        times[impl] = seconds
-                        row["ms"] = seconds * 1e3
-                    except Exception as error:  # an out-of-memory single GPU is a result, not a crash
-                        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                        traceback.print_exc(limit=1)
-                    doc["rows"].append(row)
-                    print(json.dumps(row), flush=True)
-                    path.write_text(json.dumps(doc, indent=1))
-                single = [times[k] for k in ("ours-1gpu", "cudnn-1gpu") if k in times]
-                ring_time = times.get(f"ring-{devices}gpu")
-                if single and ring_time:
-                    eff = min(single) / (devices * ring_time)
-                    doc["rows"].append(dict(seq=seq, causal=causal, mode=mode, efficiency=eff, target=0.85,
-                                            met=eff >= 0.85))
-                    print(f"S={seq} causal={causal} {mode}: efficiency {eff:.2f} (>= 0.85: "
-                          f"{'MET' if eff >= 0.85 else 'NOT MET'})", flush=True)
-                    path.write_text(json.dumps(doc, indent=1))
+                    if impl == "ours-1gpu":
+                        from ejkernel.modules.operations.flash_attention import FlashAttention
+
+                        q = jax.ShapeDtypeStruct((1, seq, args.heads, args.head_dim), jnp.bfloat16)
+                        kv = jax.ShapeDtypeStruct((1, seq, args.kv_heads, args.head_dim), jnp.bfloat16)
+                        row["dispatched"] = FlashAttention().explain(q, kv, kv, causal=causal).platform
+                    single[impl] = timed(doc, path, row, single_gpu(impl.split("-")[0], causal), mode, sets, args)
+                best = min((t for t in single.values() if t), default=None)
+                for impl, ring_time in ring_rows(seq, causal, mode, sets).items():
+                    if best and ring_time:
+                        eff = best / (devices * ring_time)
+                        doc["rows"].append(dict(seq=seq, causal=causal, mode=mode, impl=impl, efficiency=eff,
+                                                target=0.85, met=eff >= 0.85))
+                        print(f"S={seq} causal={causal} {mode} {impl}: efficiency {eff:.2f} (>= 0.85: "
+                              f"{'MET' if eff >= 0.85 else 'NOT MET'})", flush=True)
+                        path.write_text(json.dumps(doc, indent=1))
+    for seq in args.ring_only_seqs:
+        ring_rows(seq, True, "fwd+bwd", inputs(seq, *shape))
     plot(doc, path.with_suffix(".png"))
     return 0
 
@@ -153,7 +191,7 @@ def plot(doc: dict, path: Path) -> None:
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"S={r['seq'] // 1024}k {'causal' if r['causal'] else 'full'} {r['mode']}" for r in rows]
+    labels = [f"S={r['seq'] // 1024}k {'causal' if r['causal'] else 'full'} {r['mode']} {r['impl']}" for r in rows]
     ax.barh(labels, [r["efficiency"] for r in rows])
     ax.axvline(0.85, color="k", ls="--", label="target 0.85")
     ax.set_xlabel(f"strong-scaling efficiency on {doc['devices']} GPUs")
