@@ -87,6 +87,9 @@ def check_supported(operation: str, query, key, value, *, causal: bool, sliding_
     if sliding_window is not None and sliding_window[1] != 0:
         raise UnsupportedFeature(f"cuda {operation}: sliding_window={sliding_window} reaches right (cuDNN's "
                                  "windows are causal)")
+    if query.shape[1] == key.shape[1] == 1:
+        raise UnsupportedFeature(f"cuda {operation}: one query and one key (cuDNN: 's_q = s_kv = 1 is not "
+                                 "supported')")
     if (causal or sliding_window is not None) and query.shape[1] != key.shape[1]:
         raise UnsupportedFeature(
             f"cuda {operation}: causal mask or window with query length {query.shape[1]} != key length "

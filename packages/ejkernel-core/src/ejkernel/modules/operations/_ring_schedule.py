@@ -5,8 +5,9 @@ A backend whose local flash attention is a fast kernel gives the ring two calls 
 *final* output and log-sum-exp, so blocks merge exactly. :func:`ring_attention` runs them around the ring:
 
 - every step issues the ``ppermute`` of the key/value shard for the next step before its own kernel, so
-  XLA can overlap the transfer with the compute; the backward's second trip carries the key/value gradient
-  accumulators with their shard, as the XLA ring does;
+  XLA can overlap the transfer with the compute, and the last step sends nothing; the first step is the
+  device's own shard, whose work is static (no branch, no merge); the backward carries the key/value
+  gradient accumulators with their shard, as the XLA ring does;
 - the step's work depends on where the visiting shard sits (``sequence_layout``): non-causal calls attend
   to every shard in full; causal contiguous shards see their own shard through a causal diagonal block, the
   earlier ones in full and skip the later ones (unbalanced: the last device works every step); causal
@@ -49,22 +50,37 @@ class RingBlocks(Protocol):
     def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, causal: bool): ...
 
 
-def step_kinds(causal: bool, layout: str) -> tuple[int, ...]:
-    """The kinds of step a call can take (the branches of its ``lax.switch``)."""
+def _own_kind(causal: bool) -> int:
+    """The first step's work: the device's own shard (static: no branch)."""
+    return DIAGONAL if causal else FULL
+
+
+def _visitor_kinds(causal: bool, layout: str) -> tuple[int, ...]:
+    """The kinds of work another device's shard can bring (the branches of the later steps' ``lax.switch``)."""
     if not causal:
         return (FULL,)
     if layout == "zigzag":
-        return (DIAGONAL, FULL_FIRST_KV_HALF, FULL_SECOND_Q_HALF)
-    return (NOTHING, DIAGONAL, FULL)
+        return (FULL_FIRST_KV_HALF, FULL_SECOND_Q_HALF)
+    return (NOTHING, FULL)
 
 
-def _step_kind(causal: bool, layout: str, rank, src):
-    """Index into :func:`step_kinds` of the step where ``rank`` meets ``src``'s shard."""
+def _visitor_kind(causal: bool, layout: str, rank, src):
+    """Index into :func:`_visitor_kinds` of the step where ``rank`` meets ``src``'s shard (``src != rank``)."""
     if not causal:
         return jnp.int32(0)
     if layout == "zigzag":
-        return jnp.where(src == rank, 0, jnp.where(src < rank, 1, 2))
-    return jnp.where(src == rank, 1, jnp.where(src < rank, 2, 0))
+        return jnp.where(src < rank, 0, 1)
+    return jnp.where(src < rank, 1, 0)
+
+
+def _run_step(step_fn, causal, layout, rank, src, *operands):
+    """``step_fn(kind, *operands)`` for another device's shard: one branch per possible kind, outputs marked
+    varying like the queries (the first operand)."""
+    kinds = _visitor_kinds(causal, layout)
+    branches = [_marked(functools.partial(step_fn, kind)) for kind in kinds]
+    if len(branches) == 1:
+        return branches[0](*operands)
+    return lax.switch(_visitor_kind(causal, layout, rank, src), branches, *operands)
 
 
 def _half(x, which: int):
@@ -164,45 +180,59 @@ def _rank(axis_name):
 
 
 def _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_seg):
-    batch, q_len, heads, _ = q.shape
+    """Step 0 (the own shard, static work, no merge), steps 1..P-2 in a scan, step P-1 peeled: no device
+    sends a shard nobody will use."""
     rank = _rank(axis_name)
-    kinds = step_kinds(causal, layout)
-    out, lse = varying_like((jnp.zeros((batch, q_len, heads, v.shape[-1]), F32),
-                             jnp.full((batch, heads, q_len), -jnp.inf, F32)), q)
+    forward_step = functools.partial(_forward_step, blocks)
+    visiting = (k, v, kv_seg)
+    following = rotate(axis_name, size, visiting) if size > 1 else None  # issued before the first kernel
+    out, lse = varying_like(forward_step(_own_kind(causal), q, k, v, q_seg, kv_seg), q)
+
+    def visit(out, lse, s, shard):
+        step_out, step_lse = _run_step(forward_step, causal, layout, rank, (rank - s) % size, q, *shard[:2],
+                                       q_seg, shard[2])
+        return _merge(out, lse, step_out, step_lse)
 
     def step(carry, s):
-        out, lse, k_cur, v_cur, seg_cur = carry
-        following = rotate(axis_name, size, (k_cur, v_cur, seg_cur))  # issued before this step's kernel
-        src = (rank - s) % size
-        branches = [_marked(functools.partial(_forward_step, blocks, kind)) for kind in kinds]
-        step_out, step_lse = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur, q_seg,
-                                        seg_cur)
-        out, lse = _merge(out, lse, step_out, step_lse)
-        return (out, lse, *following), None
+        out, lse, shard = carry
+        following = rotate(axis_name, size, shard)
+        out, lse = visit(out, lse, s, shard)
+        return (out, lse, following), None
 
-    (out, lse, *_), _ = lax.scan(step, (out, lse, k, v, kv_seg), jnp.arange(size))
+    if size > 2:
+        (out, lse, following), _ = lax.scan(step, (out, lse, following), jnp.arange(1, size - 1))
+    if size > 1:
+        out, lse = visit(out, lse, size - 1, following)
     return out.astype(q.dtype), lse
 
 
 def _ring_backward(blocks, causal, layout, axis_name, size, residuals, d_out):
+    """As the forward; the key/value gradient accumulators travel with their shard (after the last step's
+    rotation they are home), key/value themselves are not sent after the last step."""
     q, k, v, q_seg, kv_seg, out, lse = residuals
     rank = _rank(axis_name)
-    kinds = step_kinds(causal, layout)
     d_out = d_out.astype(q.dtype)
+    backward_step = functools.partial(_backward_step, blocks)
+    following = rotate(axis_name, size, (k, v, kv_seg)) if size > 1 else None
+    dq, dk, dv = varying_like(backward_step(_own_kind(causal), q, k, v, q_seg, kv_seg, out, lse, d_out), q)
+    if size == 1:
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    sums = rotate(axis_name, size, (dk, dv))  # the own shard's sums start their trip
+
+    def visit(dq, s, shard, sums):
+        dq_part, dk_part, dv_part = _run_step(backward_step, causal, layout, rank, (rank - s) % size, q,
+                                              *shard[:2], q_seg, shard[2], out, lse, d_out)
+        return dq + dq_part, rotate(axis_name, size, (sums[0] + dk_part, sums[1] + dv_part))
 
     def step(carry, s):
-        dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur = carry
-        following = rotate(axis_name, size, (k_cur, v_cur, seg_cur))
-        src = (rank - s) % size
-        branches = [_marked(functools.partial(_backward_step, blocks, kind)) for kind in kinds]
-        dq_part, dk_part, dv_part = lax.switch(_step_kind(causal, layout, rank, src), branches, q, k_cur, v_cur,
-                                               q_seg, seg_cur, out, lse, d_out)
-        # the gradient accumulators travel with their shard: after `size` steps they are home
-        dk_cur, dv_cur = rotate(axis_name, size, (dk_cur + dk_part, dv_cur + dv_part))
-        return (dq + dq_part, *following, dk_cur, dv_cur), None
+        dq, shard, sums = carry
+        following = rotate(axis_name, size, shard)
+        dq, sums = visit(dq, s, shard, sums)
+        return (dq, following, sums), None
 
-    zeros = varying_like((jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q)
-    (dq, _, _, _, dk, dv), _ = lax.scan(step, (zeros[0], k, v, kv_seg, zeros[1], zeros[2]), jnp.arange(size))
+    if size > 2:
+        (dq, following, sums), _ = lax.scan(step, (dq, following, sums), jnp.arange(1, size - 1))
+    dq, (dk, dv) = visit(dq, size - 1, following, sums)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
