@@ -47,15 +47,16 @@ def inputs(seq: int, heads: int, kv_heads: int, dim: int, sets: int = 2):
     return out
 
 
-def with_grads(attend, mode: str):
+def with_grads(attend, mode: str, options: dict | None = None):
+    """The jitted step; ``options``: XLA compiler options of that jit (``--xla-options``)."""
     if mode == "fwd":
-        return jax.jit(attend)
+        return jax.jit(attend, compiler_options=options or None)
 
     def fwd_bwd(q, k, v, do):
         out, pullback = jax.vjp(attend, q, k, v)
         return out, pullback(do)
 
-    return jax.jit(fwd_bwd)
+    return jax.jit(fwd_bwd, compiler_options=options or None)
 
 
 def single_gpu(kind: str, causal: bool):
@@ -100,7 +101,7 @@ def dispatched(seq: int, heads: int, kv_heads: int, dim: int, devices: int, caus
 def timed(doc, path, row, attend, mode, data, args):
     """Time one row into ``row`` (``ms`` or ``error``), append it to the document; seconds or None."""
     try:
-        step = with_grads(attend, mode)
+        step = with_grads(attend, mode, args.xla_options)
         run = (lambda c: step(*data[c % 2][:3])) if mode == "fwd" else (lambda c: step(*data[c % 2]))
         seconds = time_calls(run, args.warmup, args.reps, args.calls)
         row["ms"] = seconds * 1e3
@@ -129,6 +130,12 @@ def main(argv=None) -> int:
                         help="ring_attention platforms to time (auto: the dispatcher's pick)")
     parser.add_argument("--ring-only-seqs", type=int, nargs="*", default=[],
                         help="causal forward+backward of the ring alone at these lengths")
+    parser.add_argument("--single-gpu", nargs="+", choices=("ours", "cudnn"), default=["ours", "cudnn"],
+                        help="one-GPU baselines (ours: flash_attention, auto; cudnn: jax.nn's cuDNN)")
+    parser.add_argument("--xla-options", type=json.loads, default={},
+                        help='XLA compiler options of every timed jit, as JSON, e.g. '
+                             '\'{"xla_gpu_enable_analytical_latency_estimator": true}\' (lets XLA overlap the '
+                             'ring\'s ppermute with the cuDNN kernel)')
     args = parser.parse_args(argv)
     from ejkernel.modules import zigzag_shard
 
@@ -138,7 +145,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{kind.replace(' ', '_')}-x{devices}-{date}-ring-scaling.json"
     doc = dict(device=kind, devices=devices, date=date, versions=versions(), heads=args.heads,
-               kv_heads=args.kv_heads, head_dim=args.head_dim, rows=[])
+               kv_heads=args.kv_heads, head_dim=args.head_dim, xla_options=args.xla_options, calls=args.calls,
+               reps=args.reps, rows=[])
     shape = (args.heads, args.kv_heads, args.head_dim)
 
     def ring_rows(seq, causal, mode, sets):
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
         for causal in (False, True):
             for mode in ("fwd", "fwd+bwd"):
                 single = {}
-                for impl in ("ours-1gpu", "cudnn-1gpu"):
+                for impl in (f"{name}-1gpu" for name in args.single_gpu):
                     row = dict(seq=seq, causal=causal, mode=mode, impl=impl)
                     if impl == "ours-1gpu":
                         from ejkernel.modules.operations.flash_attention import FlashAttention
