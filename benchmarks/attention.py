@@ -222,7 +222,8 @@ def versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": host_platform.python_version(), "jax": jax.__version__}
-    for dist in ("jaxlib", "triton", "jax-triton", "ejkernel-core", "ejkernel-triton", "ejkernel-pallas", "ejkernel-xla"):
+    for dist in ("jaxlib", "triton", "jax-triton", "ejkernel-core", "ejkernel-triton", "ejkernel-pallas", "ejkernel-xla",
+                 "ejkernel-cuda"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
