@@ -19,12 +19,11 @@ from ejkernel.modules.operations.flash_attention import FlashAttention
 from ejkernel.modules.operations.ring_attention import RingAttention
 from ejkernel.testing.flash_attention import FlashAttentionConformance, reference_flash_attention
 from ejkernel.testing.numerics import assert_close, normal_array
-from ejkernel.testing.ring_attention import DeviceRingConformance
+from ejkernel.testing.ring_attention import DeviceRingConformance, check_one_device_ring, merged_blocks
 from ejkernel_cuda import cudnn_attention, plugin
 from ejkernel_cuda.flash_attention import IMPLEMENTATION as FLASH
 from ejkernel_cuda.ring_attention import IMPLEMENTATION as RING
 
-AXIS = "sp"
 ON_GPU = jax.default_backend() == "gpu"
 
 
@@ -146,7 +145,6 @@ def test_blocks_merge_exactly_on_the_gpu(causal):
     """The ring schedule's contract on cuDNN: the first kv half (causal diagonal or full) and the second
     merged by their log-sum-exps, and each half's backward from the merged output and lse, equal flash
     attention over the whole sequence."""
-    from ejkernel.modules.operations._ring_schedule import _merge
     from ejkernel_cuda.ring_attention import CudnnRingBlocks
 
     b, s, h, hkv, d = 2, 1024, 4, 2, 128
@@ -156,20 +154,8 @@ def test_blocks_merge_exactly_on_the_gpu(causal):
     # queries of the second half see the first half in full and the second through the diagonal (causal),
     # or both halves in full
     qh, doh = (q[:, half:], do[:, half:]) if causal else (q, do)
-    parts = [(k[:, :half], v[:, :half], False), (k[:, half:], v[:, half:], causal)]
-
-    def merged():
-        out = jnp.zeros(qh.shape, jnp.float32)
-        lse = jnp.full((b, h, qh.shape[1]), -jnp.inf, jnp.float32)
-        for kp, vp, diag in parts:
-            o, l = blocks.forward(qh, kp, vp, None, None, diag)
-            out, lse = _merge(out, lse, o.astype(jnp.float32), l)
-        out = out.astype(q.dtype)
-        grads = [blocks.backward(qh, kp, vp, None, None, out, lse, doh, diag) for kp, vp, diag in parts]
-        dq = sum(g[0].astype(jnp.float32) for g in grads)
-        return out, dq, jnp.concatenate([g[1] for g in grads], 1), jnp.concatenate([g[2] for g in grads], 1)
-
-    got = jax.jit(merged)()
+    parts = [(k[:, :half], v[:, :half], None, False), (k[:, half:], v[:, half:], None, causal)]
+    got = jax.jit(lambda: merged_blocks(blocks, qh, doh, parts))()
     flash = lambda q, k, v: flash_attention(q, k, v, causal=causal, platform="triton")[:, half:] if causal \
         else flash_attention(q, k, v, platform="triton")  # noqa: E731
     out, pullback = jax.vjp(flash, q, k, v)
@@ -182,22 +168,4 @@ def test_blocks_merge_exactly_on_the_gpu(causal):
 @gpu
 @pytest.mark.parametrize("layout,causal", [("contiguous", False), ("contiguous", True), ("zigzag", True)])
 def test_one_gpu_ring_matches_flash_attention(layout, causal):
-    from jax.sharding import PartitionSpec as P
-
-    from ejkernel.modules import ring_attention
-
-    q, k, v, do = _inputs(1, 2048, 8, 2, 128)
-    mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-    spec = P(None, AXIS)
-
-    def ring(q, k, v):
-        local = lambda q, k, v: ring_attention(q, k, v, causal=causal, axis_name=AXIS,  # noqa: E731
-                                               sequence_layout=layout, platform="cuda")
-        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
-
-    results = []
-    for fn in (ring, lambda q, k, v: flash_attention(q, k, v, causal=causal, platform="triton")):
-        out, pullback = jax.vjp(fn, q, k, v)
-        results.append((out, *pullback(do)))
-    for name, g, w in zip(("out", "dq", "dk", "dv"), *results):
-        assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
+    check_one_device_ring("cuda", "triton", layout, causal, (1, 2048, 8, 2, 128))

@@ -21,7 +21,7 @@ from ejkernel import UnsupportedFeature
 from ejkernel.modules import flash_attention
 from ejkernel.modules.operations.ring_attention import RingAttention
 from ejkernel.testing.numerics import assert_close, normal_array
-from ejkernel.testing.ring_attention import DeviceRingConformance
+from ejkernel.testing.ring_attention import DeviceRingConformance, check_one_device_ring, merged_blocks
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.ring_attention import IMPLEMENTATION
 
@@ -50,25 +50,6 @@ def test_refuses_what_the_xla_ring_takes(kw, match):
 def test_registered_for_ring_attention():
     assert plugin.IMPLEMENTATIONS["ring_attention"] == "ejkernel_triton.ring_attention:IMPLEMENTATION"
     IMPLEMENTATION.supports(_call(causal=True, sequence_layout="zigzag"))
-
-
-def _halves_merged(blocks, q, k, v, do, seg):
-    """Two kv halves through the blocks, merged by the ring schedule's rule, then each half's backward from
-    the merged output and log-sum-exp (what a 2-step ring does): (out, dq, dk, dv)."""
-    from ejkernel.modules.operations._ring_schedule import _merge
-
-    h = k.shape[1] // 2
-    halves = [(k[:, :h], v[:, :h], None if seg is None else seg[:, :h]),
-              (k[:, h:], v[:, h:], None if seg is None else seg[:, h:])]
-    out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
-    lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
-    for kh, vh, sh in halves:
-        part, part_lse = blocks.forward(q, kh, vh, seg, sh, False)
-        out, lse = _merge(out, lse, part.astype(jnp.float32), part_lse)
-    out = out.astype(q.dtype)
-    parts = [blocks.backward(q, kh, vh, seg, sh, out, lse, do, False) for kh, vh, sh in halves]
-    dq = sum(p[0].astype(jnp.float32) for p in parts)
-    return out, dq, jnp.concatenate([p[1] for p in parts], 1), jnp.concatenate([p[2] for p in parts], 1)
 
 
 @CUDA_LOWERING
@@ -112,7 +93,10 @@ def test_blocks_merge_exactly_on_the_gpu(segments, softcap):
         seg = jnp.asarray(np.broadcast_to(np.minimum(np.arange(s) * 3 // s, 2), (b, s)), jnp.int32)
     call = RingAttention().validate(q, k, v, seg, seg, logits_soft_cap=softcap)
     blocks = TritonRingBlocks(IMPLEMENTATION.heuristic_config(call), call.softmax_scale, softcap or 0.0, False)
-    got = jax.jit(lambda: _halves_merged(blocks, q, k, v, do, seg))()
+    half = s // 2
+    halves = [(k[:, :half], v[:, :half], None if seg is None else seg[:, :half], False),
+              (k[:, half:], v[:, half:], None if seg is None else seg[:, half:], False)]
+    got = jax.jit(lambda: merged_blocks(blocks, q, do, halves, seg))()
 
     def flash(q, k, v):
         return flash_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, logits_soft_cap=softcap,
@@ -135,30 +119,7 @@ class TestTritonRingOfGpus(DeviceRingConformance):
 @pytest.mark.parametrize("layout,causal", [("contiguous", False), ("contiguous", True), ("zigzag", True)])
 def test_one_gpu_ring_matches_flash_attention(layout, causal):
     """ring_attention(platform="triton") under shard_map on a one-GPU mesh (the diagonal / full steps)."""
-    from jax.sharding import PartitionSpec as P
-
-    from ejkernel.modules import ring_attention
-
-    b, s, h, hkv, d = 1, 2048, 8, 2, 128
-    q, k, v, do = (normal_array(i, shape, "bfloat16") for i, shape in
-                   enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]))
-    mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-    spec = P(None, AXIS)
-
-    def ring(q, k, v):
-        local = lambda q, k, v: ring_attention(q, k, v, causal=causal, axis_name=AXIS,  # noqa: E731
-                                               sequence_layout=layout, platform="triton")
-        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
-
-    def flash(q, k, v):
-        return flash_attention(q, k, v, causal=causal, platform="triton")
-
-    results = []
-    for fn in (ring, flash):
-        out, pullback = jax.vjp(fn, q, k, v)
-        results.append((out, *pullback(do)))
-    for name, g, w in zip(("out", "dq", "dk", "dv"), *results):
-        assert_close(g, w, dtype="bfloat16", gradient=name != "out", name=name)
+    check_one_device_ring("triton", "triton", layout, causal, (1, 2048, 8, 2, 128))
 
 
 @CUDA_LOWERING

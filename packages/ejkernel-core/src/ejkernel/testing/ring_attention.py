@@ -128,6 +128,56 @@ class ReferenceRingBlocks:
         return dq, dk, fold(jnp.einsum("bhqk,bqhd->bkhd", p, do))
 
 
+def merged_blocks(blocks, q, d_out, parts, q_seg=None):
+    """What a ring does with a backend's ``blocks`` (``_ring_schedule.RingBlocks``) for one query shard: each
+    ``(k, v, kv_seg, causal)`` of ``parts`` through ``blocks.forward``, merged by log-sum-exp, then each part's
+    ``blocks.backward`` from the merged output and log-sum-exp. Returns ``(out, dq, dk, dv)``, dk/dv
+    concatenated over the parts' keys: compare with flash attention over all the keys (the contract each
+    backend's GPU test checks on its kernels)."""
+    from ejkernel.modules.operations._ring_schedule import _merge
+
+    out = jnp.zeros(q.shape[:3] + parts[0][1].shape[3:], jnp.float32)
+    lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+    for k, v, kv_seg, causal in parts:
+        part_out, part_lse = blocks.forward(q, k, v, q_seg, kv_seg, causal)
+        out, lse = _merge(out, lse, part_out.astype(jnp.float32), part_lse)
+    out = out.astype(q.dtype)
+    grads = [blocks.backward(q, k, v, q_seg, kv_seg, out, lse, d_out, causal) for k, v, kv_seg, causal in parts]
+    dq = sum(g[0].astype(jnp.float32) for g in grads)
+    return out, dq, jnp.concatenate([g[1] for g in grads], 1), jnp.concatenate([g[2] for g in grads], 1)
+
+
+def check_one_device_ring(platform: str, flash_platform: str, layout: str, causal: bool, shape, dtype="bfloat16"):
+    """``ring_attention(platform=...)`` under ``shard_map`` on a one-device mesh (the own shard's step only)
+    against ``flash_attention(platform=flash_platform)``: output and the three gradients. ``shape``:
+    ``(batch, seq, heads, kv_heads, head_dim)``."""
+    from jax.sharding import PartitionSpec as P
+
+    from ejkernel.modules import flash_attention, ring_attention
+
+    b, s, h, hkv, d = shape
+    q, k, v, do = (normal_array(i, x, dtype) for i, x in enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d),
+                                                                    (b, s, h, d)]))
+    mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    spec = P(None, AXIS)
+
+    def ring(q, k, v):
+        local = lambda q, k, v: ring_attention(q, k, v, causal=causal, axis_name=AXIS,  # noqa: E731
+                                               sequence_layout=layout, platform=platform)
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
+
+    def forward_backward(fn):
+        def run(q, k, v, do):
+            out, pullback = jax.vjp(fn, q, k, v)
+            return (out, *pullback(do))
+
+        return jax.jit(run)(q, k, v, do)
+
+    flash = lambda q, k, v: flash_attention(q, k, v, causal=causal, platform=flash_platform)  # noqa: E731
+    for name, got, want in zip(("out", "dq", "dk", "dv"), forward_backward(ring), forward_backward(flash)):
+        assert_close(got, want, dtype=dtype, gradient=name != "out", name=name)
+
+
 def _schedule_reference(**arguments):
     """The shared schedule on :class:`ReferenceRingBlocks` (refuses what the schedule's users refuse)."""
     from ejkernel.errors import UnsupportedFeature
