@@ -1,4 +1,5 @@
-"""XLA ``ring_attention`` against the shared conformance suite (8 CPU devices in a subprocess), plus the
+"""XLA ``ring_attention`` against the shared conformance suite (8 CPU devices in a subprocess), on every
+accelerator of the host when there are two or more (the GPU suite runs this package whole), plus the
 precision of its matmuls."""
 
 from __future__ import annotations
@@ -8,12 +9,17 @@ import pytest
 
 from ejkernel.modules import ring_attention
 from ejkernel.testing.numerics import matmul_precisions
-from ejkernel.testing.ring_attention import RingAttentionConformance, case_inputs
+from ejkernel.testing.ring_attention import DeviceRingConformance, RingAttentionConformance, case_inputs
 from ejkernel_xla.flash_attention import XlaBlockConfig
 
 
 class TestXlaRingAttention(RingAttentionConformance):
     platform = "xla"
+
+
+class TestXlaRingOfDevices(DeviceRingConformance):
+    platform = "xla"  # the GPU ring of sinks and sliding windows (skipped with fewer than two devices)
+    min_accepted = 11  # takes every case
 
 
 @pytest.mark.parametrize("precision", [None, "default"])

@@ -179,60 +179,56 @@ def _rank(axis_name):
     return jnp.int32(0) if axis_name is None else lax.axis_index(axis_name)
 
 
-def _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_seg):
-    """Step 0 (the own shard, static work, no merge), steps 1..P-2 in a scan, step P-1 peeled: no device
-    sends a shard nobody will use."""
-    rank = _rank(axis_name)
-    forward_step = functools.partial(_forward_step, blocks)
-    visiting = (k, v, kv_seg)
-    following = rotate(axis_name, size, visiting) if size > 1 else None  # issued before the first kernel
-    out, lse = varying_like(forward_step(_own_kind(causal), q, k, v, q_seg, kv_seg), q)
-
-    def visit(out, lse, s, shard):
-        step_out, step_lse = _run_step(forward_step, causal, layout, rank, (rank - s) % size, q, *shard[:2],
-                                       q_seg, shard[2])
-        return _merge(out, lse, step_out, step_lse)
+def _later_steps(axis_name, size, shard, state, visit):
+    """Steps 1..P-1: ``state = visit(state, s, shard)`` with ``shard`` the one visiting at step ``s`` (it was
+    sent during the step before). Each step sends its successor before its own kernels; the middle steps
+    run in a scan, the last one is peeled and sends nothing."""
 
     def step(carry, s):
-        out, lse, shard = carry
+        state, shard = carry
         following = rotate(axis_name, size, shard)
-        out, lse = visit(out, lse, s, shard)
-        return (out, lse, following), None
+        return (visit(state, s, shard), following), None
 
     if size > 2:
-        (out, lse, following), _ = lax.scan(step, (out, lse, following), jnp.arange(1, size - 1))
+        (state, shard), _ = lax.scan(step, (state, shard), jnp.arange(1, size - 1))
+    return visit(state, size - 1, shard)
+
+
+def _ring_forward(blocks, causal, layout, axis_name, size, q, k, v, q_seg, kv_seg):
+    """Step 0 is the own shard (static work, no merge); its successor is sent before its kernel."""
+    rank = _rank(axis_name)
+    forward_step = functools.partial(_forward_step, blocks)
+    following = rotate(axis_name, size, (k, v, kv_seg)) if size > 1 else None
+    out, lse = varying_like(forward_step(_own_kind(causal), q, k, v, q_seg, kv_seg), q)
+
+    def visit(state, s, shard):
+        step_out, step_lse = _run_step(forward_step, causal, layout, rank, (rank - s) % size, q, *shard[:2],
+                                       q_seg, shard[2])
+        return _merge(*state, step_out, step_lse)
+
     if size > 1:
-        out, lse = visit(out, lse, size - 1, following)
+        out, lse = _later_steps(axis_name, size, following, (out, lse), visit)
     return out.astype(q.dtype), lse
 
 
 def _ring_backward(blocks, causal, layout, axis_name, size, residuals, d_out):
-    """As the forward; the key/value gradient accumulators travel with their shard (after the last step's
-    rotation they are home), key/value themselves are not sent after the last step."""
+    """As the forward; the key/value gradient sums travel with their shard (after the last step's rotation
+    they are home)."""
     q, k, v, q_seg, kv_seg, out, lse = residuals
     rank = _rank(axis_name)
     d_out = d_out.astype(q.dtype)
     backward_step = functools.partial(_backward_step, blocks)
     following = rotate(axis_name, size, (k, v, kv_seg)) if size > 1 else None
     dq, dk, dv = varying_like(backward_step(_own_kind(causal), q, k, v, q_seg, kv_seg, out, lse, d_out), q)
-    if size == 1:
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
-    sums = rotate(axis_name, size, (dk, dv))  # the own shard's sums start their trip
 
-    def visit(dq, s, shard, sums):
+    def visit(state, s, shard):
+        dq, (dk_sum, dv_sum) = state
         dq_part, dk_part, dv_part = _run_step(backward_step, causal, layout, rank, (rank - s) % size, q,
                                               *shard[:2], q_seg, shard[2], out, lse, d_out)
-        return dq + dq_part, rotate(axis_name, size, (sums[0] + dk_part, sums[1] + dv_part))
+        return dq + dq_part, rotate(axis_name, size, (dk_sum + dk_part, dv_sum + dv_part))
 
-    def step(carry, s):
-        dq, shard, sums = carry
-        following = rotate(axis_name, size, shard)
-        dq, sums = visit(dq, s, shard, sums)
-        return (dq, following, sums), None
-
-    if size > 2:
-        (dq, following, sums), _ = lax.scan(step, (dq, following, sums), jnp.arange(1, size - 1))
-    dq, (dk, dv) = visit(dq, size - 1, following, sums)
+    if size > 1:  # the own shard's sums start their trip with the first step
+        dq, (dk, dv) = _later_steps(axis_name, size, following, (dq, rotate(axis_name, size, (dk, dv))), visit)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
