@@ -2,8 +2,13 @@
 # Every test that needs a GPU, in one command, ON THE DEVICE (through the device tool's `run`, after
 # `bash scripts/device/prepare.sh` here, with `carry: [".whl"]`), from the repo root:
 #
-#   bash scripts/device/gpu_tests.sh                 # all of it (H200 6 min 25 s, H100 7 min 51 s)
+#   bash scripts/device/gpu_tests.sh                 # all of it (H200 8 min 20 s on 2026-11-24: near a call's 10 min)
+#   bash scripts/device/gpu_tests.sh --part kernels  # the Triton and Pallas packages (H100 4 min 39 s, 2026-11-26)
+#   bash scripts/device/gpu_tests.sh --part portable # XLA, CUDA, core and cross-package tests (H100 5 min 24 s)
 #   bash scripts/device/gpu_tests.sh -k flash        # extra arguments go to pytest
+#
+# The two parts are two device calls on the same warm machine (chain them: it is released after 30 s idle);
+# each writes $OUT/gpu-tests-<part>.json and .log beside the usual names.
 #
 # Runs, in one pytest session with xdist: every test marked `gpu` (the Triton and Pallas GPU kernels and
 # their shared conformance suites) and the XLA package's whole suite (every shared conformance suite of
@@ -23,6 +28,16 @@ fi
 
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+PART=""
+if [ "${1:-}" = "--part" ]; then
+    PART=${2:?"--part takes kernels or portable"}
+    shift 2
+    case "$PART" in
+        kernels) set -- packages/ejkernel-triton/tests packages/ejkernel-pallas/tests "$@" ;;
+        portable) set -- packages/ejkernel-xla/tests packages/ejkernel-cuda/tests packages/ejkernel-core/tests tests "$@" ;;
+        *) echo "--part takes kernels or portable, not $PART" >&2; exit 2 ;;
+    esac
+fi
 # Workers share the GPU: none preallocates, each may grow to an equal share of 90 % of its memory. The
 # suite is compile-bound (Triton and XLA compiles on the host's cores): as many workers as the host has
 # cores to spare (2 left for the xdist controller and the GPU driver), but at least 7 GiB of GPU memory
@@ -53,6 +68,10 @@ python3 -m pytest -p gpu_suite -m "not tpu" -n "$WORKERS" --dist "$DIST" -q -rfE
     --gpu-summary "$OUT/gpu-tests.json" --junitxml "$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.log"
 status=${PIPESTATUS[0]}
 set -e
+if [ -n "$PART" ]; then
+    cp "$OUT/gpu-tests.json" "$OUT/gpu-tests-$PART.json"
+    cp "$OUT/gpu-tests.log" "$OUT/gpu-tests-$PART.log"
+fi
 python3 -c "
 import json, sys
 doc = json.load(open(sys.argv[1]))
