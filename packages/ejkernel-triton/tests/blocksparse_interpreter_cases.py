@@ -27,6 +27,7 @@ from ejkernel.testing.blocksparse_attention import random_block_mask, reference_
 from ejkernel_triton import interpret, launch  # noqa: E402
 from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig  # noqa: E402
 from ejkernel_triton.decode import config as decode_config  # noqa: E402
+from ejkernel.testing.numerics import relative_error  # noqa: E402
 
 KERNELS_RUN: list[str] = []
 _run_on_host = interpret.run_on_host
@@ -34,13 +35,6 @@ interpret.run_on_host = lambda kernel, *a, **kw: KERNELS_RUN.append(kernel.__nam
 
 SMALL_TILES = TritonBlockSparseConfig(16, 16, 4, 1, 16, 16, 16, 16, 4, 1)
 _sm_count = decode_config.sm_count
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))  # a zero reference needs exact zeros
 
 
 def case(name, *, seed, b=1, sq=45, skv=45, h=2, hkv=1, d=64, dv=None, dtype=jnp.float32, blocks=(32, 16),
@@ -96,8 +90,8 @@ def case(name, *, seed, b=1, sq=45, skv=45, h=2, hkv=1, d=64, dv=None, dtype=jnp
     out, dq, dk, dv_, d_aux = jax.jit(lambda *a: forward_and_vjp(triton, *a))(q, k, v, aux, d_out, mask)
     ref, rdq, rdk, rdv, rd_aux = jax.jit(lambda *a: forward_and_vjp(reference, *a))(
         q, k, v, aux.astype(jnp.float64), d_out.astype(jnp.float64), mask)
-    row = dict(name=name, dtype=jnp.dtype(dtype).name, out=_rel(out, ref), dq=_rel(dq, rdq), dk=_rel(dk, rdk),
-               dv=_rel(dv_, rdv), d_aux=_rel(d_aux, rd_aux) if sinks else 0.0,
+    row = dict(name=name, dtype=jnp.dtype(dtype).name, out=relative_error(out, ref), dq=relative_error(dq, rdq), dk=relative_error(dk, rdk),
+               dv=relative_error(dv_, rdv), d_aux=relative_error(d_aux, rd_aux) if sinks else 0.0,
                finite=bool(all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in (out, dq, dk, dv_))),
                seconds=round(time.time() - start, 2), kernels=sorted(set(KERNELS_RUN)))
     if not vmap and not segments and mask_batch == 1:

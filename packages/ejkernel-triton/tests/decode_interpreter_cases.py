@@ -24,17 +24,10 @@ jax.config.update("jax_enable_x64", True)
 
 from ejkernel import UnsupportedFeature  # noqa: E402
 from ejkernel.modules import page_attention, ragged_decode_attention  # noqa: E402
-from ejkernel.testing.numerics import normal_array  # noqa: E402
+from ejkernel.testing.numerics import normal_array, relative_error  # noqa: E402
 from ejkernel.testing.page_attention import random_block_tables, reference_page_attention, sinks_for  # noqa: E402
 from ejkernel.testing.ragged_decode_attention import reference_ragged_decode_attention  # noqa: E402
 from ejkernel_triton.decode import TritonDecodeConfig  # noqa: E402
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _f64(x):
@@ -121,7 +114,7 @@ def run(name):
     fn, kwargs = CASES[name]
     t0 = time.time()
     out, ref, empty, grad = fn(**kwargs)
-    row = dict(name=name, dtype=jnp.dtype(kwargs["dtype"]).name, out=_rel(out, ref),
+    row = dict(name=name, dtype=jnp.dtype(kwargs["dtype"]).name, out=relative_error(out, ref),
                finite=bool(np.all(np.isfinite(np.asarray(out, np.float64)))))
     if empty is not None and empty.any():
         row["empty_rows_zero"] = bool(np.all(np.asarray(out)[empty] == 0))

@@ -26,15 +26,9 @@ from ejkernel.modules.operations.flash_attention import flash_attention  # noqa:
 from ejkernel.testing.flash_attention import reference_flash_attention  # noqa: E402
 from ejkernel_triton import launch  # noqa: E402
 from ejkernel_triton.flash_attention import TritonFlashConfig, forward  # noqa: E402
+from ejkernel.testing.numerics import relative_error  # noqa: E402
 
 SMALL_BLOCKS = TritonFlashConfig(32, 32, 4, 1, 32, 32, 32, 32, 4, 1)
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))  # a zero reference needs exact zeros
 
 
 def _segments(rng, batch, length, num):
@@ -90,9 +84,9 @@ def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp
     (g_ref, out_ref) = grad(reference_flash_attention, *map(as_f64, (q, k, v, aux)))
     result = dict(
         name=name, dtype=jnp.dtype(dtype).name, seconds=round(time.time() - t0, 2),
-        out=_rel(out_ours, out_ref), dq=_rel(g_ours[0], g_ref[0]), dk=_rel(g_ours[1], g_ref[1]),
-        dv=_rel(g_ours[2], g_ref[2]),
-        d_aux=_rel(g_ours[3], g_ref[3]) if aux is not None else 0.0,
+        out=relative_error(out_ours, out_ref), dq=relative_error(g_ours[0], g_ref[0]), dk=relative_error(g_ours[1], g_ref[1]),
+        dv=relative_error(g_ours[2], g_ref[2]),
+        d_aux=relative_error(g_ours[3], g_ref[3]) if aux is not None else 0.0,
         finite=bool(all(np.all(np.isfinite(np.asarray(x, np.float64))) for x in (out_ours, *g_ours[:3]))),
     )
     result["tma_kernels"] = sorted(set(tma_calls))

@@ -29,16 +29,9 @@ jax.config.update("jax_enable_x64", True)
 
 import ejkernel.modules as modules  # noqa: E402
 from ejkernel.testing.lightning_attention import reference_lightning_attention  # noqa: E402
-from ejkernel.testing.numerics import normal_array  # noqa: E402
+from ejkernel.testing.numerics import normal_array, relative_error  # noqa: E402
 from ejkernel.testing.recurrent import log_sigmoid_gate, reference_recurrent  # noqa: E402
 from ejkernel_triton.linear_attention import TritonLinearAttentionConfig  # noqa: E402
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, batch, total, heads, kv_heads, dk, dv, dtype, *, gate="vector", strength=1.0, gate_scale=1.0,
@@ -101,9 +94,9 @@ def run_case(name, *, operation="gla_attention", shape=(1, 150, 2, 2, 16, 32), d
     states = batch if "cu_seqlens" not in static else static["cu_seqlens"].shape[0] - 1
     out_size = got.size - states * heads * dk * dv * (2 if vmap else 1)
     row = dict(name=name, dtype=dtype, seconds=round(elapsed, 2), finite=bool(np.all(np.isfinite(got))),
-               out=_rel(got[:out_size], want[:out_size]), final_state=_rel(got[out_size:], want[out_size:]))
+               out=relative_error(got[:out_size], want[:out_size]), final_state=relative_error(got[out_size:], want[out_size:]))
     for n, a, b in zip(names, grads, want_grads):
-        row["d_" + n] = _rel(a, b)
+        row["d_" + n] = relative_error(a, b)
         row["finite"] &= bool(np.all(np.isfinite(np.asarray(a, np.float64))))
     print(json.dumps(row), flush=True)
 

@@ -31,6 +31,7 @@ from ejkernel.testing.ragged_page_attention import (  # noqa: E402
     reference_ragged_page_attention,
 )
 from ejkernel_triton.ragged_page_attention import TritonRaggedPageConfig  # noqa: E402
+from ejkernel.testing.numerics import relative_error  # noqa: E402
 
 # small tiles: several prefill tiles per sequence and several key steps; decode with three splits
 SMALL = TritonRaggedPageConfig(block_m=16, block_n=16, num_warps=4, prefetch=1, decode_block_n=16,
@@ -57,13 +58,6 @@ CASES = {
 }
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def run(name):
     spec, static = CASES[name]
     t0 = time.time()
@@ -75,7 +69,7 @@ def run(name):
            for k, v in inputs.items()}
     ref = reference_ragged_page_attention(*f64.values(), **static)
     used = int(inputs["query_start_loc"][int(inputs["num_seqs"][0])])
-    row = dict(name=name, dtype=jnp.dtype(spec["dtype"]).name, out=_rel(out, ref),
+    row = dict(name=name, dtype=jnp.dtype(spec["dtype"]).name, out=relative_error(out, ref),
                finite=bool(np.all(np.isfinite(np.asarray(out, np.float64)))),
                padding_zero=bool(np.all(np.asarray(out)[used:] == 0)))
     if not spec.get("gradient"):

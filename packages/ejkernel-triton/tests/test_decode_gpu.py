@@ -20,6 +20,7 @@ from ejkernel.testing.ragged_decode_attention import (
     reference_ragged_decode_attention,
 )
 from ejkernel_triton.decode import TritonDecodeConfig
+from ejkernel.testing.numerics import relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,11 +58,6 @@ class TestTritonRaggedDecodeAttentionSplitsConformance(RaggedDecodeAttentionConf
     platform = "triton"
     supports_gradients = False
     cfg = SPLITS
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _normal(key, shape):
@@ -106,7 +102,7 @@ def test_bf16_paged_serving_shapes(page_size, heads, kv_heads, dim, lengths, max
     ref = _float32(reference_page_attention, **inputs)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(np.asarray(out)[lengths == 0], 0)
-    assert _rel(out, ref) < 1e-2, _rel(out, ref)
+    assert relative_error(out, ref) < 1e-2, relative_error(out, ref)
 
 
 @pytest.mark.parametrize("cfg", [None, TritonDecodeConfig(block_n=32, num_splits=7, prefetch=3)])
@@ -130,7 +126,7 @@ def test_bf16_ragged_serving_shape(cfg):
         ref = _float32(lambda **kw: reference_ragged_decode_attention(**kw, **extra), **inputs)
         assert np.all(np.isfinite(np.asarray(out, np.float32)))
         np.testing.assert_array_equal(np.asarray(out)[0], 0)
-        assert _rel(out, ref) < 1e-2, (extra, _rel(out, ref))
+        assert relative_error(out, ref) < 1e-2, (extra, relative_error(out, ref))
 
 
 def test_auto_dispatch_takes_the_triton_kernel_on_the_gpu(monkeypatch):

@@ -12,13 +12,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from ejkernel.modules import gla_attention, recurrent_attention
 from ejkernel.testing.gla import GLAConformance
 from ejkernel.testing.lightning_attention import LightningAttentionConformance
 from ejkernel.testing.recurrent import RecurrentConformance, log_sigmoid_gate
+from ejkernel.testing.numerics import relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,12 +41,6 @@ class TestTritonGLAConformance(GLAConformance):
 class TestTritonLightningAttentionConformance(LightningAttentionConformance):
     platform = "triton"
     refused = REFUSED
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.all(np.isfinite(a))
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 CANDIDATE = "decayed_keys=1/intra_kernel=1/state_block_k=32/state_block_v=32"  # the forward's levers (benchmark)
@@ -88,7 +82,7 @@ def test_bf16_model_shapes_against_float32_xla(batch, total, heads, kv_heads, dk
     with jax.default_matmul_precision("highest"):
         want_grads, (want_out, want_final) = grad("xla")(*f32, g, h0, cot_o, cot_s)
     assert got_out.dtype == jnp.bfloat16 and got_final.dtype == jnp.float32
-    assert _rel(got_out, want_out) < 1e-2
-    assert _rel(got_final, want_final) < 1e-2
+    assert relative_error(got_out, want_out) < 1e-2
+    assert relative_error(got_final, want_final) < 1e-2
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got_grads, want_grads):
-        assert _rel(a, b) < 2e-2, name
+        assert relative_error(a, b) < 2e-2, name

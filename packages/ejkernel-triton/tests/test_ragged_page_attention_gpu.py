@@ -21,6 +21,7 @@ from ejkernel.modules import ragged_page_attention
 from ejkernel.testing.page_attention import random_block_tables
 from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformance, reference_ragged_page_attention
 from ejkernel_triton.ragged_page_attention import TritonRaggedPageConfig
+from ejkernel.testing.numerics import relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,11 +49,6 @@ class TestTritonRaggedPageAttentionOneLaunchConformance(RaggedPageAttentionConfo
     platform = "triton"
     supports_gradients = False
     cfg = dataclasses.replace(SMALL, fused=True, decode_inline_combine=True)
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _float32(fn, **inputs):
@@ -118,7 +114,7 @@ def test_bf16_mixed_serving_batches(page_size, heads, kv_heads, dim, sequences, 
     used = int(inputs["query_start_loc"][len(sequences)])
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(np.asarray(out)[used:], 0)
-    assert _rel(out[:used], ref[:used]) < 1e-2, _rel(out[:used], ref[:used])
+    assert relative_error(out[:used], ref[:used]) < 1e-2, relative_error(out[:used], ref[:used])
 
 
 def test_auto_dispatch_takes_the_triton_kernel_on_the_gpu(monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 
 from ejkernel.modules.operations.flash_attention import flash_attention
 from ejkernel.testing.flash_attention import FlashAttentionConformance, reference_flash_attention
+from ejkernel.testing.numerics import relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,11 +24,6 @@ pytestmark = [
 class TestTritonFlashAttentionConformance(FlashAttentionConformance):
     platform = "triton"
     allow_unsupported = True  # bias and attention_mask are refused (the dispatcher falls back)
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def triton_attention(q, k, v, **kw):
@@ -69,7 +65,7 @@ def test_bf16_many_blocks_matches_float32_reference(d, h, hkv, seq, kw):
     ref = jax.jit(lambda *a: run(float32_reference, *a))(*(x.astype(jnp.float32) for x in (q, k, v, do)))
     for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
-        assert _rel(a, r) < 1.5e-2, (name, _rel(a, r))
+        assert relative_error(a, r) < 1.5e-2, (name, relative_error(a, r))
 
 
 def test_varlen_matches_per_sequence_calls():
@@ -83,7 +79,7 @@ def test_varlen_matches_per_sequence_calls():
     for n in range(len(lengths)):
         s, e = int(cu[n]), int(cu[n + 1])
         alone = triton_attention(q[:, s:e], k[:, s:e], v[:, s:e], causal=True)
-        assert _rel(packed[:, s:e], alone) < 1e-2
+        assert relative_error(packed[:, s:e], alone) < 1e-2
 
 
 def test_unmasked_d128_forward_takes_the_tma_kernel(monkeypatch):
@@ -95,7 +91,7 @@ def test_unmasked_d128_forward_takes_the_tma_kernel(monkeypatch):
     q = jax.random.normal(jax.random.key(0), (2, 1024, 4, 128), jnp.float32).astype(jnp.bfloat16)
     out = triton_attention(q, q, q)
     ref = float32_reference(q, q, q)
-    assert calls and _rel(out, ref) < 1e-2
+    assert calls and relative_error(out, ref) < 1e-2
     calls.clear()
     triton_attention(q, q, q, causal=True)
     assert not calls  # causal keeps the pointer kernel (faster there)

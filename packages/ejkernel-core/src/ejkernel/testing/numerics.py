@@ -88,10 +88,13 @@ def _as_float64(x: Any) -> np.ndarray:
 
 
 def relative_error(actual: Any, expected: Any) -> float:
-    """``||actual - expected|| / ||expected||`` in float64 (0 when both are exactly zero)."""
+    """``||actual - expected|| / ||expected||`` in float64 (0 when both are exactly zero; inf when ``actual``
+    has a non-finite value, so no tolerance passes it)."""
     a, e = _as_float64(actual), _as_float64(expected)
     if a.shape != e.shape:
         raise ValueError(f"shape mismatch: actual {a.shape} vs expected {e.shape}")
+    if not np.all(np.isfinite(a)):
+        return float("inf")
     denominator = np.linalg.norm(e.ravel())
     numerator = np.linalg.norm((a - e).ravel())
     if denominator == 0.0:
