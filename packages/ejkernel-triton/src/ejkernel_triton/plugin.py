@@ -34,6 +34,15 @@ IMPLEMENTATIONS: dict[str, str] = {
 }
 
 
+# Built and checked in Triton's interpreter and lowered for sm_90, not yet run on a GPU: registered only in
+# the interpreter (CPU tests) or when EJKERNEL_TRITON_UNVERIFIED=1 (the device run that verifies them; then
+# they move up into IMPLEMENTATIONS). A GPU user never gets a kernel no GPU has checked.
+UNVERIFIED: dict[str, str] = {
+    "native_sparse_attention": "ejkernel_triton.native_sparse_attention:IMPLEMENTATION",
+}
+UNVERIFIED_ENV = "EJKERNEL_TRITON_UNVERIFIED"
+
+
 def interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -63,7 +72,8 @@ BACKEND = DeclaredBackend(
     distribution=DISTRIBUTION,
     platform="triton",
     targets=("gpu",),
-    implementations=IMPLEMENTATIONS,
+    implementations={**IMPLEMENTATIONS, **(UNVERIFIED if interpret_requested()
+                                           or os.environ.get(UNVERIFIED_ENV, "0") not in ("", "0") else {})},
     register_for=("gpu", "cpu") if interpret_requested() else ("gpu",),
     priority=15,
     check_usable=check_usable,
