@@ -11,6 +11,10 @@ A backend's test module subclasses :class:`RingAttentionConformance` and sets ``
 
     class TestXlaRingAttention(RingAttentionConformance):
         platform = "xla"
+
+On a host with several GPUs, :class:`DeviceRingConformance` runs the same cases (and GPU-sized ones) over
+every real device in the test's own process; :func:`merged_blocks` and :func:`check_one_device_ring` check
+a backend's ring blocks and its one-device ring.
 """
 
 from __future__ import annotations
@@ -386,8 +390,8 @@ class RingAttentionConformance:
 
 class DeviceRingConformance:
     """Test base for a ring over the real accelerators of one host (every local device, at least 2; skips
-    with fewer): :data:`CASES` and :data:`DEVICE_CASES` in this process, and a ``(1, P)`` mesh with a data
-    axis beside the ring's. Cases the backend refuses (``UnsupportedFeature``) are skipped with its reason;
+    with fewer): :data:`CASES` and :data:`DEVICE_CASES` in this process, and a mesh with a data axis beside
+    the ring's (``(2, P / 2)`` with four or more devices, else ``(1, P)``). Cases the backend refuses (``UnsupportedFeature``) are skipped with its reason;
     at least ``min_accepted`` must run. Subclass, set ``platform``, and mark the module for its device."""
 
     platform: ClassVar[str]
