@@ -8,7 +8,7 @@ Shape: 16k tokens per batch (batch = max(1, 16384 // seq)), 16 query heads over 
 NSA's paper), D=128, bf16, block_size 64, 16 selected blocks, window 512, all three gates, selection from
 the compressed branch (``block_indices=None``). Forward and forward+backward; warm-up, median of ``--reps``
 samples of ``--calls`` back-to-back calls over two input sets (``attention.time_calls``). Writes
-``<out>/<gpu>-<date>-nsa.json`` after every row, and a PNG. Run with ``EJKERNEL_TRITON_UNVERIFIED=1``
+``<out>/<gpu>-<date>-nsa.json`` after every row, and a PNG. Run with ``EJKERNEL_UNVERIFIED_KERNELS=1``
 while the Triton implementation awaits its first GPU check (``ejkernel_triton.plugin.UNVERIFIED``).
 """
 

@@ -52,8 +52,8 @@ print(max(1, min((os.cpu_count() or 8) - 2, int(0.9 * gpu_gib / 7))))" "${gpu_mi
 fi
 WORKERS=$GPU_TEST_WORKERS
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-# Kernels no GPU has checked yet are registered for this run only (ejkernel_triton.plugin.UNVERIFIED).
-export EJKERNEL_TRITON_UNVERIFIED=1
+# Kernels no GPU has checked yet are registered for this run only (each plugin's UNVERIFIED mapping).
+export EJKERNEL_UNVERIFIED_KERNELS=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(0.9 / $WORKERS, 3))")}
 export PYTHONPATH=$PWD/scripts/device${PYTHONPATH:+:$PYTHONPATH}
 unset JAX_PLATFORMS  # JAX picks the GPU (the ring-attention suite starts its own CPU processes)

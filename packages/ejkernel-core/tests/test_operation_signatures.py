@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -114,3 +115,25 @@ def test_restricted_call_types_take_flash_attentions_fields():
     assert (ring.axis_name, ring.dropout_prob, ring.bias) == ("sp", 0.0, None)
     assert ring.softmax_scale == pytest.approx(8**-0.5)
     assert FlashAttention().validate(q, q, q).causal is False
+
+
+def test_a_restricted_call_widens_back_and_runs_through_flash_attention():
+    """``widened_call`` inverts ``restricted_call``; ``ThroughFlashAttention`` runs a restricted operation by a
+    flash_attention implementation (the GPU backends' scaled_dot_product_attention): XLA's, here."""
+    from ejkernel.modules.operations.flash_attention import ThroughFlashAttention, widened_call
+    from ejkernel.modules.operations.scaled_dot_product_attention import ScaledDotProductAttention
+    from ejkernel.testing.numerics import assert_close, normal_array
+    from ejkernel_xla.flash_attention import IMPLEMENTATION as XLA_FLASH
+    from ejkernel_xla.scaled_dot_product_attention import IMPLEMENTATION as XLA_SDPA
+
+    q, k = normal_array(0, (2, 12, 4, 16), "float32"), normal_array(1, (2, 12, 2, 16), "float32")
+    v = normal_array(2, (2, 12, 2, 16), "float32")
+    sdpa = ScaledDotProductAttention().validate(q, k, v, causal=True, sliding_window=(3, 0))
+    flash = FlashAttention().validate(q, k, v, causal=True, sliding_window=(3, 0))
+    widened = widened_call(sdpa)
+    for field in dataclasses.fields(FlashAttentionCall):  # arrays: the very same objects; the rest equal
+        got, want = getattr(widened, field.name), getattr(flash, field.name)
+        assert got is want or (not isinstance(got, jax.Array) and got == want), field.name
+    through = ThroughFlashAttention(XLA_FLASH)
+    assert through.config_type is XLA_FLASH.config_type
+    assert_close(through(sdpa, through.heuristic_config(sdpa)), XLA_SDPA(sdpa, None), dtype="float32")

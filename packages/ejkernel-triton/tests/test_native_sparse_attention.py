@@ -1,6 +1,6 @@
 """The Triton native_sparse_attention on a CPU-only machine: the shared conformance suite in Triton's
 interpreter (in a pytest subprocess, with a check that the kernels ran), registration (only in the
-interpreter or under EJKERNEL_TRITON_UNVERIFIED=1 until a GPU run has checked it), refusals, configs, the
+interpreter or under EJKERNEL_UNVERIFIED_KERNELS=1 until a GPU run has checked it), refusals, configs, the
 inverted index of the dK/dV kernel, and sm_90 lowering of the forward and backward."""
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def test_registered_only_where_checked():
     assert plugin.UNVERIFIED["native_sparse_attention"] == target
     probe = ("import ejkernel_triton.plugin as p; "
              "print('native_sparse_attention' in p.BACKEND.implementations)")
-    for env, expected in (({}, "False"), ({"EJKERNEL_TRITON_UNVERIFIED": "1"}, "True"), ({"TRITON_INTERPRET": "1"}, "True")):
-        clean = {k: v for k, v in os.environ.items() if k not in ("EJKERNEL_TRITON_UNVERIFIED", "TRITON_INTERPRET")}
+    for env, expected in (({}, "False"), ({"EJKERNEL_UNVERIFIED_KERNELS": "1"}, "True"), ({"TRITON_INTERPRET": "1"}, "True")):
+        clean = {k: v for k, v in os.environ.items() if k not in ("EJKERNEL_UNVERIFIED_KERNELS", "TRITON_INTERPRET")}
         out = subprocess.run([sys.executable, "-c", probe], env={**clean, **env, "JAX_PLATFORMS": "cpu"},
                              capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == expected, (env, out.stdout, out.stderr[-2000:])

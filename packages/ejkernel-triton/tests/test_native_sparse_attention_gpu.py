@@ -1,5 +1,5 @@
 """GPU tests of the Triton native_sparse_attention (``-m gpu``; ``scripts/device/gpu_tests.sh`` sets
-EJKERNEL_TRITON_UNVERIFIED=1 so the implementation is registered until a GPU run has checked it): the shared
+EJKERNEL_UNVERIFIED_KERNELS=1 so the implementation is registered until a GPU run has checked it): the shared
 conformance suite with platform="triton" (bfloat16 included), and long bf16 problems (GQA 16, 64-token
 blocks, 16 selected) against the XLA implementation in float32."""
 
@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
     pytest.mark.skipif(not kernel_registry.find("native_sparse_attention", "triton", None),
-                       reason="not registered: set EJKERNEL_TRITON_UNVERIFIED=1 (gpu_tests.sh does)"),
+                       reason="not registered: set EJKERNEL_UNVERIFIED_KERNELS=1 (gpu_tests.sh does)"),
 ]
 
 

@@ -7,7 +7,7 @@ Today its attention runs on cuDNN's fused flash attention through JAX's cuDNN cu
 
 from __future__ import annotations
 
-from ejkernel.plugins.checks import first_reason, no_device
+from ejkernel.plugins.checks import first_reason, no_device, unverified_requested
 from ejkernel.plugins.declare import DeclaredBackend
 
 # algorithm -> "module:IMPLEMENTATION". Priority 20 puts these above Triton (15), Pallas (10) and XLA (0):
@@ -16,6 +16,13 @@ from ejkernel.plugins.declare import DeclaredBackend
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
     "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION",
+}
+
+
+# Not yet run on a GPU: registered only with EJKERNEL_UNVERIFIED_KERNELS=1 (the device run that verifies
+# them; then they move up into IMPLEMENTATIONS).
+UNVERIFIED: dict[str, str] = {
+    "scaled_dot_product_attention": "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION",
 }
 
 
@@ -30,7 +37,7 @@ BACKEND = DeclaredBackend(
     distribution="ejkernel-cuda",
     platform="cuda",
     targets=("gpu",),
-    implementations=IMPLEMENTATIONS,
+    implementations={**IMPLEMENTATIONS, **(UNVERIFIED if unverified_requested() else {})},
     priority=20,
     check_usable=lambda: first_reason(lambda: no_device("gpu"), _cudnn_missing),
     description="NVIDIA GPU kernels: cuDNN's flash attention (native FFI kernels to come)",

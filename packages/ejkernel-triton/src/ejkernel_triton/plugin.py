@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ejkernel.plugins.checks import first_reason, missing_module, no_device, version_below
+from ejkernel.plugins.checks import first_reason, missing_module, no_device, unverified_requested, version_below
 from ejkernel.plugins.declare import DeclaredBackend
 
 NAME = "triton"
@@ -35,12 +35,12 @@ IMPLEMENTATIONS: dict[str, str] = {
 
 
 # Built and checked in Triton's interpreter and lowered for sm_90, not yet run on a GPU: registered only in
-# the interpreter (CPU tests) or when EJKERNEL_TRITON_UNVERIFIED=1 (the device run that verifies them; then
+# the interpreter (CPU tests) or with EJKERNEL_UNVERIFIED_KERNELS=1 (the device run that verifies them; then
 # they move up into IMPLEMENTATIONS). A GPU user never gets a kernel no GPU has checked.
 UNVERIFIED: dict[str, str] = {
     "native_sparse_attention": "ejkernel_triton.native_sparse_attention:IMPLEMENTATION",
+    "scaled_dot_product_attention": "ejkernel_triton.scaled_dot_product_attention:IMPLEMENTATION",
 }
-UNVERIFIED_ENV = "EJKERNEL_TRITON_UNVERIFIED"
 
 
 def interpret_requested() -> bool:
@@ -72,8 +72,7 @@ BACKEND = DeclaredBackend(
     distribution=DISTRIBUTION,
     platform="triton",
     targets=("gpu",),
-    implementations={**IMPLEMENTATIONS, **(UNVERIFIED if interpret_requested()
-                                           or os.environ.get(UNVERIFIED_ENV, "0") not in ("", "0") else {})},
+    implementations={**IMPLEMENTATIONS, **(UNVERIFIED if interpret_requested() or unverified_requested() else {})},
     register_for=("gpu", "cpu") if interpret_requested() else ("gpu",),
     priority=15,
     check_usable=check_usable,

@@ -61,3 +61,16 @@ def distribution_version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "0.0.0+unknown"
+
+
+UNVERIFIED_ENV = "EJKERNEL_UNVERIFIED_KERNELS"
+
+
+def unverified_requested() -> bool:
+    """Whether kernels no GPU run has checked yet should be registered (``EJKERNEL_UNVERIFIED_KERNELS=1``:
+    the device run that verifies them, ``scripts/device/gpu_tests.sh``). A backend keeps them in a separate
+    mapping and registers them only then, so a user never gets an unchecked kernel."""
+    import os
+
+    return os.environ.get(UNVERIFIED_ENV, "0") not in ("", "0")
+

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -39,7 +39,7 @@ import numpy as np
 from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
-from ejkernel.modules.operations._contract import array_field, canonical_call
+from ejkernel.modules.operations._contract import Implementation, array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     DEFAULT_DROPOUT_SEED,
@@ -136,6 +136,37 @@ def restricted_call(algorithm: str, call_type: type[CallT], flash_call: FlashAtt
         if f.name not in fields and (value is not None if f.default is None else value != f.default):
             raise ValueError(f"{algorithm} has no {f.name} (flash_attention has), got {describe(value)}")
     return call_type(**{name: getattr(flash_call, name) for name in fields - extra.keys()}, **extra)
+
+
+def widened_call(call: Any) -> FlashAttentionCall:
+    """The ``FlashAttentionCall`` of a restricted operation's call (``flash_attention_subset``): its fields,
+    and flash_attention's other features off. The inverse of :func:`restricted_call`."""
+    return FlashAttentionCall(**{f.name: getattr(call, f.name) for f in dataclasses.fields(FlashAttentionCall)})
+
+
+class ThroughFlashAttention(Implementation):
+    """An implementation of an operation whose call restricts ``flash_attention``'s (e.g.
+    ``scaled_dot_product_attention``) by a backend's ``flash_attention`` implementation: the call widened
+    (:func:`widened_call`), refusals, configs and the run all that implementation's."""
+
+    def __init__(self, flash: Implementation):
+        self.flash = flash
+        self.config_type = flash.config_type
+
+    def supports(self, call: Any) -> None:
+        self.flash.supports(widened_call(call))
+
+    def heuristic_config(self, call: Any) -> Any:
+        return self.flash.heuristic_config(widened_call(call))
+
+    def candidate_configs(self, call: Any) -> Sequence[Any]:
+        return self.flash.candidate_configs(widened_call(call))
+
+    def __call__(self, call: Any, config: Any) -> Any:
+        return self.flash(widened_call(call), config)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__qualname__} of {self.flash!r}>"
 
 
 # ---- the operation ---------------------------------------------------------------------------------

@@ -1,0 +1,10 @@
+"""``scaled_dot_product_attention`` on the GPU by cuDNN's flash attention: the call is a
+``flash_attention`` call restricted to fewer features, so this backend's ``flash_attention`` implementation
+runs it (``ThroughFlashAttention``): the same refusals and configs, O(S) memory instead of the dense O(S²)."""
+
+from __future__ import annotations
+
+from ejkernel.modules.operations.flash_attention import ThroughFlashAttention
+from ejkernel_cuda.flash_attention import IMPLEMENTATION as FLASH
+
+IMPLEMENTATION = ThroughFlashAttention(FLASH)
