@@ -7,7 +7,9 @@ attention (causal: ``auto``, i.e. cuDNN where it applies, and Triton), and flash
 Shape: 16k tokens per batch (batch = max(1, 16384 // seq)), 16 query heads over 1 kv head (GQA 16, as
 NSA's paper), D=128, bf16, block_size 64, 16 selected blocks, window 512, all three gates, selection from
 the compressed branch (``block_indices=None``). Forward and forward+backward; warm-up, median of ``--reps``
-samples of ``--calls`` back-to-back calls over two input sets (``attention.time_calls``). Writes
+samples of ``--calls`` back-to-back calls over two input sets (``attention.time_calls``). fla's window
+branch calls the ``flash-attn`` package: where it is missing, the fla row records that error; run again
+with ``--window 0 --impls triton fla --append`` for the like-for-like pair without windows. Writes
 ``<out>/<gpu>-<date>-nsa.json`` after every row, and a PNG. Run with ``EJKERNEL_UNVERIFIED_KERNELS=1``
 while the Triton implementation awaits its first GPU check (``ejkernel_triton.plugin.UNVERIFIED``).
 """
@@ -46,8 +48,9 @@ def nsa_step(platform, mode, args):
     from ejkernel.modules import native_sparse_attention
 
     def attend(q, k, v, g_cmp, g_slc, g_swa):
-        return native_sparse_attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_counts=args.selected,
-                                       block_size=args.block_size, window_size=args.window, platform=platform)
+        window = dict(g_swa=g_swa, window_size=args.window) if args.window > 0 else {}
+        return native_sparse_attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_counts=args.selected,
+                                       block_size=args.block_size, platform=platform, **window)
 
     return _step(attend, mode, 6)
 
@@ -81,9 +84,11 @@ def time_fla(batch, seq, mode, args):
     g_cmp, g_slc, g_swa = (torch.rand(batch, seq, args.heads, device=dev, dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
 
+    window = dict(g_swa=g_swa, window_size=args.window) if args.window > 0 else {}
+
     def run():
-        out = parallel_nsa(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_counts=args.selected,
-                           block_size=args.block_size, window_size=args.window)
+        out = parallel_nsa(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_counts=args.selected,
+                           block_size=args.block_size, **window)
         if mode == "fwd+bwd":
             out.backward(do)
         return out
@@ -117,20 +122,22 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--append", action="store_true", help="add rows to the day's JSON instead of replacing it")
     args = parser.parse_args(argv)
     kind = jax.devices()[0].device_kind
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{kind.replace(' ', '_')}-{date}-nsa.json"
-    doc = dict(device=kind, date=date, versions=versions(), **{k: v for k, v in vars(args).items() if k != "out"},
-               rows=[])
-    doc.pop("impls")
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "impls", "append")}
+    doc = dict(device=kind, date=date, versions=versions(), **settings, rows=[])
+    if args.append and path.exists():
+        doc = json.loads(path.read_text())
     for seq in args.seqs:
         batch = max(1, 16384 // seq)
         sets = inputs(batch, seq, args.heads, args.kv_heads, args.head_dim)
         for mode in ("fwd", "fwd+bwd"):
             for impl in args.impls:
-                row = dict(seq=seq, batch=batch, mode=mode, impl=impl)
+                row = dict(seq=seq, batch=batch, mode=mode, impl=impl, window=args.window)
                 try:
                     if impl == "fla":
                         seconds = time_fla(batch, seq, mode, args)
