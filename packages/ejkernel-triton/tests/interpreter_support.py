@@ -1,6 +1,7 @@
 """Run a file of Triton interpreter cases in a fresh process and read its rows (shared by the tests of every
 Triton kernel family): the interpreter must be switched on before triton is imported, which this pytest
-process has already done without it.
+process has already done without it. Also :data:`CUDA_LOWERING`, the mark of the tests that lower kernels
+for sm_90 on a CPU-only machine.
 
 A cases file defines ``CASES = {name: ...}`` and prints one JSON object per case (with ``"name"``) on stdout.
 """
@@ -8,6 +9,7 @@ A cases file defines ``CASES = {name: ...}`` and prints one JSON object per case
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+CUDA_LOWERING = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins.xla_cuda13") is None and importlib.util.find_spec("jax_cuda13_plugin") is None,
+    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
 
 
 def run_cases(script: Path, timeout: float = 600) -> dict[str, dict]:

@@ -5,7 +5,6 @@ rely on, and what the implementation and its config accept."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -20,14 +19,11 @@ from ejkernel.testing.blocksparse_attention import random_block_mask
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig, tma_forward_applies
 from ejkernel_triton.blocksparse_attention.kernels import kernel_schedule
-from interpreter_support import case_row_fixture
+from interpreter_support import CUDA_LOWERING, case_row_fixture
 
 
 CASES_SCRIPT = Path(__file__).with_name("blocksparse_interpreter_cases.py")
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
-CUDA_LOWERING = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda13") is None and importlib.util.find_spec("jax_cuda13_plugin") is None,
-    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
 
 
 def _call(q_len=256, kv_len=256, heads=4, kv_heads=2, dim=64, v_dim=None, dtype=jnp.bfloat16, block_size=128,

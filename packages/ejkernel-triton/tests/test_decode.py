@@ -4,7 +4,6 @@ for the paged loop, and what the implementations and their config accept."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -20,14 +19,11 @@ from ejkernel_triton.decode import TritonDecodeConfig, config
 from ejkernel_triton.decode.page_attention import IMPLEMENTATION as PAGED
 from ejkernel_triton.decode.ragged_decode_attention import IMPLEMENTATION as RAGGED
 from ejkernel_triton.ttgir import kernel_ttgir
-from interpreter_support import assert_forward_only_row, case_row_fixture
+from interpreter_support import CUDA_LOWERING, assert_forward_only_row, case_row_fixture
 
 
 CASES_SCRIPT = Path(__file__).with_name("decode_interpreter_cases.py")
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
-CUDA_LOWERING = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda13") is None and importlib.util.find_spec("jax_cuda13_plugin") is None,
-    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
 
 
 def _spec(shape, dtype=jnp.bfloat16):

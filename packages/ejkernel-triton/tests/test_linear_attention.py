@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -17,15 +16,12 @@ from ejkernel import UnsupportedFeature
 from ejkernel.modules.operations.recurrent import RecurrentAttention
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.linear_attention import IMPLEMENTATION, TritonLinearAttentionConfig
-from interpreter_support import case_row_fixture
+from interpreter_support import CUDA_LOWERING, case_row_fixture
 
 
 CASES_SCRIPT = Path(__file__).with_name("linear_attention_interpreter_cases.py")
 TOLERANCE = {"float32": 2e-6, "float16": 2e-3}
 LOOSER = {"gla_strong_gates": 5e-5}  # gates of ~-100 per token: cumulative sums of ~-6e3 lose float32 digits
-CUDA_LOWERING = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda13") is None and importlib.util.find_spec("jax_cuda13_plugin") is None,
-    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
 
 
 def _spec(shape, dtype=jnp.bfloat16):

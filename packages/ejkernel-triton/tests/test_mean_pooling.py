@@ -3,7 +3,6 @@ pytest subprocess), a check that it ran the Triton kernels, split sizing, and sm
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from ejkernel.modules.operations.mean_pooling import MeanPooling
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.mean_pooling import IMPLEMENTATION, TARGET_PROGRAMS, TritonMeanPoolingConfig, _num_splits
+from interpreter_support import CUDA_LOWERING
 
 SUITE = Path(__file__).with_name("mean_pooling_interpreter_suite.py")
 
@@ -48,9 +48,7 @@ def test_config_checks():
     assert config.block_features == 512 and config.block_tokens * config.block_features == 8192
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None
-                    and importlib.util.find_spec("jax_cuda13_plugin") is None,
-                    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
+@CUDA_LOWERING
 def test_fwd_bwd_compile_for_sm90(monkeypatch):
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
     cu = jnp.array([0, 100, 1000, 4000], jnp.int32)

@@ -5,7 +5,6 @@ inverted index of the dK/dV kernel, and sm_90 lowering of the forward and backwa
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from ejkernel.modules.operations.native_sparse_attention import NativeSparseAtte
 from ejkernel.testing.native_sparse_attention import random_block_indices
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.native_sparse_attention import IMPLEMENTATION, TritonNsaConfig, _inverted_index
+from interpreter_support import CUDA_LOWERING
 
 SUITE = Path(__file__).with_name("native_sparse_attention_interpreter_suite.py")
 
@@ -77,9 +77,7 @@ def test_inverted_index_lists_each_selection_once_by_block():
     assert starts[-1] == 5  # the cleaned-away slots sort after the last block
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None
-                    and importlib.util.find_spec("jax_cuda13_plugin") is None,
-                    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
+@CUDA_LOWERING
 @pytest.mark.parametrize("dtype,group", [("bfloat16", 16), ("float32", 1)])
 def test_forward_and_backward_compile_for_sm90(monkeypatch, dtype, group):
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")

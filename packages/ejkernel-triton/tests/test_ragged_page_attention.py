@@ -4,7 +4,6 @@ accept. The GPU tests are in test_ragged_page_attention_gpu.py."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -17,14 +16,11 @@ from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention, RaggedPageAttentionCall
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.ragged_page_attention import IMPLEMENTATION, TritonRaggedPageConfig, config
-from interpreter_support import assert_forward_only_row, case_row_fixture
+from interpreter_support import CUDA_LOWERING, assert_forward_only_row, case_row_fixture
 
 
 CASES_SCRIPT = Path(__file__).with_name("ragged_page_interpreter_cases.py")
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
-CUDA_LOWERING = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda13") is None and importlib.util.find_spec("jax_cuda13_plugin") is None,
-    reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
 
 
 def _spec(shape, dtype=jnp.bfloat16):

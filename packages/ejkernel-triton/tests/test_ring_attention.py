@@ -10,7 +10,6 @@ ejkernel-core's test_ring_schedule.py.
 
 from __future__ import annotations
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +23,9 @@ from ejkernel.testing.numerics import assert_close, normal_array
 from ejkernel.testing.ring_attention import DeviceRingConformance, check_one_device_ring, merged_blocks
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.ring_attention import IMPLEMENTATION
+from interpreter_support import CUDA_LOWERING
 
 AXIS = "sp"
-CUDA_LOWERING = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None
-                                   and importlib.util.find_spec("jax_cuda13_plugin") is None,
-                                   reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
 
 
 def _call(**kw):

@@ -6,7 +6,6 @@ platform, which the CUDA plugin makes possible with JAX_PLATFORMS=cpu and no GPU
 
 from __future__ import annotations
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +14,9 @@ import pytest
 from ejkernel.modules.operations.flash_attention import FlashAttention
 from ejkernel_triton import launch
 from ejkernel_triton.flash_attention import IMPLEMENTATION
+from interpreter_support import CUDA_LOWERING
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None
-                                and importlib.util.find_spec("jax_cuda13_plugin") is None,
-                                reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
+pytestmark = CUDA_LOWERING
 
 
 @pytest.fixture(autouse=True)
