@@ -23,6 +23,17 @@ CUDA_LOWERING = pytest.mark.skipif(
     reason="needs jax-cuda13-plugin to lower for CUDA on the CPU")
 
 
+def run_interpreter_suite(suite: Path, timeout: float = 900, *options: str) -> str:
+    """Run a pytest file of shared conformance suites in Triton's interpreter (a fresh process with
+    TRITON_INTERPRET=1): asserts it passed and returns pytest's output."""
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", *options],
+                          env=env, capture_output=True, text=True, timeout=timeout, cwd=suite.parent)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout, proc.stdout[-1000:]
+    return proc.stdout
+
+
 def run_cases(script: Path, timeout: float = 600) -> dict[str, dict]:
     """Every case's row, by name (the subprocess runs on the CPU with TRITON_INTERPRET=1)."""
     env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")

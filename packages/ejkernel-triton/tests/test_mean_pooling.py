@@ -3,9 +3,6 @@ pytest subprocess), a check that it ran the Triton kernels, split sizing, and sm
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -15,17 +12,14 @@ import pytest
 from ejkernel.modules.operations.mean_pooling import MeanPooling
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.mean_pooling import IMPLEMENTATION, TARGET_PROGRAMS, TritonMeanPoolingConfig, _num_splits
-from interpreter_support import CUDA_LOWERING
+from interpreter_support import CUDA_LOWERING, run_interpreter_suite
 
 SUITE = Path(__file__).with_name("mean_pooling_interpreter_suite.py")
 
 
 def test_conformance_suite_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "no:cacheprovider", "-x"],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=SUITE.parent)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-1000:]
+    output = run_interpreter_suite(SUITE, 600, "-x")
+    assert "skipped" not in output.splitlines()[-1], output[-1000:]
 
 
 def test_registered():

@@ -20,17 +20,14 @@ from ejkernel.modules.operations.native_sparse_attention import NativeSparseAtte
 from ejkernel.testing.native_sparse_attention import random_block_indices
 from ejkernel_triton import launch, plugin
 from ejkernel_triton.native_sparse_attention import IMPLEMENTATION, TritonNsaConfig, _inverted_index
-from interpreter_support import CUDA_LOWERING
+from interpreter_support import CUDA_LOWERING, run_interpreter_suite
 
 SUITE = Path(__file__).with_name("native_sparse_attention_interpreter_suite.py")
 
 
 def test_conformance_suite_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(SUITE), "-q", "-p", "no:cacheprovider", "-x"],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=SUITE.parent)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-1000:]
+    output = run_interpreter_suite(SUITE, 900, "-x")
+    assert "skipped" not in output.splitlines()[-1], output[-1000:]
 
 
 def test_registered_only_where_checked():

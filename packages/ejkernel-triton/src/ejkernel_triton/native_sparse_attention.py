@@ -92,6 +92,15 @@ def _key_block(K, b, kh, c, T, HK: tl.constexpr, DX: tl.constexpr, BS: tl.conste
 
 
 @triton.jit
+def _selected_block(K, V, b, kh, c, t, T, HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Key block ``c`` as token ``t`` sees it: (visible columns ``[BLOCK_K]``, keys, values)."""
+    cols, in_block, k = _key_block(K, b, kh, c, T, HK, D, BS, BLOCK_K, BLOCK_D)
+    _, _, v = _key_block(V, b, kh, c, T, HK, DV, BS, BLOCK_K, BLOCK_DV)
+    return in_block & (cols <= t), k, v
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, Slots, T, O, LSE, SCALE: tl.constexpr, H: tl.constexpr, HK: tl.constexpr,
                     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, N: tl.constexpr, BS: tl.constexpr,
                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -109,9 +118,7 @@ def _forward_kernel(Q, K, V, Slots, T, O, LSE, SCALE: tl.constexpr, H: tl.conste
     for i in range(N):
         c = tl.load(slots + i)
         if c >= 0:
-            cols, in_block, k = _key_block(K, b, kh, c, T, HK, D, BS, BLOCK_K, BLOCK_D)
-            _, _, v = _key_block(V, b, kh, c, T, HK, DV, BS, BLOCK_K, BLOCK_DV)
-            visible = in_block & (cols <= t)
+            visible, k, v = _selected_block(K, V, b, kh, c, t, T, HK, D, DV, BS, BLOCK_K, BLOCK_D, BLOCK_DV)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(visible[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -151,9 +158,7 @@ def _dq_kernel(Q, K, V, DO, LSE, Delta, Slots, T, DQ, SCALE: tl.constexpr, H: tl
     for i in range(N):
         c = tl.load(slots + i)
         if c >= 0:
-            cols, in_block, k = _key_block(K, b, kh, c, T, HK, D, BS, BLOCK_K, BLOCK_D)
-            _, _, v = _key_block(V, b, kh, c, T, HK, DV, BS, BLOCK_K, BLOCK_DV)
-            visible = in_block & (cols <= t)
+            visible, k, v = _selected_block(K, V, b, kh, c, t, T, HK, D, DV, BS, BLOCK_K, BLOCK_D, BLOCK_DV)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * SCALE
             p = tl.where(visible[None, :], tl.exp(s - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
