@@ -207,6 +207,23 @@ def test_declared_backend_registers_plain_and_per_backend_keys():
         ("everywhere", "tpu", 7), ("everywhere", "gpu", 7), ("tpu_only", "tpu", 7)}
 
 
+@pytest.mark.parametrize("requested", [False, True])
+def test_declared_backend_registers_unverified_kernels_only_when_asked(monkeypatch, requested):
+    from ejkernel.plugins.checks import UNVERIFIED_ENV
+    from ejkernel.plugins.declare import DeclaredBackend
+
+    monkeypatch.setenv(UNVERIFIED_ENV, "1" if requested else "0")
+    declared = DeclaredBackend(
+        name="declared", distribution="dist-declared", platform="pallas", targets=("gpu",),
+        implementations={"checked": "json:dumps"}, unverified={"unchecked": "json:loads"},
+    )
+    info_hook, register_hook = declared.hooks()
+    module = types.SimpleNamespace(ejkernel_backend_info=info_hook, ejkernel_register_kernels=register_hook)
+    host = PluginHost(KernelRegistry())
+    assert host.load_plugin(module, name="declared").implementations == (2 if requested else 1)
+    assert bool(host.registry.list_implementations("unchecked")) is requested
+
+
 def test_a_platform_a_plugin_declares_is_accepted_everywhere_and_undeclared_names_are_refused():
     import dataclasses
 

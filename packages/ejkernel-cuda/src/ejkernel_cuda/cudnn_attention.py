@@ -53,6 +53,7 @@ def api_missing() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)  # asked at every dispatch; the GPU does not change under a process
 def _max_head_dim() -> int:
     """cuDNN's flash attention takes head dims up to 256 on Hopper and later, 128 before."""
     try:

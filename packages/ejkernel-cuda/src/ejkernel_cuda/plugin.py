@@ -7,7 +7,7 @@ Today its attention runs on cuDNN's fused flash attention through JAX's cuDNN cu
 
 from __future__ import annotations
 
-from ejkernel.plugins.checks import first_reason, no_device, unverified_requested
+from ejkernel.plugins.checks import first_reason, no_device
 from ejkernel.plugins.declare import DeclaredBackend
 
 # algorithm -> "module:IMPLEMENTATION". Priority 20 puts these above Triton (15), Pallas (10) and XLA (0):
@@ -37,7 +37,8 @@ BACKEND = DeclaredBackend(
     distribution="ejkernel-cuda",
     platform="cuda",
     targets=("gpu",),
-    implementations={**IMPLEMENTATIONS, **(UNVERIFIED if unverified_requested() else {})},
+    implementations=IMPLEMENTATIONS,
+    unverified=UNVERIFIED,
     priority=20,
     check_usable=lambda: first_reason(lambda: no_device("gpu"), _cudnn_missing),
     description="NVIDIA GPU kernels: cuDNN's flash attention (native FFI kernels to come)",

@@ -7,7 +7,9 @@
     ejkernel_backend_info, ejkernel_register_kernels = BACKEND.hooks()
 
 An implementation key is an algorithm (registered for every backend in ``register_for``) or an
-``(algorithm, backend)`` pair. Everything is registered lazily, by import path.
+``(algorithm, backend)`` pair. Everything is registered lazily, by import path. ``unverified``: kernels no
+GPU run has checked yet, registered only when ``include_unverified()`` says so (by default
+``EJKERNEL_UNVERIFIED_KERNELS=1``, set by the device run that verifies them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from ejkernel.plugins.checks import distribution_version
+from ejkernel.plugins.checks import distribution_version, unverified_requested
 from ejkernel.plugins.hookspecs import BackendInfo, hookimpl
 
 
@@ -32,6 +34,8 @@ class DeclaredBackend:
     priority: int = 0
     check_usable: Callable[[], str | None] | None = None
     description: str = ""
+    unverified: Mapping[str | tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    include_unverified: Callable[[], bool] = unverified_requested
 
     def info(self) -> BackendInfo:
         return BackendInfo(
@@ -45,7 +49,8 @@ class DeclaredBackend:
         )
 
     def register(self, registry, plugin: str) -> None:
-        for key, target in self.implementations.items():
+        implementations = {**self.implementations, **(self.unverified if self.include_unverified() else {})}
+        for key, target in implementations.items():
             algorithm, backends = (key[0], (key[1],)) if isinstance(key, tuple) else (key, self.register_for or self.targets)
             for backend in backends:
                 registry.register_lazy(algorithm, self.platform, backend, target, priority=self.priority, plugin=plugin)
