@@ -218,6 +218,20 @@ def errors(impl: Impl, q, k, v, do, causal) -> dict[str, float]:
 # ---- reporting ---------------------------------------------------------------------------------------
 
 
+def give_fla_a_triton_cache() -> None:
+    """Before importing fla (PyTorch Triton kernels) in a process that imported jax-triton: jax-triton empties
+    TRITON_CACHE_DIR at import (it compiles in memory), and fla's autotuner then fails with "Could not create
+    or locate cache dir". ``FLA_TRITON_CACHE_DIR`` keeps the cache (with ``TRITON_CACHE_AUTOTUNING=1``, fla's
+    autotuning results) across processes; otherwise a fresh temporary directory."""
+    import os
+    import tempfile
+
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = (os.environ.get("FLA_TRITON_CACHE_DIR")
+                                          or tempfile.mkdtemp(prefix="fla-triton-cache-"))
+        os.makedirs(os.environ["TRITON_CACHE_DIR"], exist_ok=True)
+
+
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 

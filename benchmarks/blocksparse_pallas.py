@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     plot(doc["rows"], path.with_suffix(".png"),
          f"{device.device_kind}: S={args.seq}, density {args.density} (kept {kept:.3f}), bf16 D={args.head_dim}")
 
-    print(f"\n| mode | kind | platform | ms | TFLOP/s |\n|---|---|---|---|---|")
+    print("\n| mode | kind | platform | ms | TFLOP/s |\n|---|---|---|---|---|")
     for r in doc["rows"]:
         print(f"| {r['mode']} | {r['kind']} | {r['platform']} | {r.get('ms', float('nan')):.3f} | "
               f"{r.get('tflops', float('nan')):.1f} |" + (f" {r['error'][:80]}" if "error" in r else ""))

@@ -1,24 +1,29 @@
-"""Chunked linear attention benchmark: ejkernel's ``gla_attention`` on the Triton and XLA backends against
-flash-linear-attention's ``chunk_gla`` (``fla.ops.gla``, Triton through PyTorch), in one run on one GPU.
+"""Chunked linear attention benchmark: ejkernel's ``gla_attention``, ``recurrent_attention`` and
+``lightning_attention`` on the Triton and XLA backends against flash-linear-attention's chunk kernels
+(Triton through PyTorch), in one run on one GPU.
 
 One command (on a GPU; through the device tool: `bash scripts/device/run.sh python3 benchmarks/linear_attention.py`,
 with ``fla-core==0.6.0`` among the carried wheels for the fla column):
 
-    python benchmarks/linear_attention.py                         # T = 1k, 4k, 16k; xla at 4k only
-    python benchmarks/linear_attention.py --seqs 4096 --xla-seqs 1024,4096 --out /tmp/out
+    python benchmarks/linear_attention.py                         # gla, T = 1k, 4k, 16k; xla at 4k only
+    python benchmarks/linear_attention.py --op lightning --xla-seqs ""   # against chunk_lightning_attn
+    python benchmarks/linear_attention.py --op recurrent --varlen 8     # scalar gates, 8 packed sequences
     python benchmarks/linear_attention.py --seqs 4096 --configs 64:64:4:2,64:128:8:2   # + Triton configs at 4k
     python benchmarks/linear_attention.py --seqs 4096 --xla-seqs "" --no-numerics --fla-last \
         --configs decayed_keys=1,state_block_k=32/state_block_v=32             # candidates, then fla
 
-Shape: B=4, H=8, K=V=128, bf16, per-dimension log-sigmoid gates g [B, T, H, K] (float32), no initial state.
-Modes: ``fwd`` (output and final state) and ``fwd+bwd`` (gradients of q, k, v and g under a random
-cotangent of the output). fla runs ``chunk_gla(q, k, v, g, output_final_state=False)`` in bf16 with g in
-float32; its fwd+bwd is ``o.backward(do)``. Timing: warm-up, then the median over ``--reps`` samples of the
-mean of ``--calls`` back-to-back calls, rotating over ``--sets`` fresh input sets (as ``attention.py``);
-torch is timed the same way with ``torch.cuda.synchronize``. Numerics: relative L2 error of each backend's
-output and gradients against the float32 XLA implementation (HIGHEST matmuls) at T=1024.
+Shape: B=4, H=8, K=V=128, bf16, no initial state; ``--varlen N``: batch 1 of 4·T tokens cut into N sequences
+of random lengths (``cu_seqlens``, the same for both libraries). Gates (float32, log-sigmoid): ``--op gla``
+per dimension g [B, T, H, K] against fla's ``chunk_gla``; ``--op recurrent`` scalar g [B, T, H] against
+``chunk_simple_gla``; ``--op lightning`` the per-head decay of layer 3 of 24 against ``chunk_lightning_attn``.
+Modes: ``fwd`` (output and final state, fla with ``output_final_state=True`` too) and ``fwd+bwd`` (gradients
+of q, k, v and the gate under a random cotangent of the output; fla: ``o.backward(do)``). Timing: warm-up,
+then the median over ``--reps`` samples of the mean of ``--calls`` back-to-back calls, rotating over
+``--sets`` fresh input sets (as ``attention.py``); torch is timed the same way with ``torch.cuda.synchronize``.
+Numerics: relative L2 error of each backend's output and gradients against the float32 XLA implementation
+(HIGHEST matmuls) at T=1024.
 
-Writes ``<out>/linear_attention.json`` (device, date, versions, rows) and ``linear_attention.png``, prints a
+Writes ``<out>/linear_attention[-<op>][-varlen<N>].json`` (device, date, versions, rows) and a PNG, prints a
 table with the ratio triton / fla (the target: <= 1.0).
 """
 
@@ -38,78 +43,122 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import relative_error, time_calls, versions  # noqa: E402
+from attention import give_fla_a_triton_cache, relative_error, time_calls, versions  # noqa: E402
 
 SHAPE = dict(batch=4, heads=8, dk=128, dv=128)
 
 
-def jax_inputs(key, batch, total, heads, dk, dv):
+# op -> (ejkernel module function, the gate it takes, fla's chunk kernel (module, name)).
+OPS = {
+    "gla": ("gla_attention", "dim", ("fla.ops.gla", "chunk_gla")),
+    "recurrent": ("recurrent_attention", "scalar", ("fla.ops.simple_gla", "chunk_simple_gla")),
+    "lightning": ("lightning_attention", None, ("fla.ops.lightning_attn", "chunk_lightning_attn")),
+}
+LIGHTNING_LAYER = dict(layer_idx=3, num_layers=24)  # a decay of -(8/H)(1 - 3/24)·h per head
+
+
+def varlen_offsets(total: int, count: int, seed: int = 0) -> np.ndarray:
+    """cu_seqlens of ``count`` sequences of random lengths (at least 64 tokens) summing to ``total``."""
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(64, total - 63, 64), count - 1, replace=False))
+    return np.concatenate([[0], cuts, [total]]).astype(np.int32)
+
+
+def gate_shape(op, batch, total, heads, dk):
+    kind = OPS[op][1]
+    return None if kind is None else (batch, total, heads) + ((dk,) if kind == "dim" else ())
+
+
+def jax_inputs(key, op, batch, total, heads, dk, dv):
     kq, kk, kv, kg, kd = jax.random.split(key, 5)
     q = jax.random.normal(kq, (batch, total, heads, dk), jnp.bfloat16)
     k = jax.random.normal(kk, (batch, total, heads, dk), jnp.bfloat16)
     v = jax.random.normal(kv, (batch, total, heads, dv), jnp.bfloat16)
-    g = jax.nn.log_sigmoid(jax.random.normal(kg, (batch, total, heads, dk), jnp.float32) + 2.0) / 4.0
+    shape = gate_shape(op, batch, total, heads, dk)
+    g = None if shape is None else jax.nn.log_sigmoid(jax.random.normal(kg, shape, jnp.float32) + 2.0) / 4.0
     do = jax.random.normal(kd, (batch, total, heads, dv), jnp.bfloat16)
     return q, k, v, g, do
 
 
-def ejkernel_steps(platform: str, cfg=None):
-    from ejkernel.modules import gla_attention
+def ejkernel_call(op, platform, cfg=None, cu_seqlens=None):
+    """``f(q, k, v, g) -> (out, final_state)`` running ``op`` on ``platform`` (g ignored by lightning)."""
+    import ejkernel.modules as modules
+
+    function = getattr(modules, OPS[op][0])
+    varlen = {} if cu_seqlens is None else dict(cu_seqlens=jnp.asarray(cu_seqlens))
+
+    def call(q, k, v, g):
+        if op == "lightning":
+            return function(q, k, v, **LIGHTNING_LAYER, platform=platform, cfg=cfg, **varlen)
+        return function(q, k, v, g, platform=platform, cfg=cfg, **varlen)
+
+    return call
+
+
+def ejkernel_steps(op, platform: str, cfg=None, cu_seqlens=None):
+    call = ejkernel_call(op, platform, cfg, cu_seqlens)
 
     def fwd(q, k, v, g):
-        return gla_attention(q, k, v, g, platform=platform, cfg=cfg)
+        return call(q, k, v, g)
 
     def fwd_bwd(q, k, v, g, do):
-        (out, _), pullback = jax.vjp(fwd, q, k, v, g)
-        return pullback((do, jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)))
+        (out, state), pullback = jax.vjp(call, q, k, v, g)
+        return pullback((do, jnp.zeros_like(state)))
 
     return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def time_jax(platform, total, sets, warmup, reps, calls, cfg=None):
-    fwd, fwd_bwd = ejkernel_steps(platform, cfg)
-    inputs = [jax_inputs(jax.random.PRNGKey(i), total=total, **SHAPE) for i in range(sets)]
+def time_jax(op, platform, total, sets, warmup, reps, calls, cfg=None, cu_seqlens=None):
+    fwd, fwd_bwd = ejkernel_steps(op, platform, cfg, cu_seqlens)
+    shape = SHAPE if cu_seqlens is None else {**SHAPE, "batch": 1}
+    inputs = [jax_inputs(jax.random.PRNGKey(i), op, total=total, **shape) for i in range(sets)]
     t_fwd = time_calls(lambda c: fwd(*inputs[c % sets][:4]), warmup, reps, calls)
     t_bwd = time_calls(lambda c: fwd_bwd(*inputs[c % sets]), warmup, reps, calls)
     return t_fwd, t_bwd
 
 
-def time_fla(total, sets, warmup, reps, calls):
-    import os
-    import tempfile
+def time_fla(op, total, sets, warmup, reps, calls, cu_seqlens=None):
+    import importlib
 
     import torch
 
-    # jax-triton sets TRITON_CACHE_DIR to "" at import (it compiles in memory); fla's Triton autotuner in the
-    # same process then finds no cache directory ("Could not create or locate cache dir"): give it one.
-    if not os.environ.get("TRITON_CACHE_DIR"):
-        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fla-triton-cache-")
-    from fla.ops.gla import chunk_gla
+    give_fla_a_triton_cache()
+    module, name = OPS[op][2]
+    kernel = getattr(importlib.import_module(module), name)
 
     b, h, dk, dv = SHAPE["batch"], SHAPE["heads"], SHAPE["dk"], SHAPE["dv"]
+    extra = {} if op != "lightning" else dict(LIGHTNING_LAYER)
+    if cu_seqlens is not None:
+        b = 1
+        extra["cu_seqlens"] = torch.as_tensor(cu_seqlens, dtype=torch.long, device="cuda")
+    shape = gate_shape(op, b, total, h, dk)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def make():
         q = torch.randn(b, total, h, dk, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
         k = torch.randn(b, total, h, dk, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
         v = torch.randn(b, total, h, dv, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-        g = (torch.nn.functional.logsigmoid(torch.randn(b, total, h, dk, device="cuda", generator=gen) + 2.0) / 4.0)
+        g = None if shape is None else (
+            torch.nn.functional.logsigmoid(torch.randn(*shape, device="cuda", generator=gen) + 2.0) / 4.0)
         do = torch.randn(b, total, h, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
-        return q, k, v, g.requires_grad_(), do
+        return q, k, v, None if g is None else g.requires_grad_(), do
 
     inputs = [make() for _ in range(sets)]
+
+    def run(q, k, v, g):  # the final state too, as ejkernel's operations return it
+        gate = {} if g is None else dict(g=g)
+        return kernel(q, k, v, **gate, output_final_state=True, **extra)[0]
 
     def run_fwd(c):
         q, k, v, g, _ = inputs[c % sets]
         with torch.no_grad():
-            return chunk_gla(q, k, v, g, output_final_state=False)[0]
+            return run(q, k, v, g)
 
     def run_bwd(c):
         q, k, v, g, do = inputs[c % sets]
         for x in (q, k, v, g):
-            x.grad = None
-        o, _ = chunk_gla(q, k, v, g, output_final_state=False)
-        o.backward(do)
+            if x is not None:
+                x.grad = None
+        run(q, k, v, g).backward(do)
         return q.grad
 
     def timed(run):
@@ -128,15 +177,13 @@ def time_fla(total, sets, warmup, reps, calls):
     return timed(run_fwd), timed(run_bwd)
 
 
-def numerics(platforms, total=1024):
+def numerics(op, platforms, total=1024):
     """Relative L2 error of out, dq, dk, dv, dg of each platform against float32 XLA at HIGHEST."""
-    from ejkernel.modules import gla_attention
-
-    q, k, v, g, do = jax_inputs(jax.random.PRNGKey(99), total=total, **SHAPE)
+    q, k, v, g, do = jax_inputs(jax.random.PRNGKey(99), op, total=total, **SHAPE)
 
     def grads(platform, q, k, v, g, do):
-        (out, _), pullback = jax.vjp(lambda *a: gla_attention(*a, platform=platform), q, k, v, g)
-        return (out, *pullback((do, jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32))))
+        (out, state), pullback = jax.vjp(ejkernel_call(op, platform), q, k, v, g)
+        return (out, *pullback((do, jnp.zeros_like(state))))
 
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(functools.partial(grads, "xla"))(*(x.astype(jnp.float32) for x in (q, k, v)), g,
@@ -144,7 +191,8 @@ def numerics(platforms, total=1024):
     out = {}
     for platform in platforms:
         got = jax.jit(functools.partial(grads, platform))(q, k, v, g, do)
-        out[platform] = {n: relative_error(a, b) for n, a, b in zip(("out", "dq", "dk", "dv", "dg"), got, ref)}
+        out[platform] = {n: relative_error(a, b) for n, a, b in zip(("out", "dq", "dk", "dv", "dg"), got, ref)
+                         if a is not None}
     return out
 
 
@@ -188,6 +236,11 @@ def plot(rows, path: Path, title: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", choices=sorted(OPS), default="gla", help="gla (per-dimension gates) against fla's "
+                        "chunk_gla, recurrent (scalar gates [B, T, H]) against chunk_simple_gla, lightning against "
+                        "chunk_lightning_attn")
+    parser.add_argument("--varlen", type=int, default=0, help="N > 0: batch 1 of B*T tokens packed as N sequences "
+                        "of random lengths (cu_seqlens, the same for every backend)")
     parser.add_argument("--seqs", default="1024,4096,16384")
     parser.add_argument("--xla-seqs", default="4096", help="XLA is slow to compile: fewer lengths")
     parser.add_argument("--sets", type=int, default=3)
@@ -210,9 +263,11 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
-    doc = dict(benchmark="linear_attention", device=device.device_kind, platform=device.platform,
+    gates = {"dim": "log-sigmoid per dimension (float32)", "scalar": "log-sigmoid per head (float32)",
+             None: f"none (lightning decay, {LIGHTNING_LAYER})"}[OPS[args.op][1]]
+    doc = dict(benchmark="linear_attention", op=args.op, device=device.device_kind, platform=device.platform,
                date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), versions=versions(),
-               shape=SHAPE, dtype="bfloat16", gates="log-sigmoid per dimension (float32)",
+               shape=SHAPE, dtype="bfloat16", gates=gates, varlen=args.varlen,
                timing=dict(sets=args.sets, warmup=args.warmup, reps=args.reps, calls=args.calls), rows=[], errors={})
     try:
         import fla  # noqa: F401
@@ -222,7 +277,8 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001
         print("fla not importable:", exc)
         have_fla = False
-    json_path = out_dir / "linear_attention.json"
+    stem = "linear_attention" + ("" if args.op == "gla" else f"-{args.op}") + (f"-varlen{args.varlen}" if args.varlen else "")
+    json_path = out_dir / f"{stem}.json"
     if args.append and json_path.exists():
         earlier = json.loads(json_path.read_text())
         doc["rows"] = earlier.get("rows", [])
@@ -235,6 +291,7 @@ def main(argv=None) -> int:
     seqs = [int(s) for s in args.seqs.split(",") if s]
     xla_seqs = {int(s) for s in args.xla_seqs.split(",") if s}
     for total in seqs:
+        offsets = varlen_offsets(SHAPE["batch"] * total, args.varlen) if args.varlen else None
         fla_here = have_fla and not (args.fla_last and total == args.config_seq and args.configs)
         todo = [("triton", None)] + ([("xla", None)] if total in xla_seqs else []) + ([("fla", None)] if fla_here else [])
         todo = [item for item in todo if item[0] in impls]
@@ -242,9 +299,10 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             try:
                 if impl == "fla":
-                    t_fwd, t_bwd = time_fla(total, args.sets, args.warmup, args.reps, args.calls)
+                    t_fwd, t_bwd = time_fla(args.op, total, args.sets, args.warmup, args.reps, args.calls, offsets)
                 else:
-                    t_fwd, t_bwd = time_jax(impl, total, args.sets, args.warmup, args.reps, args.calls)
+                    t_fwd, t_bwd = time_jax(args.op, impl, total, args.sets, args.warmup, args.reps, args.calls,
+                                            cu_seqlens=offsets)
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 doc["rows"].append(dict(impl=impl, seq=total, mode="fwd", error=repr(exc)[:500]))
@@ -257,7 +315,7 @@ def main(argv=None) -> int:
             save()
     if not args.no_numerics:
         try:
-            doc["errors"] = numerics(["triton"])
+            doc["errors"] = numerics(args.op, ["triton"])
             print("errors vs float32 xla (T=1024):", json.dumps(doc["errors"]))
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
@@ -275,7 +333,8 @@ def main(argv=None) -> int:
                                               output_block_v=out_bv[0] if out_bv else None)
         t0 = time.perf_counter()
         try:
-            t_fwd, t_bwd = time_jax("triton", args.config_seq, args.sets, args.warmup, args.reps, args.calls, cfg)
+            t_fwd, t_bwd = time_jax(args.op, "triton", args.config_seq, args.sets, args.warmup, args.reps, args.calls,
+                                    cfg)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             doc["rows"].append(dict(impl="triton", config=spec, seq=args.config_seq, mode="fwd", error=repr(exc)[:500]))
@@ -288,8 +347,9 @@ def main(argv=None) -> int:
         save()
     def draw():
         try:
-            plot(doc["rows"], out_dir / "linear_attention.png",
-                 f"gla_attention B=4 H=8 K=V=128 bf16, {doc['device']}, {doc['date'][:10]}")
+            layout = f"varlen: {args.varlen} sequences in B*T tokens" if args.varlen else "B=4"
+            plot(doc["rows"], out_dir / f"{stem}.png",
+                 f"{OPS[args.op][0]} {layout} H=8 K=V=128 bf16, {doc['device']}, {doc['date'][:10]}")
         except Exception:  # noqa: BLE001
             traceback.print_exc()
 
@@ -297,7 +357,7 @@ def main(argv=None) -> int:
         draw()  # a plot without fla survives a timeout during fla's autotuning
         t0 = time.perf_counter()
         try:
-            t_fwd, t_bwd = time_fla(args.config_seq, args.sets, args.warmup, args.reps, args.calls)
+            t_fwd, t_bwd = time_fla(args.op, args.config_seq, args.sets, args.warmup, args.reps, args.calls)
             for mode, t in (("fwd", t_fwd), ("fwd+bwd", t_bwd)):
                 doc["rows"].append(dict(impl="fla", seq=args.config_seq, mode=mode, ms=round(t * 1e3, 4)))
             print(f"T={args.config_seq:6d} fla     fwd {t_fwd * 1e3:8.3f} ms  fwd+bwd {t_bwd * 1e3:8.3f} ms"

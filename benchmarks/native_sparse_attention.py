@@ -10,8 +10,7 @@ the compressed branch (``block_indices=None``). Forward and forward+backward; wa
 samples of ``--calls`` back-to-back calls over two input sets (``attention.time_calls``). fla's window
 branch calls the ``flash-attn`` package: where it is missing, the fla row records that error; run again
 with ``--window 0 --impls triton fla --append`` for the like-for-like pair without windows. Writes
-``<out>/<gpu>-<date>-nsa.json`` after every row, and a PNG. Run with ``EJKERNEL_UNVERIFIED_KERNELS=1``
-while the Triton implementation awaits its first GPU check (``ejkernel_triton.plugin.UNVERIFIED``).
+``<out>/<gpu>-<date>-nsa.json`` after every row, and a PNG.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import time_calls, versions  # noqa: E402
+from attention import give_fla_a_triton_cache, time_calls, versions  # noqa: E402
 
 
 def inputs(batch, seq, heads, kv_heads, dim, sets=2):
@@ -75,6 +74,8 @@ def _step(attend, mode, arity):
 def time_fla(batch, seq, mode, args):
     """flash-linear-attention's parallel_nsa (PyTorch) on the same shapes; its own selection (top-k)."""
     import torch
+
+    give_fla_a_triton_cache()
     from fla.ops.nsa import parallel_nsa
 
     dev = "cuda"
@@ -171,10 +172,12 @@ def plot(doc, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
-        impls = sorted({r["impl"] for r in rows if r["mode"] == mode})
-        for impl in impls:
-            pts = sorted((r["seq"], r["ms"]) for r in rows if r["mode"] == mode and r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        lines = sorted({(r["impl"], r["window"]) for r in rows if r["mode"] == mode})
+        for impl, window in lines:
+            pts = sorted((r["seq"], r["ms"]) for r in rows
+                         if r["mode"] == mode and r["impl"] == impl and r["window"] == window)
+            label = impl if impl.startswith("dense-") else f"{impl}, window {window or 'none'}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length")

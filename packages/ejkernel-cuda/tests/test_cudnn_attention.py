@@ -20,7 +20,6 @@ from ejkernel.modules.operations.ring_attention import RingAttention
 from ejkernel.testing.flash_attention import FlashAttentionConformance, reference_flash_attention
 from ejkernel.testing.numerics import assert_close, normal_array
 from ejkernel.testing.scaled_dot_product_attention import ScaledDotProductAttentionConformance
-from ejkernel.kernels._registry import kernel_registry
 from ejkernel.testing.ring_attention import DeviceRingConformance, check_one_device_ring, merged_blocks
 from ejkernel_cuda import cudnn_attention, plugin
 from ejkernel_cuda.flash_attention import IMPLEMENTATION as FLASH
@@ -38,16 +37,16 @@ def _flash_call(dtype=jnp.bfloat16, q_len=128, kv_len=128, head_dim=64, v_head_d
 
 def test_registered_with_the_highest_gpu_priority():
     assert plugin.IMPLEMENTATIONS == {"flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
-                                      "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION"}
+                                      "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION",
+                                      "scaled_dot_product_attention":
+                                          "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION"}
     assert plugin.BACKEND.priority > 15  # above Triton: the faster kernel is tried first
 
 
-def test_scaled_dot_product_attention_waits_for_its_gpu_run():
+def test_scaled_dot_product_attention_refuses_what_cudnn_cannot_take():
     from ejkernel.modules.operations.scaled_dot_product_attention import ScaledDotProductAttention
     from ejkernel_cuda.scaled_dot_product_attention import IMPLEMENTATION as SDPA
 
-    assert "scaled_dot_product_attention" not in plugin.IMPLEMENTATIONS
-    assert plugin.UNVERIFIED["scaled_dot_product_attention"] == "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION"
     q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
     k = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     SDPA.supports(ScaledDotProductAttention().validate(q, k, k, causal=True))
@@ -115,8 +114,6 @@ class TestCudnnFlashAttentionConformance(FlashAttentionConformance):
 
 
 @gpu
-@pytest.mark.skipif(not kernel_registry.find("scaled_dot_product_attention", "cuda", "gpu"),
-                    reason="not registered: set EJKERNEL_UNVERIFIED_KERNELS=1 (gpu_tests.sh does)")
 class TestCudnnScaledDotProductAttentionConformance(ScaledDotProductAttentionConformance):
     platform = "cuda"
     input_dtype = jnp.bfloat16

