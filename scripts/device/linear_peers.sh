@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # lightning_attention and recurrent_attention (scalar gates) against fla's chunk kernels, and varlen batches
-# of all three linear operations (issue #12's remaining targets). ON THE DEVICE, from the repo root, after
+# of the linear operations (issue #12's remaining targets). ON THE DEVICE, from the repo root, after
 # `EXTRA_WHEELS="fla-core==0.6.0 einops==0.8.1" bash scripts/device/prepare.sh` here (carry: [".whl"]):
 #
-#   bash scripts/device/linear_peers.sh            # lightning + recurrent at T = 1k, 4k, 16k (~ 8 min)
-#   PART=varlen bash scripts/device/linear_peers.sh  # gla, recurrent, lightning over 8 packed sequences
+#   bash scripts/device/linear_peers.sh tests lightning   # GPU linear tests; lightning at T = 4k, 1k, 16k
+#   bash scripts/device/linear_peers.sh recurrent varlen  # scalar-gate recurrent; 8 packed sequences (3 ops)
+#   CONFIGS="state_num_stages=3,num_warps=4" bash scripts/device/linear_peers.sh lightning  # + configs at 16k
 #
-# fla autotunes on its first call of each kernel: TRITON_CACHE_AUTOTUNING keeps the results in
-# .fla_autotune/ (git-ignored; the device keeps it between calls of one warm machine). Writes the
-# benchmark JSON/PNG and a log per operation under $OUT.
+# fla autotunes on its first call of each kernel (~150 s): TRITON_CACHE_AUTOTUNING keeps the results in
+# .fla_autotune/ (git-ignored; a warm device keeps it between calls). Writes each part's log and the
+# benchmark JSON/PNG under $OUT and prints the tables.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 if [ -z "${EJKERNEL_DEVICE_READY:-}" ]; then
@@ -18,15 +19,23 @@ OUT=${OUT:-/tmp/out}
 export FLA_TRITON_CACHE_DIR=$PWD/.fla_autotune TRITON_CACHE_AUTOTUNING=1
 export XDG_CACHE_HOME=/tmp/xdg-cache TRITON_HOME=/tmp/triton-home
 mkdir -p "$FLA_TRITON_CACHE_DIR" "$XDG_CACHE_HOME" "$TRITON_HOME"
-B="python3 benchmarks/linear_attention.py --out $OUT --xla-seqs '' --reps 5 --calls 5"
-if [ "${PART:-}" = varlen ]; then
-    for op in gla recurrent lightning; do
-        eval timeout 170 $B --op $op --varlen 8 --seqs 4096 --no-numerics >"$OUT/varlen-$op.log" 2>&1
-        grep -E "^\| 4096" "$OUT/varlen-$op.log" | sed "s/^/$op varlen: /"
-    done
-else
-    for op in lightning recurrent; do
-        eval timeout 260 $B --op $op --seqs 4096,1024,16384 >"$OUT/$op.log" 2>&1
-        grep -E "^\| [0-9]+ \||errors vs" "$OUT/$op.log" | sed "s/^/$op: /"
-    done
-fi
+bench() { timeout "$1" python3 benchmarks/linear_attention.py --out "$OUT" --xla-seqs "" --reps 5 --calls 5 "${@:2}"; }
+configs=()
+[ -n "${CONFIGS:-}" ] && configs=(--configs "$CONFIGS" --config-seq 16384)
+for part in "$@"; do
+    case $part in
+        tests)
+            XLA_PYTHON_CLIENT_MEM_FRACTION=0.11 timeout 150 python3 -m pytest -m gpu -n 8 -q -rfEs -p no:cacheprovider \
+                packages/ejkernel-triton/tests/test_linear_attention_gpu.py >"$OUT/tests.log" 2>&1
+            tail -3 "$OUT/tests.log" ;;
+        lightning|recurrent|gla)
+            bench 280 --op "$part" --seqs 4096,1024,16384 "${configs[@]}" >"$OUT/$part.log" 2>&1
+            grep -E "^\| |errors vs" "$OUT/$part.log" | sed "s/^/$part: /" ;;
+        varlen)
+            for op in gla recurrent lightning; do
+                bench 150 --op $op --varlen 8 --seqs 4096 --no-numerics >"$OUT/varlen-$op.log" 2>&1
+                grep -E "^\| 4096" "$OUT/varlen-$op.log" | sed "s/^/$op varlen: /"
+            done ;;
+        *) echo "unknown part $part" >&2 ;;
+    esac
+done

@@ -121,6 +121,14 @@ CASES = {
     "gla_varlen_reverse": dict(shape=(1, 200, 1, 1, 16, 16), bounds=(0, 70, 70, 150, 190),
                                static=dict(reverse=True),
                                cfg=TritonLinearAttentionConfig(decayed_keys=True, intra_split=False)),
+    # the scalar-gate path (A as one matmul): varlen as above with two key tiles (each program's share of the
+    # gate gradient added in JAX) and masked value tiles; and gates 40x stronger than log-sigmoid
+    "recurrent_scalar_varlen_odd_dims": dict(operation="recurrent_attention", shape=(1, 200, 2, 2, 40, 24),
+                                             gate="scalar", bounds=(0, 70, 70, 150, 190),
+                                             cfg=TritonLinearAttentionConfig(block_k=32, block_v=16, output_block_v=16,
+                                                                             state_block_k=16, state_block_v=16)),
+    "recurrent_scalar_strong_gates": dict(operation="recurrent_attention", shape=(1, 70, 1, 1, 16, 16),
+                                          gate="scalar", strength=8.0, gate_scale=40.0),
     # lightning (g_gamma only), no initial state, under vmap (folded into the batch)
     "lightning_vmap": dict(operation="lightning_attention", shape=(1, 64, 2, 2, 16, 16), gate=None,
                            initial_state=False, static=dict(layer_idx=1, num_layers=4), vmap=True),

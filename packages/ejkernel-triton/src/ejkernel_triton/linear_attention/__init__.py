@@ -11,7 +11,9 @@ and final state, head dims up to 256, bf16/fp16/fp32 (float32 with IEEE dots). R
 head dims above 256.
 
 All key-dimension gates are summed into one float32 log gate ``a`` [B, T, H, K] (``g`` + ``gk`` +
-``g_gamma``, broadcast); autodiff of that sum hands each gate its gradient. Modules: ``forward``
+``g_gamma``, broadcast); autodiff of that sum hands each gate its gradient. When every gate given is one
+scalar per token and head (scalar ``g``, ``g_gamma``, ``lightning_attention``'s decay, or none), ``a`` is
+[B, T, H, 1] and the kernels take their scalar-gate path (the intra-chunk matrix is one matmul). Modules: ``forward``
 (chunk states, outputs), ``backward`` (state gradients, dv, dq/dk/dg), ``vjp`` (launches, custom VJP,
 vmap rule).
 """
@@ -52,7 +54,9 @@ class TritonLinearAttentionConfig:
     (H200, B=4 T=4k H=8 K=V=128: the backward took 1.17 ms at 4 warps, 1.68 at 8, although dq/dk/dg spills
     216 B at 4). ``state_num_warps``, ``state_block_k``/``state_block_v`` (None: ``block_k``/``block_v``): the
     two sequential state kernels (forward states, recomputed in the backward, and the state gradients):
-    smaller tiles run more programs (B*H*(K/tile)*(V/tile)) over the same chain of chunks.
+    smaller tiles run more programs (B*H*(K/tile)*(V/tile)) over the same chain of chunks;
+    ``state_num_stages`` (None: ``num_stages``): their software pipelining depth (loads of later chunks in
+    flight while the state is updated).
     ``decayed_keys``: the cumulative-gate kernel also writes k * exp(gc_last - gc), so that the state loops only
     load and multiply (one more [B, T, H, K] array in k's dtype written and read; the backward recomputes it).
     ``intra_kernel``: the intra-chunk matrix A by its own kernel of small programs (one per sub-chunk of 16 rows,
@@ -68,6 +72,7 @@ class TritonLinearAttentionConfig:
     num_warps: int = 8
     num_stages: int = 2
     state_num_warps: int = 4
+    state_num_stages: int | None = None
     backward_num_warps: int = 4
     state_block_k: int | None = None
     state_block_v: int | None = None
@@ -84,10 +89,10 @@ class TritonLinearAttentionConfig:
         for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v"):
             if getattr(self, name) is not None:
                 _power_of_two(name, getattr(self, name))
-        for name in ("num_warps", "num_stages", "state_num_warps", "backward_num_warps", "intra_num_warps",
-                     "intra_inside_num_warps"):
+        for name in ("num_warps", "num_stages", "state_num_warps", "state_num_stages", "backward_num_warps",
+                     "intra_num_warps", "intra_inside_num_warps"):
             value = getattr(self, name)
-            if name == "intra_inside_num_warps" and value is None:
+            if name in ("intra_inside_num_warps", "state_num_stages") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
@@ -115,9 +120,17 @@ def _block(dim: int, chosen: int | None, largest: int = 64) -> int:
     return max(16, min(largest, 1 << (dim - 1).bit_length()))
 
 
+def has_scalar_gates(call: LinearAttentionCall) -> bool:
+    """Whether every gate of the call is one value per token and head (or there are none)."""
+    return call.gk is None and (call.g is None or call.g.shape[-1] == 1)
+
+
 def key_log_gate(call: LinearAttentionCall) -> jax.Array:
-    """``g + gk + g_gamma`` as float32 [B, T, H, K] (zeros without gates)."""
+    """``g + gk + g_gamma`` as float32 [B, T, H, K], or [B, T, H, 1] when :func:`has_scalar_gates` (zeros
+    without gates)."""
     batch, total, heads, dk = call.query.shape
+    if has_scalar_gates(call):
+        dk = 1
     total_gate = None  # no copy when g alone is given in float32
     for gate in (call.g, call.gk, None if call.g_gamma is None else call.g_gamma[:, None, :, None]):
         if gate is not None:
@@ -173,6 +186,7 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
             k = jnp.repeat(k, group, axis=2)
             v = jnp.repeat(v, group, axis=2)
         a = key_log_gate(call)
+        scalar_gate = a.shape[-1] == 1
         arrays = [q, k, v, a]
         varlen = call.cu_seqlens is not None
         order = None
@@ -193,10 +207,12 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                           block_v=_block(v.shape[-1], config.block_v),
                           output_block_v=_block(v.shape[-1], config.output_block_v, 128), num_warps=config.num_warps,
                           num_stages=config.num_stages, state_num_warps=config.state_num_warps,
+                          state_num_stages=config.state_num_stages or config.num_stages,
                           interpret=interpreting(), varlen=varlen, backward_num_warps=config.backward_num_warps,
                           state_block_k=_block(dk, config.state_block_k or config.block_k),
                           state_block_v=_block(v.shape[-1], config.state_block_v or config.block_v),
-                          decayed_keys=config.decayed_keys, intra_kernel=config.intra_kernel,
+                          decayed_keys=config.decayed_keys and not scalar_gate,
+                          intra_kernel=config.intra_kernel and not scalar_gate, scalar_gate=scalar_gate,
                           intra_num_warps=config.intra_num_warps, intra_split=config.intra_split,
                           intra_inside_num_warps=config.intra_inside_num_warps or config.intra_num_warps)
         o, final = linear_attention(*arrays, call.initial_state, tables, st)

@@ -10,7 +10,9 @@ With ``dh_{n+1}`` the gradient of the state leaving chunk ``n`` and ``dA[t, s] =
 and the gates' gradient from the identity d gc_t = q^_t dq^_t - k_t dk_t (every pair factor and decayed
 key depends on gc through exp(gc_t - gc_s)), plus, on the chunk's last row, the state's own decay
 ``exp(gc_last) h_n . dh_{n+1}`` and the decayed keys ``sum_s k_s dk_s(state part)``; the gradient of the
-raw gates is the reversed cumulative sum of d gc inside the chunk (``_dqkg_kernel``). The chunk states
+raw gates is the reversed cumulative sum of d gc inside the chunk (``_dqkg_kernel``). Scalar gates
+(``SCALAR_GATE``): the in-chunk pairs by two dots, ``(dA * exp(gc_t - gc_s))`` against k and q, and each
+program's d gc summed over its key columns (the key tiles' partial sums are added in JAX). The chunk states
 ``h_n`` are recomputed by the forward's state kernel rather than kept from the forward.
 """
 
@@ -19,7 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.linear_attention.forward import chunk_rows, chunk_span, sequence_chunks, state_tile, wide
+from ejkernel_triton.linear_attention.forward import (chunk_rows, chunk_span, gate_index, sequence_chunks, state_tile,
+                                                      wide)
 
 
 @triton.jit
@@ -27,7 +30,7 @@ def _state_grad_kernel(
     Q, GC, DO, DHT, CH_START, CH_LEN, SEQ_FIRST, scale, NUM_CHUNKS,  # inputs
     DHS, DH0,  # outputs: dh per chunk (gradient of the state leaving it), dh_0 per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
@@ -39,8 +42,9 @@ def _state_grad_kernel(
         row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
                                                        IS_VARLEN)
         q = tl.load(Q + k_offs, mask=rmask & mk[None, :], other=0.0)
-        g = tl.load(GC + k_offs, mask=rmask & mk[None, :], other=0.0)
-        g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+        g = tl.load(GC + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE), mask=rmask & mk[None, :],
+                    other=0.0)
+        g_last = tl.load(GC + gate_index(row0 + length - 1, head, offs_k, H, K, SCALAR_GATE), mask=mk, other=0.0)
         do = tl.load(DO + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
         q_decayed = (q.to(tl.float32) * scale * tl.exp(g)).to(do.dtype)
         dstate = dstate * tl.exp(g_last)[:, None]
@@ -50,10 +54,10 @@ def _state_grad_kernel(
 
 @triton.jit
 def _dv_kernel(
-    K_, V_, GC, A, DO, DHS, CH_START, CH_LEN,  # inputs
+    Q, K_, V_, GC, A, DO, DHS, CH_START, CH_LEN, scale,  # inputs (scalar gates: A formed here from Q and K_)
     DV, DA,  # outputs: dv [B, T, H, V]; dA [B, T, H, BT] float32 (zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     c = tl.program_id(0)
     head = tl.program_id(1)
@@ -64,10 +68,22 @@ def _dv_kernel(
     rows = row0 + offs_t
     on_rows = offs_t < length
     a_rows = rows * (H * BT) + head * BT
-    a_t = tl.load(A + a_rows[None, :] + offs_t[:, None], mask=on_rows[None, :], other=0.0)  # A^T: [s, t]
+    if SCALAR_GATE:  # A^T [s, t] = scale (k_s . q_t) exp(gc_t - gc_s), t >= s
+        a_t = tl.zeros([BT, BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+            m = on_rows[:, None] & (offs_k < K)[None, :]
+            q = tl.load(Q + k_offs, mask=m, other=0.0)
+            k = tl.load(K_ + k_offs, mask=m, other=0.0)
+            a_t = tl.dot(k, tl.trans(q), a_t, input_precision=DOT_PRECISION)
+        b = tl.load(GC + rows * H + head, mask=on_rows, other=0.0)
+        later = offs_t[None, :] >= offs_t[:, None]
+        a_t = a_t * scale * tl.exp(tl.where(later, b[None, :] - b[:, None], float("-inf")))
+    else:
+        a_t = tl.load(A + a_rows[None, :] + offs_t[:, None], mask=on_rows[None, :], other=0.0)  # A^T: [s, t]
     d_a = tl.zeros([BT, BT], dtype=tl.float32)
     h_base = DHS + (wide(c) * H + head) * K * V
-    g_last_row = (row0 + length - 1) * (H * K) + head * K
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         mv = offs_v < V
@@ -82,8 +98,9 @@ def _dv_kernel(
             mk = offs_k < K
             k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
             k = tl.load(K_ + k_offs, mask=on_rows[:, None] & mk[None, :], other=0.0)
-            g = tl.load(GC + k_offs, mask=on_rows[:, None] & mk[None, :], other=0.0)
-            g_last = tl.load(GC + g_last_row + offs_k, mask=mk, other=0.0)
+            g = tl.load(GC + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE),
+                        mask=on_rows[:, None] & mk[None, :], other=0.0)
+            g_last = tl.load(GC + gate_index(row0 + length - 1, head, offs_k, H, K, SCALAR_GATE), mask=mk, other=0.0)
             k_decayed = (k.to(tl.float32) * tl.exp(g_last[None, :] - g)).to(do.dtype)
             dh = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
             dv = tl.dot(k_decayed, dh.to(do.dtype), dv, input_precision=DOT_PRECISION)
@@ -95,9 +112,9 @@ def _dv_kernel(
 @triton.jit
 def _dqkg_kernel(
     Q, K_, V_, GC, HS, DO, DHS, DA, CH_START, CH_LEN, scale,  # inputs
-    DQ, DK, DG,  # outputs: dq, dk in the inputs' dtype; dg float32 (raw gates)
+    DQ, DK, DG,  # outputs: dq, dk in the inputs' dtype; dg float32 (raw gates; scalar gates: [B, T, H, key tiles])
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     ik = tl.program_id(0)
     c = tl.program_id(1)
@@ -115,8 +132,8 @@ def _dqkg_kernel(
     k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
     q = tl.load(Q + k_offs, mask=m, other=0.0)
     k = tl.load(K_ + k_offs, mask=m, other=0.0)
-    g = tl.load(GC + k_offs, mask=m, other=0.0)
-    g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+    g = tl.load(GC + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE), mask=m, other=0.0)
+    g_last = tl.load(GC + gate_index(row0 + length - 1, head, offs_k, H, K, SCALAR_GATE), mask=mk, other=0.0)
     q_scaled = q.to(tl.float32) * scale
     k32 = k.to(tl.float32)
 
@@ -144,45 +161,55 @@ def _dqkg_kernel(
     # the pairs inside the chunk
     a_offs = rows * (H * BT) + head * BT
     d_a = tl.load(DA + a_offs[:, None] + offs_t[None, :], mask=on_rows[:, None], other=0.0)
-    sub = offs_t // BC
-    local = offs_t % BC
     dk = dk_state
-    # (sub-chunks past a short varlen chunk's end are skipped: their reference gate would not be a real one)
-    for i in range(1, NC):  # dq: keys of earlier sub-chunks, split at the first row of sub-chunk i
-        if i * BC < length:
-            ref = tl.sum(tl.where((offs_t == i * BC)[:, None], g, 0.0), 0)
-            on_rows_i = (sub == i)[:, None]
-            on_cols = (sub < i)[:, None]
-            keys = tl.where(on_cols, k32 * tl.exp(tl.where(on_cols, ref[None, :] - g, 0.0)), 0.0)
-            part = tl.dot(d_a, keys, input_precision=DOT_PRECISION)  # float32 operands: TF32 / IEEE
-            dq += tl.where(on_rows_i, part * tl.exp(tl.where(on_rows_i, g - ref[None, :], 0.0)), 0.0)
-    for j in range(0, NC - 1):  # dk: queries of later sub-chunks, split at the last row of sub-chunk j
-        if (j + 1) * BC < length:
-            ref = tl.sum(tl.where((offs_t == j * BC + BC - 1)[:, None], g, 0.0), 0)
-            on_rows_j = (sub == j)[:, None]
-            on_cols = (sub > j)[:, None]
-            queries = tl.where(on_cols, q_scaled * tl.exp(tl.where(on_cols, g - ref[None, :], 0.0)), 0.0)
-            part = tl.dot(tl.trans(d_a), queries, input_precision=DOT_PRECISION)
-            dk += tl.where(on_rows_j, part * tl.exp(tl.where(on_rows_j, ref[None, :] - g, 0.0)), 0.0)
-    # pairs inside one sub-chunk, exactly: column j of every sub-chunk at once
-    for j in range(BC):
-        src_local = offs_t - local + j
-        on_src = src_local < length
-        src_offs = (row0 + src_local)[:, None] * (H * K) + head * K + offs_k[None, :]
-        g_src = tl.load(GC + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0)
-        k_src = tl.load(K_ + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        q_src = tl.load(Q + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
-        # dq_t += dA[t, src] k_src exp(g_t - g_src)       (src <= t)
-        later = (local >= j) & on_rows
-        a_col = tl.load(DA + a_offs + src_local, mask=later, other=0.0)
-        dq += a_col[:, None] * k_src * tl.exp(tl.where(later[:, None], g - g_src, 0.0))
-        # dk_s += dA[src, s] q_src exp(g_src - g_s)        (src >= s)
-        earlier = (local <= j) & on_src
-        a_row = tl.load(DA + (row0 + src_local) * (H * BT) + head * BT + offs_t, mask=earlier, other=0.0)
-        dk += a_row[:, None] * q_src * tl.exp(tl.where(earlier[:, None], g_src - g, 0.0))
-
+    if SCALAR_GATE:  # every pair by two dots: dA * exp(gc_t - gc_s) (t >= s) against the keys and the queries
+        b = tl.load(GC + rows * H + head, mask=on_rows, other=0.0)
+        causal = offs_t[:, None] >= offs_t[None, :]
+        pairs = d_a * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+        dq = tl.dot(pairs, k32, dq, input_precision=DOT_PRECISION)
+        dk = tl.dot(tl.trans(pairs), q_scaled, dk, input_precision=DOT_PRECISION)
+    else:
+        sub = offs_t // BC
+        local = offs_t % BC
+        # (sub-chunks past a short varlen chunk's end are skipped: their reference gate would not be a real one)
+        for i in range(1, NC):  # dq: keys of earlier sub-chunks, split at the first row of sub-chunk i
+            if i * BC < length:
+                ref = tl.sum(tl.where((offs_t == i * BC)[:, None], g, 0.0), 0)
+                on_rows_i = (sub == i)[:, None]
+                on_cols = (sub < i)[:, None]
+                keys = tl.where(on_cols, k32 * tl.exp(tl.where(on_cols, ref[None, :] - g, 0.0)), 0.0)
+                part = tl.dot(d_a, keys, input_precision=DOT_PRECISION)  # float32 operands: TF32 / IEEE
+                dq += tl.where(on_rows_i, part * tl.exp(tl.where(on_rows_i, g - ref[None, :], 0.0)), 0.0)
+        for j in range(0, NC - 1):  # dk: queries of later sub-chunks, split at the last row of sub-chunk j
+            if (j + 1) * BC < length:
+                ref = tl.sum(tl.where((offs_t == j * BC + BC - 1)[:, None], g, 0.0), 0)
+                on_rows_j = (sub == j)[:, None]
+                on_cols = (sub > j)[:, None]
+                queries = tl.where(on_cols, q_scaled * tl.exp(tl.where(on_cols, g - ref[None, :], 0.0)), 0.0)
+                part = tl.dot(tl.trans(d_a), queries, input_precision=DOT_PRECISION)
+                dk += tl.where(on_rows_j, part * tl.exp(tl.where(on_rows_j, ref[None, :] - g, 0.0)), 0.0)
+        # pairs inside one sub-chunk, exactly: column j of every sub-chunk at once
+        for j in range(BC):
+            src_local = offs_t - local + j
+            on_src = src_local < length
+            src_offs = (row0 + src_local)[:, None] * (H * K) + head * K + offs_k[None, :]
+            g_src = tl.load(GC + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0)
+            k_src = tl.load(K_ + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            q_src = tl.load(Q + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
+            # dq_t += dA[t, src] k_src exp(g_t - g_src)       (src <= t)
+            later = (local >= j) & on_rows
+            a_col = tl.load(DA + a_offs + src_local, mask=later, other=0.0)
+            dq += a_col[:, None] * k_src * tl.exp(tl.where(later[:, None], g - g_src, 0.0))
+            # dk_s += dA[src, s] q_src exp(g_src - g_s)        (src >= s)
+            earlier = (local <= j) & on_src
+            a_row = tl.load(DA + (row0 + src_local) * (H * BT) + head * BT + offs_t, mask=earlier, other=0.0)
+            dk += a_row[:, None] * q_src * tl.exp(tl.where(earlier[:, None], g_src - g, 0.0))
     d_gc = q_scaled * dq - k32 * dk
-    dg = tl.cumsum(d_gc, axis=0, reverse=True) + d_last[None, :]
     tl.store(DQ + k_offs, (dq * scale).to(DQ.dtype.element_ty), mask=m)
     tl.store(DK + k_offs, dk.to(DK.dtype.element_ty), mask=m)
-    tl.store(DG + k_offs, dg, mask=m)
+    if SCALAR_GATE:  # this key tile's share of the scalar gate's gradient
+        dg_rows = tl.cumsum(tl.sum(d_gc, 1), axis=0, reverse=True) + tl.sum(d_last, 0)
+        tl.store(DG + (rows * H + head) * tl.num_programs(0) + ik, dg_rows, mask=on_rows)
+    else:
+        dg = tl.cumsum(d_gc, axis=0, reverse=True) + d_last[None, :]
+        tl.store(DG + k_offs, dg, mask=m)

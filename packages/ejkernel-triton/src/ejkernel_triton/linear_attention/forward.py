@@ -8,6 +8,12 @@ the chunk's gates up to and including r). Per chunk ``n`` with entering state ``
     o_t     = (scale q_t * exp(gc_t)) h_n + sum_{s <= t in the chunk} A[t, s] v_s
     A[t, s] = sum_k scale q_t[k] k_s[k] exp(gc_t[k] - gc_s[k])
 
+Scalar gates (``SCALAR_GATE``: one log gate per token and head, ``gc`` [B, T, H, 1]: ``recurrent``'s scalar
+``g``, ``g_gamma``, ``lightning_attention``) make A a plain matmul, ``scale (q k^T)[t, s] exp(gc_t - gc_s)``,
+formed by the output kernel with one dot per key tile (no sub-chunk splitting, no pair loop) and again by the
+backward's dv kernel rather than stored; the other kernels read the scalar at every key column
+(:func:`gate_index`).
+
 Every exponent the kernels form is <= 0 for decaying gates (log gates <= 0), however strong: across
 sub-chunks of 16 the pair factor splits at a reference row between the two tokens; inside a sub-chunk
 it is formed pair by pair (``_diag_pairs``). ``_state_kernel`` runs the recurrence over chunks (one program
@@ -29,6 +35,16 @@ SUB_CHUNK = 16
 def wide(x):
     """``x`` as int64 (element offsets of large inputs overflow int32); works on loop counters too."""
     return x + tl.full([], 0, tl.int64)
+
+
+@triton.jit
+def gate_index(rows, head, offs_k, H: tl.constexpr, K: tl.constexpr, SCALAR_GATE: tl.constexpr):
+    """Offsets of the log gates at ``rows`` (one row, or a column [R, 1]) and key columns ``offs_k``: per-dimension
+    gates [B, T, H, K], or scalar gates [B, T, H, 1] read at every key column (the same value)."""
+    if SCALAR_GATE:
+        return rows * H + head + offs_k * 0
+    else:
+        return rows * (H * K) + head * K + offs_k
 
 
 @triton.jit
@@ -113,6 +129,7 @@ def _state_kernel(
     HS, HT,  # outputs: h_c entering every chunk c [chunks, H, K, V], final state per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, DECAYED_KEYS: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
 ):
     """The chunk recurrence for one K x V tile of one (sequence, head). DECAYED_KEYS: K_ holds the decayed keys
     of ``_cumsum_kernel`` (G unused): the loop is loads, one scaling and one dot."""
@@ -128,7 +145,7 @@ def _state_kernel(
         row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
                                                        IS_VARLEN)
         k = tl.load(K_ + k_offs, mask=rmask & mk[None, :], other=0.0)
-        g_last = tl.load(GC + (row0 + length - 1) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+        g_last = tl.load(GC + gate_index(row0 + length - 1, head, offs_k, H, K, SCALAR_GATE), mask=mk, other=0.0)
         v = tl.load(V_ + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
         if DECAYED_KEYS:
             k_decayed = k.to(v.dtype)
@@ -136,7 +153,8 @@ def _state_kernel(
             # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
             # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong
             # gates)
-            raw = tl.load(G + k_offs, mask=rmask & mk[None, :], other=0.0)
+            raw = tl.load(G + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE),
+                          mask=rmask & mk[None, :], other=0.0)
             g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
             k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
         state = state * tl.exp(g_last)[:, None]
@@ -276,6 +294,7 @@ def _output_kernel(
     O, A,  # outputs: o [B, T, H, V]; A [B, T, H, BT] float32 (scale included; zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECOMPUTED_A: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
 ):
     iv = tl.program_id(0)
     c = tl.program_id(1)
@@ -298,23 +317,30 @@ def _output_kernel(
         mk = offs_k < K
         m = rmask & mk[None, :]
         q = tl.load(Q + qk_offs + offs_k[None, :], mask=m, other=0.0)
-        g = tl.load(GC + qk_offs + offs_k[None, :], mask=m, other=0.0)
+        g = tl.load(GC + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE), mask=m, other=0.0)
         q_scaled = q.to(tl.float32) * scale
         h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
         acc_o = tl.dot((q_scaled * tl.exp(g)).to(q.dtype), h.to(q.dtype), acc_o, input_precision=DOT_PRECISION)
-        if not PRECOMPUTED_A:
+        if SCALAR_GATE:  # q k^T in the inputs' dtype (exact products), decayed and scaled after the loop
+            k = tl.load(K_ + qk_offs + offs_k[None, :], mask=m, other=0.0)
+            acc_a = tl.dot(q, tl.trans(k), acc_a, input_precision=DOT_PRECISION)
+        elif not PRECOMPUTED_A:
             k = tl.load(K_ + qk_offs + offs_k[None, :], mask=m, other=0.0)
             acc_a += across_sub_chunks(q_scaled, g, k, g, offs_t, length, BC, BT // BC, DOT_PRECISION)
             acc_a += _diag_pairs(q_scaled, g, K_ + head * K, GC + head * K, row0, sub_first, length, offs_t, offs_k,
                                  mk, H * K, BC)
     a_offs = rows[:, None] * (H * BT) + head * BT + offs_t[None, :]
-    if PRECOMPUTED_A:
+    if SCALAR_GATE:
+        b = tl.load(GC + rows * H + head, mask=offs_t < length, other=0.0)
+        causal = offs_t[:, None] >= offs_t[None, :]
+        acc_a = acc_a * scale * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+    elif PRECOMPUTED_A:
         acc_a = tl.load(A_IN + a_offs, mask=rmask, other=0.0)
     v_offs = rows[:, None] * (H * V) + head * V + offs_v[None, :]
     v = tl.load(V_ + v_offs, mask=rmask & mv[None, :], other=0.0)
     acc_o = tl.dot(acc_a.to(v.dtype), v, acc_o, input_precision=DOT_PRECISION)
     tl.store(O + v_offs, acc_o.to(O.dtype.element_ty), mask=rmask & mv[None, :])
-    if not PRECOMPUTED_A and iv == 0:
+    if not PRECOMPUTED_A and not SCALAR_GATE and iv == 0:  # (scalar gates: the backward forms A again)
         tl.store(A + a_offs, acc_a, mask=rmask)
 
 

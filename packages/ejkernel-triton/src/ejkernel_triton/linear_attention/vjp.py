@@ -1,11 +1,13 @@
 """Kernel launches, the custom VJP and the vmap rules of chunked gated linear attention.
 
 :func:`linear_attention` takes prepared arrays (``__init__`` builds them from the call): q, k [B, T, H, K],
-v [B, T, H, V] (one dtype) with kv heads already repeated, ``a`` float32 [B, T, H, K] the summed log gates,
+v [B, T, H, V] (one dtype) with kv heads already repeated, ``a`` float32 [B, T, H, K] the summed log gates
+(or [B, T, H, 1] with ``StaticParams.scalar_gate``: one gate per token and head),
 ``h0`` [B or N, H, K, V] or None, and ``tables`` (varlen: :func:`chunk_table` of cu_seqlens, B == 1) or None
 (then T is a multiple of ``forward.CHUNK``). It is differentiable in the first five. The
 forward saves the in-chunk cumulative gates and the intra-chunk matrix A ([B, T, H, 64] float32, the size
-of one more head of q); the backward recomputes the chunk states. Under ``jax.vmap`` the vmapped axis
+of one more head of q; not with scalar gates, whose backward forms A again); the backward recomputes the chunk
+states. Under ``jax.vmap`` the vmapped axis
 folds into the batch axis (every array here has the batch first): one launch per kernel; varlen calls loop
 (`batching.fold_batch_rule`, shared with flash attention).
 """
@@ -48,6 +50,8 @@ class StaticParams:
     intra_num_warps: int = 4
     intra_split: bool = False
     intra_inside_num_warps: int = 4
+    scalar_gate: bool = False
+    state_num_stages: int = 2
 
 
 def _placeholder(dtype=jnp.float32):
@@ -89,16 +93,18 @@ def chunk_cumsum(a, k, tables, st: StaticParams):
     chunks = _num_chunks(a, tables)[0]
     ch_start, ch_len, _ = _tables(tables)
     kd_shape = k.shape if st.decayed_keys else (1,)
+    gate_width = a.shape[3]  # K, or 1 for scalar gates
     gc, kd = launch(_cumsum_kernel, (a, k, ch_start, ch_len),
                     (jax.ShapeDtypeStruct(a.shape, jnp.float32), jax.ShapeDtypeStruct(kd_shape, k.dtype)),
                     (chunks, a.shape[2]), num_warps=4, num_stages=1, interpret=st.interpret, H=a.shape[2],
-                    K=a.shape[3], BT=CHUNK, BK=st.block_k, IS_VARLEN=st.varlen, WRITE_DECAYED=st.decayed_keys)
+                    K=gate_width, BT=CHUNK, BK=min(st.block_k, max(16, triton.next_power_of_2(gate_width))),
+                    IS_VARLEN=st.varlen, WRITE_DECAYED=st.decayed_keys)
     return gc, (kd if st.decayed_keys else None)
 
 
 def _meta(q, v, st: StaticParams):
     _, _, h, k = q.shape
-    return dict(H=h, K=k, V=v.shape[-1], BT=CHUNK, IS_VARLEN=st.varlen,
+    return dict(H=h, K=k, V=v.shape[-1], BT=CHUNK, IS_VARLEN=st.varlen, SCALAR_GATE=st.scalar_gate,
                 DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32")
 
 
@@ -120,7 +126,7 @@ def _states(k, kd, v, gc, a, h0, tables, st: StaticParams):
     keys, raw = (k, a) if kd is None else (kd, _placeholder())
     return launch(_state_kernel, (keys, v, gc, raw, h0 if h0 is not None else _placeholder(), *_tables(tables),
                                   per_seq),
-                  out_shapes, grid, num_warps=st.state_num_warps, num_stages=st.num_stages, interpret=st.interpret,
+                  out_shapes, grid, num_warps=st.state_num_warps, num_stages=st.state_num_stages, interpret=st.interpret,
                   BK=st.state_block_k, BV=st.state_block_v, HAS_H0=h0 is not None, DECAYED_KEYS=kd is not None,
                   **_meta(k, v, st))
 
@@ -156,8 +162,9 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     attn_in = _placeholder()
     if st.intra_kernel:  # A by its own small programs; the output kernel reads it
         attn_in = _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st, _meta(q, v, st)["DOT_PRECISION"])
+    stores_attn = not (st.intra_kernel or st.scalar_gate)  # scalar gates: the backward forms A again
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
-                  jax.ShapeDtypeStruct((1,), jnp.float32) if st.intra_kernel else attn_shape)
+                  attn_shape if stores_attn else jax.ShapeDtypeStruct((b, 1), jnp.float32))  # batch first: vmap folds it
     o, attn = launch(_output_kernel, (q, k, v, gc, hs, attn_in, ch_start, ch_len, np.float32(st.scale)), out_shapes,
                      (triton.cdiv(dv, st.output_block_v), chunks, h), num_warps=st.num_warps,
                      num_stages=st.num_stages, zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret,
@@ -180,18 +187,24 @@ def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
         _state_grad_kernel, (q, gc, do, dht, ch_start, ch_len, seq_first, np.float32(st.scale), per_seq),
         (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(q)), jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32)),
         (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * h),
-        num_warps=st.state_num_warps, BK=st.state_block_k, BV=st.state_block_v, **common)
+        num_warps=st.state_num_warps, BK=st.state_block_k, BV=st.state_block_v,
+        **dict(common, num_stages=st.state_num_stages))
     d_v, d_attn = launch(
-        _dv_kernel, (k, v, gc, attn, do, dhs, ch_start, ch_len),
+        _dv_kernel, (q, k, v, gc, attn, do, dhs, ch_start, ch_len, np.float32(st.scale)),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)),
         (chunks, h), num_warps=warps, zeroed_outputs=(0,) if st.varlen else (), BK=st.block_k,
         BV=st.block_v, **common)
+    key_tiles = triton.cdiv(dk, st.block_k)
+    # scalar gates: each key tile's share of the gate gradient, added here
+    dg_shape = (b, t, h, key_tiles) if st.scalar_gate else q.shape
     d_q, d_k, d_a = launch(
         _dqkg_kernel, (q, k, v, gc, hs, do, dhs, d_attn, ch_start, ch_len, np.float32(st.scale)),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(q.shape, jnp.float32)),
-        (triton.cdiv(dk, st.block_k), chunks, h), num_warps=warps,
+         jax.ShapeDtypeStruct(dg_shape, jnp.float32)),
+        (key_tiles, chunks, h), num_warps=warps,
         zeroed_outputs=(0, 1, 2) if st.varlen else (), BC=SUB_CHUNK, BK=st.block_k, BV=st.block_v, **common)
+    if st.scalar_gate:
+        d_a = jnp.sum(d_a, axis=-1, keepdims=True)
     return d_q, d_k, d_v, d_a, dh0
 
 
