@@ -49,6 +49,8 @@ CANDIDATE = "decayed_keys=1/intra_kernel=1/state_block_k=32/state_block_v=32"  #
 @pytest.mark.parametrize("batch,total,heads,kv_heads,dk,dv,gate,reverse,spec", [
     (2, 1000, 4, 4, 128, 128, "vector", False, None),  # 16 chunks, the last one partial
     (1, 2048, 8, 2, 64, 128, "scalar", True, None),  # GQA 4:1, scalar gates, reverse
+    (2, 1000, 4, 4, 128, 128, "scalar", False, None),  # scalar gates over two key tiles
+    (1, 512, 2, 2, 256, 64, "scalar", False, None),  # and four
     (1, 512, 2, 2, 256, 64, "vector", False, None),  # head dim 256: four key tiles
     (1, 1500, 4, 4, 128, 128, "varlen", True, None),  # packed sequences of 300, 0, 1000 and 150 tokens (+50 past the end)
     (2, 1000, 4, 4, 128, 128, "vector", False, CANDIDATE),

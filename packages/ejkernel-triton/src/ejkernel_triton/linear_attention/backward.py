@@ -21,8 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.linear_attention.forward import (chunk_rows, chunk_span, gate_index, sequence_chunks, state_tile,
-                                                      wide)
+from ejkernel_triton.linear_attention.forward import (chunk_rows, chunk_span, load_gates, load_row_gate,
+                                                      sequence_chunks, state_tile, wide)
 
 
 @triton.jit
@@ -42,9 +42,8 @@ def _state_grad_kernel(
         row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
                                                        IS_VARLEN)
         q = tl.load(Q + k_offs, mask=rmask & mk[None, :], other=0.0)
-        g = tl.load(GC + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE), mask=rmask & mk[None, :],
-                    other=0.0)
-        g_last = tl.load(GC + gate_index(row0 + length - 1, head, offs_k, H, K, SCALAR_GATE), mask=mk, other=0.0)
+        g = load_gates(GC, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
+        g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
         do = tl.load(DO + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
         q_decayed = (q.to(tl.float32) * scale * tl.exp(g)).to(do.dtype)
         dstate = dstate * tl.exp(g_last)[:, None]
@@ -57,7 +56,7 @@ def _dv_kernel(
     Q, K_, V_, GC, A, DO, DHS, CH_START, CH_LEN, scale,  # inputs (scalar gates: A formed here from Q and K_)
     DV, DA,  # outputs: dv [B, T, H, V]; dA [B, T, H, BT] float32 (zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
+    KP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     c = tl.program_id(0)
     head = tl.program_id(1)
@@ -69,14 +68,13 @@ def _dv_kernel(
     on_rows = offs_t < length
     a_rows = rows * (H * BT) + head * BT
     if SCALAR_GATE:  # A^T [s, t] = scale (k_s . q_t) exp(gc_t - gc_s), t >= s
-        a_t = tl.zeros([BT, BT], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
-            m = on_rows[:, None] & (offs_k < K)[None, :]
-            q = tl.load(Q + k_offs, mask=m, other=0.0)
-            k = tl.load(K_ + k_offs, mask=m, other=0.0)
-            a_t = tl.dot(k, tl.trans(q), a_t, input_precision=DOT_PRECISION)
+        # one dot over the whole (padded) key width: a loop of 64-wide key tiles accumulating into A^T came
+        # out wrong on an H100 with Triton 3.6 (dv off by 33 % at K=128; right in the interpreter and at K=64)
+        offs_kp = tl.arange(0, KP)
+        kp_offs = rows[:, None] * (H * K) + head * K + offs_kp[None, :]
+        on_kp = on_rows[:, None] & (offs_kp < K)[None, :]
+        a_t = tl.dot(tl.load(K_ + kp_offs, mask=on_kp, other=0.0), tl.trans(tl.load(Q + kp_offs, mask=on_kp, other=0.0)),
+                     input_precision=DOT_PRECISION)
         b = tl.load(GC + rows * H + head, mask=on_rows, other=0.0)
         later = offs_t[None, :] >= offs_t[:, None]
         a_t = a_t * scale * tl.exp(tl.where(later, b[None, :] - b[:, None], float("-inf")))
@@ -98,9 +96,8 @@ def _dv_kernel(
             mk = offs_k < K
             k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
             k = tl.load(K_ + k_offs, mask=on_rows[:, None] & mk[None, :], other=0.0)
-            g = tl.load(GC + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE),
-                        mask=on_rows[:, None] & mk[None, :], other=0.0)
-            g_last = tl.load(GC + gate_index(row0 + length - 1, head, offs_k, H, K, SCALAR_GATE), mask=mk, other=0.0)
+            g = load_gates(GC, rows, head, offs_k, on_rows, H, K, SCALAR_GATE)
+            g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
             k_decayed = (k.to(tl.float32) * tl.exp(g_last[None, :] - g)).to(do.dtype)
             dh = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
             dv = tl.dot(k_decayed, dh.to(do.dtype), dv, input_precision=DOT_PRECISION)
@@ -132,8 +129,8 @@ def _dqkg_kernel(
     k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
     q = tl.load(Q + k_offs, mask=m, other=0.0)
     k = tl.load(K_ + k_offs, mask=m, other=0.0)
-    g = tl.load(GC + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE), mask=m, other=0.0)
-    g_last = tl.load(GC + gate_index(row0 + length - 1, head, offs_k, H, K, SCALAR_GATE), mask=mk, other=0.0)
+    g = load_gates(GC, rows, head, offs_k, on_rows, H, K, SCALAR_GATE)
+    g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
     q_scaled = q.to(tl.float32) * scale
     k32 = k.to(tl.float32)
 

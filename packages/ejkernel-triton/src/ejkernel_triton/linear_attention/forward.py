@@ -12,7 +12,7 @@ Scalar gates (``SCALAR_GATE``: one log gate per token and head, ``gc`` [B, T, H,
 ``g``, ``g_gamma``, ``lightning_attention``) make A a plain matmul, ``scale (q k^T)[t, s] exp(gc_t - gc_s)``,
 formed by the output kernel with one dot per key tile (no sub-chunk splitting, no pair loop) and again by the
 backward's dv kernel rather than stored; the other kernels read the scalar at every key column
-(:func:`gate_index`).
+(:func:`load_gates`).
 
 Every exponent the kernels form is <= 0 for decaying gates (log gates <= 0), however strong: across
 sub-chunks of 16 the pair factor splits at a reference row between the two tokens; inside a sub-chunk
@@ -38,13 +38,24 @@ def wide(x):
 
 
 @triton.jit
-def gate_index(rows, head, offs_k, H: tl.constexpr, K: tl.constexpr, SCALAR_GATE: tl.constexpr):
-    """Offsets of the log gates at ``rows`` (one row, or a column [R, 1]) and key columns ``offs_k``: per-dimension
-    gates [B, T, H, K], or scalar gates [B, T, H, 1] read at every key column (the same value)."""
+def load_gates(G, rows, head, offs_k, row_mask, H: tl.constexpr, K: tl.constexpr, SCALAR_GATE: tl.constexpr):
+    """The log gates of ``rows`` [R] at key columns ``offs_k`` [BK]: per-dimension gates ([B, T, H, K]) as
+    [R, BK], scalar ones ([B, T, H, 1]) as [R, 1], broadcast by the arithmetic that uses them (one load per
+    row, not one per column)."""
     if SCALAR_GATE:
-        return rows * H + head + offs_k * 0
+        return tl.load(G + rows[:, None] * H + head, mask=row_mask[:, None], other=0.0)
     else:
-        return rows * (H * K) + head * K + offs_k
+        return tl.load(G + rows[:, None] * (H * K) + head * K + offs_k[None, :],
+                       mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def load_row_gate(G, row, head, offs_k, H: tl.constexpr, K: tl.constexpr, SCALAR_GATE: tl.constexpr):
+    """The log gate of one row at key columns ``offs_k`` as [BK] (scalar gates: the row's gate in each)."""
+    if SCALAR_GATE:
+        return tl.zeros_like(offs_k).to(tl.float32) + tl.load(G + row * H + head)
+    else:
+        return tl.load(G + row * (H * K) + head * K + offs_k, mask=offs_k < K, other=0.0)
 
 
 @triton.jit
@@ -145,7 +156,7 @@ def _state_kernel(
         row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
                                                        IS_VARLEN)
         k = tl.load(K_ + k_offs, mask=rmask & mk[None, :], other=0.0)
-        g_last = tl.load(GC + gate_index(row0 + length - 1, head, offs_k, H, K, SCALAR_GATE), mask=mk, other=0.0)
+        g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
         v = tl.load(V_ + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
         if DECAYED_KEYS:
             k_decayed = k.to(v.dtype)
@@ -153,9 +164,12 @@ def _state_kernel(
             # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
             # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong
             # gates)
-            raw = tl.load(G + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE),
-                          mask=rmask & mk[None, :], other=0.0)
-            g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
+            if SCALAR_GATE:  # one gate per row: the scan over [BT] (Triton's scan of a [BT, 1] column fails on sm_90)
+                raw = tl.load(G + rows * H + head, mask=offs_t < length, other=0.0)
+                g_after = (tl.cumsum(raw, axis=0, reverse=True) - raw)[:, None]
+            else:
+                raw = load_gates(G, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
+                g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
             k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
         state = state * tl.exp(g_last)[:, None]
         state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
@@ -317,7 +331,7 @@ def _output_kernel(
         mk = offs_k < K
         m = rmask & mk[None, :]
         q = tl.load(Q + qk_offs + offs_k[None, :], mask=m, other=0.0)
-        g = tl.load(GC + gate_index(rows[:, None], head, offs_k[None, :], H, K, SCALAR_GATE), mask=m, other=0.0)
+        g = load_gates(GC, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
         q_scaled = q.to(tl.float32) * scale
         h = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
         acc_o = tl.dot((q_scaled * tl.exp(g)).to(q.dtype), h.to(q.dtype), acc_o, input_precision=DOT_PRECISION)

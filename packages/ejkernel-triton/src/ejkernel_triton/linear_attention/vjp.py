@@ -193,7 +193,7 @@ def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
         _dv_kernel, (q, k, v, gc, attn, do, dhs, ch_start, ch_len, np.float32(st.scale)),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)),
         (chunks, h), num_warps=warps, zeroed_outputs=(0,) if st.varlen else (), BK=st.block_k,
-        BV=st.block_v, **common)
+        BV=st.block_v, KP=triton.next_power_of_2(dk), **common)
     key_tiles = triton.cdiv(dk, st.block_k)
     # scalar gates: each key tile's share of the gate gradient, added here
     dg_shape = (b, t, h, key_tiles) if st.scalar_gate else q.shape
