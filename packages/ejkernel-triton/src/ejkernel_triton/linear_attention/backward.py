@@ -53,10 +53,10 @@ def _state_grad_kernel(
 
 @triton.jit
 def _dv_kernel(
-    Q, K_, V_, GC, A, DO, DHS, CH_START, CH_LEN, scale,  # inputs (scalar gates: A formed here from Q and K_)
+    K_, V_, GC, A, DO, DHS, CH_START, CH_LEN,  # inputs
     DV, DA,  # outputs: dv [B, T, H, V]; dA [B, T, H, BT] float32 (zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    KP: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     c = tl.program_id(0)
     head = tl.program_id(1)
@@ -67,19 +67,10 @@ def _dv_kernel(
     rows = row0 + offs_t
     on_rows = offs_t < length
     a_rows = rows * (H * BT) + head * BT
-    if SCALAR_GATE:  # A^T [s, t] = scale (k_s . q_t) exp(gc_t - gc_s), t >= s
-        # one dot over the whole (padded) key width: a loop of 64-wide key tiles accumulating into A^T came
-        # out wrong on an H100 with Triton 3.6 (dv off by 33 % at K=128; right in the interpreter and at K=64)
-        offs_kp = tl.arange(0, KP)
-        kp_offs = rows[:, None] * (H * K) + head * K + offs_kp[None, :]
-        on_kp = on_rows[:, None] & (offs_kp < K)[None, :]
-        a_t = tl.dot(tl.load(K_ + kp_offs, mask=on_kp, other=0.0), tl.trans(tl.load(Q + kp_offs, mask=on_kp, other=0.0)),
-                     input_precision=DOT_PRECISION)
+    a_t = tl.load(A + a_rows[None, :] + offs_t[:, None], mask=on_rows[None, :], other=0.0)  # A^T: [s, t]
+    if SCALAR_GATE:  # the keys' decay to the chunk's end, once (not per key tile)
         b = tl.load(GC + rows * H + head, mask=on_rows, other=0.0)
-        later = offs_t[None, :] >= offs_t[:, None]
-        a_t = a_t * scale * tl.exp(tl.where(later, b[None, :] - b[:, None], float("-inf")))
-    else:
-        a_t = tl.load(A + a_rows[None, :] + offs_t[:, None], mask=on_rows[None, :], other=0.0)  # A^T: [s, t]
+        key_decay = tl.exp(tl.load(GC + (row0 + length - 1) * H + head) - b)
     d_a = tl.zeros([BT, BT], dtype=tl.float32)
     h_base = DHS + (wide(c) * H + head) * K * V
     for v0 in range(0, V, BV):
@@ -96,9 +87,12 @@ def _dv_kernel(
             mk = offs_k < K
             k_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
             k = tl.load(K_ + k_offs, mask=on_rows[:, None] & mk[None, :], other=0.0)
-            g = load_gates(GC, rows, head, offs_k, on_rows, H, K, SCALAR_GATE)
-            g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
-            k_decayed = (k.to(tl.float32) * tl.exp(g_last[None, :] - g)).to(do.dtype)
+            if SCALAR_GATE:
+                k_decayed = (k.to(tl.float32) * key_decay[:, None]).to(do.dtype)
+            else:
+                g = load_gates(GC, rows, head, offs_k, on_rows, H, K, SCALAR_GATE)
+                g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
+                k_decayed = (k.to(tl.float32) * tl.exp(g_last[None, :] - g)).to(do.dtype)
             dh = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
             dv = tl.dot(k_decayed, dh.to(do.dtype), dv, input_precision=DOT_PRECISION)
         tl.store(DV + v_offs, dv.to(DV.dtype.element_ty), mask=m)

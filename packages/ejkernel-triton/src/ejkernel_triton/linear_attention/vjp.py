@@ -6,8 +6,7 @@ v [B, T, H, V] (one dtype) with kv heads already repeated, ``a`` float32 [B, T, 
 ``h0`` [B or N, H, K, V] or None, and ``tables`` (varlen: :func:`chunk_table` of cu_seqlens, B == 1) or None
 (then T is a multiple of ``forward.CHUNK``). It is differentiable in the first five. The
 forward saves the in-chunk cumulative gates and the intra-chunk matrix A ([B, T, H, 64] float32, the size
-of one more head of q; not with scalar gates, whose backward forms A again); the backward recomputes the chunk
-states. Under ``jax.vmap`` the vmapped axis
+of one more head of q); the backward recomputes the chunk states. Under ``jax.vmap`` the vmapped axis
 folds into the batch axis (every array here has the batch first): one launch per kernel; varlen calls loop
 (`batching.fold_batch_rule`, shared with flash attention).
 """
@@ -162,9 +161,8 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
     attn_in = _placeholder()
     if st.intra_kernel:  # A by its own small programs; the output kernel reads it
         attn_in = _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st, _meta(q, v, st)["DOT_PRECISION"])
-    stores_attn = not (st.intra_kernel or st.scalar_gate)  # scalar gates: the backward forms A again
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
-                  attn_shape if stores_attn else jax.ShapeDtypeStruct((b, 1), jnp.float32))  # batch first: vmap folds it
+                  jax.ShapeDtypeStruct((1,), jnp.float32) if st.intra_kernel else attn_shape)
     o, attn = launch(_output_kernel, (q, k, v, gc, hs, attn_in, ch_start, ch_len, np.float32(st.scale)), out_shapes,
                      (triton.cdiv(dv, st.output_block_v), chunks, h), num_warps=st.num_warps,
                      num_stages=st.num_stages, zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret,
@@ -190,10 +188,10 @@ def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
         num_warps=st.state_num_warps, BK=st.state_block_k, BV=st.state_block_v,
         **dict(common, num_stages=st.state_num_stages))
     d_v, d_attn = launch(
-        _dv_kernel, (q, k, v, gc, attn, do, dhs, ch_start, ch_len, np.float32(st.scale)),
+        _dv_kernel, (k, v, gc, attn, do, dhs, ch_start, ch_len),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)),
         (chunks, h), num_warps=warps, zeroed_outputs=(0,) if st.varlen else (), BK=st.block_k,
-        BV=st.block_v, KP=triton.next_power_of_2(dk), **common)
+        BV=st.block_v, **common)
     key_tiles = triton.cdiv(dk, st.block_k)
     # scalar gates: each key tile's share of the gate gradient, added here
     dg_shape = (b, t, h, key_tiles) if st.scalar_gate else q.shape
