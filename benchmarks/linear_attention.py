@@ -110,7 +110,8 @@ def ejkernel_steps(op, platform: str, cfg=None, cu_seqlens=None):
 def time_jax(op, platform, total, sets, warmup, reps, calls, cfg=None, cu_seqlens=None):
     fwd, fwd_bwd = ejkernel_steps(op, platform, cfg, cu_seqlens)
     shape = SHAPE if cu_seqlens is None else {**SHAPE, "batch": 1}
-    inputs = [jax_inputs(jax.random.PRNGKey(i), op, total=total, **shape) for i in range(sets)]
+    tokens = total if cu_seqlens is None else int(cu_seqlens[-1])  # varlen: the B * T tokens packed
+    inputs = [jax_inputs(jax.random.PRNGKey(i), op, total=tokens, **shape) for i in range(sets)]
     t_fwd = time_calls(lambda c: fwd(*inputs[c % sets][:4]), warmup, reps, calls)
     t_bwd = time_calls(lambda c: fwd_bwd(*inputs[c % sets]), warmup, reps, calls)
     return t_fwd, t_bwd
@@ -127,8 +128,8 @@ def time_fla(op, total, sets, warmup, reps, calls, cu_seqlens=None):
 
     b, h, dk, dv = SHAPE["batch"], SHAPE["heads"], SHAPE["dk"], SHAPE["dv"]
     extra = {} if op != "lightning" else dict(LIGHTNING_LAYER)
-    if cu_seqlens is not None:
-        b = 1
+    if cu_seqlens is not None:  # the B * T tokens packed in batch 1
+        b, total = 1, int(cu_seqlens[-1])
         extra["cu_seqlens"] = torch.as_tensor(cu_seqlens, dtype=torch.long, device="cuda")
     shape = gate_shape(op, b, total, h, dk)
     gen = torch.Generator(device="cuda").manual_seed(0)
