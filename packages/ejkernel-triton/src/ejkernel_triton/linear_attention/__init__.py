@@ -56,8 +56,7 @@ class TritonLinearAttentionConfig:
     two sequential state kernels (forward states, recomputed in the backward, and the state gradients):
     smaller tiles run more programs (B*H*(K/tile)*(V/tile)) over the same chain of chunks;
     ``state_num_stages`` (None: ``num_stages``): their software pipelining depth (loads of later chunks in
-    flight while the state is updated); ``state_transposed_loads``: those kernels read the keys / queries (and
-    gates) as [K, 64] tiles straight from memory instead of transposing a register tile every chunk.
+    flight while the state is updated).
     ``decayed_keys``: the cumulative-gate kernel also writes k * exp(gc_last - gc), so that the state loops only
     load and multiply (one more [B, T, H, K] array in k's dtype written and read; the backward recomputes it).
     ``intra_kernel``: the intra-chunk matrix A by its own kernel of small programs (one per sub-chunk of 16 rows,
@@ -74,7 +73,6 @@ class TritonLinearAttentionConfig:
     num_stages: int = 2
     state_num_warps: int = 4
     state_num_stages: int | None = None
-    state_transposed_loads: bool = True
     backward_num_warps: int = 4
     state_block_k: int | None = None
     state_block_v: int | None = None
@@ -98,7 +96,7 @@ class TritonLinearAttentionConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
-        for name in ("decayed_keys", "intra_kernel", "intra_split", "state_transposed_loads"):
+        for name in ("decayed_keys", "intra_kernel", "intra_split"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -112,8 +110,7 @@ class TritonLinearAttentionConfig:
             name, _, raw = item.partition("=")
             if name not in fields:
                 raise ValueError(f"TritonLinearAttentionConfig has no field {name!r} (spec {spec!r})")
-            flags = ("decayed_keys", "intra_kernel", "intra_split", "state_transposed_loads")
-            values[name] = bool(int(raw)) if name in flags else int(raw)
+            values[name] = bool(int(raw)) if name in ("decayed_keys", "intra_kernel", "intra_split") else int(raw)
         return cls(**values)
 
 
@@ -211,7 +208,6 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                           output_block_v=_block(v.shape[-1], config.output_block_v, 128), num_warps=config.num_warps,
                           num_stages=config.num_stages, state_num_warps=config.state_num_warps,
                           state_num_stages=config.state_num_stages or config.num_stages,
-                          state_transposed_loads=config.state_transposed_loads,
                           interpret=interpreting(), varlen=varlen, backward_num_warps=config.backward_num_warps,
                           state_block_k=_block(dk, config.state_block_k or config.block_k),
                           state_block_v=_block(v.shape[-1], config.state_block_v or config.block_v),

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.linear_attention.forward import (chunk_rows, chunk_span, load_gates, load_row_gate,
-                                                      sequence_chunks, state_tile, transposed_decayed_rows, wide)
+                                                      sequence_chunks, state_tile, wide)
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _state_grad_kernel(
     Q, GC, DO, DHT, CH_START, CH_LEN, SEQ_FIRST, scale, NUM_CHUNKS,  # inputs
     DHS, DH0,  # outputs: dh per chunk (gradient of the state leaving it), dh_0 per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr, TRANSPOSED_LOADS: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
@@ -41,18 +41,13 @@ def _state_grad_kernel(
         tl.store(DHS + (wide(c) * H + head) * K * V + state_offs, dstate.to(DHS.dtype.element_ty), mask=mkv)
         row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
                                                        IS_VARLEN)
+        q = tl.load(Q + k_offs, mask=rmask & mk[None, :], other=0.0)
+        g = load_gates(GC, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
         g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
         do = tl.load(DO + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
+        q_decayed = (q.to(tl.float32) * scale * tl.exp(g)).to(do.dtype)
         dstate = dstate * tl.exp(g_last)[:, None]
-        if TRANSPOSED_LOADS:
-            qt_decayed = transposed_decayed_rows(Q, GC, rows, head, offs_k, offs_t < length, H, K, False, SCALAR_GATE,
-                                                 after=False)
-            dstate = tl.dot((qt_decayed * scale).to(do.dtype), do, dstate, input_precision=DOT_PRECISION)
-        else:
-            q = tl.load(Q + k_offs, mask=rmask & mk[None, :], other=0.0)
-            g = load_gates(GC, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
-            q_decayed = (q.to(tl.float32) * scale * tl.exp(g)).to(do.dtype)
-            dstate = tl.dot(tl.trans(q_decayed), do, dstate, input_precision=DOT_PRECISION)
+        dstate = tl.dot(tl.trans(q_decayed), do, dstate, input_precision=DOT_PRECISION)
     tl.store(DH0 + sh.to(tl.int64) * K * V + state_offs, dstate, mask=mkv)
 
 

@@ -135,39 +135,15 @@ def _cumsum_kernel(G, K_, CH_START, CH_LEN, GC, KD, H: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def transposed_decayed_rows(X, G, rows, head, offs_k, row_mask, H: tl.constexpr, K: tl.constexpr,
-                            PREDECAYED: tl.constexpr, SCALAR_GATE: tl.constexpr, after: tl.constexpr):
-    """x^T [BK, BT] (float32) of the chunk's ``rows``, each column scaled by exp of its gates: summed after the
-    row to the chunk's end (``after``: the keys of the state update; from the raw gates ``G``, exact near the
-    end) or the in-chunk cumulative gate itself (the queries of the state gradient; ``G`` = gc).
-    ``PREDECAYED``: X holds the scaled rows already."""
-    on = (offs_k < K)[:, None] & row_mask[None, :]
-    xt = tl.load(X + rows[None, :] * (H * K) + head * K + offs_k[:, None], mask=on, other=0.0).to(tl.float32)
-    if PREDECAYED:
-        return xt
-    if SCALAR_GATE:
-        g = tl.load(G + rows * H + head, mask=row_mask, other=0.0)
-        if after:
-            g = tl.cumsum(g, axis=0, reverse=True) - g
-        return xt * tl.exp(g)[None, :]
-    else:
-        g = tl.load(G + rows[None, :] * (H * K) + head * K + offs_k[:, None], mask=on, other=0.0)
-        if after:
-            g = tl.cumsum(g, axis=1, reverse=True) - g
-        return xt * tl.exp(g)
-
-
-@triton.jit
 def _state_kernel(
     K_, V_, GC, G, H0, CH_START, CH_LEN, SEQ_FIRST, NUM_CHUNKS,  # inputs (G: the raw log gates)
     HS, HT,  # outputs: h_c entering every chunk c [chunks, H, K, V], final state per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, DECAYED_KEYS: tl.constexpr,
-    SCALAR_GATE: tl.constexpr, TRANSPOSED_LOADS: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
 ):
     """The chunk recurrence for one K x V tile of one (sequence, head). DECAYED_KEYS: K_ holds the decayed keys
-    of ``_cumsum_kernel`` (G unused): the loop is loads, one scaling and one dot. TRANSPOSED_LOADS: the keys
-    (and gates) read as [BK, BT] tiles straight from memory instead of transposing a register tile each step."""
+    of ``_cumsum_kernel`` (G unused): the loop is loads, one scaling and one dot."""
     sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
     if HAS_H0:
@@ -179,29 +155,24 @@ def _state_kernel(
         tl.store(HS + (wide(c) * H + head) * K * V + state_offs, state.to(HS.dtype.element_ty), mask=mkv)
         row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
                                                        IS_VARLEN)
+        k = tl.load(K_ + k_offs, mask=rmask & mk[None, :], other=0.0)
         g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
         v = tl.load(V_ + rows[:, None] * (H * V) + head * V + offs_v[None, :], mask=rmask & mv[None, :], other=0.0)
-        if TRANSPOSED_LOADS:
-            kt_decayed = transposed_decayed_rows(K_, G, rows, head, offs_k, offs_t < length, H, K, DECAYED_KEYS,
-                                                 SCALAR_GATE, after=True).to(v.dtype)
+        if DECAYED_KEYS:
+            k_decayed = k.to(v.dtype)
         else:
-            k = tl.load(K_ + k_offs, mask=rmask & mk[None, :], other=0.0)
-            if DECAYED_KEYS:
-                k_decayed = k.to(v.dtype)
+            # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
+            # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong
+            # gates)
+            if SCALAR_GATE:  # one gate per row: the scan over [BT] (Triton's scan of a [BT, 1] column fails on sm_90)
+                raw = tl.load(G + rows * H + head, mask=offs_t < length, other=0.0)
+                g_after = (tl.cumsum(raw, axis=0, reverse=True) - raw)[:, None]
             else:
-                # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
-                # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong
-                # gates)
-                if SCALAR_GATE:  # one gate per row: the scan over [BT] (a scan of a [BT, 1] column fails on sm_90)
-                    raw = tl.load(G + rows * H + head, mask=offs_t < length, other=0.0)
-                    g_after = (tl.cumsum(raw, axis=0, reverse=True) - raw)[:, None]
-                else:
-                    raw = load_gates(G, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
-                    g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
-                k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
-            kt_decayed = tl.trans(k_decayed)
+                raw = load_gates(G, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
+                g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
+            k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
         state = state * tl.exp(g_last)[:, None]
-        state = tl.dot(kt_decayed, v, state, input_precision=DOT_PRECISION)
+        state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
     tl.store(HT + sh.to(tl.int64) * K * V + state_offs, state, mask=mkv)
 
 

@@ -51,7 +51,6 @@ class StaticParams:
     intra_inside_num_warps: int = 4
     scalar_gate: bool = False
     state_num_stages: int = 2
-    state_transposed_loads: bool = False
 
 
 def _placeholder(dtype=jnp.float32):
@@ -128,7 +127,6 @@ def _states(k, kd, v, gc, a, h0, tables, st: StaticParams):
                                   per_seq),
                   out_shapes, grid, num_warps=st.state_num_warps, num_stages=st.state_num_stages, interpret=st.interpret,
                   BK=st.state_block_k, BV=st.state_block_v, HAS_H0=h0 is not None, DECAYED_KEYS=kd is not None,
-                  TRANSPOSED_LOADS=st.state_transposed_loads,
                   **_meta(k, v, st))
 
 
@@ -188,7 +186,7 @@ def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
         (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(q)), jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32)),
         (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * h),
         num_warps=st.state_num_warps, BK=st.state_block_k, BV=st.state_block_v,
-        TRANSPOSED_LOADS=st.state_transposed_loads, **dict(common, num_stages=st.state_num_stages))
+        **dict(common, num_stages=st.state_num_stages))
     d_v, d_attn = launch(
         _dv_kernel, (k, v, gc, attn, do, dhs, ch_start, ch_len),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)),
