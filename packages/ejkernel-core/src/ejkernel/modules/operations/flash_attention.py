@@ -29,20 +29,16 @@ every call -- pass your own seed per step for training); ``cum_seqlens`` -> int3
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Bool, Float, Int
 
 from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import Implementation, array_field, canonical_call
 from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
-    DEFAULT_DROPOUT_SEED,
     check_bias,
     check_bool,
     check_qkv,
@@ -153,16 +149,18 @@ class ThroughFlashAttention(Implementation):
         self.flash = flash
         self.config_type = flash.config_type
 
-    def supports(self, call: Any) -> None:
+    # The call and config stay unannotated: the call is the narrower operation's (whichever it is) and the
+    # config the flash implementation's ``config_type`` (the registry's contract check compares annotations).
+    def supports(self, call) -> None:
         self.flash.supports(widened_call(call))
 
-    def heuristic_config(self, call: Any) -> Any:
+    def heuristic_config(self, call):
         return self.flash.heuristic_config(widened_call(call))
 
-    def candidate_configs(self, call: Any) -> Sequence[Any]:
+    def candidate_configs(self, call) -> Sequence[Any]:
         return self.flash.candidate_configs(widened_call(call))
 
-    def __call__(self, call: Any, config: Any) -> Any:
+    def __call__(self, call, config):
         return self.flash(widened_call(call), config)
 
     def __repr__(self) -> str:
