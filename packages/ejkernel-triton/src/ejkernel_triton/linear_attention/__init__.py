@@ -13,9 +13,9 @@ head dims above 256.
 All key-dimension gates are summed into one float32 log gate ``a`` [B, T, H, K] (``g`` + ``gk`` +
 ``g_gamma``, broadcast); autodiff of that sum hands each gate its gradient. When every gate given is one
 scalar per token and head (scalar ``g``, ``g_gamma``, ``lightning_attention``'s decay, or none), ``a`` is
-[B, T, H, 1] and the kernels take their scalar-gate path (the intra-chunk matrix is one matmul). Modules: ``forward``
-(chunk states, outputs), ``backward`` (state gradients, dv, dq/dk/dg), ``vjp`` (launches, custom VJP,
-vmap rule).
+[B, T, H, 1] and the kernels take their scalar-gate path (the intra-chunk matrix is one matmul). Modules:
+``forward`` (chunk states, outputs), ``backward`` (state gradients, dv, dq/dk/dg), ``vjp`` (launches, custom
+VJP, vmap rule).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ the chunk's gates up to and including r). Per chunk ``n`` with entering state ``
 Scalar gates (``SCALAR_GATE``: one log gate per token and head, ``gc`` [B, T, H, 1]: ``recurrent``'s scalar
 ``g``, ``g_gamma``, ``lightning_attention``) make A a plain matmul, ``scale (q k^T)[t, s] exp(gc_t - gc_s)``,
 formed by the output kernel with one dot per key tile (no sub-chunk splitting, no pair loop) and stored for the
-backward (forming it again in the dv kernel, from a dot, gave wrong dv on an H100 with Triton 3.6 at K=V=128
-over 64-wide tiles, right in the interpreter); the other kernels read one gate per row (:func:`load_gates`).
+backward (forming it again in the dv kernel by a dot gave wrong dv on an H100 with Triton 3.6 at K=V=128,
+right in the interpreter); the other kernels read one gate per row (:func:`load_gates`).
 
 Every exponent the kernels form is <= 0 for decaying gates (log gates <= 0), however strong: across
 sub-chunks of 16 the pair factor splits at a reference row between the two tokens; inside a sub-chunk
