@@ -59,6 +59,8 @@ LIGHTNING_LAYER = dict(layer_idx=3, num_layers=24)  # a decay of -(8/H)(1 - 3/24
 
 def varlen_offsets(total: int, count: int, seed: int = 0) -> np.ndarray:
     """cu_seqlens of ``count`` sequences of random lengths (at least 64 tokens) summing to ``total``."""
+    if not 1 <= count <= total // 64:
+        raise ValueError(f"--varlen {count}: {total} tokens hold 1 to {total // 64} sequences of at least 64 tokens")
     cuts = np.sort(np.random.default_rng(seed).choice(np.arange(64, total - 63, 64), count - 1, replace=False))
     return np.concatenate([[0], cuts, [total]]).astype(np.int32)
 
