@@ -10,8 +10,8 @@ kernel named `variant_marker`, so that a kernel list from
 can be cut per variant (mean time of each kernel, and their sum per call: what the wall-clock median of the
 benchmark adds on top is launch gaps and host time). Cases: `blocksparse` (S=16k, 16 heads, D=128, bf16,
 128-blocks, 10 % per-head random mask, non-causal: `benchmarks/blocksparse.py`'s shape; Triton default and
-candidates, Pallas, dense flash), `gla` (`benchmarks/linear_attention.py`'s shape, B=4 H=8 K=V=128 bf16, Triton
-forward and forward+backward at T=4k and 16k).
+candidates, Pallas, dense flash), `gla`, `lightning`, `recurrent` (`benchmarks/linear_attention.py`'s shape, B=4
+H=8 K=V=128 bf16, Triton forward and forward+backward at T=4k and 16k; ``--only fwd-16384`` keeps one of them).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ CASES = {
     "blocksparse": ("triton", "triton:pointer-64x64-w4s3", "triton:tma-persistent-128x128-w4s2", "pallas", "flash"),
     "gla": ("fwd-4096", "fwd+bwd-4096", "fwd-16384", "fwd+bwd-16384"),
 }
+CASES["lightning"] = CASES["recurrent"] = CASES["gla"]
 
 
 def blocksparse_steps():
@@ -42,22 +43,22 @@ def blocksparse_steps():
         yield name, lambda step=step: step(q, k, v, mask)
 
 
-def gla_steps():
+def linear_steps(op):
     import jax
 
     from linear_attention import SHAPE, ejkernel_steps, jax_inputs
 
-    fwd, fwd_bwd = ejkernel_steps("triton")
-    for name in CASES["gla"]:
+    fwd, fwd_bwd = ejkernel_steps(op, "triton")
+    for name in CASES[op]:
         mode, total = name.rsplit("-", 1)
-        inputs = jax_inputs(jax.random.PRNGKey(0), total=int(total), **SHAPE)
+        inputs = jax_inputs(jax.random.PRNGKey(0), op, total=int(total), **SHAPE)
         if mode == "fwd":
             yield name, lambda inputs=inputs: fwd(*inputs[:4])
         else:
             yield name, lambda inputs=inputs: fwd_bwd(*inputs)
 
 
-def run(case: str, calls: int) -> None:
+def run(case: str, calls: int, only: str | None) -> None:
     import jax
     import jax.numpy as jnp
     import jax_triton as jt
@@ -71,7 +72,9 @@ def run(case: str, calls: int) -> None:
 
     marker = jax.jit(lambda x: jt.triton_call(x, kernel=variant_marker, out_shape=x, grid=(1,)))
 
-    steps = list({"blocksparse": blocksparse_steps, "gla": gla_steps}[case]())
+    steps = list(blocksparse_steps() if case == "blocksparse" else linear_steps(case))
+    if only:
+        steps = [(name, step) for name, step in steps if name == only]
     for _, step in steps:  # compile every variant first: only the marked calls follow the markers
         jax.block_until_ready(step())
     for name, step in steps:
@@ -81,13 +84,13 @@ def run(case: str, calls: int) -> None:
         print("ran", name, flush=True)
 
 
-def summarize(case: str, path: str, calls: int) -> None:
+def summarize(case: str, path: str, calls: int, only: str | None) -> None:
     rows = [r for r in csv.reader(open(path)) if len(r) > 10]
     header, rows = rows[0], rows[1:]
     name_col, metric_col, value_col = header.index("Kernel Name"), header.index("Metric Name"), header.index("Metric Value")
     kernels = [(r[name_col], float(r[value_col].replace(",", ""))) for r in rows if r[metric_col] == "gpu__time_duration.sum"]
     variant, per = None, defaultdict(lambda: defaultdict(list))
-    names = iter(CASES[case])
+    names = iter([only] if only else CASES[case])
     for kname, ns in kernels:
         if "variant_marker" in kname:
             variant = next(names, variant)
@@ -108,9 +111,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=sorted(CASES), default="blocksparse")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--only", help="one variant of the case (e.g. fwd-16384)")
     parser.add_argument("--summarize", metavar="NCU_CSV")
     args = parser.parse_args()
     if args.summarize:
-        summarize(args.case, args.summarize, args.calls)
+        summarize(args.case, args.summarize, args.calls, args.only)
     else:
-        run(args.case, args.calls)
+        run(args.case, args.calls, args.only)

@@ -129,6 +129,19 @@ CASES = {
                                                                              state_block_k=16, state_block_v=16)),
     "recurrent_scalar_strong_gates": dict(operation="recurrent_attention", shape=(1, 70, 1, 1, 16, 16),
                                           gate="scalar", strength=8.0, gate_scale=40.0),
+    # the carried-state forward over segments (fixed lengths): 7 chunks in 3 segments of 3, 3 and 1 chunks, two
+    # value tiles (the second masked), K=40 as one padded tile; the backward's states and state gradients per
+    # segment (their carries in JAX), batch 2, GQA, initial state
+    "recurrent_scalar_segments": dict(operation="recurrent_attention", shape=(2, 400, 2, 1, 40, 24), gate="scalar",
+                                      cfg=TritonLinearAttentionConfig(segments=3, output_block_v=16,
+                                                                      state_block_k=16, state_block_v=16)),
+    # per-dimension gates, A by the intra kernel, decayed keys: 5 chunks in 4 segments (the last one empty),
+    # under vmap (the entering states folded into the batch like every residual)
+    "gla_segments_empty_last": dict(shape=(1, 300, 2, 2, 16, 32), strength=4.0, vmap=True,
+                                    cfg=TritonLinearAttentionConfig(segments=4)),
+    # the stored-state forward at fixed lengths (carried_state off), scalar gates
+    "recurrent_scalar_stored_states": dict(operation="recurrent_attention", shape=(1, 150, 1, 1, 16, 16),
+                                           gate="scalar", cfg=TritonLinearAttentionConfig(carried_state=False)),
     # lightning (g_gamma only), no initial state, under vmap (folded into the batch)
     "lightning_vmap": dict(operation="lightning_attention", shape=(1, 64, 2, 2, 16, 16), gate=None,
                            initial_state=False, static=dict(layer_idx=1, num_layers=4), vmap=True),

@@ -102,12 +102,18 @@ def test_registered_for_the_linear_family():
     (jnp.bfloat16, 128, 128, dict(initial_state=True, reverse=True)),
     (jnp.bfloat16, 128, 128, dict(config=dict(intra_split=False, intra_inside_num_warps=2))),
     (jnp.bfloat16, 128, 128, dict(scalar_gate=True, initial_state=True)),
-], ids=["bf16-k128-v128-h0-reverse", "bf16-intra-one-launch", "bf16-scalar-gate"])
+    (jnp.bfloat16, 128, 128, dict(scalar_gate=True, initial_state=True, config=dict(segments=2))),
+    (jnp.bfloat16, 128, 128, dict(config=dict(segments=2))),
+    (jnp.bfloat16, 128, 128, dict(scalar_gate=True, config=dict(carried_state=False))),
+    (jnp.bfloat16, 8, 8, dict(scalar_gate=True, config=dict(segments=2))),
+], ids=["bf16-k128-v128-h0-reverse", "bf16-intra-one-launch", "bf16-scalar-gate", "bf16-scalar-segments",
+        "bf16-segments", "bf16-scalar-stored-states", "bf16-k8-v8-scalar-segments"])
 def test_forward_and_backward_compile_for_sm90(monkeypatch, dtype, dk, dv, kw):
     """bf16 only: float32's IEEE dots (FMA loops) take ~40 s to compile here; the GPU suites compile them.
     The default splits the intra kernel in two launches, the second aliased to the first's output (operand
     numbering checked by the StableHLO verifier); the second row runs it as one launch; the third takes the
-    scalar-gate path (no intra kernel: A by the output kernel's dots)."""
+    scalar-gate path (no intra kernel: A by the output kernel's dots); then the carried-state forward over two
+    segments (and the backward's per-segment state passes), and the stored-state forward."""
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
     b, t, h = 2, 256, 4
     q, k, v = _spec((b, t, h, dk), dtype), _spec((b, t, h, dk), dtype), _spec((b, t, h, dv), dtype)

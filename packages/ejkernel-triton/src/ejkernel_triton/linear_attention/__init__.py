@@ -64,7 +64,19 @@ class TritonLinearAttentionConfig:
     ``intra_num_warps``: its warps; ``intra_split``: its two parts (across sub-chunks, inside them) as two
     launches into the same array, each with its own registers and shared memory (H100, B=4 T=16k H=8 K=V=128:
     forward 2.212 ms split, 2.438 not); ``intra_inside_num_warps``: the second launch's warps (None: the
-    same)."""
+    same).
+    ``carried_state``: fixed-length calls with K <= 128 (and scalar gates or ``intra_kernel``) run the forward
+    as segments of chunks, all at once, each carrying its state in registers through its chunks
+    (``_carried_output_kernel``) from the state entering it (each segment summed from zero by the state
+    kernel, then carried across segments in JAX): no per-chunk states written and read back, and 1/segments
+    of the sequential chain; the backward recomputes the states and their gradients per segment likewise.
+    ``segments``: per sequence (None: enough for ~256 programs, at most one per 8 chunks);
+    ``carried_block_v``/``carried_num_warps``/``carried_num_stages`` (None: ``num_stages``): that kernel's value
+    tile, warps and pipelining depth; None: 64 / 4 for scalar gates, 128 / 8 for per-dimension ones (H100, B=4
+    T=16k H=8 K=V=128, forward: lightning 0.434 ms at 64 / 4, 0.614 at 128 / 8, 0.711 at 64 / 8; gla 1.827 and
+    1.853 ms at 128 / 8 against 1.884 and 1.886 at 64 / 4, two runs). ``cumsum_block_k``/``cumsum_num_warps``: the cumulative-gate kernel's key
+    tile and warps (per-dimension gates: it reads the gates and keys and writes gc and the decayed keys, 804 MB
+    at that shape)."""
 
     block_k: int | None = None
     block_v: int | None = None
@@ -84,34 +96,62 @@ class TritonLinearAttentionConfig:
     intra_num_warps: int = 4
     intra_split: bool = True
     intra_inside_num_warps: int | None = None
+    carried_state: bool = True
+    segments: int | None = None
+    carried_block_v: int | None = None
+    carried_num_warps: int | None = None
+    carried_num_stages: int | None = None
+    cumsum_block_k: int = 128
+    cumsum_num_warps: int = 8
 
     def __post_init__(self):
-        for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v"):
+        for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v", "carried_block_v",
+                     "cumsum_block_k"):
             if getattr(self, name) is not None:
                 _power_of_two(name, getattr(self, name))
         for name in ("num_warps", "num_stages", "state_num_warps", "state_num_stages", "backward_num_warps",
-                     "intra_num_warps", "intra_inside_num_warps"):
+                     "intra_num_warps", "intra_inside_num_warps", "segments", "carried_num_warps", "carried_num_stages",
+                     "cumsum_num_warps"):
             value = getattr(self, name)
-            if name in ("intra_inside_num_warps", "state_num_stages") and value is None:
+            if value is None and name in ("intra_inside_num_warps", "state_num_stages", "segments", "carried_num_warps",
+                                          "carried_num_stages"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
-        for name in ("decayed_keys", "intra_kernel", "intra_split"):
+        for name in ("decayed_keys", "intra_kernel", "intra_split", "carried_state"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def parse(cls, spec: str) -> TritonLinearAttentionConfig:
         """A config from ``name=value`` pairs joined by ``/`` (e.g. ``state_block_k=32/decayed_keys=1``; the
-        benchmark's ``--configs``); ints, ``decayed_keys``/``intra_kernel`` 0/1."""
+        benchmark's ``--configs``); ints, the bool fields 0/1."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values = {}
         for item in filter(None, spec.split("/")):
             name, _, raw = item.partition("=")
             if name not in fields:
                 raise ValueError(f"TritonLinearAttentionConfig has no field {name!r} (spec {spec!r})")
-            values[name] = bool(int(raw)) if name in ("decayed_keys", "intra_kernel", "intra_split") else int(raw)
+            values[name] = (bool(int(raw)) if name in ("decayed_keys", "intra_kernel", "intra_split", "carried_state")
+                            else int(raw))
         return cls(**values)
+
+
+CARRIED_PROGRAMS = 256
+"""Programs the carried-state forward aims for (about two per SM of an H100), when the config names no
+segment count."""
+
+
+def carried_segments(config: TritonLinearAttentionConfig, batch: int, heads: int, chunks: int, value_tiles: int,
+                     dk: int, usable: bool) -> int:
+    """Segments per sequence for the carried-state forward, or 0 when it does not apply (varlen, K > 128, or
+    neither scalar gates nor the intra kernel: ``usable``; or ``carried_state`` off)."""
+    if not (config.carried_state and usable and dk <= 128):
+        return 0
+    if config.segments is not None:
+        return min(config.segments, chunks)
+    wanted = -(-CARRIED_PROGRAMS // (batch * heads * value_tiles))
+    return max(1, min(wanted, chunks // 8))
 
 
 def _block(dim: int, chosen: int | None, largest: int = 64) -> int:
@@ -203,6 +243,10 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
             padded = -(-total // CHUNK) * CHUNK
             if padded != total:  # neutral tokens at the end: zero keys and gates leave the state as it is
                 arrays = [jnp.pad(x, [(0, 0), (0, padded - total), (0, 0), (0, 0)]) for x in arrays]
+        intra_kernel = config.intra_kernel and not scalar_gate
+        carried_block_v = _block(v.shape[-1], config.carried_block_v, 64 if scalar_gate else 128)
+        segments = carried_segments(config, batch, heads, -(-total // CHUNK), -(-v.shape[-1] // carried_block_v), dk,
+                                    usable=not varlen and (scalar_gate or intra_kernel))
         st = StaticParams(scale=float(call.softmax_scale), block_k=_block(dk, config.block_k),
                           block_v=_block(v.shape[-1], config.block_v),
                           output_block_v=_block(v.shape[-1], config.output_block_v, 128), num_warps=config.num_warps,
@@ -212,9 +256,13 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                           state_block_k=_block(dk, config.state_block_k or config.block_k),
                           state_block_v=_block(v.shape[-1], config.state_block_v or config.block_v),
                           decayed_keys=config.decayed_keys and not scalar_gate,
-                          intra_kernel=config.intra_kernel and not scalar_gate, scalar_gate=scalar_gate,
+                          intra_kernel=intra_kernel, scalar_gate=scalar_gate,
                           intra_num_warps=config.intra_num_warps, intra_split=config.intra_split,
-                          intra_inside_num_warps=config.intra_inside_num_warps or config.intra_num_warps)
+                          intra_inside_num_warps=config.intra_inside_num_warps or config.intra_num_warps,
+                          segments=segments, carried_block_v=carried_block_v,
+                          carried_num_warps=config.carried_num_warps or (4 if scalar_gate else 8),
+                          carried_num_stages=config.carried_num_stages or config.num_stages,
+                          cumsum_block_k=config.cumsum_block_k, cumsum_num_warps=config.cumsum_num_warps)
         o, final = linear_attention(*arrays, call.initial_state, tables, st)
         o = o[:, :total]
         if call.reverse:

@@ -27,18 +27,27 @@ from ejkernel_triton.linear_attention.forward import (chunk_rows, chunk_span, lo
 
 @triton.jit
 def _state_grad_kernel(
-    Q, GC, DO, DHT, CH_START, CH_LEN, SEQ_FIRST, scale, NUM_CHUNKS,  # inputs
+    Q, GC, DO, DHT, CH_START, CH_LEN, SEQ_FIRST, scale, NUM_CHUNKS, SEGMENTS,  # inputs
     DHS, DH0,  # outputs: dh per chunk (gradient of the state leaving it), dh_0 per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr, HAS_DHT: tl.constexpr,
+    STORE_STATES: tl.constexpr,
 ):
+    """The state gradients' recurrence (reverse) for one K x V tile of one (sequence, head), or of one segment
+    of its chunks (``SEGMENTS`` > 1: DHT and DH0 then hold the gradients leaving and entering each segment, as
+    in ``forward._state_kernel``); without HAS_DHT it starts from zero, without STORE_STATES only DH0 is
+    written."""
     sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
-    dstate = tl.load(DHT + sh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
-    lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN)
+    if HAS_DHT:
+        dstate = tl.load(DHT + sh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        dstate = tl.zeros([BK, BV], dtype=tl.float32)
+    lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, SEGMENTS, IS_VARLEN)
     for i in range(hi - lo):
         c = hi - 1 - i
-        tl.store(DHS + (wide(c) * H + head) * K * V + state_offs, dstate.to(DHS.dtype.element_ty), mask=mkv)
+        if STORE_STATES:
+            tl.store(DHS + (wide(c) * H + head) * K * V + state_offs, dstate.to(DHS.dtype.element_ty), mask=mkv)
         row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
                                                        IS_VARLEN)
         q = tl.load(Q + k_offs, mask=rmask & mk[None, :], other=0.0)

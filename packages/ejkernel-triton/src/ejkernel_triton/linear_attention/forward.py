@@ -17,7 +17,10 @@ right in the interpreter); the other kernels read one gate per row (:func:`load_
 Every exponent the kernels form is <= 0 for decaying gates (log gates <= 0), however strong: across
 sub-chunks of 16 the pair factor splits at a reference row between the two tokens; inside a sub-chunk
 it is formed pair by pair (``_diag_pairs``). ``_state_kernel`` runs the recurrence over chunks (one program
-per K x V tile and head) and writes every ``h_n``; ``_output_kernel`` is parallel over chunks.
+per K x V tile and head) and writes every ``h_n``; ``_output_kernel`` is parallel over chunks. Fixed-length
+calls with K <= 128 instead cut each sequence into segments of chunks: ``_state_kernel`` sums each segment
+from a zero state, JAX carries those sums across the segments (``vjp.segment_carries``), and
+``_carried_output_kernel`` runs every segment at once, carrying the state in registers (nothing stored).
 """
 
 from __future__ import annotations
@@ -74,14 +77,18 @@ def chunk_span(c, CH_START, CH_LEN, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN: tl.constexpr):
-    """[first, last) chunk ids of sequence ``s``."""
+def sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, SEGMENTS, IS_VARLEN: tl.constexpr):
+    """[first, last) chunk ids of sequence ``s``. Fixed lengths with ``SEGMENTS`` > 1: ``s`` counts (sequence,
+    segment) pairs, each sequence's chunks cut into SEGMENTS runs of cdiv(NUM_CHUNKS, SEGMENTS) (the last runs
+    shorter, or empty)."""
     if IS_VARLEN:
         lo = tl.load(SEQ_FIRST + s)
         hi = tl.load(SEQ_FIRST + s + 1)
     else:
-        lo = s * NUM_CHUNKS
-        hi = lo + NUM_CHUNKS
+        per_segment = tl.cdiv(NUM_CHUNKS, SEGMENTS)
+        first = (s // SEGMENTS) * NUM_CHUNKS
+        lo = first + (s % SEGMENTS) * per_segment
+        hi = tl.minimum(lo + per_segment, first + NUM_CHUNKS)
     return lo, hi
 
 
@@ -135,24 +142,42 @@ def _cumsum_kernel(G, K_, CH_START, CH_LEN, GC, KD, H: tl.constexpr, K: tl.const
 
 
 @triton.jit
+def decay_to_chunk_end(k, G, rows, offs_t, length, offs_k, head, H: tl.constexpr, K: tl.constexpr,
+                       SCALAR_GATE: tl.constexpr):
+    """The keys [BT, BK] of one chunk decayed to its end, ``k_s exp(gc_last - gc_s)`` (float32), the exponent
+    summed from the raw log gates ``G`` after s: exact for the keys near the chunk's end, which dominate the
+    state (a difference of two long cumulative sums would lose float32 digits to strong gates)."""
+    if SCALAR_GATE:  # one gate per row: the scan over [BT] (Triton's scan of a [BT, 1] column fails on sm_90)
+        raw = tl.load(G + rows * H + head, mask=offs_t < length, other=0.0)
+        g_after = (tl.cumsum(raw, axis=0, reverse=True) - raw)[:, None]
+    else:
+        raw = load_gates(G, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
+        g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
+    return k.to(tl.float32) * tl.exp(g_after)
+
+
+@triton.jit
 def _state_kernel(
-    K_, V_, GC, G, H0, CH_START, CH_LEN, SEQ_FIRST, NUM_CHUNKS,  # inputs (G: the raw log gates)
+    K_, V_, GC, G, H0, CH_START, CH_LEN, SEQ_FIRST, NUM_CHUNKS, SEGMENTS,  # inputs (G: the raw log gates)
     HS, HT,  # outputs: h_c entering every chunk c [chunks, H, K, V], final state per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, DECAYED_KEYS: tl.constexpr,
-    SCALAR_GATE: tl.constexpr,
+    SCALAR_GATE: tl.constexpr, STORE_STATES: tl.constexpr,
 ):
-    """The chunk recurrence for one K x V tile of one (sequence, head). DECAYED_KEYS: K_ holds the decayed keys
-    of ``_cumsum_kernel`` (G unused): the loop is loads, one scaling and one dot."""
+    """The chunk recurrence for one K x V tile of one (sequence, head), or of one segment of a sequence's
+    chunks (``SEGMENTS`` > 1: H0 and HT then hold the states entering and leaving each segment). DECAYED_KEYS:
+    K_ holds the decayed keys of ``_cumsum_kernel`` (G unused): the loop is loads, one scaling and one dot.
+    Without STORE_STATES only HT is written (the segments' own contributions, for :func:`vjp.segment_carries`)."""
     sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
     if HAS_H0:
         state = tl.load(H0 + sh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
-    lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, IS_VARLEN)
+    lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, SEGMENTS, IS_VARLEN)
     for c in range(lo, hi):
-        tl.store(HS + (wide(c) * H + head) * K * V + state_offs, state.to(HS.dtype.element_ty), mask=mkv)
+        if STORE_STATES:
+            tl.store(HS + (wide(c) * H + head) * K * V + state_offs, state.to(HS.dtype.element_ty), mask=mkv)
         row0, length, rows, rmask, k_offs = chunk_rows(c, CH_START, CH_LEN, offs_t, offs_k, head, H, K, BT,
                                                        IS_VARLEN)
         k = tl.load(K_ + k_offs, mask=rmask & mk[None, :], other=0.0)
@@ -161,16 +186,7 @@ def _state_kernel(
         if DECAYED_KEYS:
             k_decayed = k.to(v.dtype)
         else:
-            # gc_last - gc_s summed from the raw gates after s: exact for the keys near the chunk's end, which
-            # dominate the state (a difference of two long cumulative sums would lose float32 digits to strong
-            # gates)
-            if SCALAR_GATE:  # one gate per row: the scan over [BT] (Triton's scan of a [BT, 1] column fails on sm_90)
-                raw = tl.load(G + rows * H + head, mask=offs_t < length, other=0.0)
-                g_after = (tl.cumsum(raw, axis=0, reverse=True) - raw)[:, None]
-            else:
-                raw = load_gates(G, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
-                g_after = tl.cumsum(raw, axis=0, reverse=True) - raw
-            k_decayed = (k.to(tl.float32) * tl.exp(g_after)).to(v.dtype)
+            k_decayed = decay_to_chunk_end(k, G, rows, offs_t, length, offs_k, head, H, K, SCALAR_GATE).to(v.dtype)
         state = state * tl.exp(g_last)[:, None]
         state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
     tl.store(HT + sh.to(tl.int64) * K * V + state_offs, state, mask=mkv)
@@ -308,8 +324,10 @@ def _output_kernel(
     O, A,  # outputs: o [B, T, H, V]; A [B, T, H, BT] float32 (scale included; zero above the diagonal)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECOMPUTED_A: tl.constexpr,
-    SCALAR_GATE: tl.constexpr,
+    SCALAR_GATE: tl.constexpr, STORE_A: tl.constexpr,
 ):
+    """The outputs of one chunk and value tile from the stored entering state (and A, stored with STORE_A: the
+    backward's residual, computed here unless PRECOMPUTED_A)."""
     iv = tl.program_id(0)
     c = tl.program_id(1)
     head = tl.program_id(2)
@@ -354,8 +372,77 @@ def _output_kernel(
     v = tl.load(V_ + v_offs, mask=rmask & mv[None, :], other=0.0)
     acc_o = tl.dot(acc_a.to(v.dtype), v, acc_o, input_precision=DOT_PRECISION)
     tl.store(O + v_offs, acc_o.to(O.dtype.element_ty), mask=rmask & mv[None, :])
-    if not PRECOMPUTED_A and iv == 0:
+    if STORE_A and not PRECOMPUTED_A and iv == 0:
         tl.store(A + a_offs, acc_a, mask=rmask)
+
+
+@triton.jit
+def _carried_output_kernel(
+    Q, K_, V_, GC, G, A_IN, CARRY, scale, NUM_CHUNKS, SEGMENTS,  # inputs (CARRY: the state entering each segment)
+    O, A, ENDS,  # outputs: o; A (SCALAR_GATE with STORE_A); the state leaving each segment (float32)
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr, DECAYED_KEYS: tl.constexpr, STORE_A: tl.constexpr,
+):
+    """The outputs of one segment of chunks (fixed lengths; grid: value tiles x sequence-segments x heads) with
+    the chunk state carried in registers from the segment's entering state: the recurrence of
+    ``_state_kernel`` and the outputs of ``_output_kernel`` in one pass, so no state is stored and read back
+    (at B=4 T=16k H=8 K=V=128 the stored bf16 states are 268 MB written and read again). Every segment runs at
+    once; the states entering them come from :func:`vjp.segment_carries`. The whole key width is one tile
+    (``KP``: K rounded up to a power of two). SCALAR_GATE: K_ holds the keys, A is formed here (one dot) and
+    stored with STORE_A, the rows' decays scale the dots' results and v (the same products as the stored-state
+    kernels, whose rounding to the inputs' dtype falls on q and k instead); else A_IN holds A and, with
+    DECAYED_KEYS, K_ the decayed keys (only the state update reads keys)."""
+    iv = tl.program_id(0)
+    sp = tl.program_id(1)
+    head = tl.program_id(2)
+    offs_t = tl.arange(0, BT)
+    offs_k = tl.arange(0, KP)
+    offs_v = iv * BV + tl.arange(0, BV)
+    mk = offs_k < K
+    mv = offs_v < V
+    mkv = mk[:, None] & mv[None, :]
+    state_offs = (wide(sp) * H + head) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    state = tl.load(CARRY + state_offs, mask=mkv, other=0.0)
+    causal = offs_t[:, None] >= offs_t[None, :]
+    lo, hi = sequence_chunks(sp, CARRY, NUM_CHUNKS, SEGMENTS, False)
+    for c in range(lo, hi):
+        row0 = wide(c) * BT
+        rows = row0 + offs_t
+        qk_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
+        v_offs = rows[:, None] * (H * V) + head * V + offs_v[None, :]
+        a_offs = rows[:, None] * (H * BT) + head * BT + offs_t[None, :]
+        q = tl.load(Q + qk_offs, mask=mk[None, :], other=0.0)
+        k = tl.load(K_ + qk_offs, mask=mk[None, :], other=0.0)
+        v = tl.load(V_ + v_offs, mask=mv[None, :], other=0.0)
+        if SCALAR_GATE:
+            # one decay per row: applied to the dots' results and to v's rows, never to [BT, K] float32 copies
+            # of q or k (registers: 255 per thread and spills with them, sm_90)
+            b = tl.load(GC + rows * H + head)
+            acc = tl.dot(q, state.to(q.dtype), input_precision=DOT_PRECISION) * (scale * tl.exp(b))[:, None]
+            a = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            a = a * scale * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+            if STORE_A and iv == 0:
+                tl.store(A + a_offs, a)
+            acc = tl.dot(a.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            raw = tl.load(G + rows * H + head)
+            value_decay = tl.exp(tl.cumsum(raw, axis=0, reverse=True) - raw)  # to the chunk's end, as in _state_kernel
+            v_decayed = (v.to(tl.float32) * value_decay[:, None]).to(v.dtype)
+            state = state * tl.exp(tl.load(GC + (row0 + BT - 1) * H + head))
+            state = tl.dot(tl.trans(k), v_decayed, state, input_precision=DOT_PRECISION)
+        else:
+            g = load_gates(GC, rows, head, offs_k, offs_t < BT, H, K, SCALAR_GATE)
+            q_decayed = (q.to(tl.float32) * scale * tl.exp(g)).to(q.dtype)
+            acc = tl.dot(q_decayed, state.to(q.dtype), input_precision=DOT_PRECISION)
+            acc = tl.dot(tl.load(A_IN + a_offs).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            if DECAYED_KEYS:
+                k_decayed = k.to(v.dtype)
+            else:
+                k_decayed = decay_to_chunk_end(k, G, rows, offs_t, BT, offs_k, head, H, K, SCALAR_GATE).to(v.dtype)
+            g_last = load_row_gate(GC, row0 + BT - 1, head, offs_k, H, K, SCALAR_GATE)
+            state = state * tl.exp(g_last)[:, None]
+            state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
+        tl.store(O + v_offs, acc.to(O.dtype.element_ty), mask=mv[None, :])
+    tl.store(ENDS + state_offs, state, mask=mkv)
 
 
 @triton.jit

@@ -24,8 +24,8 @@ import triton
 from ejkernel_triton.batching import fold_batch_rule
 from ejkernel_triton.launch import launch
 from ejkernel_triton.linear_attention.backward import _dqkg_kernel, _dv_kernel, _state_grad_kernel
-from ejkernel_triton.linear_attention.forward import (CHUNK, SUB_CHUNK, _cumsum_kernel, _intra_kernel, _output_kernel,
-                                                      _state_kernel)
+from ejkernel_triton.linear_attention.forward import (CHUNK, SUB_CHUNK, _carried_output_kernel, _cumsum_kernel,
+                                                      _intra_kernel, _output_kernel, _state_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,12 @@ class StaticParams:
     intra_inside_num_warps: int = 4
     scalar_gate: bool = False
     state_num_stages: int = 2
+    segments: int = 0  # > 0: the carried-state forward over that many segments per sequence (0: stored states)
+    carried_block_v: int = 64
+    carried_num_warps: int = 4
+    carried_num_stages: int = 2
+    cumsum_block_k: int = 128
+    cumsum_num_warps: int = 8
 
 
 def _placeholder(dtype=jnp.float32):
@@ -95,8 +101,9 @@ def chunk_cumsum(a, k, tables, st: StaticParams):
     gate_width = a.shape[3]  # K, or 1 for scalar gates
     gc, kd = launch(_cumsum_kernel, (a, k, ch_start, ch_len),
                     (jax.ShapeDtypeStruct(a.shape, jnp.float32), jax.ShapeDtypeStruct(kd_shape, k.dtype)),
-                    (chunks, a.shape[2]), num_warps=4, num_stages=1, interpret=st.interpret, H=a.shape[2],
-                    K=gate_width, BT=CHUNK, BK=min(st.block_k, max(16, triton.next_power_of_2(gate_width))),
+                    (chunks, a.shape[2]), num_warps=st.cumsum_num_warps, num_stages=1, interpret=st.interpret,
+                    H=a.shape[2], K=gate_width, BT=CHUNK,
+                    BK=min(st.cumsum_block_k, max(16, triton.next_power_of_2(gate_width))),
                     IS_VARLEN=st.varlen, WRITE_DECAYED=st.decayed_keys)
     return gc, (kd if st.decayed_keys else None)
 
@@ -113,21 +120,47 @@ def _state_dtype(q):
     return jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
 
 
-def _states(k, kd, v, gc, a, h0, tables, st: StaticParams):
+def _states(k, kd, v, gc, a, h0, tables, st: StaticParams, segments: int = 1, store: bool = True):
     """(h_c entering every chunk [chunks, H, K, V], final state [sequences, H, K, V] float32); ``kd``: the
-    decayed keys of :func:`chunk_cumsum` or None (then the kernel decays k itself from the raw gates ``a``)."""
+    decayed keys of :func:`chunk_cumsum` or None (then the kernel decays k itself from the raw gates ``a``).
+    ``segments`` > 1 (fixed lengths): each sequence's chunks in that many runs at once, ``h0`` and the second
+    result then per (sequence, segment) [B * segments, H, K, V]; ``store=False`` writes only that."""
     h, dk = k.shape[2:]
     dv = v.shape[-1]
     chunks, seqs, per_seq = _num_chunks(k, tables)
-    out_shapes = (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(k)),
-                  jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32))
-    grid = (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * h)
+    out_shapes = (jax.ShapeDtypeStruct((chunks, h, dk, dv) if store else (1,), _state_dtype(k)),
+                  jax.ShapeDtypeStruct((seqs * segments, h, dk, dv), jnp.float32))
+    grid = (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * segments * h)
     keys, raw = (k, a) if kd is None else (kd, _placeholder())
     return launch(_state_kernel, (keys, v, gc, raw, h0 if h0 is not None else _placeholder(), *_tables(tables),
-                                  per_seq),
+                                  per_seq, int(segments)),
                   out_shapes, grid, num_warps=st.state_num_warps, num_stages=st.state_num_stages, interpret=st.interpret,
                   BK=st.state_block_k, BV=st.state_block_v, HAS_H0=h0 is not None, DECAYED_KEYS=kd is not None,
-                  **_meta(k, v, st))
+                  STORE_STATES=store, **_meta(k, v, st))
+
+
+def segment_totals(gc, segments: int):
+    """The summed log gates of each segment [B, segments, H, K or 1] (fixed lengths): the chunks' totals (each
+    chunk's last cumulative row) added per run of cdiv(chunks, segments)."""
+    b, t, h, width = gc.shape
+    chunk_totals = gc[:, CHUNK - 1::CHUNK]  # [B, chunks, H, width]
+    per = -(-(t // CHUNK) // segments)
+    padded = jnp.pad(chunk_totals, [(0, 0), (0, per * segments - t // CHUNK), (0, 0), (0, 0)])
+    return padded.reshape(b, segments, per, h, width).sum(axis=2)
+
+
+def segment_carries(sums, totals, start, reverse: bool = False):
+    """The states entering each segment [B, S, H, K, V] float32 from each segment's own sum ``sums`` [B, S, H,
+    K, V] (its recurrence from a zero state), its summed log gates ``totals`` [B, S, H, K or 1] and ``start``
+    [B, H, K, V] (the initial state; or None: zeros). ``reverse``: the state gradients, carried from the last
+    segment back (``start``: the final state's cotangent). S is small (a few tens at most): an unrolled chain."""
+    segments = sums.shape[1]
+    carry = jnp.zeros_like(sums[:, 0]) if start is None else start.astype(jnp.float32)
+    entering = [None] * segments
+    for s in (reversed(range(segments)) if reverse else range(segments)):
+        entering[s] = carry
+        carry = jnp.exp(totals[:, s])[..., None] * carry + sums[:, s]
+    return jnp.stack(entering, axis=1)
 
 
 def _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st: StaticParams, dot_precision):
@@ -150,43 +183,98 @@ def _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st: StaticPara
                   ACROSS=False, INSIDE=True, **dict(common, num_warps=st.intra_inside_num_warps))[0]
 
 
-def _run_forward(q, k, v, a, h0, tables, st: StaticParams):
+def _run_forward(q, k, v, a, h0, tables, st: StaticParams, residuals: bool = True):
+    """(o, final state) and, with ``residuals``, (gc, A, the states entering the segments: [B * segments, H, K,
+    V] float32, or an empty [B, 0] without segments); the primal call (no residuals) does not store A."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     chunks = _num_chunks(q, tables)[0]
     gc, kd = chunk_cumsum(a, k, tables, st)
-    hs, final = _states(k, kd, v, gc, a, h0, tables, st)
     ch_start, ch_len, _ = _tables(tables)
     attn_shape = jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)
+    store_attn = residuals and not st.intra_kernel
     attn_in = _placeholder()
     if st.intra_kernel:  # A by its own small programs; the output kernel reads it
         attn_in = _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st, _meta(q, v, st)["DOT_PRECISION"])
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
-                  jax.ShapeDtypeStruct((1,), jnp.float32) if st.intra_kernel else attn_shape)
-    o, attn = launch(_output_kernel, (q, k, v, gc, hs, attn_in, ch_start, ch_len, np.float32(st.scale)), out_shapes,
-                     (triton.cdiv(dv, st.output_block_v), chunks, h), num_warps=st.num_warps,
-                     num_stages=st.num_stages, zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret,
-                     BC=SUB_CHUNK, BK=st.block_k, BV=st.output_block_v, PRECOMPUTED_A=st.intra_kernel,
-                     **_meta(q, v, st))
-    return o, final, gc, (attn_in if st.intra_kernel else attn)
+                  attn_shape if store_attn else jax.ShapeDtypeStruct((1,), jnp.float32))
+    if st.segments:
+        carries = _entering_states(k, kd, v, gc, a, h0, st)
+        keys, raw = (k, a) if kd is None else (kd, _placeholder())
+        o, attn, ends = launch(
+            _carried_output_kernel,
+            (q, keys, v, gc, raw, attn_in, carries, np.float32(st.scale), t // CHUNK, int(st.segments)),
+            (*out_shapes, jax.ShapeDtypeStruct(carries.shape, jnp.float32)),
+            (triton.cdiv(dv, st.carried_block_v), b * st.segments, h), num_warps=st.carried_num_warps,
+            num_stages=st.carried_num_stages, interpret=st.interpret, KP=max(16, triton.next_power_of_2(dk)),
+            BV=st.carried_block_v,
+            DECAYED_KEYS=kd is not None, STORE_A=store_attn, H=h, K=dk, V=dv, BT=CHUNK, SCALAR_GATE=st.scalar_gate,
+            DOT_PRECISION=_meta(q, v, st)["DOT_PRECISION"])
+        final = ends.reshape(b, st.segments, h, dk, dv)[:, -1]
+    else:
+        carries = jnp.zeros((b, 0), jnp.float32)  # batch-first like every output (the vmap rule folds them)
+        hs, final = _states(k, kd, v, gc, a, h0, tables, st)
+        o, attn = launch(_output_kernel, (q, k, v, gc, hs, attn_in, ch_start, ch_len, np.float32(st.scale)),
+                         out_shapes, (triton.cdiv(dv, st.output_block_v), chunks, h), num_warps=st.num_warps,
+                         num_stages=st.num_stages, zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret,
+                         BC=SUB_CHUNK, BK=st.block_k, BV=st.output_block_v, PRECOMPUTED_A=st.intra_kernel,
+                         STORE_A=store_attn, **_meta(q, v, st))
+    if not residuals:
+        return o, final
+    return o, final, gc, (attn_in if st.intra_kernel else attn), carries
 
 
-def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
+def _entering_states(k, kd, v, gc, a, h0, st: StaticParams):
+    """The state entering each segment [B * segments, H, K, V] float32 (fixed lengths): each segment's own sum
+    by the state kernel (all segments at once, nothing else stored), carried across the segments in JAX."""
+    b, _, h, dk = k.shape
+    dv = v.shape[-1]
+    if st.segments == 1:
+        return jnp.zeros((b, h, dk, dv), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    _, sums = _states(k, kd, v, gc, a, None, None, st, segments=st.segments, store=False)
+    carries = segment_carries(sums.reshape(b, st.segments, h, dk, dv), segment_totals(gc, st.segments), h0)
+    return carries.reshape(b * st.segments, h, dk, dv)
+
+
+def _state_grads(q, gc, do, dht, tables, st: StaticParams, segments: int = 1, store: bool = True):
+    """(dh per chunk, dh_0 per sequence) by the reverse recurrence; ``segments``/``store`` as in
+    :func:`_states` (``dht`` and the second result then per (sequence, segment); ``dht`` None: zeros)."""
+    h, dk = q.shape[2:]
+    dv = do.shape[-1]
+    chunks, seqs, per_seq = _num_chunks(q, tables)
+    ch_start, ch_len, seq_first = _tables(tables)
+    return launch(
+        _state_grad_kernel, (q, gc, do, dht if dht is not None else _placeholder(), ch_start, ch_len, seq_first,
+                             np.float32(st.scale), per_seq, int(segments)),
+        (jax.ShapeDtypeStruct((chunks, h, dk, dv) if store else (1,), _state_dtype(q)),
+         jax.ShapeDtypeStruct((seqs * segments, h, dk, dv), jnp.float32)),
+        (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * segments * h),
+        num_warps=st.state_num_warps, num_stages=st.state_num_stages, interpret=st.interpret, BK=st.state_block_k,
+        BV=st.state_block_v, HAS_DHT=dht is not None, STORE_STATES=store, **_meta(q, do, st))
+
+
+def _run_backward(q, k, v, a, gc, h0, attn, carries, do, dht, tables, st: StaticParams):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    chunks, seqs, per_seq = _num_chunks(q, tables)
+    chunks = _num_chunks(q, tables)[0]
     common = dict(num_stages=st.num_stages, interpret=st.interpret, **_meta(q, v, st))
     warps = st.backward_num_warps
     # the states again (recomputed: [chunks, H, K, V] per call would be the largest residual); the decayed
-    # keys too (the cumulative gates it writes again equal the saved gc)
-    hs, _ = _states(k, chunk_cumsum(a, k, tables, st)[1] if st.decayed_keys else None, v, gc, a, h0, tables, st)
-    ch_start, ch_len, seq_first = _tables(tables)
-    dhs, dh0 = launch(
-        _state_grad_kernel, (q, gc, do, dht, ch_start, ch_len, seq_first, np.float32(st.scale), per_seq),
-        (jax.ShapeDtypeStruct((chunks, h, dk, dv), _state_dtype(q)), jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32)),
-        (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * h),
-        num_warps=st.state_num_warps, BK=st.state_block_k, BV=st.state_block_v,
-        **dict(common, num_stages=st.state_num_stages))
+    # keys too (the cumulative gates it writes again equal the saved gc). With segments, every segment at once
+    # from the entering states the forward kept, and the state gradients likewise (their own carries first).
+    kd = chunk_cumsum(a, k, tables, st)[1] if st.decayed_keys else None
+    ch_start, ch_len, _ = _tables(tables)
+    if st.segments > 1:
+        hs, _ = _states(k, kd, v, gc, a, carries, tables, st, segments=st.segments)
+        _, sums = _state_grads(q, gc, do, None, tables, st, segments=st.segments, store=False)
+        entering = segment_carries(sums.reshape(b, st.segments, h, dk, dv), segment_totals(gc, st.segments), dht,
+                                   reverse=True)
+        dhs, dh0 = _state_grads(q, gc, do, entering.reshape(b * st.segments, h, dk, dv), tables, st,
+                                segments=st.segments)
+        dh0 = dh0.reshape(b, st.segments, h, dk, dv)[:, 0]
+    else:
+        hs, _ = _states(k, kd, v, gc, a, h0, tables, st)
+        dhs, dh0 = _state_grads(q, gc, do, dht, tables, st)
     d_v, d_attn = launch(
         _dv_kernel, (k, v, gc, attn, do, dhs, ch_start, ch_len),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, t, h, CHUNK), jnp.float32)),
@@ -208,37 +296,40 @@ def _run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st: StaticParams):
 
 @functools.lru_cache(maxsize=None)
 def _batched_calls(st: StaticParams):
+    """(primal forward, forward keeping the residuals, backward), each with the fold-into-batch vmap rule."""
+    def forward(residuals):
+        @jax.custom_batching.custom_vmap
+        def fwd(q, k, v, a, h0, tables):
+            return tuple(_run_forward(q, k, v, a, h0, tables, st, residuals))
+
+        fwd.def_vmap(fold_batch_rule(fwd, 5, 5 if residuals else 2, varlen_args=1))
+        return fwd
+
     @jax.custom_batching.custom_vmap
-    def fwd(q, k, v, a, h0, tables):
-        return tuple(_run_forward(q, k, v, a, h0, tables, st))
+    def bwd(q, k, v, a, gc, h0, attn, carries, do, dht, tables):
+        return tuple(_run_backward(q, k, v, a, gc, h0, attn, carries, do, dht, tables, st))
 
-    fwd.def_vmap(fold_batch_rule(fwd, 5, 4, varlen_args=1))
-
-    @jax.custom_batching.custom_vmap
-    def bwd(q, k, v, a, gc, h0, attn, do, dht, tables):
-        return tuple(_run_backward(q, k, v, a, gc, h0, attn, do, dht, tables, st))
-
-    bwd.def_vmap(fold_batch_rule(bwd, 9, 5, varlen_args=1))
-    return fwd, bwd
+    bwd.def_vmap(fold_batch_rule(bwd, 10, 5, varlen_args=1))
+    return forward(False), forward(True), bwd
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def linear_attention(q, k, v, a, h0, tables, st: StaticParams):
     """``(o [B, T, H, V] in q's dtype, final state [B or N, H, K, V] float32)`` (see the module docstring)."""
-    return _linear_attention_fwd(q, k, v, a, h0, tables, st)[0]
+    return _batched_calls(st)[0](q, k, v, a, h0, tables)
 
 
 def _linear_attention_fwd(q, k, v, a, h0, tables, st: StaticParams):
-    fwd, _ = _batched_calls(st)
-    o, final, gc, attn = fwd(q, k, v, a, h0, tables)
-    return (o, final), (q, k, v, a, gc, h0, attn, tables)
+    o, final, gc, attn, carries = _batched_calls(st)[1](q, k, v, a, h0, tables)
+    return (o, final), (q, k, v, a, gc, h0, attn, carries, tables)
 
 
 def _linear_attention_bwd(st: StaticParams, res, cotangents):
-    q, k, v, a, gc, h0, attn, tables = res
+    q, k, v, a, gc, h0, attn, carries, tables = res
     do, dht = cotangents
-    _, bwd = _batched_calls(st)
-    dq, dk, dv, da, dh0 = bwd(q, k, v, a, gc, h0, attn, do.astype(q.dtype), dht.astype(jnp.float32), tables)
+    bwd = _batched_calls(st)[2]
+    dq, dk, dv, da, dh0 = bwd(q, k, v, a, gc, h0, attn, carries, do.astype(q.dtype), dht.astype(jnp.float32),
+                              tables)
     return dq, dk, dv, da, None if h0 is None else dh0.astype(h0.dtype), None
 
 
