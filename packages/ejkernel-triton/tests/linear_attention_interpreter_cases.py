@@ -135,10 +135,11 @@ CASES = {
     "recurrent_scalar_segments": dict(operation="recurrent_attention", shape=(2, 400, 2, 1, 40, 24), gate="scalar",
                                       cfg=TritonLinearAttentionConfig(segments=3, output_block_v=16,
                                                                       state_block_k=16, state_block_v=16)),
-    # per-dimension gates, A by the intra kernel, decayed keys: 5 chunks in 4 segments (the last one empty),
-    # under vmap (the entering states folded into the batch like every residual)
+    # per-dimension gates, A by the intra kernel, keys decayed in the state loops (not by the cumulative-gate
+    # kernel): 5 chunks in 4 segments (the last one empty), under vmap (the entering states folded into the
+    # batch like every residual)
     "gla_segments_empty_last": dict(shape=(1, 300, 2, 2, 16, 32), strength=4.0, vmap=True,
-                                    cfg=TritonLinearAttentionConfig(segments=4)),
+                                    cfg=TritonLinearAttentionConfig(segments=4, decayed_keys=False)),
     # the stored-state forward at fixed lengths (carried_state off), scalar gates
     "recurrent_scalar_stored_states": dict(operation="recurrent_attention", shape=(1, 150, 1, 1, 16, 16),
                                            gate="scalar", cfg=TritonLinearAttentionConfig(carried_state=False)),

@@ -5,8 +5,10 @@ v [B, T, H, V] (one dtype) with kv heads already repeated, ``a`` float32 [B, T, 
 (or [B, T, H, 1] with ``StaticParams.scalar_gate``: one gate per token and head),
 ``h0`` [B or N, H, K, V] or None, and ``tables`` (varlen: :func:`chunk_table` of cu_seqlens, B == 1) or None
 (then T is a multiple of ``forward.CHUNK``). It is differentiable in the first five. The
-forward saves the in-chunk cumulative gates and the intra-chunk matrix A ([B, T, H, 64] float32, the size
-of one more head of q); the backward recomputes the chunk states. Under ``jax.vmap`` the vmapped axis
+forward saves the in-chunk cumulative gates, the intra-chunk matrix A ([B, T, H, 64] float32, the size
+of one more head of q) and, with ``StaticParams.segments`` (the carried-state forward), the states entering
+its segments; the backward recomputes the chunk states (per segment, from those). The primal call (no
+gradient) stores none of them. Under ``jax.vmap`` the vmapped axis
 folds into the batch axis (every array here has the batch first): one launch per kernel; varlen calls loop
 (`batching.fold_batch_rule`, shared with flash attention).
 """
