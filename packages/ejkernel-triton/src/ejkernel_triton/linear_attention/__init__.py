@@ -68,7 +68,8 @@ class TritonLinearAttentionConfig:
     ``carried_state``: fixed-length calls with K <= 128 (and scalar gates or ``intra_kernel``) run the forward
     as segments of chunks, all at once, each carrying its state in registers through its chunks
     (``_carried_output_kernel``) from the state entering it (each segment summed from zero by the state
-    kernel, then carried across segments in JAX): no per-chunk states written and read back, and 1/segments
+    kernel, those sums carried across the segments by the output kernel): no per-chunk states written and
+    read back, and 1/segments
     of the sequential chain; the backward recomputes the states and their gradients per segment likewise.
     ``segments``: per sequence (None: enough for ~256 programs, at most one per 8 chunks);
     ``carried_block_v``/``carried_num_warps``/``carried_num_stages`` (None: ``num_stages``): that kernel's value

@@ -19,8 +19,8 @@ sub-chunks of 16 the pair factor splits at a reference row between the two token
 it is formed pair by pair (``_diag_pairs``). ``_state_kernel`` runs the recurrence over chunks (one program
 per K x V tile and head) and writes every ``h_n``; ``_output_kernel`` is parallel over chunks. Fixed-length
 calls with K <= 128 instead cut each sequence into segments of chunks: ``_state_kernel`` sums each segment
-from a zero state, JAX carries those sums across the segments (``vjp.segment_carries``), and
-``_carried_output_kernel`` runs every segment at once, carrying the state in registers (nothing stored).
+from a zero state, and ``_carried_output_kernel`` runs every segment at once, its entering state carried
+through the earlier segments' sums, then the state carried in registers through its chunks (nothing stored).
 """
 
 from __future__ import annotations
@@ -134,9 +134,10 @@ def _cumsum_kernel(G, K_, CH_START, CH_LEN, GC, KD, H: tl.constexpr, K: tl.const
         offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
         m = rmask[:, None] & (offs_k[None, :] < K)
         g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+        if WRITE_DECAYED:  # both loads in flight before the first store (no aliasing is known across it)
+            k = tl.load(K_ + offs, mask=m, other=0.0)
         tl.store(GC + offs, tl.cumsum(g, axis=0), mask=m)
         if WRITE_DECAYED:
-            k = tl.load(K_ + offs, mask=m, other=0.0)
             g_after = tl.cumsum(g, axis=0, reverse=True) - g
             tl.store(KD + offs, (k.to(tl.float32) * tl.exp(g_after)).to(KD.dtype.element_ty), mask=m)
 
@@ -167,7 +168,8 @@ def _state_kernel(
     """The chunk recurrence for one K x V tile of one (sequence, head), or of one segment of a sequence's
     chunks (``SEGMENTS`` > 1: H0 and HT then hold the states entering and leaving each segment). DECAYED_KEYS:
     K_ holds the decayed keys of ``_cumsum_kernel`` (G unused): the loop is loads, one scaling and one dot.
-    Without STORE_STATES only HT is written (the segments' own contributions, for :func:`vjp.segment_carries`)."""
+    Without STORE_STATES only HT is written (each segment's own sum, carried across the segments by
+    ``_carried_output_kernel``)."""
     sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
     if HAS_H0:
@@ -378,16 +380,21 @@ def _output_kernel(
 
 @triton.jit
 def _carried_output_kernel(
-    Q, K_, V_, GC, G, A_IN, CARRY, scale, NUM_CHUNKS, SEGMENTS,  # inputs (CARRY: the state entering each segment)
-    O, A, ENDS,  # outputs: o; A (SCALAR_GATE with STORE_A); the state leaving each segment (float32)
+    Q, K_, V_, GC, G, A_IN, H0, SUMS, TOTALS, scale, NUM_CHUNKS, SEGMENTS,  # inputs
+    O, A, CARRY, HT,  # outputs: o; A (SCALAR_GATE with STORE_A); entering states (STORE_CARRY); final state
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr, DECAYED_KEYS: tl.constexpr, STORE_A: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_CARRY: tl.constexpr,
 ):
     """The outputs of one segment of chunks (fixed lengths; grid: value tiles x sequence-segments x heads) with
     the chunk state carried in registers from the segment's entering state: the recurrence of
     ``_state_kernel`` and the outputs of ``_output_kernel`` in one pass, so no state is stored and read back
     (at B=4 T=16k H=8 K=V=128 the stored bf16 states are 268 MB written and read again). Every segment runs at
-    once; the states entering them come from :func:`vjp.segment_carries`. The whole key width is one tile
+    once. Its entering state is carried here from the initial state H0 through the earlier segments' own sums
+    SUMS ([B * SEGMENTS, H, K, V], ``_state_kernel`` from zero) and summed log gates TOTALS ([B, SEGMENTS, H,
+    K or 1]): a few tile loads and FMAs instead of a chain of small XLA kernels between two launches; it is
+    written to CARRY for the backward (STORE_CARRY), and the last segment writes the final state HT ([B, H, K,
+    V]). The whole key width is one tile
     (``KP``: K rounded up to a power of two). SCALAR_GATE: K_ holds the keys, A is formed here (one dot) and
     stored with STORE_A, the rows' decays scale the dots' results and v (the same products as the stored-state
     kernels, whose rounding to the inputs' dtype falls on q and k instead); else A_IN holds A and, with
@@ -401,10 +408,22 @@ def _carried_output_kernel(
     mk = offs_k < K
     mv = offs_v < V
     mkv = mk[:, None] & mv[None, :]
-    state_offs = (wide(sp) * H + head) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    state = tl.load(CARRY + state_offs, mask=mkv, other=0.0)
+    tile_offs = offs_k[:, None] * V + offs_v[None, :]
+    seq = sp // SEGMENTS
+    if HAS_H0:
+        state = tl.load(H0 + (wide(seq) * H + head) * K * V + tile_offs, mask=mkv, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([KP, BV], dtype=tl.float32)
+    for j in range(sp - sp % SEGMENTS, sp):  # the earlier segments of this sequence, in order
+        if SCALAR_GATE:
+            decay = tl.exp(tl.load(TOTALS + wide(j) * H + head))
+        else:
+            decay = tl.exp(tl.load(TOTALS + (wide(j) * H + head) * K + offs_k, mask=mk, other=0.0))[:, None]
+        state = state * decay + tl.load(SUMS + (wide(j) * H + head) * K * V + tile_offs, mask=mkv, other=0.0)
+    if STORE_CARRY:
+        tl.store(CARRY + (wide(sp) * H + head) * K * V + tile_offs, state, mask=mkv)
     causal = offs_t[:, None] >= offs_t[None, :]
-    lo, hi = sequence_chunks(sp, CARRY, NUM_CHUNKS, SEGMENTS, False)
+    lo, hi = sequence_chunks(sp, SUMS, NUM_CHUNKS, SEGMENTS, False)
     for c in range(lo, hi):
         row0 = wide(c) * BT
         rows = row0 + offs_t
@@ -442,7 +461,8 @@ def _carried_output_kernel(
             state = state * tl.exp(g_last)[:, None]
             state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
         tl.store(O + v_offs, acc.to(O.dtype.element_ty), mask=mv[None, :])
-    tl.store(ENDS + state_offs, state, mask=mkv)
+    if sp % SEGMENTS == SEGMENTS - 1:
+        tl.store(HT + (wide(seq) * H + head) * K * V + tile_offs, state, mask=mkv)
 
 
 @triton.jit

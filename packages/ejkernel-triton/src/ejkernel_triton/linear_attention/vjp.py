@@ -154,8 +154,9 @@ def segment_totals(gc, segments: int):
 def segment_carries(sums, totals, start, reverse: bool = False):
     """The states entering each segment [B, S, H, K, V] float32 from each segment's own sum ``sums`` [B, S, H,
     K, V] (its recurrence from a zero state), its summed log gates ``totals`` [B, S, H, K or 1] and ``start``
-    [B, H, K, V] (the initial state; or None: zeros). ``reverse``: the state gradients, carried from the last
-    segment back (``start``: the final state's cotangent). S is small (a few tens at most): an unrolled chain."""
+    [B, H, K, V] (or None: zeros). Used for the state gradients (``reverse``: carried from the last segment
+    back, ``start`` the final state's cotangent); the forward carries its states inside
+    ``_carried_output_kernel``. S is small (a few tens at most): an unrolled chain."""
     segments = sums.shape[1]
     carry = jnp.zeros_like(sums[:, 0]) if start is None else start.astype(jnp.float32)
     entering = [None] * segments
@@ -201,18 +202,24 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams, residuals: bool = Tru
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                   attn_shape if store_attn else jax.ShapeDtypeStruct((1,), jnp.float32))
     if st.segments:
-        carries = _entering_states(k, kd, v, gc, a, h0, st)
+        # each segment's own sum from a zero state (all at once; none needed for one segment)
+        sums, totals = _placeholder(), _placeholder()
+        if st.segments > 1:
+            sums = _states(k, kd, v, gc, a, None, None, st, segments=st.segments, store=False)[1]
+            totals = segment_totals(gc, st.segments)
         keys, raw = (k, a) if kd is None else (kd, _placeholder())
-        o, attn, ends = launch(
+        carry_shape = (b * st.segments, h, dk, dv) if residuals else (1,)
+        o, attn, carries, final = launch(
             _carried_output_kernel,
-            (q, keys, v, gc, raw, attn_in, carries, np.float32(st.scale), t // CHUNK, int(st.segments)),
-            (*out_shapes, jax.ShapeDtypeStruct(carries.shape, jnp.float32)),
+            (q, keys, v, gc, raw, attn_in, h0 if h0 is not None else _placeholder(), sums, totals,
+             np.float32(st.scale), t // CHUNK, int(st.segments)),
+            (*out_shapes, jax.ShapeDtypeStruct(carry_shape, jnp.float32),
+             jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)),
             (triton.cdiv(dv, st.carried_block_v), b * st.segments, h), num_warps=st.carried_num_warps,
             num_stages=st.carried_num_stages, interpret=st.interpret, KP=max(16, triton.next_power_of_2(dk)),
-            BV=st.carried_block_v,
-            DECAYED_KEYS=kd is not None, STORE_A=store_attn, H=h, K=dk, V=dv, BT=CHUNK, SCALAR_GATE=st.scalar_gate,
+            BV=st.carried_block_v, DECAYED_KEYS=kd is not None, STORE_A=store_attn, HAS_H0=h0 is not None,
+            STORE_CARRY=residuals, H=h, K=dk, V=dv, BT=CHUNK, SCALAR_GATE=st.scalar_gate,
             DOT_PRECISION=_meta(q, v, st)["DOT_PRECISION"])
-        final = ends.reshape(b, st.segments, h, dk, dv)[:, -1]
     else:
         carries = jnp.zeros((b, 0), jnp.float32)  # batch-first like every output (the vmap rule folds them)
         hs, final = _states(k, kd, v, gc, a, h0, tables, st)
@@ -224,18 +231,6 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams, residuals: bool = Tru
     if not residuals:
         return o, final
     return o, final, gc, (attn_in if st.intra_kernel else attn), carries
-
-
-def _entering_states(k, kd, v, gc, a, h0, st: StaticParams):
-    """The state entering each segment [B * segments, H, K, V] float32 (fixed lengths): each segment's own sum
-    by the state kernel (all segments at once, nothing else stored), carried across the segments in JAX."""
-    b, _, h, dk = k.shape
-    dv = v.shape[-1]
-    if st.segments == 1:
-        return jnp.zeros((b, h, dk, dv), jnp.float32) if h0 is None else h0.astype(jnp.float32)
-    _, sums = _states(k, kd, v, gc, a, None, None, st, segments=st.segments, store=False)
-    carries = segment_carries(sums.reshape(b, st.segments, h, dk, dv), segment_totals(gc, st.segments), h0)
-    return carries.reshape(b * st.segments, h, dk, dv)
 
 
 def _state_grads(q, gc, do, dht, tables, st: StaticParams, segments: int = 1, store: bool = True):
