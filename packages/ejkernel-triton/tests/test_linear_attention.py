@@ -15,7 +15,7 @@ import pytest
 from ejkernel import UnsupportedFeature
 from ejkernel.modules.operations.recurrent import RecurrentAttention
 from ejkernel_triton import launch, plugin
-from ejkernel_triton.linear_attention import IMPLEMENTATION, TritonLinearAttentionConfig
+from ejkernel_triton.linear_attention import IMPLEMENTATION, TritonLinearAttentionConfig, carried_segments
 from interpreter_support import CUDA_LOWERING, case_row_fixture
 
 
@@ -76,7 +76,9 @@ def test_config_validation():
                                 intra_kernel=True)
     for bad in (dict(block_k=48), dict(block_v=8), dict(output_block_v=96), dict(num_warps=0), dict(num_stages=True),
                 dict(state_num_warps=-1), dict(backward_num_warps=0), dict(state_block_k=24), dict(state_block_v=8),
-                dict(decayed_keys=1), dict(intra_kernel="yes")):
+                dict(decayed_keys=1), dict(intra_kernel="yes"), dict(carried_state=0), dict(segments=0),
+                dict(carried_block_v=48), dict(carried_num_warps=0), dict(carried_num_stages=-2),
+                dict(cumsum_block_k=8), dict(cumsum_num_warps=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TritonLinearAttentionConfig(**bad)
     # the benchmark's --configs specs
@@ -85,8 +87,27 @@ def test_config_validation():
     assert TritonLinearAttentionConfig.parse("") == TritonLinearAttentionConfig()
     with pytest.raises(ValueError, match="no field 'block'"):
         TritonLinearAttentionConfig.parse("block=32")
+    assert TritonLinearAttentionConfig.parse("carried_state=0/segments=3") == \
+        TritonLinearAttentionConfig(carried_state=False, segments=3)
     for candidate in IMPLEMENTATION.candidate_configs(_call()):
         assert isinstance(candidate, TritonLinearAttentionConfig)
+
+
+def test_carried_segments_heuristic():
+    """Segments per sequence for the carried-state forward: ~256 programs, at most one per 8 chunks, 0 where
+    the carried kernel does not apply (varlen or no intra kernel with per-dimension gates: ``usable``; K > 128;
+    switched off), and a configured count capped at the chunks."""
+    default = TritonLinearAttentionConfig()
+    assert carried_segments(default, batch=4, heads=8, chunks=256, value_tiles=1, dk=128, usable=True) == 8
+    assert carried_segments(default, batch=4, heads=8, chunks=256, value_tiles=2, dk=128, usable=True) == 4
+    assert carried_segments(default, batch=4, heads=8, chunks=16, value_tiles=1, dk=128, usable=True) == 2
+    assert carried_segments(default, batch=64, heads=32, chunks=256, value_tiles=1, dk=64, usable=True) == 1
+    assert carried_segments(default, batch=4, heads=8, chunks=256, value_tiles=1, dk=256, usable=True) == 0
+    assert carried_segments(default, batch=4, heads=8, chunks=256, value_tiles=1, dk=128, usable=False) == 0
+    off = TritonLinearAttentionConfig(carried_state=False)
+    assert carried_segments(off, batch=4, heads=8, chunks=256, value_tiles=1, dk=128, usable=True) == 0
+    fixed = TritonLinearAttentionConfig(segments=40)
+    assert carried_segments(fixed, batch=4, heads=8, chunks=16, value_tiles=1, dk=128, usable=True) == 16
 
 
 def test_registered_for_the_linear_family():

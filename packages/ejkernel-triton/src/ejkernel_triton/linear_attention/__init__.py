@@ -212,8 +212,10 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
         return TritonLinearAttentionConfig()
 
     def candidate_configs(self, call: LinearAttentionCall) -> Sequence[TritonLinearAttentionConfig]:
-        # the default (decayed keys + intra kernel, measured fastest), then the single levers and smaller state tiles
+        # the default (decayed keys + intra kernel + carried states, measured fastest), then the single levers,
+        # smaller state tiles and the stored-state forward
         return (TritonLinearAttentionConfig(),
+                TritonLinearAttentionConfig(carried_state=False),
                 TritonLinearAttentionConfig(decayed_keys=False, intra_kernel=False),
                 TritonLinearAttentionConfig(decayed_keys=False),
                 TritonLinearAttentionConfig(intra_kernel=False),
