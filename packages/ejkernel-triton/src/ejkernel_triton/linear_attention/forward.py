@@ -394,8 +394,7 @@ def _carried_output_kernel(
     SUMS ([B * SEGMENTS, H, K, V], ``_state_kernel`` from zero) and summed log gates TOTALS ([B, SEGMENTS, H,
     K or 1]): a few tile loads and FMAs instead of a chain of small XLA kernels between two launches; it is
     written to CARRY for the backward (STORE_CARRY), and the last segment writes the final state HT ([B, H, K,
-    V]). The whole key width is one tile
-    (``KP``: K rounded up to a power of two). SCALAR_GATE: K_ holds the keys, A is formed here (one dot) and
+    V]). The whole key width is one tile (``KP``: K rounded up to a power of two). SCALAR_GATE: K_ holds the keys, A is formed here (one dot) and
     stored with STORE_A, the rows' decays scale the dots' results and v (the same products as the stored-state
     kernels, whose rounding to the inputs' dtype falls on q and k instead); else A_IN holds A and, with
     DECAYED_KEYS, K_ the decayed keys (only the state update reads keys)."""
