@@ -121,6 +121,11 @@ def test_bad_registration_arguments_are_named():
         registry.register("", "triton", "gpu")
     with pytest.raises(ValueError, match="package.module:attribute"):
         registry.register_lazy("a", "xla", "any", "no_colon_here")
+    for method, extra in ((registry.register, ()), (registry.register_lazy, ("pkg.mod:impl",))):
+        with pytest.raises(ValueError, match=rf"{method.__name__}\(\) needs a concrete platform"):
+            method("a", "auto", "gpu", *extra)
+        with pytest.raises(TypeError, match="priority"):
+            method("a", "xla", "any", *extra, priority=1.5)
 
 
 def test_validate_signatures_warns_about_each_difference():

@@ -234,14 +234,8 @@ class KernelRegistry:
 
         ``plugin`` names the backend plugin registering it (so its availability is checked at dispatch).
         """
-        algorithm_key = _check_algorithm(algorithm)
-        platform_value = _as_platform(platform)
-        if platform_value is None:
-            raise ValueError("register() needs a concrete platform, not 'auto'")
-        backend_value = _as_backend(backend)
-        if backend_value is None:
-            raise ValueError("register() needs a backend (use Backend.ANY for hardware-agnostic code)")
-        _check_priority(priority)
+        algorithm_key, platform_value, backend_value = _registration_key("register", algorithm, platform, backend,
+                                                                         priority)
 
         def decorator(func: F) -> F:
             if not callable(func):
@@ -262,14 +256,8 @@ class KernelRegistry:
         plugin: str | None = None,
     ) -> KernelSpec:
         """Register ``"package.module:function"`` without importing it (what plugins use)."""
-        algorithm_key = _check_algorithm(algorithm)
-        platform_value = _as_platform(platform)
-        if platform_value is None:
-            raise ValueError("register_lazy() needs a concrete platform, not 'auto'")
-        backend_value = _as_backend(backend)
-        if backend_value is None:
-            raise ValueError("register_lazy() needs a backend (use Backend.ANY for hardware-agnostic code)")
-        _check_priority(priority)
+        algorithm_key, platform_value, backend_value = _registration_key("register_lazy", algorithm, platform,
+                                                                         backend, priority)
         spec = KernelSpec(
             platform_value, backend_value, algorithm_key, LazyImplementation(target, plugin=plugin), priority, plugin
         )
@@ -492,6 +480,21 @@ def _check_algorithm(algorithm: str) -> str:
 def _check_priority(priority: int) -> None:
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise TypeError(f"priority must be an int, got {priority!r} ({type(priority).__name__})")
+
+
+def _registration_key(caller: str, algorithm: str, platform: PlatformLike, backend: BackendLike,
+                      priority: int) -> tuple[str, Platform, Backend]:
+    """(algorithm, platform, backend) of a registration, checked: a concrete platform, a backend, an int
+    priority (``caller`` names the registering method in the errors)."""
+    algorithm_key = _check_algorithm(algorithm)
+    platform_value = _as_platform(platform)
+    if platform_value is None:
+        raise ValueError(f"{caller}() needs a concrete platform, not 'auto'")
+    backend_value = _as_backend(backend)
+    if backend_value is None:
+        raise ValueError(f"{caller}() needs a backend (use Backend.ANY for hardware-agnostic code)")
+    _check_priority(priority)
+    return algorithm_key, platform_value, backend_value
 
 
 kernel_registry = KernelRegistry()
