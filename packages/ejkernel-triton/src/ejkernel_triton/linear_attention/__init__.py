@@ -69,15 +69,14 @@ class TritonLinearAttentionConfig:
     as segments of chunks, all at once, each carrying its state in registers through its chunks
     (``_carried_output_kernel``) from the state entering it (each segment summed from zero by the state
     kernel, those sums carried across the segments by the output kernel): no per-chunk states written and
-    read back, and 1/segments
-    of the sequential chain; the backward recomputes the states and their gradients per segment likewise.
-    ``segments``: per sequence (None: enough for ~256 programs, at most one per 8 chunks);
-    ``carried_block_v``/``carried_num_warps``/``carried_num_stages`` (None: ``num_stages``): that kernel's value
-    tile, warps and pipelining depth; None: 64 / 4 for scalar gates, 128 / 8 for per-dimension ones (H100, B=4
-    T=16k H=8 K=V=128, forward: lightning 0.434 ms at 64 / 4, 0.614 at 128 / 8, 0.711 at 64 / 8; gla 1.827 and
-    1.853 ms at 128 / 8 against 1.884 and 1.886 at 64 / 4, two runs). ``cumsum_block_k``/``cumsum_num_warps``: the cumulative-gate kernel's key
-    tile and warps (per-dimension gates: it reads the gates and keys and writes gc and the decayed keys, 804 MB
-    at that shape)."""
+    read back, and 1/segments of the sequential chain; the backward recomputes the states and their
+    gradients per segment likewise. ``segments``: per sequence (None: enough for ~256 programs, at most one
+    per 8 chunks). ``carried_block_v``/``carried_num_warps``/``carried_num_stages`` (None: ``num_stages``):
+    that kernel's value tile, warps and pipelining depth; None: 64 / 4 for scalar gates, 128 / 8 for
+    per-dimension ones (H100, B=4 T=16k H=8 K=V=128, forward: lightning 0.434 ms at 64 / 4, 0.614 at 128 / 8,
+    0.711 at 64 / 8; gla 1.827 and 1.853 ms at 128 / 8 against 1.884 and 1.886 at 64 / 4, two runs).
+    ``cumsum_block_k``/``cumsum_num_warps``: the cumulative-gate kernel's key tile and warps (per-dimension
+    gates: it reads the gates and keys and writes gc and the decayed keys, 804 MB at that shape)."""
 
     block_k: int | None = None
     block_v: int | None = None

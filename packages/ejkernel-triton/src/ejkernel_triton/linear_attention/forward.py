@@ -394,10 +394,11 @@ def _carried_output_kernel(
     SUMS ([B * SEGMENTS, H, K, V], ``_state_kernel`` from zero) and summed log gates TOTALS ([B, SEGMENTS, H,
     K or 1]): a few tile loads and FMAs instead of a chain of small XLA kernels between two launches; it is
     written to CARRY for the backward (STORE_CARRY), and the last segment writes the final state HT ([B, H, K,
-    V]). The whole key width is one tile (``KP``: K rounded up to a power of two). SCALAR_GATE: K_ holds the keys, A is formed here (one dot) and
-    stored with STORE_A, the rows' decays scale the dots' results and v (the same products as the stored-state
-    kernels, whose rounding to the inputs' dtype falls on q and k instead); else A_IN holds A and, with
-    DECAYED_KEYS, K_ the decayed keys (only the state update reads keys)."""
+    V]). The whole key width is one tile (``KP``: K rounded up to a power of two). SCALAR_GATE: K_ holds the
+    keys, A is formed here (one dot) and stored with STORE_A, the rows' decays scale the dots' results and v
+    (the same products as the stored-state kernels, whose rounding to the inputs' dtype falls on q and k
+    instead); else A_IN holds A and, with DECAYED_KEYS, K_ the decayed keys (only the state update reads
+    keys)."""
     iv = tl.program_id(0)
     sp = tl.program_id(1)
     head = tl.program_id(2)
@@ -443,7 +444,8 @@ def _carried_output_kernel(
                 tl.store(A + a_offs, a)
             acc = tl.dot(a.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
             raw = tl.load(G + rows * H + head)
-            value_decay = tl.exp(tl.cumsum(raw, axis=0, reverse=True) - raw)  # to the chunk's end, as in _state_kernel
+            # to the chunk's end, from the raw gates after each row (as `decay_to_chunk_end`)
+            value_decay = tl.exp(tl.cumsum(raw, axis=0, reverse=True) - raw)
             v_decayed = (v.to(tl.float32) * value_decay[:, None]).to(v.dtype)
             state = state * tl.exp(tl.load(GC + (row0 + BT - 1) * H + head))
             state = tl.dot(tl.trans(k), v_decayed, state, input_precision=DOT_PRECISION)
