@@ -131,9 +131,9 @@ CASES = {
                                           gate="scalar", strength=8.0, gate_scale=40.0),
     # the carried-state forward over segments (fixed lengths): 7 chunks in 3 segments of 3, 3 and 1 chunks, two
     # value tiles (the second masked), K=40 as one padded tile; the backward's states and state gradients per
-    # segment (their carries in JAX), batch 2, GQA, initial state
+    # segment (the state gradients' carries in JAX), batch 2, GQA, initial state
     "recurrent_scalar_segments": dict(operation="recurrent_attention", shape=(2, 400, 2, 1, 40, 24), gate="scalar",
-                                      cfg=TritonLinearAttentionConfig(segments=3, output_block_v=16,
+                                      cfg=TritonLinearAttentionConfig(segments=3, carried_block_v=16,
                                                                       state_block_k=16, state_block_v=16)),
     # per-dimension gates, A by the intra kernel, keys decayed in the state loops (not by the cumulative-gate
     # kernel): 5 chunks in 4 segments (the last one empty), under vmap (the entering states folded into the
