@@ -140,6 +140,11 @@ CASES = {
     # batch like every residual)
     "gla_segments_empty_last": dict(shape=(1, 300, 2, 2, 16, 32), strength=4.0, vmap=True,
                                     cfg=TritonLinearAttentionConfig(segments=4, decayed_keys=False)),
+    # float16 through the carried kernel over 3 segments: scalar gate + g_gamma, reverse, GQA
+    "recurrent_scalar_gamma_segments_fp16": dict(operation="recurrent_attention", shape=(1, 400, 2, 1, 16, 16),
+                                                 dtype="float16", gate="scalar", gamma=True,
+                                                 static=dict(reverse=True),
+                                                 cfg=TritonLinearAttentionConfig(segments=3)),
     # the stored-state forward at fixed lengths (carried_state off), scalar gates
     "recurrent_scalar_stored_states": dict(operation="recurrent_attention", shape=(1, 150, 1, 1, 16, 16),
                                            gate="scalar", cfg=TritonLinearAttentionConfig(carried_state=False)),
