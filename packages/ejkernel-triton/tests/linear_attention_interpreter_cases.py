@@ -145,6 +145,16 @@ CASES = {
                                                  dtype="float16", gate="scalar", gamma=True,
                                                  static=dict(reverse=True),
                                                  cfg=TritonLinearAttentionConfig(segments=3)),
+    # varlen through the carried forward (opt-in): sequences of 70, 0, 80 and 40 tokens (+10 past the end) in
+    # runs of one chunk (the 80 and 70 as two runs, the empty one as an empty run), reverse, initial states;
+    # per-dimension gates with the intra kernel, and scalar gates over two value tiles
+    "gla_varlen_carried": dict(shape=(1, 200, 1, 1, 16, 16), bounds=(0, 70, 70, 150, 190),
+                               static=dict(reverse=True),
+                               cfg=TritonLinearAttentionConfig(carried_varlen=True, carried_varlen_run=1)),
+    "recurrent_scalar_varlen_carried": dict(operation="recurrent_attention", shape=(1, 200, 2, 2, 40, 24),
+                                            gate="scalar", bounds=(0, 70, 70, 150, 190),
+                                            cfg=TritonLinearAttentionConfig(carried_varlen=True, carried_varlen_run=1,
+                                                                            carried_block_v=16)),
     # the stored-state forward at fixed lengths (carried_state off), scalar gates
     "recurrent_scalar_stored_states": dict(operation="recurrent_attention", shape=(1, 150, 1, 1, 16, 16),
                                            gate="scalar", cfg=TritonLinearAttentionConfig(carried_state=False)),

@@ -15,7 +15,9 @@ import pytest
 from ejkernel import UnsupportedFeature
 from ejkernel.modules.operations.recurrent import RecurrentAttention
 from ejkernel_triton import launch, plugin
-from ejkernel_triton.linear_attention import IMPLEMENTATION, TritonLinearAttentionConfig, carried_segments
+from ejkernel_triton.linear_attention import (IMPLEMENTATION, TritonLinearAttentionConfig, carried_segments,
+                                              carried_varlen_run)
+from ejkernel_triton.linear_attention.vjp import chunk_table, varlen_segments
 from interpreter_support import CUDA_LOWERING, case_row_fixture
 
 
@@ -78,7 +80,8 @@ def test_config_validation():
                 dict(state_num_warps=-1), dict(backward_num_warps=0), dict(state_block_k=24), dict(state_block_v=8),
                 dict(decayed_keys=1), dict(intra_kernel="yes"), dict(carried_state=0), dict(segments=0),
                 dict(carried_block_v=48), dict(carried_num_warps=0), dict(carried_num_stages=-2),
-                dict(cumsum_block_k=8), dict(cumsum_num_warps=0)):
+                dict(cumsum_block_k=8), dict(cumsum_num_warps=0), dict(carried_varlen="no"),
+                dict(carried_varlen_run=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TritonLinearAttentionConfig(**bad)
     # the benchmark's --configs specs
@@ -108,6 +111,28 @@ def test_carried_segments_heuristic():
     assert carried_segments(off, batch=4, heads=8, chunks=256, value_tiles=1, dk=128, usable=True) == 0
     fixed = TritonLinearAttentionConfig(segments=40)
     assert carried_segments(fixed, batch=4, heads=8, chunks=16, value_tiles=1, dk=128, usable=True) == 16
+    # varlen: opt-in, runs of at least 8 chunks for ~256 programs
+    assert carried_varlen_run(default, chunks=264, heads=8, value_tiles=1, dk=128, usable=True) == 0
+    on = TritonLinearAttentionConfig(carried_varlen=True)
+    assert carried_varlen_run(on, chunks=264, heads=8, value_tiles=1, dk=128, usable=True) == 9
+    assert carried_varlen_run(on, chunks=40, heads=8, value_tiles=1, dk=128, usable=True) == 8
+    assert carried_varlen_run(on, chunks=264, heads=8, value_tiles=1, dk=256, usable=True) == 0
+    assert carried_varlen_run(dataclasses.replace(on, carried_varlen_run=2), chunks=264, heads=8, value_tiles=1,
+                              dk=128, usable=True) == 2
+
+
+def test_varlen_segments_cut_each_sequence_into_runs():
+    """Sequences of 3, 0 and 5 chunks in runs of 2: [0, 2) [2, 3) | (empty) | [3, 5) [5, 7) [7, 8), then padding
+    (empty runs at the end, sequence -1); every chunk-table entry maps to its run, unused ones to the last."""
+    cu = jnp.asarray([0, 150, 150, 450], jnp.int32)  # 150 tokens = 3 chunks, 0, 300 = 5 chunks
+    tables = chunk_table(cu, 450)
+    seg_first, seg_info, chunk_run = varlen_segments(tables, 2)
+    count = 3 + tables[0].shape[0] // 2 + 1
+    assert seg_first.tolist() == [0, 2, 3, 3, 5, 7] + [8] * (count - 5)
+    assert seg_info[:6].tolist() == [[0, 0, 0], [0, 0, 1], [1, 2, 1], [2, 3, 0], [2, 3, 0], [2, 3, 1]]
+    assert (seg_info[6:, 0] == -1).all()
+    assert chunk_run[:8].tolist() == [0, 0, 1, 3, 3, 4, 4, 5]
+    assert (chunk_run[8:] == count - 1).all()
 
 
 def test_registered_for_the_linear_family():

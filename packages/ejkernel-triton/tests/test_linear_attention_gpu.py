@@ -55,6 +55,7 @@ CANDIDATE = "decayed_keys=1/intra_kernel=1/state_block_k=32/state_block_v=32"  #
     (1, 1500, 4, 4, 128, 128, "varlen", True, None),  # packed sequences of 300, 0, 1000 and 150 tokens (+50 past the end)
     (2, 1000, 4, 4, 128, 128, "vector", False, CANDIDATE),
     (1, 1500, 4, 4, 128, 128, "varlen", True, CANDIDATE),
+    (1, 1500, 4, 4, 128, 128, "varlen", True, "carried_varlen=1/carried_varlen_run=4"),  # runs inside sequences
 ])
 def test_bf16_model_shapes_against_float32_xla(batch, total, heads, kv_heads, dk, dv, gate, reverse, spec):
     from ejkernel_triton.linear_attention import TritonLinearAttentionConfig

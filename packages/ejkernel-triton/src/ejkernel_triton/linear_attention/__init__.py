@@ -76,7 +76,10 @@ class TritonLinearAttentionConfig:
     per-dimension ones (H100, B=4 T=16k H=8 K=V=128, forward: lightning 0.434 ms at 64 / 4, 0.614 at 128 / 8,
     0.711 at 64 / 8; gla 1.827 and 1.853 ms at 128 / 8 against 1.884 and 1.886 at 64 / 4, two runs).
     ``cumsum_block_k``/``cumsum_num_warps``: the cumulative-gate kernel's key tile and warps (per-dimension
-    gates: it reads the gates and keys and writes gc and the decayed keys, 804 MB at that shape)."""
+    gates: it reads the gates and keys and writes gc and the decayed keys, 804 MB at that shape).
+    ``carried_varlen``: varlen calls through the carried forward too (runs of ``carried_varlen_run`` chunks
+    inside each packed sequence; None: at least 8, ~256 programs; the backward keeps the stored-state passes).
+    Off by default: checked in the interpreter and lowered for sm_90, not yet timed or run on a GPU (NOTES)."""
 
     block_k: int | None = None
     block_v: int | None = None
@@ -103,6 +106,8 @@ class TritonLinearAttentionConfig:
     carried_num_stages: int | None = None
     cumsum_block_k: int = 128
     cumsum_num_warps: int = 8
+    carried_varlen: bool = False
+    carried_varlen_run: int | None = None
 
     def __post_init__(self):
         for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v", "carried_block_v",
@@ -111,14 +116,14 @@ class TritonLinearAttentionConfig:
                 _power_of_two(name, getattr(self, name))
         for name in ("num_warps", "num_stages", "state_num_warps", "state_num_stages", "backward_num_warps",
                      "intra_num_warps", "intra_inside_num_warps", "segments", "carried_num_warps", "carried_num_stages",
-                     "cumsum_num_warps"):
+                     "cumsum_num_warps", "carried_varlen_run"):
             value = getattr(self, name)
             if value is None and name in ("intra_inside_num_warps", "state_num_stages", "segments", "carried_num_warps",
-                                          "carried_num_stages"):
+                                          "carried_num_stages", "carried_varlen_run"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
-        for name in ("decayed_keys", "intra_kernel", "intra_split", "carried_state"):
+        for name in ("decayed_keys", "intra_kernel", "intra_split", "carried_state", "carried_varlen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -132,8 +137,7 @@ class TritonLinearAttentionConfig:
             name, _, raw = item.partition("=")
             if name not in fields:
                 raise ValueError(f"TritonLinearAttentionConfig has no field {name!r} (spec {spec!r})")
-            values[name] = (bool(int(raw)) if name in ("decayed_keys", "intra_kernel", "intra_split", "carried_state")
-                            else int(raw))
+            values[name] = bool(int(raw)) if fields[name].type in ("bool", bool) else int(raw)
         return cls(**values)
 
 
@@ -152,6 +156,18 @@ def carried_segments(config: TritonLinearAttentionConfig, batch: int, heads: int
         return min(config.segments, chunks)
     wanted = -(-CARRIED_PROGRAMS // (batch * heads * value_tiles))
     return max(1, min(wanted, chunks // 8))
+
+
+def carried_varlen_run(config: TritonLinearAttentionConfig, chunks: int, heads: int, value_tiles: int, dk: int,
+                       usable: bool) -> int:
+    """Chunks per run for the carried forward of a varlen call (``chunks``: the chunk table's entries), or 0
+    when it does not apply (``carried_varlen`` or ``carried_state`` off, K > 128, not ``usable``): the
+    config's ``carried_varlen_run``, else at least 8 chunks and about ``CARRIED_PROGRAMS`` programs."""
+    if not (config.carried_varlen and config.carried_state and usable and dk <= 128):
+        return 0
+    if config.carried_varlen_run is not None:
+        return config.carried_varlen_run
+    return max(8, -(-chunks * heads * value_tiles // CARRIED_PROGRAMS))
 
 
 def _block(dim: int, chosen: int | None, largest: int = 64) -> int:
@@ -247,8 +263,13 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                 arrays = [jnp.pad(x, [(0, 0), (0, padded - total), (0, 0), (0, 0)]) for x in arrays]
         intra_kernel = config.intra_kernel and not scalar_gate
         carried_block_v = _block(v.shape[-1], config.carried_block_v, 64 if scalar_gate else 128)
-        segments = carried_segments(config, batch, heads, -(-total // CHUNK), -(-v.shape[-1] // carried_block_v), dk,
+        value_tiles = -(-v.shape[-1] // carried_block_v)
+        segments = carried_segments(config, batch, heads, -(-total // CHUNK), value_tiles, dk,
                                     usable=not varlen and (scalar_gate or intra_kernel))
+        varlen_run_chunks = 0
+        if varlen:
+            varlen_run_chunks = carried_varlen_run(config, tables[0].shape[0], heads, value_tiles, dk,
+                                                   usable=scalar_gate or intra_kernel)
         st = StaticParams(scale=float(call.softmax_scale), block_k=_block(dk, config.block_k),
                           block_v=_block(v.shape[-1], config.block_v),
                           output_block_v=_block(v.shape[-1], config.output_block_v, 128), num_warps=config.num_warps,
@@ -261,7 +282,7 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
                           intra_kernel=intra_kernel, scalar_gate=scalar_gate,
                           intra_num_warps=config.intra_num_warps, intra_split=config.intra_split,
                           intra_inside_num_warps=config.intra_inside_num_warps or config.intra_num_warps,
-                          segments=segments, carried_block_v=carried_block_v,
+                          segments=segments, varlen_run_chunks=varlen_run_chunks, carried_block_v=carried_block_v,
                           carried_num_warps=config.carried_num_warps or (4 if scalar_gate else 8),
                           carried_num_stages=config.carried_num_stages or config.num_stages,
                           cumsum_block_k=config.cumsum_block_k, cumsum_num_warps=config.cumsum_num_warps)

@@ -381,10 +381,12 @@ def _output_kernel(
 @triton.jit
 def _carried_output_kernel(
     Q, K_, V_, GC, G, A_IN, H0, SUMS, TOTALS, scale, NUM_CHUNKS, SEGMENTS,  # inputs
+    CH_START, CH_LEN, SEG_FIRST, SEG_INFO,  # varlen: the chunk table, the segments' chunk bounds and (sequence,
+                                            # its first segment, last-of-sequence flag) per segment
     O, A, CARRY, HT,  # outputs: o; A (SCALAR_GATE with STORE_A); entering states (STORE_CARRY); final state
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr, DECAYED_KEYS: tl.constexpr, STORE_A: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_CARRY: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_CARRY: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """The outputs of one segment of chunks (fixed lengths; grid: value tiles x sequence-segments x heads) with
     the chunk state carried in registers from the segment's entering state: the recurrence of
@@ -398,10 +400,16 @@ def _carried_output_kernel(
     keys, A is formed here (one dot) and stored with STORE_A, the rows' decays scale the dots' results and v
     (the same products as the stored-state kernels, whose rounding to the inputs' dtype falls on q and k
     instead); else A_IN holds A and, with DECAYED_KEYS, K_ the decayed keys (only the state update reads
-    keys)."""
+    keys). IS_VARLEN: the segments are runs of chunks inside each packed sequence (``vjp.varlen_segments``; a
+    padding entry has sequence -1 and does nothing), chunks may be short (rows masked)."""
     iv = tl.program_id(0)
     sp = tl.program_id(1)
     head = tl.program_id(2)
+    if IS_VARLEN:
+        seq = tl.load(SEG_INFO + sp * 3)
+        if seq < 0:
+            return
+        first_segment = tl.load(SEG_INFO + sp * 3 + 1)
     offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, KP)
     offs_v = iv * BV + tl.arange(0, BV)
@@ -409,12 +417,14 @@ def _carried_output_kernel(
     mv = offs_v < V
     mkv = mk[:, None] & mv[None, :]
     tile_offs = offs_k[:, None] * V + offs_v[None, :]
-    seq = sp // SEGMENTS
+    if not IS_VARLEN:
+        seq = sp // SEGMENTS
+        first_segment = sp - sp % SEGMENTS
     if HAS_H0:
         state = tl.load(H0 + (wide(seq) * H + head) * K * V + tile_offs, mask=mkv, other=0.0).to(tl.float32)
     else:
         state = tl.zeros([KP, BV], dtype=tl.float32)
-    for j in range(sp - sp % SEGMENTS, sp):  # the earlier segments of this sequence, in order
+    for j in range(first_segment, sp):  # the earlier segments of this sequence, in order
         if SCALAR_GATE:
             decay = tl.exp(tl.load(TOTALS + wide(j) * H + head))
         else:
@@ -423,46 +433,68 @@ def _carried_output_kernel(
     if STORE_CARRY:
         tl.store(CARRY + (wide(sp) * H + head) * K * V + tile_offs, state, mask=mkv)
     causal = offs_t[:, None] >= offs_t[None, :]
-    lo, hi = sequence_chunks(sp, SUMS, NUM_CHUNKS, SEGMENTS, False)
+    lo, hi = sequence_chunks(sp, SEG_FIRST, NUM_CHUNKS, SEGMENTS, IS_VARLEN)
     for c in range(lo, hi):
-        row0 = wide(c) * BT
+        row0, length = chunk_span(c, CH_START, CH_LEN, BT, IS_VARLEN)
         rows = row0 + offs_t
+        if IS_VARLEN:  # a sequence's last chunk may be short
+            on_rows = offs_t < length
+            tile_rows = on_rows[:, None]
+        else:  # whole chunks: the tiles masked only where the widths need it
+            tile_rows = True
         qk_offs = rows[:, None] * (H * K) + head * K + offs_k[None, :]
         v_offs = rows[:, None] * (H * V) + head * V + offs_v[None, :]
         a_offs = rows[:, None] * (H * BT) + head * BT + offs_t[None, :]
-        q = tl.load(Q + qk_offs, mask=mk[None, :], other=0.0)
-        k = tl.load(K_ + qk_offs, mask=mk[None, :], other=0.0)
-        v = tl.load(V_ + v_offs, mask=mv[None, :], other=0.0)
+        q = tl.load(Q + qk_offs, mask=tile_rows & mk[None, :], other=0.0)
+        k = tl.load(K_ + qk_offs, mask=tile_rows & mk[None, :], other=0.0)
+        v = tl.load(V_ + v_offs, mask=tile_rows & mv[None, :], other=0.0)
         if SCALAR_GATE:
             # one decay per row: applied to the dots' results and to v's rows, never to [BT, K] float32 copies
             # of q or k (registers: 255 per thread and spills with them, sm_90)
-            b = tl.load(GC + rows * H + head)
+            if IS_VARLEN:
+                b = tl.load(GC + rows * H + head, mask=on_rows, other=0.0)
+            else:
+                b = tl.load(GC + rows * H + head)
             acc = tl.dot(q, state.to(q.dtype), input_precision=DOT_PRECISION) * (scale * tl.exp(b))[:, None]
             a = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             a = a * scale * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
             if STORE_A and iv == 0:
-                tl.store(A + a_offs, a)
+                if IS_VARLEN:
+                    tl.store(A + a_offs, a, mask=tile_rows)
+                else:
+                    tl.store(A + a_offs, a)
             acc = tl.dot(a.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            raw = tl.load(G + rows * H + head)
+            if IS_VARLEN:
+                raw = tl.load(G + rows * H + head, mask=on_rows, other=0.0)
+            else:
+                raw = tl.load(G + rows * H + head)
             # to the chunk's end, from the raw gates after each row (as `decay_to_chunk_end`)
             value_decay = tl.exp(tl.cumsum(raw, axis=0, reverse=True) - raw)
             v_decayed = (v.to(tl.float32) * value_decay[:, None]).to(v.dtype)
-            state = state * tl.exp(tl.load(GC + (row0 + BT - 1) * H + head))
+            state = state * tl.exp(tl.load(GC + (row0 + length - 1) * H + head))
             state = tl.dot(tl.trans(k), v_decayed, state, input_precision=DOT_PRECISION)
         else:
-            g = load_gates(GC, rows, head, offs_k, offs_t < BT, H, K, SCALAR_GATE)
+            g = load_gates(GC, rows, head, offs_k, offs_t < length, H, K, SCALAR_GATE)
             q_decayed = (q.to(tl.float32) * scale * tl.exp(g)).to(q.dtype)
             acc = tl.dot(q_decayed, state.to(q.dtype), input_precision=DOT_PRECISION)
-            acc = tl.dot(tl.load(A_IN + a_offs).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            if IS_VARLEN:
+                a = tl.load(A_IN + a_offs, mask=tile_rows, other=0.0)
+            else:
+                a = tl.load(A_IN + a_offs)
+            acc = tl.dot(a.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
             if DECAYED_KEYS:
                 k_decayed = k.to(v.dtype)
             else:
-                k_decayed = decay_to_chunk_end(k, G, rows, offs_t, BT, offs_k, head, H, K, SCALAR_GATE).to(v.dtype)
-            g_last = load_row_gate(GC, row0 + BT - 1, head, offs_k, H, K, SCALAR_GATE)
+                k_decayed = decay_to_chunk_end(k, G, rows, offs_t, length, offs_k, head, H, K, SCALAR_GATE).to(v.dtype)
+            g_last = load_row_gate(GC, row0 + length - 1, head, offs_k, H, K, SCALAR_GATE)
             state = state * tl.exp(g_last)[:, None]
             state = tl.dot(tl.trans(k_decayed), v, state, input_precision=DOT_PRECISION)
-        tl.store(O + v_offs, acc.to(O.dtype.element_ty), mask=mv[None, :])
-    if sp % SEGMENTS == SEGMENTS - 1:
+        tl.store(O + v_offs, acc.to(O.dtype.element_ty), mask=tile_rows & mv[None, :])
+    if IS_VARLEN:
+        last_of_sequence = tl.load(SEG_INFO + sp * 3 + 2) != 0
+    else:
+        last_of_sequence = sp % SEGMENTS == SEGMENTS - 1
+    if last_of_sequence:
         tl.store(HT + (wide(seq) * H + head) * K * V + tile_offs, state, mask=mkv)
 
 

@@ -54,6 +54,7 @@ class StaticParams:
     scalar_gate: bool = False
     state_num_stages: int = 2
     segments: int = 0  # > 0: the carried-state forward over that many segments per sequence (0: stored states)
+    varlen_run_chunks: int = 0  # varlen, > 0: the carried-state forward over runs of at most that many chunks
     carried_block_v: int = 64
     carried_num_warps: int = 4
     carried_num_stages: int = 2
@@ -79,6 +80,34 @@ def chunk_table(cu_seqlens, total: int):
     start = cu[seq] + (ids - seq_first[seq]) * CHUNK
     length = jnp.where(ids < seq_first[-1], jnp.clip(cu[seq + 1] - start, 0, CHUNK), 0)
     return start.astype(jnp.int32), length.astype(jnp.int32), seq_first
+
+
+def varlen_segments(tables, per_run: int):
+    """The carried forward's segments of a varlen call: every packed sequence's chunks (:func:`chunk_table`) cut
+    into runs of at most ``per_run`` (an empty sequence gets one empty run, which writes its final state), over
+    a static count S = N + chunks // per_run + 1 (the rest padding). Returns ``seg_first`` [S + 1] int32, the
+    runs' chunk bounds (consecutive, read as a varlen SEQ_FIRST table), ``seg_info`` [S, 3] int32 (sequence or
+    -1 for padding, the sequence's first run, 1 on its last run) and ``chunk_run`` [chunks] (every chunk-table
+    entry's run; unused entries the last, a padding run)."""
+    _, ch_len, seq_first = tables
+    n = seq_first.shape[0] - 1
+    chunks = ch_len.shape[0]
+    count = n + chunks // per_run + 1
+    runs = jnp.maximum(1, -(-(seq_first[1:] - seq_first[:-1]) // per_run))
+    run_first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(runs).astype(jnp.int32)])
+    ids = jnp.arange(count, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(run_first[1:], ids, side="right"), 0, n - 1).astype(jnp.int32)
+    real = ids < run_first[-1]
+    local = ids - run_first[seq]
+    lo = jnp.where(real, jnp.minimum(seq_first[seq] + local * per_run, seq_first[seq + 1]), seq_first[-1])
+    seg_first = jnp.concatenate([lo, seq_first[-1:]]).astype(jnp.int32)
+    seg_info = jnp.stack([jnp.where(real, seq, -1), jnp.where(real, run_first[seq], ids),
+                          (real & (local == runs[seq] - 1)).astype(jnp.int32)], axis=1).astype(jnp.int32)
+    entries = jnp.arange(chunks, dtype=jnp.int32)
+    entry_seq = jnp.clip(jnp.searchsorted(seq_first[1:], entries, side="right"), 0, n - 1)
+    chunk_run = jnp.where(entries < seq_first[-1], run_first[entry_seq] + (entries - seq_first[entry_seq]) // per_run,
+                          count - 1).astype(jnp.int32)
+    return seg_first, seg_info, chunk_run
 
 
 def _tables(tables):
@@ -201,25 +230,37 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams, residuals: bool = Tru
         attn_in = _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st, _meta(q, v, st)["DOT_PRECISION"])
     out_shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
                   attn_shape if store_attn else jax.ShapeDtypeStruct((1,), jnp.float32))
-    if st.segments:
+    if st.segments or st.varlen_run_chunks:
         # each segment's own sum from a zero state (all at once; none needed for one segment)
         sums, totals = _placeholder(), _placeholder()
-        if st.segments > 1:
+        segment_tables = (_placeholder(jnp.int32),) * 2
+        num_segments, seqs = b * st.segments, b
+        if st.varlen_run_chunks:  # runs of chunks inside each packed sequence; the backward's own passes as before
+            seg_first, seg_info, chunk_run = varlen_segments(tables, st.varlen_run_chunks)
+            segment_tables, num_segments, seqs = (seg_first, seg_info), seg_info.shape[0], tables[2].shape[0] - 1
+            sums = _states(k, kd, v, gc, a, None, (ch_start, ch_len, seg_first), st, store=False)[1]
+            last_rows = ch_start + jnp.maximum(ch_len, 1) - 1
+            chunk_totals = jnp.where((ch_len > 0)[:, None, None], gc[0, last_rows], 0.0)
+            totals = jax.ops.segment_sum(chunk_totals, chunk_run, num_segments=num_segments)
+        elif st.segments > 1:
             sums = _states(k, kd, v, gc, a, None, None, st, segments=st.segments, store=False)[1]
             totals = segment_totals(gc, st.segments)
         keys, raw = (k, a) if kd is None else (kd, _placeholder())
-        carry_shape = (b * st.segments, h, dk, dv) if residuals else (1,)
+        store_carry = residuals and not st.varlen
+        carry_shape = (num_segments, h, dk, dv) if store_carry else (1,)
         o, attn, carries, final = launch(
             _carried_output_kernel,
             (q, keys, v, gc, raw, attn_in, h0 if h0 is not None else _placeholder(), sums, totals,
-             np.float32(st.scale), t // CHUNK, int(st.segments)),
+             np.float32(st.scale), t // CHUNK, max(1, int(st.segments)), ch_start, ch_len, *segment_tables),
             (*out_shapes, jax.ShapeDtypeStruct(carry_shape, jnp.float32),
-             jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)),
-            (triton.cdiv(dv, st.carried_block_v), b * st.segments, h), num_warps=st.carried_num_warps,
-            num_stages=st.carried_num_stages, interpret=st.interpret, KP=max(16, triton.next_power_of_2(dk)),
-            BV=st.carried_block_v, DECAYED_KEYS=kd is not None, STORE_A=store_attn, HAS_H0=h0 is not None,
-            STORE_CARRY=residuals, H=h, K=dk, V=dv, BT=CHUNK, SCALAR_GATE=st.scalar_gate,
-            DOT_PRECISION=_meta(q, v, st)["DOT_PRECISION"])
+             jax.ShapeDtypeStruct((seqs, h, dk, dv), jnp.float32)),
+            (triton.cdiv(dv, st.carried_block_v), num_segments, h), num_warps=st.carried_num_warps,
+            num_stages=st.carried_num_stages, zeroed_outputs=(0,) if st.varlen else (), interpret=st.interpret,
+            KP=max(16, triton.next_power_of_2(dk)), BV=st.carried_block_v, DECAYED_KEYS=kd is not None,
+            STORE_A=store_attn, HAS_H0=h0 is not None, STORE_CARRY=store_carry, IS_VARLEN=st.varlen, H=h, K=dk,
+            V=dv, BT=CHUNK, SCALAR_GATE=st.scalar_gate, DOT_PRECISION=_meta(q, v, st)["DOT_PRECISION"])
+        if not store_carry:
+            carries = jnp.zeros((b, 0), jnp.float32)
     else:
         carries = jnp.zeros((b, 0), jnp.float32)  # batch-first like every output (the vmap rule folds them)
         hs, final = _states(k, kd, v, gc, a, h0, tables, st)
