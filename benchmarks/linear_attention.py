@@ -345,9 +345,10 @@ def main(argv=None) -> int:
             cfg = TritonLinearAttentionConfig(block_k=bk, block_v=bv, num_warps=warps, num_stages=stages,
                                               output_block_v=out_bv[0] if out_bv else None)
         t0 = time.perf_counter()
+        offsets = varlen_offsets(SHAPE["batch"] * args.config_seq, args.varlen) if args.varlen else None
         try:
             t_fwd, t_bwd = time_jax(args.op, "triton", args.config_seq, args.sets, args.warmup, args.reps, args.calls,
-                                    cfg)
+                                    cfg, cu_seqlens=offsets)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             doc["rows"].append(dict(impl="triton", config=spec, seq=args.config_seq, mode="fwd", error=repr(exc)[:500]))

@@ -6,6 +6,7 @@
 #   bash scripts/device/linear_peers.sh tests lightning   # GPU linear tests; lightning at T = 4k, 1k, 16k
 #   bash scripts/device/linear_peers.sh recurrent varlen  # scalar-gate recurrent; 8 packed sequences (3 ops)
 #   CONFIGS="state_num_stages=3,num_warps=4" bash scripts/device/linear_peers.sh lightning  # + configs at 16k
+#   CONFIGS="carried_varlen=1" bash scripts/device/linear_peers.sh varlen   # + configs on the same packed batch
 #
 # fla autotunes on its first call of each kernel (~150 s): TRITON_CACHE_AUTOTUNING keeps the results in
 # .fla_autotune/ (git-ignored; a warm device keeps it between calls). Writes each part's log and the
@@ -32,9 +33,11 @@ for part in "$@"; do
             bench 280 --op "$part" --seqs 4096,1024,16384 "${configs[@]}" >"$OUT/$part.log" 2>&1
             grep -E "^\| |errors vs" "$OUT/$part.log" | sed "s/^/$part: /" ;;
         varlen)
+            varlen_configs=()
+            [ -n "${CONFIGS:-}" ] && varlen_configs=(--configs "$CONFIGS" --config-seq 4096)
             for op in gla recurrent lightning; do
-                bench 150 --op $op --varlen 8 --seqs 4096 --no-numerics >"$OUT/varlen-$op.log" 2>&1
-                grep -E "^\| 4096" "$OUT/varlen-$op.log" | sed "s/^/$op varlen: /"
+                bench 150 --op $op --varlen 8 --seqs 4096 --no-numerics "${varlen_configs[@]}" >"$OUT/varlen-$op.log" 2>&1
+                grep -E "^\|.*\| 4096 \||^\| 4096" "$OUT/varlen-$op.log" | sed "s/^/$op varlen: /"
             done ;;
         *) echo "unknown part $part" >&2 ;;
     esac
