@@ -92,6 +92,10 @@ def test_config_validation():
         TritonLinearAttentionConfig.parse("block=32")
     assert TritonLinearAttentionConfig.parse("carried_state=0/segments=3") == \
         TritonLinearAttentionConfig(carried_state=False, segments=3)
+    for bad, field in (("carried_varlen=yes", "carried_varlen"), ("segments=3.5", "segments"),
+                       ("segments", "segments")):
+        with pytest.raises(ValueError, match=rf"TritonLinearAttentionConfig\.{field} takes .*{bad!r}"):
+            TritonLinearAttentionConfig.parse(bad)
     for candidate in IMPLEMENTATION.candidate_configs(_call()):
         assert isinstance(candidate, TritonLinearAttentionConfig)
 

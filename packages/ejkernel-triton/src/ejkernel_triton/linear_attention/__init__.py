@@ -70,8 +70,8 @@ class TritonLinearAttentionConfig:
     (``_carried_output_kernel``) from the state entering it (each segment summed from zero by the state
     kernel, those sums carried across the segments by the output kernel): no per-chunk states written and
     read back, and 1/segments of the sequential chain; the backward recomputes the states and their
-    gradients per segment likewise. ``segments``: per sequence (None: enough for ~256 programs, at most one
-    per 8 chunks). ``carried_block_v``/``carried_num_warps``/``carried_num_stages`` (None: ``num_stages``):
+    gradients per segment likewise. ``segments``: per sequence of a fixed-length call (None: ~256 programs,
+    at most one per 8 chunks). ``carried_block_v``/``carried_num_warps``/``carried_num_stages`` (None: ``num_stages``):
     that kernel's value tile, warps and pipelining depth; None: 64 / 4 for scalar gates, 128 / 8 for
     per-dimension ones (H100, B=4 T=16k H=8 K=V=128, forward: lightning 0.434 ms at 64 / 4, 0.614 at 128 / 8,
     0.711 at 64 / 8; gla 1.827 and 1.853 ms at 128 / 8 against 1.884 and 1.886 at 64 / 4, two runs).
@@ -137,7 +137,12 @@ class TritonLinearAttentionConfig:
             name, _, raw = item.partition("=")
             if name not in fields:
                 raise ValueError(f"TritonLinearAttentionConfig has no field {name!r} (spec {spec!r})")
-            values[name] = bool(int(raw)) if fields[name].type in ("bool", bool) else int(raw)
+            is_bool = fields[name].type in ("bool", bool)
+            if raw not in ("0", "1") if is_bool else not raw.isdigit():
+                wanted = "0 or 1" if is_bool else "a positive int"
+                raise ValueError(f"TritonLinearAttentionConfig.{name} takes {wanted} in a spec, got {item!r} "
+                                 f"(spec {spec!r})")
+            values[name] = bool(int(raw)) if is_bool else int(raw)
         return cls(**values)
 
 
