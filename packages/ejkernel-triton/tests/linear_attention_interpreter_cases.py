@@ -111,6 +111,13 @@ CASES = {
                                                                       decayed_keys=True, intra_kernel=True)),
     # gates 40x stronger than log-sigmoid: every exponent stays <= 0, nothing overflows
     "gla_strong_gates": dict(shape=(1, 70, 1, 1, 16, 16), strength=8.0, gate_scale=40.0),
+    # gates whose span inside a sub-chunk is above SPAN_LIMIT in about half the sub-chunks: the intra kernel's
+    # and the backward's exact pair loops beside their split dots in one call; varlen with the two intra
+    # launches (the second reads the first's flags), and fixed lengths with one launch
+    "gla_mixed_spans_varlen": dict(shape=(1, 200, 2, 2, 16, 32), strength=8.0, gate_scale=2.5,
+                                   bounds=(0, 70, 70, 150, 190)),
+    "gla_mixed_spans_one_launch": dict(shape=(1, 192, 2, 2, 16, 32), strength=8.0, gate_scale=2.5,
+                                       cfg=TritonLinearAttentionConfig(intra_split=False)),
     # scalar gate + g_gamma, GQA 2:1, reverse, float16
     "recurrent_scalar_gamma_gqa_reverse_fp16": dict(operation="recurrent_attention", shape=(1, 80, 2, 1, 16, 16),
                                                      dtype="float16", gate="scalar", gamma=True,

@@ -25,7 +25,9 @@ CASES_SCRIPT = Path(__file__).with_name("linear_attention_interpreter_cases.py")
 TOLERANCE = {"float32": 2e-6, "float16": 2e-3}
 # gates of ~-100 per token: cumulative sums of ~-6e3 lose float32 digits (the scalar path forms exp(gc_t - gc_s)
 # from two of them, as fla's chunk_simple_gla does; the per-dimension path splits at sub-chunk reference rows)
-LOOSER = {"gla_strong_gates": 5e-5, "recurrent_scalar_strong_gates": 1e-4}
+LOOSER = {"gla_strong_gates": 5e-5, "recurrent_scalar_strong_gates": 1e-4,
+          # gates of ~-2.5 per token (cumulative ~-160 per chunk): the same errors before the split dots
+          "gla_mixed_spans_varlen": 5e-6, "gla_mixed_spans_one_launch": 5e-6}
 
 
 def _spec(shape, dtype=jnp.bfloat16):

@@ -54,6 +54,9 @@ CANDIDATE = "decayed_keys=1/intra_kernel=1/state_block_k=32/state_block_v=32"  #
     (1, 512, 2, 2, 256, 64, "vector", False, None),  # head dim 256: four key tiles
     (1, 1500, 4, 4, 128, 128, "varlen", True, None),  # packed sequences of 300, 0, 1000 and 150 tokens (+50 past the end)
     (2, 1000, 4, 4, 128, 128, "vector", False, CANDIDATE),
+    # gates of ~-1.8 per token: 20 % of the intra kernel's sub-chunks and 37 % of the backward's programs span
+    # more than SPAN_LIMIT (exact pair loops), the others go through the split dots, in the same call
+    (2, 1000, 4, 4, 128, 128, "strong", False, None),
     (1, 1500, 4, 4, 128, 128, "varlen", True, CANDIDATE),
     (1, 1500, 4, 4, 128, 128, "varlen", True, "carried_varlen=1/carried_varlen_run=4"),  # runs inside sequences
 ])
@@ -66,7 +69,7 @@ def test_bf16_model_shapes_against_float32_xla(batch, total, heads, kv_heads, dk
     k = jax.random.normal(keys[1], (batch, total, kv_heads, dk), jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, total, kv_heads, dv), jnp.float32).astype(jnp.bfloat16)
     g_shape = (batch, total, heads) if gate == "scalar" else (batch, total, heads, dk)
-    g = log_sigmoid_gate(total, g_shape)
+    g = log_sigmoid_gate(total, g_shape, strength=8.0) * 1.8 if gate == "strong" else log_sigmoid_gate(total, g_shape)
     cu = jnp.asarray([0, 300, 300, 1300, 1450], jnp.int32) if gate == "varlen" else None
     states = batch if cu is None else cu.shape[0] - 1
     h0 = jax.random.normal(keys[3], (states, heads, dk, dv), jnp.float32)

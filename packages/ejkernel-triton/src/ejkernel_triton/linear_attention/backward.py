@@ -21,8 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.linear_attention.forward import (chunk_rows, chunk_span, load_gates, load_row_gate,
-                                                      sequence_chunks, state_tile, wide)
+from ejkernel_triton.linear_attention.forward import (SPAN_LIMIT, chunk_rows, chunk_span, load_gates,
+                                                      load_row_gate, sequence_chunks, state_tile, wide)
 
 
 @triton.jit
@@ -169,41 +169,16 @@ def _dqkg_kernel(
         dq = tl.dot(pairs, k32, dq, input_precision=DOT_PRECISION)
         dk = tl.dot(tl.trans(pairs), q_scaled, dk, input_precision=DOT_PRECISION)
     else:
-        sub = offs_t // BC
-        local = offs_t % BC
-        # (sub-chunks past a short varlen chunk's end are skipped: their reference gate would not be a real one)
-        for i in range(1, NC):  # dq: keys of earlier sub-chunks, split at the first row of sub-chunk i
-            if i * BC < length:
-                ref = tl.sum(tl.where((offs_t == i * BC)[:, None], g, 0.0), 0)
-                on_rows_i = (sub == i)[:, None]
-                on_cols = (sub < i)[:, None]
-                keys = tl.where(on_cols, k32 * tl.exp(tl.where(on_cols, ref[None, :] - g, 0.0)), 0.0)
-                part = tl.dot(d_a, keys, input_precision=DOT_PRECISION)  # float32 operands: TF32 / IEEE
-                dq += tl.where(on_rows_i, part * tl.exp(tl.where(on_rows_i, g - ref[None, :], 0.0)), 0.0)
-        for j in range(0, NC - 1):  # dk: queries of later sub-chunks, split at the last row of sub-chunk j
-            if (j + 1) * BC < length:
-                ref = tl.sum(tl.where((offs_t == j * BC + BC - 1)[:, None], g, 0.0), 0)
-                on_rows_j = (sub == j)[:, None]
-                on_cols = (sub > j)[:, None]
-                queries = tl.where(on_cols, q_scaled * tl.exp(tl.where(on_cols, g - ref[None, :], 0.0)), 0.0)
-                part = tl.dot(tl.trans(d_a), queries, input_precision=DOT_PRECISION)
-                dk += tl.where(on_rows_j, part * tl.exp(tl.where(on_rows_j, ref[None, :] - g, 0.0)), 0.0)
-        # pairs inside one sub-chunk, exactly: column j of every sub-chunk at once
-        for j in range(BC):
-            src_local = offs_t - local + j
-            on_src = src_local < length
-            src_offs = (row0 + src_local)[:, None] * (H * K) + head * K + offs_k[None, :]
-            g_src = tl.load(GC + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0)
-            k_src = tl.load(K_ + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            q_src = tl.load(Q + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
-            # dq_t += dA[t, src] k_src exp(g_t - g_src)       (src <= t)
-            later = (local >= j) & on_rows
-            a_col = tl.load(DA + a_offs + src_local, mask=later, other=0.0)
-            dq += a_col[:, None] * k_src * tl.exp(tl.where(later[:, None], g - g_src, 0.0))
-            # dk_s += dA[src, s] q_src exp(g_src - g_s)        (src >= s)
-            earlier = (local <= j) & on_src
-            a_row = tl.load(DA + (row0 + src_local) * (H * BT) + head * BT + offs_t, mask=earlier, other=0.0)
-            dk += a_row[:, None] * q_src * tl.exp(tl.where(earlier[:, None], g_src - g, 0.0))
+        # the sub-chunks' own blocks by the dots too while every |gc_t - gc_r| in them (r: a sub-chunk's first
+        # row) stays within SPAN_LIMIT, else pair by pair
+        first = row0 + (offs_t // BC) * BC
+        g_first = tl.load(GC + first[:, None] * (H * K) + head * K + offs_k[None, :], mask=m, other=0.0)
+        span = tl.max(tl.max(tl.where(m, tl.abs(g - g_first), 0.0), 1), 0)
+        dq, dk = _sub_chunk_pairs(d_a, q_scaled, k32, g, dq, dk, offs_t, on_rows, length, span <= SPAN_LIMIT, BC,
+                                  NC, DOT_PRECISION)
+        if span > SPAN_LIMIT:
+            dq, dk = _own_block_pairs(Q, K_, GC, DA, a_offs, g, dq, dk, row0, length, offs_t, offs_k, mk, on_rows,
+                                      head, scale, H, K, BT, BC)
     d_gc = q_scaled * dq - k32 * dk
     tl.store(DQ + k_offs, (dq * scale).to(DQ.dtype.element_ty), mask=m)
     tl.store(DK + k_offs, dk.to(DK.dtype.element_ty), mask=m)
@@ -213,3 +188,57 @@ def _dqkg_kernel(
     else:
         dg = tl.cumsum(d_gc, axis=0, reverse=True) + d_last[None, :]
         tl.store(DG + k_offs, dg, mask=m)
+
+
+@triton.jit
+def _sub_chunk_pairs(d_a, q_scaled, k32, g, dq, dk, offs_t, on_rows, length, own, BC: tl.constexpr, NC: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """dq and dk from the pairs in different sub-chunks (and, with ``own``, inside the same one), one dot per
+    sub-chunk: for dq of sub-chunk i the keys before it (and its own) split at its first row r,
+    ``exp(gc_t - gc_r) exp(gc_r - gc_s)``; for dk of sub-chunk j the queries after it (and its own) split at its
+    last row (with ``own``: its first row, whose exponents the caller bounded). d_a is zero above the diagonal,
+    so a sub-chunk's own block adds only the pairs s <= t."""
+    sub = offs_t // BC
+    own_blocks = own.to(tl.int32)  # 1: a sub-chunk's own block joins its dot
+    for i in range(1 - own_blocks, NC):  # dq
+        if i * BC < length:
+            ref = tl.sum(tl.where((offs_t == i * BC)[:, None], g, 0.0), 0)
+            on_rows_i = ((sub == i) & on_rows)[:, None]
+            on_cols = ((sub < i + own_blocks) & on_rows)[:, None]
+            keys = tl.where(on_cols, k32 * tl.exp(tl.where(on_cols, ref[None, :] - g, 0.0)), 0.0)
+            part = tl.dot(d_a, keys, input_precision=DOT_PRECISION)  # float32 operands: TF32 / IEEE
+            dq += tl.where(on_rows_i, part * tl.exp(tl.where(on_rows_i, g - ref[None, :], 0.0)), 0.0)
+    for j in range(0, NC - 1 + own_blocks):  # dk
+        ref_row = j * BC + (1 - own_blocks) * (BC - 1)
+        if ref_row < length:
+            ref = tl.sum(tl.where((offs_t == ref_row)[:, None], g, 0.0), 0)
+            on_rows_j = ((sub == j) & on_rows)[:, None]
+            on_cols = ((sub > j - own_blocks) & on_rows)[:, None]
+            queries = tl.where(on_cols, q_scaled * tl.exp(tl.where(on_cols, g - ref[None, :], 0.0)), 0.0)
+            part = tl.dot(tl.trans(d_a), queries, input_precision=DOT_PRECISION)
+            dk += tl.where(on_rows_j, part * tl.exp(tl.where(on_rows_j, ref[None, :] - g, 0.0)), 0.0)
+    return dq, dk
+
+
+@triton.jit
+def _own_block_pairs(Q, K_, GC, DA, d_a_rows, g, dq, dk, row0, length, offs_t, offs_k, mk, on_rows, head, scale,
+                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """dq and dk from the pairs inside each sub-chunk, exactly (every exponent <= 0 for decays, however
+    strong): column j of every sub-chunk at once, row t reading its sub-chunk's row j."""
+    local = offs_t % BC
+    for j in range(BC):
+        src_local = offs_t - local + j
+        on_src = src_local < length
+        src_offs = (row0 + src_local)[:, None] * (H * K) + head * K + offs_k[None, :]
+        g_src = tl.load(GC + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0)
+        k_src = tl.load(K_ + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        q_src = tl.load(Q + src_offs, mask=on_src[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
+        # dq_t += dA[t, src] k_src exp(g_t - g_src)       (src <= t)
+        later = (local >= j) & on_rows
+        a_col = tl.load(DA + d_a_rows + src_local, mask=later, other=0.0)
+        dq += a_col[:, None] * k_src * tl.exp(tl.where(later[:, None], g - g_src, 0.0))
+        # dk_s += dA[src, s] q_src exp(g_src - g_s)        (src >= s)
+        earlier = (local <= j) & on_src
+        a_row = tl.load(DA + (row0 + src_local) * (H * BT) + head * BT + offs_t, mask=earlier, other=0.0)
+        dk += a_row[:, None] * q_src * tl.exp(tl.where(earlier[:, None], g_src - g, 0.0))
+    return dq, dk

@@ -14,13 +14,16 @@ formed by the output kernel with one dot per key tile (no sub-chunk splitting, n
 backward (forming it again in the dv kernel by a dot gave wrong dv on an H100 with Triton 3.6 at K=V=128,
 right in the interpreter); the other kernels read one gate per row (:func:`load_gates`).
 
-Every exponent the kernels form is <= 0 for decaying gates (log gates <= 0), however strong: across
-sub-chunks of 16 the pair factor splits at a reference row between the two tokens; inside a sub-chunk
-it is formed pair by pair (``_diag_pairs``). ``_state_kernel`` runs the recurrence over chunks (one program
-per K x V tile and head) and writes every ``h_n``; ``_output_kernel`` is parallel over chunks. Fixed-length
-calls with K <= 128 instead cut each sequence into segments of chunks: ``_state_kernel`` sums each segment
-from a zero state, and ``_carried_output_kernel`` runs every segment at once, its entering state carried
-through the earlier segments' sums, then the state carried in registers through its chunks (nothing stored).
+No exponent the kernels form overflows, however strong the decay: across sub-chunks of 16 the pair factor
+splits at a reference row between the two tokens (both exponents <= 0 for log gates <= 0); inside a sub-chunk
+it splits at the sub-chunk's first row too where the sub-chunk's gates span at most ``SPAN_LIMIT`` (every
+factor within ``e^SPAN_LIMIT``: matmuls instead of pair loops), and is formed pair by pair otherwise
+(``_diag_pairs``, ``_intra_inside``; the output kernel's own A always pairs). ``_state_kernel`` runs the
+recurrence over chunks (one program per K x V tile and head) and writes every ``h_n``; ``_output_kernel`` is
+parallel over chunks. Fixed-length calls with K <= 128 instead cut each sequence into segments of chunks:
+``_state_kernel`` sums each segment from a zero state, and ``_carried_output_kernel`` runs every segment at
+once, its entering state carried through the earlier segments' sums, then the state carried in registers
+through its chunks (nothing stored).
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ import triton.language as tl
 CHUNK = 64
 """Tokens per chunk."""
 SUB_CHUNK = 16
-"""Tokens per sub-chunk: pairs inside one are formed exactly, pair by pair."""
+"""Tokens per sub-chunk: pairs inside one are formed by a matmul split at its first row while its gates span at
+most ``SPAN_LIMIT``, exactly pair by pair otherwise."""
+SPAN_LIMIT = tl.constexpr(40.0)
+"""Largest |gc_t - gc_r| (r: the sub-chunk's first row, any t and key column of it) for which the pairs inside
+a sub-chunk go through the split factors ``exp(gc_t - gc_r) exp(gc_r - gc_s)``: each within [e^-40, e^40], far
+from float32's limits (e^88) for any q, k, dA of a sane model, and log-sigmoid gates of real models span a
+few units over 16 tokens."""
 
 
 @triton.jit
@@ -219,22 +228,24 @@ def across_sub_chunks(x, x_gates, y, y_gates, offs_t, length, BC: tl.constexpr, 
 @triton.jit
 def _intra_kernel(
     Q, K_, GC, CH_START, CH_LEN, scale,  # inputs
-    A_PREV,  # the second launch of a split: the first's A, aliased to A (else a placeholder); never read
+    A_PREV, EXACT_PREV,  # the second launch of a split: the first's A and flags, aliased to A / EXACT
     A,  # output: A [B, T, H, BT] float32 (scale included; zero above the diagonal)
+    EXACT,  # output of a split's first launch: [chunks * BT / BC, H] int32, 1 where the own block is left
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, ACROSS: tl.constexpr, INSIDE: tl.constexpr,
 ):
     """The rows of one sub-chunk of A (``BC`` x ``BT``): small programs (grid: sub-chunks x chunks x heads), so
     many share an SM and hide each other's load latency (the output kernel then only reads A). Same numerics as
-    the output kernel's own A: across sub-chunks split at the sub-chunk's first row, pairs inside it exact.
+    the output kernel's own A: split at the sub-chunk's first row, and the pairs inside the sub-chunk exactly
+    where its gates span more than ``SPAN_LIMIT``.
 
-    The pairs inside the sub-chunk (`_intra_inside`) go over whole key rows and each result is stored as soon
-    as it is reduced: no [BC, BT] register scatter per column and no accumulation across key tiles, so the
-    steps do not depend on each other (H100, 2026-11-24: the former scatter loop at 4 warps took 350 us at B=4
-    T=4k H=8 K=V=128, 54 % of the forward; a [16, 16, 16] broadcast per key slice, tried instead, 412 us). ``ACROSS`` / ``INSIDE``: which of the two parts this
-    launch writes (disjoint columns of A); as two launches each part keeps its own registers and shared memory
-    (one launch: 112 registers and 51 KB per program, 4 programs per SM, half the cycles waiting on loads: ncu,
-    H100, T=16k)."""
+    ``_intra_across`` forms every column by dots (its own block's lower triangle only while the span allows);
+    `_intra_inside` forms the own block's lower triangle exactly, pair by pair (H100, 2026-11-24: the former
+    scatter loop at 4 warps took 350 us at B=4 T=4k H=8 K=V=128, 54 % of the forward; a [16, 16, 16]
+    broadcast per key slice, tried instead, 412 us). ``ACROSS`` / ``INSIDE``: which of the two parts this
+    launch runs; as two launches (``EXACT`` tells the second which sub-chunks need it) each part keeps its own
+    registers and shared memory (one launch: 112 registers and 51 KB per program, 4 programs per SM, half the
+    cycles waiting on loads: ncu, H100, T=16k)."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     head = tl.program_id(2)
@@ -246,39 +257,64 @@ def _intra_kernel(
     rmask = local < length
     row_base = (row0 + local)[:, None] * (H * K) + head * K
     a_rows = A + (row0 + local) * (H * BT) + head * BT  # [BC] pointers to column 0 of each row
+    flag = EXACT + (wide(c) * (BT // BC) + i) * H + head
     if ACROSS:
-        _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H, K, BT, BC, BK, DOT_PRECISION)
-    if INSIDE:
+        exact = _intra_across(Q, K_, GC, scale, a_rows, row0, length, i, head, rmask, row_base, H, K, BT, BC, BK,
+                              DOT_PRECISION)
+        if INSIDE:
+            if exact:
+                _intra_inside(Q, K_, GC, scale, a_rows, row0, length, i, head, offs_r, rmask, row_base, H, K, BT,
+                              BC, KP)
+        else:
+            tl.store(flag, exact.to(tl.int32))
+    elif tl.load(flag) != 0:
         _intra_inside(Q, K_, GC, scale, a_rows, row0, length, i, head, offs_r, rmask, row_base, H, K, BT, BC, KP)
 
 
 @triton.jit
-def _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H: tl.constexpr, K: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Every column of a sub-chunk's rows of A but its own block's lower triangle: the earlier sub-chunks by one
-    dot per key tile, split at this sub-chunk's first row (every exponent <= 0); zeros above the diagonal."""
+def _intra_across(Q, K_, GC, scale, a_rows, row0, length, i, head, rmask, row_base, H: tl.constexpr,
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """A sub-chunk's rows of A by dots per key tile, every factor split at its first row r: the earlier
+    sub-chunks' columns (both exponents <= 0 for decays) and the own block (``exp(gc_r - gc_s)`` up to
+    ``e^SPAN_LIMIT``), whose lower triangle is stored only if the sub-chunk's gates span at most
+    ``SPAN_LIMIT``; zeros above the diagonal. Returns whether the own block's lower triangle is left to
+    `_intra_inside`."""
     offs_c = tl.arange(0, BT)
+    offs_r = tl.arange(0, BC)
     acc = tl.zeros([BC, BT], dtype=tl.float32)
-    if i > 0:  # the earlier sub-chunks: one dot per key tile, split at this sub-chunk's first row
-        before = offs_c < i * BC
-        for k0 in range(0, K, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            mk = offs_k < K
-            m = rmask[:, None] & mk[None, :]
+    own = tl.zeros([BC, BC], dtype=tl.float32)
+    span = tl.zeros([BC], dtype=tl.float32)
+    before = offs_c < i * BC
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < K
+        m = rmask[:, None] & mk[None, :]
+        q = tl.load(Q + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * scale
+        gq = tl.load(GC + row_base + offs_k[None, :], mask=m, other=0.0)
+        ref = tl.load(GC + (row0 + i * BC) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
+        ko = tl.load(K_ + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        exponent = tl.where(m, gq - ref[None, :], 0.0)
+        span = tl.maximum(span, tl.max(tl.abs(exponent), 1))
+        xq = q * tl.exp(exponent)
+        own = tl.dot(xq, tl.trans(ko * tl.exp(-exponent)), own, input_precision=DOT_PRECISION)
+        if i > 0:
             mc = before[:, None] & mk[None, :]
             c_offs = (row0 + offs_c)[:, None] * (H * K) + head * K + offs_k[None, :]
-            q = tl.load(Q + row_base + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * scale
-            gq = tl.load(GC + row_base + offs_k[None, :], mask=m, other=0.0)
-            ref = tl.load(GC + (row0 + i * BC) * (H * K) + head * K + offs_k, mask=mk, other=0.0)
             kc = tl.load(K_ + c_offs, mask=mc, other=0.0).to(tl.float32)
             gk = tl.load(GC + c_offs, mask=mc, other=0.0)
-            xq = q * tl.exp(tl.where(m, gq - ref[None, :], 0.0))
             yk = kc * tl.exp(tl.where(mc, ref[None, :] - gk, 0.0))
+            # float32 operands (TF32 for 16-bit inputs, IEEE for float32), as fla keeps its intra-chunk A
             acc = tl.dot(xq, tl.trans(yk), acc, input_precision=DOT_PRECISION)
-    # every column but the block's lower triangle, which `_intra_inside` writes (disjoint stores)
-    local = i * BC + tl.arange(0, BC)
+    # every column but the own block's lower triangle (zeros above the diagonal included)
+    local = i * BC + offs_r
     skip = (offs_c[None, :] >= i * BC) & (offs_c[None, :] <= local[:, None])
     tl.store(a_rows[:, None] + offs_c[None, :], acc, mask=rmask[:, None] & ~skip)
+    exact = tl.max(span, 0) > SPAN_LIMIT
+    if tl.max(span, 0) <= SPAN_LIMIT:
+        lower = offs_r[:, None] >= offs_r[None, :]
+        tl.store(a_rows[:, None] + i * BC + offs_r[None, :], own, mask=rmask[:, None] & lower)
+    return exact
 
 
 @triton.jit

@@ -196,23 +196,27 @@ def segment_carries(sums, totals, start, reverse: bool = False):
 
 
 def _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st: StaticParams, dot_precision):
-    """A [B, T, H, 64] float32 by `_intra_kernel`: one launch, or (``st.intra_split``) the across-sub-chunk
-    columns first and the sub-chunks' own blocks by a second launch into the same array (aliased), so each
-    part runs with its own registers and shared memory."""
-    b, t, h, dk = q.shape
+    """A [B, T, H, 64] float32 by `_intra_kernel`: one launch, or (``st.intra_split``) the dots first and the
+    sub-chunks' own blocks that their gates' span leaves to the exact pair loop by a second launch into the
+    same array (aliased, with the first's flags), so each part runs with its own registers and shared memory."""
+    h, dk = q.shape[2:]
     args = (q, k, gc, ch_start, ch_len, np.float32(st.scale))
     common = dict(num_warps=st.intra_num_warps, num_stages=st.num_stages, interpret=st.interpret, H=h, K=dk,
                   BT=CHUNK, BC=SUB_CHUNK, BK=st.block_k, KP=triton.next_power_of_2(dk), IS_VARLEN=st.varlen,
                   DOT_PRECISION=dot_precision)
     grid = (CHUNK // SUB_CHUNK, chunks, h)
     zeroed = (0,) if st.varlen else ()
+    unused = (_placeholder(), _placeholder(jnp.int32))
     if not st.intra_split:
-        return launch(_intra_kernel, (*args, _placeholder()), (attn_shape,), grid, zeroed_outputs=zeroed,
-                      ACROSS=True, INSIDE=True, **common)[0]
-    across = launch(_intra_kernel, (*args, _placeholder()), (attn_shape,), grid, zeroed_outputs=zeroed,
-                    ACROSS=True, INSIDE=False, **common)[0]
-    return launch(_intra_kernel, (*args, across), (attn_shape,), grid, input_output_aliases={len(args): 0},
-                  ACROSS=False, INSIDE=True, **dict(common, num_warps=st.intra_inside_num_warps))[0]
+        return launch(_intra_kernel, (*args, *unused), (attn_shape, jax.ShapeDtypeStruct((1,), jnp.int32)), grid,
+                      zeroed_outputs=zeroed, ACROSS=True, INSIDE=True, **common)[0]
+    # (flags of sub-chunks past a short chunk's end are neither written nor read)
+    flags = jax.ShapeDtypeStruct((chunks * (CHUNK // SUB_CHUNK), h), jnp.int32)
+    across = launch(_intra_kernel, (*args, *unused), (attn_shape, flags), grid, zeroed_outputs=zeroed,
+                    ACROSS=True, INSIDE=False, **common)
+    return launch(_intra_kernel, (*args, *across), (attn_shape, flags), grid,
+                  input_output_aliases={len(args): 0, len(args) + 1: 1}, ACROSS=False, INSIDE=True,
+                  **dict(common, num_warps=st.intra_inside_num_warps))[0]
 
 
 def _run_forward(q, k, v, a, h0, tables, st: StaticParams, residuals: bool = True):
