@@ -79,7 +79,8 @@ class TritonLinearAttentionConfig:
     gates: it reads the gates and keys and writes gc and the decayed keys, 804 MB at that shape).
     ``carried_varlen``: varlen calls through the carried forward too (runs of ``carried_varlen_run`` chunks
     inside each packed sequence; None: at least 8, ~256 programs; the backward keeps the stored-state passes).
-    Off by default: checked in the interpreter and lowered for sm_90, not yet timed or run on a GPU (NOTES)."""
+    Off by default: it passes the GPU suite but was slower than the stored-state forward (H100, 8 sequences in
+    16k tokens, forward: gla 0.722 vs 0.676 ms, lightning 0.598 vs 0.286, recurrent 0.410 vs 0.274)."""
 
     block_k: int | None = None
     block_v: int | None = None
