@@ -174,9 +174,10 @@ def _dqkg_kernel(
         first = row0 + (offs_t // BC) * BC
         g_first = tl.load(GC + first[:, None] * (H * K) + head * K + offs_k[None, :], mask=m, other=0.0)
         span = tl.max(tl.max(tl.where(m, tl.abs(g - g_first), 0.0), 1), 0)
-        dq, dk = _sub_chunk_pairs(d_a, q_scaled, k32, g, dq, dk, offs_t, on_rows, length, span <= SPAN_LIMIT, BC,
-                                  NC, DOT_PRECISION)
-        if span > SPAN_LIMIT:
+        within = span <= SPAN_LIMIT  # (not for NaN gates: they take the exact loop)
+        dq, dk = _sub_chunk_pairs(d_a, q_scaled, k32, g, dq, dk, offs_t, on_rows, length, within, BC, NC,
+                                  DOT_PRECISION)
+        if within == 0:
             dq, dk = _own_block_pairs(Q, K_, GC, DA, a_offs, g, dq, dk, row0, length, offs_t, offs_k, mk, on_rows,
                                       head, scale, H, K, BT, BC)
     d_gc = q_scaled * dq - k32 * dk

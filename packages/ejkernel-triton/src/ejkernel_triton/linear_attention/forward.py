@@ -259,7 +259,7 @@ def _intra_kernel(
     a_rows = A + (row0 + local) * (H * BT) + head * BT  # [BC] pointers to column 0 of each row
     flag = EXACT + (wide(c) * (BT // BC) + i) * H + head
     if ACROSS:
-        exact = _intra_across(Q, K_, GC, scale, a_rows, row0, length, i, head, rmask, row_base, H, K, BT, BC, BK,
+        exact = _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H, K, BT, BC, BK,
                               DOT_PRECISION)
         if INSIDE:
             if exact:
@@ -272,9 +272,8 @@ def _intra_kernel(
 
 
 @triton.jit
-def _intra_across(Q, K_, GC, scale, a_rows, row0, length, i, head, rmask, row_base, H: tl.constexpr,
-                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _intra_across(Q, K_, GC, scale, a_rows, row0, i, head, rmask, row_base, H: tl.constexpr, K: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """A sub-chunk's rows of A by dots per key tile, every factor split at its first row r: the earlier
     sub-chunks' columns (both exponents <= 0 for decays) and the own block (``exp(gc_r - gc_s)`` up to
     ``e^SPAN_LIMIT``), whose lower triangle is stored only if the sub-chunk's gates span at most
@@ -310,11 +309,11 @@ def _intra_across(Q, K_, GC, scale, a_rows, row0, length, i, head, rmask, row_ba
     local = i * BC + offs_r
     skip = (offs_c[None, :] >= i * BC) & (offs_c[None, :] <= local[:, None])
     tl.store(a_rows[:, None] + offs_c[None, :], acc, mask=rmask[:, None] & ~skip)
-    exact = tl.max(span, 0) > SPAN_LIMIT
-    if tl.max(span, 0) <= SPAN_LIMIT:
+    within = tl.max(span, 0) <= SPAN_LIMIT  # (not for NaN gates: they take the exact loop)
+    if within:
         lower = offs_r[:, None] >= offs_r[None, :]
         tl.store(a_rows[:, None] + i * BC + offs_r[None, :], own, mask=rmask[:, None] & lower)
-    return exact
+    return within == 0
 
 
 @triton.jit
