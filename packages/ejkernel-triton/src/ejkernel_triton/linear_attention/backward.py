@@ -21,28 +21,34 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ejkernel_triton.linear_attention.forward import (SPAN_LIMIT, chunk_rows, chunk_span, load_gates,
-                                                      load_row_gate, sequence_chunks, state_tile, wide)
+from ejkernel_triton.linear_attention.forward import (SPAN_LIMIT, carry_through_segment, chunk_rows, chunk_span,
+                                                      load_gates, load_row_gate, sequence_chunks, state_tile, wide)
 
 
 @triton.jit
 def _state_grad_kernel(
-    Q, GC, DO, DHT, CH_START, CH_LEN, SEQ_FIRST, scale, NUM_CHUNKS, SEGMENTS,  # inputs
+    Q, GC, DO, DHT, SUMS, TOTALS, CH_START, CH_LEN, SEQ_FIRST, scale, NUM_CHUNKS, SEGMENTS,  # inputs
     DHS, DH0,  # outputs: dh per chunk (gradient of the state leaving it), dh_0 per sequence (float32)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr, HAS_DHT: tl.constexpr,
-    STORE_STATES: tl.constexpr,
+    STORE_STATES: tl.constexpr, CARRY_IN: tl.constexpr,
 ):
     """The state gradients' recurrence (reverse) for one K x V tile of one (sequence, head), or of one segment
-    of its chunks (``SEGMENTS`` > 1: DHT and DH0 then hold the gradients leaving and entering each segment, as
-    in ``forward._state_kernel``); without HAS_DHT it starts from zero, without STORE_STATES only DH0 is
-    written."""
+    of its chunks (``SEGMENTS`` > 1: DH0 then holds the gradients entering each segment, as in
+    ``forward._state_kernel``), from DHT, the gradient leaving the sequence (HAS_DHT; else zeros). Segments
+    start from zero, or (CARRY_IN) from DHT carried back through the later segments' own sums SUMS (this
+    kernel's launch from zero) and summed log gates TOTALS. Without STORE_STATES only DH0 is written."""
     sh, s, head, offs_k, offs_v, mk, mv, mkv, state_offs = state_tile(H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
     if HAS_DHT:
-        dstate = tl.load(DHT + sh.to(tl.int64) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
+        dstate = tl.load(DHT + wide(s // SEGMENTS * H + head) * K * V + state_offs, mask=mkv, other=0.0).to(tl.float32)
     else:
         dstate = tl.zeros([BK, BV], dtype=tl.float32)
+    if CARRY_IN:  # fixed lengths: s = sequence * SEGMENTS + segment
+        last = s - s % SEGMENTS + SEGMENTS - 1
+        for i in range(last - s):  # the later segments of this sequence, last first
+            dstate = carry_through_segment(dstate, SUMS, TOTALS, last - i, head, offs_k, mk, state_offs, mkv, H, K,
+                                           V, SCALAR_GATE)
     lo, hi = sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, SEGMENTS, IS_VARLEN)
     for i in range(hi - lo):
         c = hi - 1 - i

@@ -102,6 +102,19 @@ def sequence_chunks(s, SEQ_FIRST, NUM_CHUNKS, SEGMENTS, IS_VARLEN: tl.constexpr)
 
 
 @triton.jit
+def carry_through_segment(state, SUMS, TOTALS, j, head, offs_k, mk, tile_offs, mkv, H: tl.constexpr, K: tl.constexpr,
+                          V: tl.constexpr, SCALAR_GATE: tl.constexpr):
+    """A state (or a state gradient) carried across segment ``j`` (an index into [sequences * segments]):
+    decayed by the segment's summed log gates TOTALS ([.., H, K or 1]) and added to its own sum from zero SUMS
+    ([.., H, K, V] float32). The forward carries forward, the state gradients backward, by the same rule."""
+    if SCALAR_GATE:
+        decay = tl.exp(tl.load(TOTALS + wide(j) * H + head))
+    else:
+        decay = tl.exp(tl.load(TOTALS + (wide(j) * H + head) * K + offs_k, mask=mk, other=0.0))[:, None]
+    return state * decay + tl.load(SUMS + (wide(j) * H + head) * K * V + tile_offs, mask=mkv, other=0.0)
+
+
+@triton.jit
 def state_tile(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The K x V state tile of a recurrence program (grid: K tiles, V tiles, sequence x head): (sequence x head,
     sequence, head, key and value offsets, their masks, the tile's mask and its element offsets)."""
@@ -460,11 +473,7 @@ def _carried_output_kernel(
     else:
         state = tl.zeros([KP, BV], dtype=tl.float32)
     for j in range(first_segment, sp):  # the earlier segments of this sequence, in order
-        if SCALAR_GATE:
-            decay = tl.exp(tl.load(TOTALS + wide(j) * H + head))
-        else:
-            decay = tl.exp(tl.load(TOTALS + (wide(j) * H + head) * K + offs_k, mask=mk, other=0.0))[:, None]
-        state = state * decay + tl.load(SUMS + (wide(j) * H + head) * K * V + tile_offs, mask=mkv, other=0.0)
+        state = carry_through_segment(state, SUMS, TOTALS, j, head, offs_k, mk, tile_offs, mkv, H, K, V, SCALAR_GATE)
     if STORE_CARRY:
         tl.store(CARRY + (wide(sp) * H + head) * K * V + tile_offs, state, mask=mkv)
     causal = offs_t[:, None] >= offs_t[None, :]

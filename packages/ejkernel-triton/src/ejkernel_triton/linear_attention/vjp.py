@@ -180,21 +180,6 @@ def segment_totals(gc, segments: int):
     return padded.reshape(b, segments, per, h, width).sum(axis=2)
 
 
-def segment_carries(sums, totals, start, reverse: bool = False):
-    """The states entering each segment [B, S, H, K, V] float32 from each segment's own sum ``sums`` [B, S, H,
-    K, V] (its recurrence from a zero state), its summed log gates ``totals`` [B, S, H, K or 1] and ``start``
-    [B, H, K, V] (or None: zeros). Used for the state gradients (``reverse``: carried from the last segment
-    back, ``start`` the final state's cotangent); the forward carries its states inside
-    ``_carried_output_kernel``. S is small (a few tens at most): an unrolled chain."""
-    segments = sums.shape[1]
-    carry = jnp.zeros_like(sums[:, 0]) if start is None else start.astype(jnp.float32)
-    entering = [None] * segments
-    for s in (reversed(range(segments)) if reverse else range(segments)):
-        entering[s] = carry
-        carry = jnp.exp(totals[:, s])[..., None] * carry + sums[:, s]
-    return jnp.stack(entering, axis=1)
-
-
 def _intra_matrix(q, k, gc, ch_start, ch_len, attn_shape, chunks, st: StaticParams, dot_precision):
     """A [B, T, H, 64] float32 by `_intra_kernel`: one launch, or (``st.intra_split``) the dots first and the
     sub-chunks' own blocks that their gates' span leaves to the exact pair loop by a second launch into the
@@ -278,21 +263,26 @@ def _run_forward(q, k, v, a, h0, tables, st: StaticParams, residuals: bool = Tru
     return o, final, gc, (attn_in if st.intra_kernel else attn), carries
 
 
-def _state_grads(q, gc, do, dht, tables, st: StaticParams, segments: int = 1, store: bool = True):
-    """(dh per chunk, dh_0 per sequence) by the reverse recurrence; ``segments``/``store`` as in
-    :func:`_states` (``dht`` and the second result then per (sequence, segment); ``dht`` None: zeros)."""
+def _state_grads(q, gc, do, dht, tables, st: StaticParams, segments: int = 1, store: bool = True, carry_in=None):
+    """(dh per chunk, dh_0 per sequence) by the reverse recurrence from ``dht`` (the final state's cotangent;
+    None: zeros); ``segments``/``store`` as in :func:`_states` (the second result then per (sequence,
+    segment)): each segment from zero, or with ``carry_in`` (each segment's own sum from zero [B * segments,
+    H, K, V], its summed log gates) from ``dht`` carried back to it in the kernel."""
+    assert segments == 1 or dht is None or carry_in is not None, "segments start from zero or carry dht in"
     h, dk = q.shape[2:]
     dv = do.shape[-1]
     chunks, seqs, per_seq = _num_chunks(q, tables)
     ch_start, ch_len, seq_first = _tables(tables)
+    sums, totals = carry_in if carry_in is not None else (_placeholder(), _placeholder())
     return launch(
-        _state_grad_kernel, (q, gc, do, dht if dht is not None else _placeholder(), ch_start, ch_len, seq_first,
-                             np.float32(st.scale), per_seq, int(segments)),
+        _state_grad_kernel, (q, gc, do, dht if dht is not None else _placeholder(), sums, totals, ch_start, ch_len,
+                             seq_first, np.float32(st.scale), per_seq, int(segments)),
         (jax.ShapeDtypeStruct((chunks, h, dk, dv) if store else (1,), _state_dtype(q)),
          jax.ShapeDtypeStruct((seqs * segments, h, dk, dv), jnp.float32)),
         (triton.cdiv(dk, st.state_block_k), triton.cdiv(dv, st.state_block_v), seqs * segments * h),
         num_warps=st.state_num_warps, num_stages=st.state_num_stages, interpret=st.interpret, BK=st.state_block_k,
-        BV=st.state_block_v, HAS_DHT=dht is not None, STORE_STATES=store, **_meta(q, do, st))
+        BV=st.state_block_v, HAS_DHT=dht is not None, STORE_STATES=store, CARRY_IN=carry_in is not None,
+        **_meta(q, do, st))
 
 
 def _run_backward(q, k, v, a, gc, h0, attn, carries, do, dht, tables, st: StaticParams):
@@ -303,16 +293,15 @@ def _run_backward(q, k, v, a, gc, h0, attn, carries, do, dht, tables, st: Static
     warps = st.backward_num_warps
     # the states again (recomputed: [chunks, H, K, V] per call would be the largest residual); the decayed
     # keys too (the cumulative gates it writes again equal the saved gc). With segments, every segment at once
-    # from the entering states the forward kept, and the state gradients likewise (their own carries first).
+    # from the entering states the forward kept, and the state gradients likewise (each segment's sum from zero
+    # first, then every segment at once from the final state's cotangent carried back through the later sums).
     kd = chunk_cumsum(a, k, tables, st)[1] if st.decayed_keys else None
     ch_start, ch_len, _ = _tables(tables)
     if st.segments > 1:
         hs, _ = _states(k, kd, v, gc, a, carries, tables, st, segments=st.segments)
         _, sums = _state_grads(q, gc, do, None, tables, st, segments=st.segments, store=False)
-        entering = segment_carries(sums.reshape(b, st.segments, h, dk, dv), segment_totals(gc, st.segments), dht,
-                                   reverse=True)
-        dhs, dh0 = _state_grads(q, gc, do, entering.reshape(b * st.segments, h, dk, dv), tables, st,
-                                segments=st.segments)
+        dhs, dh0 = _state_grads(q, gc, do, dht, tables, st, segments=st.segments,
+                                carry_in=(sums, segment_totals(gc, st.segments)))
         dh0 = dh0.reshape(b, st.segments, h, dk, dv)[:, 0]
     else:
         hs, _ = _states(k, kd, v, gc, a, h0, tables, st)
