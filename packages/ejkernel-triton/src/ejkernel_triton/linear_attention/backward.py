@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from ejkernel_triton.linear_attention.forward import (SPAN_LIMIT, carry_through_segment, chunk_rows, chunk_span,
-                                                      load_gates, load_row_gate, sequence_chunks, state_tile, wide)
+                                                      load_gates, load_row_gate, scalar_pair_decay,
+                                                      sequence_chunks, state_tile, wide)
 
 
 @triton.jit
@@ -171,7 +172,7 @@ def _dqkg_kernel(
     if SCALAR_GATE:  # every pair by two dots: dA * exp(gc_t - gc_s) (t >= s) against the keys and the queries
         b = tl.load(GC + rows * H + head, mask=on_rows, other=0.0)
         causal = offs_t[:, None] >= offs_t[None, :]
-        pairs = d_a * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+        pairs = d_a * scalar_pair_decay(b, causal)
         dq = tl.dot(pairs, k32, dq, input_precision=DOT_PRECISION)
         dk = tl.dot(tl.trans(pairs), q_scaled, dk, input_precision=DOT_PRECISION)
     else:

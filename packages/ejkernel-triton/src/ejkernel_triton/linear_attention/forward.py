@@ -115,6 +115,13 @@ def carry_through_segment(state, SUMS, TOTALS, j, head, offs_k, mk, tile_offs, m
 
 
 @triton.jit
+def scalar_pair_decay(b, causal):
+    """``exp(b_t - b_s)`` where ``causal`` [BT, BT] (t >= s), zero elsewhere: scalar gates' pair factor (``b``
+    the rows' cumulative gates, [BT])."""
+    return tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+
+
+@triton.jit
 def state_tile(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The K x V state tile of a recurrence program (grid: K tiles, V tiles, sequence x head): (sequence x head,
     sequence, head, key and value offsets, their masks, the tile's mask and its element offsets)."""
@@ -415,7 +422,7 @@ def _output_kernel(
     if SCALAR_GATE:
         b = tl.load(GC + rows * H + head, mask=offs_t < length, other=0.0)
         causal = offs_t[:, None] >= offs_t[None, :]
-        acc_a = acc_a * scale * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+        acc_a = acc_a * scale * scalar_pair_decay(b, causal)
     elif PRECOMPUTED_A:
         acc_a = tl.load(A_IN + a_offs, mask=rmask, other=0.0)
     v_offs = rows[:, None] * (H * V) + head * V + offs_v[None, :]
@@ -501,7 +508,7 @@ def _carried_output_kernel(
                 b = tl.load(GC + rows * H + head)
             acc = tl.dot(q, state.to(q.dtype), input_precision=DOT_PRECISION) * (scale * tl.exp(b))[:, None]
             a = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            a = a * scale * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+            a = a * scale * scalar_pair_decay(b, causal)
             if STORE_A and iv == 0:
                 if IS_VARLEN:
                     tl.store(A + a_offs, a, mask=tile_rows)
