@@ -31,7 +31,23 @@ import ejkernel.modules as modules  # noqa: E402
 from ejkernel.testing.lightning_attention import reference_lightning_attention  # noqa: E402
 from ejkernel.testing.numerics import normal_array, relative_error  # noqa: E402
 from ejkernel.testing.recurrent import log_sigmoid_gate, reference_recurrent  # noqa: E402
-from ejkernel_triton.linear_attention import TritonLinearAttentionConfig  # noqa: E402
+from ejkernel_triton.linear_attention import TritonLinearAttentionConfig, vjp  # noqa: E402
+from ejkernel_triton.linear_attention.forward import _intra_kernel  # noqa: E402
+
+# The flags of the intra kernel's first launch (1: a sub-chunk left to the exact pair loop), recorded when they
+# are computed, so a case can tell how many sub-chunks took the split dots.
+EXACT_FLAGS = []
+_launch = vjp.launch
+
+
+def _recording_launch(kernel, *args, **kwargs):
+    outputs = _launch(kernel, *args, **kwargs)
+    if kernel is _intra_kernel and kwargs.get("ACROSS") and not kwargs.get("INSIDE"):
+        jax.debug.callback(lambda flags: EXACT_FLAGS.append(np.asarray(flags)), outputs[1])
+    return outputs
+
+
+vjp.launch = _recording_launch
 
 
 def _inputs(seed, batch, total, heads, kv_heads, dk, dv, dtype, *, gate="vector", strength=1.0, gate_scale=1.0,
@@ -83,9 +99,10 @@ def run_case(name, *, operation="gla_attention", shape=(1, 150, 2, 2, 16, 32), d
         return jnp.concatenate([out.astype(final.dtype).ravel(), final.ravel()])
 
     start = time.perf_counter()
-    got, vjp = jax.vjp(functools.partial(flat, ours), *inputs.values())
+    EXACT_FLAGS.clear()
+    got, pullback = jax.vjp(functools.partial(flat, ours), *inputs.values())
     cotangent = normal_array(99, got.shape, jnp.float32)
-    grads = vjp(cotangent)
+    grads = pullback(cotangent)
     jax.block_until_ready(grads)
     elapsed = time.perf_counter() - start
     f64 = [x.astype(jnp.float64) for x in inputs.values()]
@@ -98,6 +115,8 @@ def run_case(name, *, operation="gla_attention", shape=(1, 150, 2, 2, 16, 32), d
     for n, a, b in zip(names, grads, want_grads):
         row["d_" + n] = relative_error(a, b)
         row["finite"] &= bool(np.all(np.isfinite(np.asarray(a, np.float64))))
+    if EXACT_FLAGS:  # (flags of sub-chunks past a short chunk's end stay as allocated: zeros here)
+        row["exact_sub_chunks"] = float(np.mean(np.concatenate([f.ravel() for f in EXACT_FLAGS])))
     print(json.dumps(row), flush=True)
 
 

@@ -53,6 +53,16 @@ def test_interpreter_case_matches_reference(case_row):
         assert row[quantity] <= bound, (quantity, row)
 
 
+def test_sub_chunks_take_the_split_dots_unless_their_gates_span_more(interpreter_results):
+    """The intra kernel's choice per sub-chunk (its first launch's flags, recorded by the cases): log-sigmoid
+    gates never need the exact pair loop, gates of ~-100 per token always do (5 of 8 flags: the other three
+    sub-chunks lie past the short last chunk and keep their zeros), ~-1.8 per token some of them."""
+    assert interpreter_results["gla_vector_gates_odd_dims"]["exact_sub_chunks"] == 0.0
+    assert interpreter_results["gla_segments_empty_last"]["exact_sub_chunks"] == 0.0
+    assert interpreter_results["gla_strong_gates"]["exact_sub_chunks"] == 5 / 8
+    assert 0.0 < interpreter_results["gla_mixed_spans_varlen"]["exact_sub_chunks"] < 1.0
+
+
 # ---- what the implementation takes -------------------------------------------------------------------
 
 
