@@ -7,6 +7,7 @@
 #   bash scripts/device/linear_peers.sh recurrent varlen  # scalar-gate recurrent; 8 packed sequences (3 ops)
 #   CONFIGS="state_num_stages=3,num_warps=4" bash scripts/device/linear_peers.sh lightning  # + configs at 16k
 #   CONFIGS="carried_varlen=1" bash scripts/device/linear_peers.sh varlen   # + configs on the same packed batch
+#   VARLEN=2 CONFIGS="carried_varlen=1" bash scripts/device/linear_peers.sh varlen   # 2 long packed sequences
 #
 # fla autotunes on its first call of each kernel (~150 s): TRITON_CACHE_AUTOTUNING keeps the results in
 # .fla_autotune/ (git-ignored; a warm device keeps it between calls). Writes each part's log and the
@@ -36,7 +37,8 @@ for part in "$@"; do
             varlen_configs=()
             [ -n "${CONFIGS:-}" ] && varlen_configs=(--configs "$CONFIGS" --config-seq 4096)
             for op in gla recurrent lightning; do
-                bench 150 --op $op --varlen 8 --seqs 4096 --no-numerics "${varlen_configs[@]}" >"$OUT/varlen-$op.log" 2>&1
+                bench 150 --op $op --varlen "${VARLEN:-8}" --seqs 4096 --no-numerics "${varlen_configs[@]}" \
+                    >"$OUT/varlen-$op.log" 2>&1
                 grep -E "^\|.*\| 4096 \||^\| 4096" "$OUT/varlen-$op.log" | sed "s/^/$op varlen: /"
             done ;;
         *) echo "unknown part $part" >&2 ;;
