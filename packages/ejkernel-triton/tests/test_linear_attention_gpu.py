@@ -54,8 +54,8 @@ CANDIDATE = "decayed_keys=1/intra_kernel=1/state_block_k=32/state_block_v=32"  #
     (1, 512, 2, 2, 256, 64, "vector", False, None),  # head dim 256: four key tiles
     (1, 1500, 4, 4, 128, 128, "varlen", True, None),  # packed sequences of 300, 0, 1000 and 150 tokens (+50 past the end)
     (2, 1000, 4, 4, 128, 128, "vector", False, CANDIDATE),
-    # gates of ~-1.8 per token: 20 % of the intra kernel's sub-chunks and 37 % of the backward's programs span
-    # more than SPAN_LIMIT (exact pair loops), the others go through the split dots, in the same call
+    # gates of ~-1.1 per token on average: 20 % of the intra kernel's sub-chunks and 37 % of the backward's
+    # programs span more than SPAN_LIMIT (exact pair loops), the others go through the split dots, in one call
     (2, 1000, 4, 4, 128, 128, "strong", False, None),
     (1, 1500, 4, 4, 128, 128, "varlen", True, CANDIDATE),
     (1, 1500, 4, 4, 128, 128, "varlen", True, "carried_varlen=1/carried_varlen_run=4"),  # runs inside sequences
