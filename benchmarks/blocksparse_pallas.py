@@ -7,7 +7,8 @@ One command (on a GPU; through the device tool: `bash scripts/device/blocksparse
 
 Shape: batch 1, 16 heads (kv heads 16), D=128, bf16, 128 x 128 mask blocks, non-causal, a per-head random
 mask with the diagonal blocks on and the others on with probability ``--density`` (the kept fraction is
-recorded). The mask is a jit argument (the schedule is built inside every timed call). Implementations:
+recorded). The mask is a jit argument (the schedule is built inside every timed call; the "sparse-static" rows
+close over it instead: built once, at trace time, as for a builder's mask). Implementations:
 ``pallas`` block-sparse (this package's GPU kernel), ``triton`` block-sparse where installed, and the dense
 flash attention of ``pallas`` and ``triton`` (every block). Timing: ``attention.time_calls`` (jit, warm-up,
 median of ``--reps`` samples of ``--calls`` back-to-back calls over rotating fresh inputs). TFLOP/s of
@@ -48,9 +49,12 @@ def random_mask(seed: int, heads: int, seq: int, density: float) -> np.ndarray:
     return mask
 
 
-# extra tilings of the pallas block-sparse kernel ("pallas:<name>" rows; GpuFlashTuning fields). The default
-# (heuristic) forward for 128-blocks is 128x128 / 8 warps / 3 stages since 2026-11-23 evening.
+# extra configs of the pallas block-sparse kernels ("pallas:<name>" rows; GpuBlockSparseTuning fields). The
+# default (heuristic) forward on a Hopper GPU is the Mosaic GPU kernel since 2026-11-27; "triton-fwd" is the
+# Triton-lowered forward it replaced (128x128 / 8 warps / 3 stages for 128-blocks); the other variants also
+# run the Triton-lowered forward (mosaic_forward defaults to False).
 VARIANTS = {
+    "triton-fwd": dict(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3),
     "fwd128x64": dict(),  # the flash defaults: the block-sparse default before (forward only)
     "bwd-wide": dict(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3, dkv_q=64, dkv_kv=128, dq_q=128, dq_kv=64,
                      bwd_warps=8),  # Triton block-sparse's tuned backward blocks (fwd+bwd only)
@@ -59,7 +63,7 @@ VARIANTS = {
     "fwd64x64-w4s3": dict(fwd_q=64, fwd_kv=64, fwd_warps=4, fwd_stages=3),
     "fwd64x128-w4s2": dict(fwd_q=64, fwd_kv=128, fwd_warps=4, fwd_stages=2),
 }
-VARIANT_MODES = {"fwd128x64": ("fwd",), "bwd-wide": ("fwd+bwd",), "fwd64x64-w4s3": ("fwd", "fwd+bwd"),
+VARIANT_MODES = {"triton-fwd": ("fwd", "fwd+bwd"), "fwd128x64": ("fwd",), "bwd-wide": ("fwd+bwd",), "fwd64x64-w4s3": ("fwd", "fwd+bwd"),
                  "fwd64x128-w4s2": ("fwd", "fwd+bwd")}
 
 
@@ -70,17 +74,22 @@ def attend_fn(kind: str, platform: str):
         return lambda q, k, v, mask: flash_attention(q, k, v, causal=False, platform=platform)
     cfg = None
     if ":" in platform:
-        from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
+        from ejkernel_pallas.blocksparse_attention_gpu import GpuBlockSparseTuning
 
         platform, variant = platform.split(":")
-        cfg = GpuFlashTuning(**VARIANTS[variant])
+        cfg = GpuBlockSparseTuning(**VARIANTS[variant])
     return lambda q, k, v, mask: blocksparse_attention(
         q, k, v, block_mask=mask, block_size=BLOCK, causal=False, platform=platform, cfg=cfg
     )
 
 
-def make_step(kind: str, platform: str, mode: str):
-    attend = attend_fn(kind, platform)
+def make_step(kind: str, platform: str, mode: str, static_mask=None):
+    attend = attend_fn("sparse" if kind == "sparse-static" else kind, platform)
+    if kind == "sparse-static":  # the mask a constant of the program: its schedule built once, at trace time
+        traced_attend = attend
+
+        def attend(q, k, v, mask):
+            return traced_attend(q, k, v, static_mask)
     if mode == "fwd":
         return jax.jit(attend)
 
@@ -172,18 +181,18 @@ def main(argv=None) -> int:
         # the target's pair first (the JSON is rewritten after every row, so a timeout keeps what was measured)
         impls = [("sparse", "pallas"), ("dense", "triton")]
         if not args.final:
-            impls += [("sparse", "triton"), ("dense", "pallas")]
+            impls += [("sparse", "triton"), ("dense", "pallas"), ("sparse-static", "pallas"), ("sparse-static", "triton")]
             impls += [("sparse", f"pallas:{name}") for name in VARIANTS if mode in VARIANT_MODES[name]]
         for kind, platform in impls:
             row = dict(kind=kind, platform=platform, mode=mode)
             try:
-                step = make_step(kind, platform, mode)
+                step = make_step(kind, platform, mode, static_mask=mask)
                 if mode == "fwd":
                     run = lambda c, step=step: step(*sets[c % 2][:3], mask)  # noqa: E731
                 else:
                     run = lambda c, step=step: step(*sets[c % 2][:3], mask, sets[c % 2][3])  # noqa: E731
                 seconds = time_calls(run, args.warmup, args.reps, args.calls)
-                flops = 4 * args.heads * args.head_dim * pairs * (kept if kind == "sparse" else 1.0)
+                flops = 4 * args.heads * args.head_dim * pairs * (1.0 if kind == "dense" else kept)
                 flops *= 3.5 if mode == "fwd+bwd" else 1.0
                 row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
             except Exception as error:  # a missing backend or a failing kernel: recorded, the rest goes on

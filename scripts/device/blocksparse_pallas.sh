@@ -47,7 +47,7 @@ fi
 
 # 1. GPU tests: 4 workers, each may grow to 1/5 of the GPU's memory.
 start=$(date +%s)
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout --kill-after=5 50 python3 -m pytest -m gpu -n 4 --dist load -q -rfEs \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout --kill-after=5 150 python3 -m pytest -m gpu -n 4 --dist load -q -rfEs \
     -p no:cacheprovider --junitxml "$DIR/tests.xml" \
     packages/ejkernel-pallas/tests/test_blocksparse_attention_gpu.py >"$DIR/tests.log" 2>&1
 tests_status=$?

@@ -131,3 +131,104 @@ def test_lowers_for_sm90(dtype, block):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call") >= 3, text[:2000]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Mosaic GPU forward (ejkernel_pallas.blocksparse_attention_mosaic)
+
+# (batch, q_len, kv_len, heads, kv_heads, head_dim, kv_block, causal, window, soft cap, mask density)
+MOSAIC_CASES = {
+    "gqa_random_mask": (2, 384, 384, 4, 2, 128, 128, False, None, None, 0.5),
+    "ragged_causal_window_cap": (1, 300, 333, 4, 4, 64, 64, True, (100, 20), 30.0, 0.7),
+    "mqa_causal_dense": (1, 512, 512, 4, 1, 128, 128, True, None, None, 1.0),
+    "kv_blocks_64_long_rows": (1, 256, 1024, 2, 2, 128, 64, False, None, None, 0.8),
+}
+
+
+def _mosaic_case(name, dtype):
+    batch, q_len, kv_len, heads, kv_heads, dim, kv_block, causal, window, cap, density = MOSAIC_CASES[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((batch, kv_len, kv_heads, dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((batch, kv_len, kv_heads, dim)), dtype)
+    mask = random_block_mask(3, batch, heads, q_len, kv_len, 128, kv_block, density=density)
+    static = dict(block_mask=mask, block_size=(128, kv_block), causal=causal, sliding_window=window,
+                  logits_soft_cap=cap)
+    return dict(query=q, key=k, value=v), static
+
+
+def test_mosaic_forward_refusals_name_the_reason(monkeypatch):
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    seg = jnp.zeros((1, 256), jnp.int32)
+    validate = BlockSparseAttention().validate
+    cases = {
+        "dtype float32": validate(q.astype(jnp.float32), q.astype(jnp.float32), q.astype(jnp.float32)),
+        "head dims": validate(q[..., :96], q[..., :96], q[..., :96]),
+        "mask blocks (64, 128)": validate(q, q, q, block_size=(64, 128)),
+        "segment ids": validate(q, q, q, seg, seg),
+        "Hopper": validate(q, q, q),  # this machine has no GPU
+    }
+    for reason, call in cases.items():
+        assert reason in gpu_blocksparse.mosaic.refusal(call), (reason, gpu_blocksparse.mosaic.refusal(call))
+    call = validate(q, q, q)
+    assert gpu_blocksparse.mosaic.refusal(call, check_device=False) is None
+    assert not gpu_blocksparse.heuristic_tuning(call).mosaic_forward  # no Hopper GPU here
+    assert not any(t.mosaic_forward for t in gpu_blocksparse.candidate_tunings(call))
+    with pytest.raises(ValueError, match="GpuBlockSparseTuning.mosaic_forward=True: Pallas' interpreter"):
+        gpu_blocksparse.check_tuning(gpu_blocksparse.GpuBlockSparseTuning(mosaic_forward=True), call, interpret=True)
+    with pytest.raises(ValueError, match="mosaic_forward must be a bool"):
+        gpu_blocksparse.GpuBlockSparseTuning(mosaic_forward=1)
+    with pytest.raises(ValueError, match="mosaic_stages must be an int >= 2"):
+        gpu_blocksparse.GpuBlockSparseTuning(mosaic_stages=1)
+    monkeypatch.setattr(gpu_blocksparse.mosaic, "hopper_gpu", lambda: True)
+    assert gpu_blocksparse.heuristic_tuning(call).mosaic_forward
+    three = gpu_blocksparse.GpuBlockSparseTuning(mosaic_forward=True, mosaic_stages=3)
+    with pytest.raises(ValueError, match="mosaic_stages=3: .* bytes of shared memory at head_dim 128"):
+        gpu_blocksparse.check_tuning(three, call)  # 3 x 64 KiB of K/V slots beside 32 KiB of Q/O: over 227 KiB
+    gpu_blocksparse.check_tuning(three, validate(q[..., :64], q[..., :64], q[..., :64]))
+
+
+@pytest.mark.parametrize("name", ["gqa_random_mask", "ragged_causal_window_cap"])
+def test_mosaic_forward_lowers_for_sm90(name, monkeypatch):
+    """Mosaic GPU lowering (jax side) of the forward, with the Triton-lowered backward, for an H100."""
+    inputs, static = _mosaic_case(name, jnp.bfloat16)
+    monkeypatch.setattr(gpu_blocksparse.mosaic, "hopper_gpu", lambda: True)
+
+    def loss(query, key, value):
+        call = BlockSparseAttention().validate(query, key, value, **static)
+        tuning = gpu_blocksparse.heuristic_tuning(call)
+        assert tuning.mosaic_forward
+        return gpu_blocksparse.blocksparse_attention(call, tuning).astype(jnp.float32).sum()
+
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs.values()]
+    with abstract_device("NVIDIA H100 80GB HBM3", "gpu", 132):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*shapes).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("@mosaic_gpu") == 1, text[:2000]
+    assert text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call") >= 2, text[:2000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", sorted(MOSAIC_CASES))
+def test_mosaic_forward_on_gpu(name, dtype):
+    """The Mosaic forward (chosen by the heuristic on a Hopper GPU) and the gradients through it against the
+    float64 reference: ragged tails, rows that see nothing, causal + window + soft cap, GQA/MQA."""
+    from ejkernel.testing.blocksparse_attention import reference_blocksparse_attention
+    from ejkernel.testing.numerics import check_against_reference
+
+    inputs, static = _mosaic_case(name, dtype)
+    call = BlockSparseAttention().validate(*inputs.values(), **static)
+    tuning = gpu_blocksparse.heuristic_tuning(call)
+    assert tuning.mosaic_forward, gpu_blocksparse.mosaic.refusal(call)
+
+    def kernel(query, key, value):
+        call = BlockSparseAttention().validate(query, key, value, **static)
+        return gpu_blocksparse.blocksparse_attention(call, tuning)
+
+    def reference(query, key, value):
+        return reference_blocksparse_attention(query, key, value, **static)
+
+    out = check_against_reference(kernel, reference, inputs, tuple(inputs), dtype=dtype)
+    first = static["block_mask"].shape[2] // 2 * 128  # random_block_mask turns this query block's row off
+    assert not np.asarray(out[:, first:first + 128], np.float32).any()

@@ -16,6 +16,10 @@ forward's 128 x 64 and the backward's 64 x 64 tiles of the flash sweep, each vis
 blocks of its mask block. Float32 precision as in the GPU flash kernels (IEEE dots unless the
 call asks for ``"default"``).
 
+On a Hopper GPU the forward runs the Mosaic GPU kernel of :mod:`ejkernel_pallas.blocksparse_attention_mosaic`
+instead (TMA, wgmma, warp specialization; ``GpuBlockSparseTuning.mosaic_forward``, which the heuristic sets
+wherever that kernel can take the call); its output and LSE feed the same backward kernels.
+
 Dispatcher ranking on the GPU: the Triton backend (priority 15) ranks above this one (Pallas, 10) when
 both register ``blocksparse_attention``; measurements on the device decide whether that should change
 (``scripts/device/blocksparse_pallas.sh``, packages/ejkernel-pallas/NOTES.md).
@@ -34,23 +38,56 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
 from ejkernel.ops.utils.block_sparse import BlockSchedule, block_schedule
 
+from ejkernel_pallas import blocksparse_attention_mosaic as mosaic
 from ejkernel_pallas import gpu_flash_attention as gpu
 from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
 from ejkernel_pallas.interpret import gpu_interpret_or_refuse
 
 
-def kernel_blocks(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> GpuFlashTuning:
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSparseTuning(GpuFlashTuning):
+    """The GPU flash kernels' tiles and launch parameters, plus ``mosaic_forward``: the forward runs the
+    Mosaic GPU kernel of :mod:`ejkernel_pallas.blocksparse_attention_mosaic` (Hopper; its own fixed tiles:
+    128 query rows per program, the mask's key block) with ``mosaic_stages`` K/V shared-memory slots, instead
+    of the Triton-lowered one; the backward is the Triton-lowered one either way."""
+
+    mosaic_forward: bool = False
+    mosaic_stages: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.mosaic_forward, bool):
+            raise ValueError(f"GpuBlockSparseTuning.mosaic_forward must be a bool, got {self.mosaic_forward!r}")
+        if isinstance(self.mosaic_stages, bool) or not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
+            raise ValueError(f"GpuBlockSparseTuning.mosaic_stages must be an int >= 2, got {self.mosaic_stages!r}")
+
+
+def kernel_blocks(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> GpuBlockSparseTuning:
     """``tuning`` with every block capped at the call's mask block (both powers of two, so the kernel block
     then divides the mask block)."""
     bq, bkv = call.q_block_size, call.kv_block_size
+    if not isinstance(tuning, GpuBlockSparseTuning):
+        tuning = GpuBlockSparseTuning(**dataclasses.asdict(tuning))
     return dataclasses.replace(
         tuning, fwd_q=min(tuning.fwd_q, bq), fwd_kv=min(tuning.fwd_kv, bkv), dkv_q=min(tuning.dkv_q, bq),
         dkv_kv=min(tuning.dkv_kv, bkv), dq_q=min(tuning.dq_q, bq), dq_kv=min(tuning.dq_kv, bkv),
     )
 
 
-def check_tuning(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> None:
-    """Kernel blocks must divide the mask blocks (a ValueError names the config field)."""
+def check_tuning(tuning: GpuFlashTuning, call: BlockSparseAttentionCall, *, interpret: bool = False) -> None:
+    """Kernel blocks must divide the mask blocks, and a Mosaic forward must be able to take the call (a
+    ValueError names the config field)."""
+    if getattr(tuning, "mosaic_forward", False):
+        problem = "Pallas' interpreter cannot run Mosaic GPU kernels" if interpret else mosaic.refusal(call)
+        if problem is not None:
+            raise ValueError(f"GpuBlockSparseTuning.mosaic_forward=True: {problem}")
+        need = mosaic.shared_memory_bytes(call.query.shape[-1], call.kv_block_size, tuning.mosaic_stages)
+        if need > mosaic.SHARED_MEMORY_BYTES:
+            raise ValueError(
+                f"GpuBlockSparseTuning.mosaic_stages={tuning.mosaic_stages}: {need} bytes of shared memory at "
+                f"head_dim {call.query.shape[-1]} and key blocks of {call.kv_block_size} (at most "
+                f"{mosaic.SHARED_MEMORY_BYTES})"
+            )
     for field, mask_block in (("fwd_q", call.q_block_size), ("fwd_kv", call.kv_block_size),
                               ("dkv_q", call.q_block_size), ("dkv_kv", call.kv_block_size),
                               ("dq_q", call.q_block_size), ("dq_kv", call.kv_block_size)):
@@ -68,16 +105,23 @@ visit, half the loop iterations of 128 x 64. H200, S=16k, 10 %, 128-blocks (batc
 against 0.811 ms for the flash defaults (128 x 64, 4 warps, 2 stages)."""
 
 
-def heuristic_tuning(call: BlockSparseAttentionCall) -> GpuFlashTuning:
+def heuristic_tuning(call: BlockSparseAttentionCall, *, interpret: bool = False) -> GpuBlockSparseTuning:
     """The GPU flash kernels' H200 defaults (forward 128 x 64, backward 64 x 64), capped at the mask blocks;
-    forward :data:`WIDE_FORWARD` where both mask blocks hold 128."""
+    forward :data:`WIDE_FORWARD` where both mask blocks hold 128; the Mosaic GPU forward wherever it can take
+    the call (a Hopper GPU, not interpreted)."""
     wide = call.q_block_size >= 128 and call.kv_block_size >= 128
-    return kernel_blocks(WIDE_FORWARD if wide else GpuFlashTuning(), call)
+    tuning = kernel_blocks(WIDE_FORWARD if wide else GpuFlashTuning(), call)
+    use_mosaic = not interpret and mosaic.refusal(call) is None
+    return dataclasses.replace(tuning, mosaic_forward=use_mosaic)
 
 
-def candidate_tunings(call: BlockSparseAttentionCall) -> list[GpuFlashTuning]:
-    """The GPU flash sweep's near-best tilings, capped at the mask blocks."""
-    return list(dict.fromkeys(kernel_blocks(t, call) for t in gpu._SWEEP))
+def candidate_tunings(call: BlockSparseAttentionCall, *, interpret: bool = False) -> list[GpuBlockSparseTuning]:
+    """The GPU flash sweep's near-best tilings, capped at the mask blocks, each with the Mosaic forward too
+    where it can take the call."""
+    tilings = list(dict.fromkeys(kernel_blocks(t, call) for t in gpu._SWEEP))
+    if interpret or mosaic.refusal(call) is not None:
+        return tilings
+    return tilings + [dataclasses.replace(t, mosaic_forward=True) for t in tilings]
 
 
 def gpu_schedule(schedule: BlockSchedule, width: int) -> jax.Array:
@@ -134,6 +178,7 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTunin
         has_segments=call.q_segment_ids is not None, num_sinks=num_sinks, tuning=tuning, interpret=interpret,
         exact_delta=query.dtype == jnp.float32, precision=gpu._float32_precision(call),
         schedule_dims=(mask_batch, mask_heads), schedule_width=width, mask_blocks=(bq, bkv),
+        mosaic_stages=tuning.mosaic_stages if getattr(tuning, "mosaic_forward", False) else 0,
     )
     out = gpu._attention(st, arrays)
     return out[:, :sq, :, :dv]
@@ -146,7 +191,7 @@ def blocksparse_attention(call: BlockSparseAttentionCall, tuning: GpuFlashTuning
     """GPU block-sparse attention of a validated call with ``tuning`` (kernel blocks dividing the mask
     blocks; ``interpret=True``: Pallas' interpreter on CPU). The schedules are built before the jitted
     program (numpy for a concrete mask)."""
-    check_tuning(tuning, call)
+    check_tuning(tuning, call, interpret=interpret)
     schedules = tuple(block_schedule(call, by=by, order="partial_first") for by in ("q", "kv"))
     return _run_jit(call, schedules, tuning=tuning, interpret=interpret)
 
@@ -154,7 +199,7 @@ def blocksparse_attention(call: BlockSparseAttentionCall, tuning: GpuFlashTuning
 class GpuBlockSparseAttention(Implementation[BlockSparseAttentionCall, GpuFlashTuning]):
     """The Triton-lowered Pallas kernels (see the module docstring); on CPU in interpret mode only."""
 
-    config_type = GpuFlashTuning
+    config_type = GpuBlockSparseTuning
 
     def supports(self, call: BlockSparseAttentionCall) -> None:
         gpu_interpret_or_refuse()
@@ -162,11 +207,11 @@ class GpuBlockSparseAttention(Implementation[BlockSparseAttentionCall, GpuFlashT
         if problem is not None:
             raise UnsupportedFeature(f"pallas GPU blocksparse_attention: {problem}")
 
-    def heuristic_config(self, call: BlockSparseAttentionCall) -> GpuFlashTuning:
-        return heuristic_tuning(call)
+    def heuristic_config(self, call: BlockSparseAttentionCall) -> GpuBlockSparseTuning:
+        return heuristic_tuning(call, interpret=gpu_interpret_or_refuse())
 
-    def candidate_configs(self, call: BlockSparseAttentionCall) -> list[GpuFlashTuning]:
-        return candidate_tunings(call)
+    def candidate_configs(self, call: BlockSparseAttentionCall) -> list[GpuBlockSparseTuning]:
+        return candidate_tunings(call, interpret=gpu_interpret_or_refuse())
 
     def __call__(self, call: BlockSparseAttentionCall, config: GpuFlashTuning) -> jax.Array:
         return blocksparse_attention(call, config, interpret=gpu_interpret_or_refuse())

@@ -69,7 +69,7 @@ class GpuFlashTuning:
     bwd_stages: int = 2
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
+        for field in dataclasses.fields(GpuFlashTuning):  # a subclass validates its own fields
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GpuFlashTuning.{field.name} must be a positive int, got {value!r}")
@@ -138,6 +138,9 @@ class _Static:
     schedule_dims: tuple[int, int] | None = None
     schedule_width: int = 0  # entries per schedule row (a power of two)
     mask_blocks: tuple[int, int] = (0, 0)  # (q, kv) mask blocks: multiples of the kernel's blocks
+    # block-sparse: the Mosaic GPU forward (ejkernel_pallas.blocksparse_attention_mosaic) with this many K/V
+    # slots; 0: the Triton-lowered forward
+    mosaic_stages: int = 0
 
     @property
     def statically_masked(self) -> bool:
@@ -506,6 +509,14 @@ _SCHEDULES = ("sched_q", "sched_kv")  # block-sparse: the forward and dQ use sch
 
 
 def _forward(st: _Static, arrays: dict):
+    if st.mosaic_stages:
+        from ejkernel_pallas import blocksparse_attention_mosaic
+
+        return blocksparse_attention_mosaic.forward(
+            arrays["q"], arrays["k"], arrays["v"], arrays["sched_q"], scale=st.scale, causal=st.causal,
+            window=st.window, soft_cap=st.soft_cap, q_len=st.sq, kv_len=st.skv, kv_block=st.mask_blocks[1],
+            schedule_dims=st.schedule_dims, stages=st.mosaic_stages,
+        )
     q, v = arrays["q"], arrays["v"]
     batch, sq_pad, heads, d = q.shape
     skv_pad, dv = v.shape[1], v.shape[3]
