@@ -75,7 +75,7 @@ def refusal(call, *, check_device: bool = True) -> str | None:
         _mosaic_gpu()
     except ImportError as error:  # the Mosaic GPU dialect ships with jaxlib's CUDA support
         return f"jax.experimental.pallas.mosaic_gpu is not importable ({error})"
-    query, key, value = call.query, call.key, call.value
+    query, value = call.query, call.value
     if query.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {query.dtype} (bf16 or fp16)"
     if query.shape[-1] not in HEAD_DIMS or value.shape[-1] != query.shape[-1]:
