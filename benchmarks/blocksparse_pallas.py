@@ -50,11 +50,13 @@ def random_mask(seed: int, heads: int, seq: int, density: float) -> np.ndarray:
 
 
 # extra configs of the pallas block-sparse kernels ("pallas:<name>" rows; GpuBlockSparseTuning fields). The
-# default (heuristic) forward on a Hopper GPU is the Mosaic GPU kernel since 2026-11-27; "triton-fwd" is the
-# Triton-lowered forward it replaced (128x128 / 8 warps / 3 stages for 128-blocks); the other variants also
-# run the Triton-lowered forward (mosaic_forward defaults to False).
+# default (heuristic) on a Hopper GPU runs the Mosaic GPU kernels since 2026-11-27; "triton-fwd" is the
+# Triton-lowered forward and backward they replaced (128x128 / 8 warps / 3 stages forward for 128-blocks),
+# "triton-bwd" the Mosaic forward with the Triton-lowered backward; the other variants run the Triton-lowered
+# kernels (mosaic_forward and mosaic_backward default to False).
 VARIANTS = {
     "triton-fwd": dict(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3),
+    "triton-bwd": dict(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3, mosaic_forward=True),
     "fwd128x64": dict(),  # the flash defaults: the block-sparse default before (forward only)
     "bwd-wide": dict(fwd_q=128, fwd_kv=128, fwd_warps=8, fwd_stages=3, dkv_q=64, dkv_kv=128, dq_q=128, dq_kv=64,
                      bwd_warps=8),  # Triton block-sparse's tuned backward blocks (fwd+bwd only)
@@ -63,9 +65,8 @@ VARIANTS = {
     "fwd64x64-w4s3": dict(fwd_q=64, fwd_kv=64, fwd_warps=4, fwd_stages=3),
     "fwd64x128-w4s2": dict(fwd_q=64, fwd_kv=128, fwd_warps=4, fwd_stages=2),
 }
-VARIANT_MODES = {"triton-fwd": ("fwd", "fwd+bwd"), "fwd128x64": ("fwd",), "bwd-wide": ("fwd+bwd",),
-                 "fwd64x64-w4s3": ("fwd", "fwd+bwd"),
-                 "fwd64x128-w4s2": ("fwd", "fwd+bwd")}
+VARIANT_MODES = {"triton-fwd": ("fwd", "fwd+bwd"), "triton-bwd": ("fwd+bwd",), "fwd128x64": ("fwd",),
+                 "bwd-wide": ("fwd+bwd",), "fwd64x64-w4s3": ("fwd", "fwd+bwd"), "fwd64x128-w4s2": ("fwd", "fwd+bwd")}
 
 
 def attend_fn(kind: str, platform: str):

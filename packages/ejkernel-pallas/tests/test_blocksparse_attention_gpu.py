@@ -140,6 +140,7 @@ def test_lowers_for_sm90(dtype, block):
 MOSAIC_CASES = {
     "gqa_random_mask": (2, 384, 384, 4, 2, 128, 128, False, None, None, 0.5),
     "ragged_causal_window_cap": (1, 300, 333, 4, 4, 64, 64, True, (100, 20), 30.0, 0.7),
+    "ragged_causal_window_cap_d64": (1, 300, 333, 4, 4, 64, 128, True, (100, 20), 30.0, 0.7),
     "mqa_causal_dense": (1, 512, 512, 4, 1, 128, 128, True, None, None, 1.0),
     "kv_blocks_64_long_rows": (1, 256, 1024, 2, 2, 128, 64, False, None, None, 0.8),
 }
@@ -173,6 +174,8 @@ def test_mosaic_forward_refusals_name_the_reason(monkeypatch):
     call = validate(q, q, q)
     assert gpu_blocksparse.mosaic.refusal(call, check_device=False) is None
     assert not gpu_blocksparse.heuristic_tuning(call).mosaic_forward  # no Hopper GPU here
+    assert "key mask blocks of 64" in gpu_blocksparse.mosaic.backward_refusal(
+        validate(q, q, q, block_size=(128, 64)), check_device=False)
     assert not any(t.mosaic_forward for t in gpu_blocksparse.candidate_tunings(call))
     with pytest.raises(ValueError, match="GpuBlockSparseTuning.mosaic_forward=True: Pallas' interpreter"):
         gpu_blocksparse.check_tuning(gpu_blocksparse.GpuBlockSparseTuning(mosaic_forward=True), call, interpret=True)
@@ -182,15 +185,20 @@ def test_mosaic_forward_refusals_name_the_reason(monkeypatch):
         gpu_blocksparse.GpuBlockSparseTuning(mosaic_stages=1)
     monkeypatch.setattr(gpu_blocksparse.mosaic, "hopper_gpu", lambda: True)
     assert gpu_blocksparse.heuristic_tuning(call).mosaic_forward
+    assert gpu_blocksparse.heuristic_tuning(call).mosaic_backward
+    with pytest.raises(ValueError, match="mosaic_backward=True: key mask blocks of 64"):
+        gpu_blocksparse.check_tuning(gpu_blocksparse.GpuBlockSparseTuning(mosaic_backward=True),
+                                     validate(q, q, q, block_size=(128, 64)))
     three = gpu_blocksparse.GpuBlockSparseTuning(mosaic_forward=True, mosaic_stages=3)
     with pytest.raises(ValueError, match="mosaic_stages=3: .* bytes of shared memory at head_dim 128"):
         gpu_blocksparse.check_tuning(three, call)  # 3 x 64 KiB of K/V slots beside 32 KiB of Q/O: over 227 KiB
     gpu_blocksparse.check_tuning(three, validate(q[..., :64], q[..., :64], q[..., :64]))
 
 
-@pytest.mark.parametrize("name", ["gqa_random_mask", "ragged_causal_window_cap"])
-def test_mosaic_forward_lowers_for_sm90(name, monkeypatch):
-    """Mosaic GPU lowering (jax side) of the forward, with the Triton-lowered backward, for an H100."""
+@pytest.mark.parametrize("name,mosaic_kernels", [("gqa_random_mask", 3), ("ragged_causal_window_cap", 1)])
+def test_mosaic_kernels_lower_for_sm90(name, mosaic_kernels, monkeypatch):
+    """Mosaic GPU lowering (jax side) for an H100: forward, dQ and dK/dV for 128-row key blocks; the forward
+    with the Triton-lowered backward for key blocks of 64."""
     inputs, static = _mosaic_case(name, jnp.bfloat16)
     monkeypatch.setattr(gpu_blocksparse.mosaic, "hopper_gpu", lambda: True)
 
@@ -204,16 +212,18 @@ def test_mosaic_forward_lowers_for_sm90(name, monkeypatch):
     with abstract_device("NVIDIA H100 80GB HBM3", "gpu", 132):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*shapes).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    assert text.count("@mosaic_gpu") == 1, text[:2000]
-    assert text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call") >= 2, text[:2000]
+    assert text.count("@mosaic_gpu") == mosaic_kernels, text[:2000]
+    triton_kernels = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")
+    assert triton_kernels == (0 if mosaic_kernels == 3 else 2), text[:2000]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", sorted(MOSAIC_CASES))
-def test_mosaic_forward_on_gpu(name, dtype):
-    """The Mosaic forward (chosen by the heuristic on a Hopper GPU) and the gradients through it against the
-    float64 reference: ragged tails, rows that see nothing, causal + window + soft cap, GQA/MQA."""
+def test_mosaic_kernels_on_gpu(name, dtype):
+    """The Mosaic kernels (chosen by the heuristic on a Hopper GPU: the forward, and the backward where key
+    blocks hold 128) against the float64 reference, output and every gradient: ragged tails, rows that see
+    nothing, causal + window + soft cap, GQA/MQA."""
     from ejkernel.testing.blocksparse_attention import reference_blocksparse_attention
     from ejkernel.testing.numerics import check_against_reference
 

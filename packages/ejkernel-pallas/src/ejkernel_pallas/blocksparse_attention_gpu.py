@@ -49,15 +49,18 @@ class GpuBlockSparseTuning(GpuFlashTuning):
     """The GPU flash kernels' tiles and launch parameters, plus ``mosaic_forward``: the forward runs the
     Mosaic GPU kernel of :mod:`ejkernel_pallas.blocksparse_attention_mosaic` (Hopper; its own fixed tiles:
     128 query rows per program, the mask's key block) with ``mosaic_stages`` K/V shared-memory slots, instead
-    of the Triton-lowered one; the backward is the Triton-lowered one either way."""
+    of the Triton-lowered one; ``mosaic_backward``: the dQ and dK/dV kernels of that module (128-row blocks on
+    both sides) instead of the Triton-lowered ones. Either takes the other's output (same LSE)."""
 
     mosaic_forward: bool = False
     mosaic_stages: int = 2
+    mosaic_backward: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.mosaic_forward, bool):
-            raise ValueError(f"GpuBlockSparseTuning.mosaic_forward must be a bool, got {self.mosaic_forward!r}")
+        for name in ("mosaic_forward", "mosaic_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GpuBlockSparseTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.mosaic_stages, bool) or not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
             raise ValueError(f"GpuBlockSparseTuning.mosaic_stages must be an int >= 2, got {self.mosaic_stages!r}")
 
@@ -77,6 +80,10 @@ def kernel_blocks(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> Gpu
 def check_tuning(tuning: GpuFlashTuning, call: BlockSparseAttentionCall, *, interpret: bool = False) -> None:
     """Kernel blocks must divide the mask blocks, and a Mosaic forward must be able to take the call (a
     ValueError names the config field)."""
+    if getattr(tuning, "mosaic_backward", False):
+        problem = "Pallas' interpreter cannot run Mosaic GPU kernels" if interpret else mosaic.backward_refusal(call)
+        if problem is not None:
+            raise ValueError(f"GpuBlockSparseTuning.mosaic_backward=True: {problem}")
     if getattr(tuning, "mosaic_forward", False):
         problem = "Pallas' interpreter cannot run Mosaic GPU kernels" if interpret else mosaic.refusal(call)
         if problem is not None:
@@ -111,8 +118,9 @@ def heuristic_tuning(call: BlockSparseAttentionCall, *, interpret: bool = False)
     the call (a Hopper GPU, not interpreted)."""
     wide = call.q_block_size >= 128 and call.kv_block_size >= 128
     tuning = kernel_blocks(WIDE_FORWARD if wide else GpuFlashTuning(), call)
-    use_mosaic = not interpret and mosaic.refusal(call) is None
-    return dataclasses.replace(tuning, mosaic_forward=use_mosaic)
+    forward = not interpret and mosaic.refusal(call) is None
+    backward = forward and mosaic.backward_refusal(call) is None
+    return dataclasses.replace(tuning, mosaic_forward=forward, mosaic_backward=backward)
 
 
 def candidate_tunings(call: BlockSparseAttentionCall, *, interpret: bool = False) -> list[GpuBlockSparseTuning]:
@@ -121,7 +129,8 @@ def candidate_tunings(call: BlockSparseAttentionCall, *, interpret: bool = False
     tilings = list(dict.fromkeys(kernel_blocks(t, call) for t in gpu._SWEEP))
     if interpret or mosaic.refusal(call) is not None:
         return tilings
-    return tilings + [dataclasses.replace(t, mosaic_forward=True) for t in tilings]
+    mosaic_backward = mosaic.backward_refusal(call) is None
+    return tilings + [dataclasses.replace(t, mosaic_forward=True, mosaic_backward=mosaic_backward) for t in tilings]
 
 
 def gpu_schedule(schedule: BlockSchedule, width: int) -> jax.Array:
@@ -179,6 +188,7 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTunin
         exact_delta=query.dtype == jnp.float32, precision=gpu._float32_precision(call),
         schedule_dims=(mask_batch, mask_heads), schedule_width=width, mask_blocks=(bq, bkv),
         mosaic_stages=tuning.mosaic_stages if getattr(tuning, "mosaic_forward", False) else 0,
+        mosaic_backward=getattr(tuning, "mosaic_backward", False),
     )
     out = gpu._attention(st, arrays)
     return out[:, :sq, :, :dv]

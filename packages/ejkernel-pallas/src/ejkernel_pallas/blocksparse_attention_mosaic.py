@@ -1,31 +1,38 @@
-"""Block-sparse attention forward on Mosaic GPU (Hopper: TMA copies, wgmma, warp specialization).
+"""Block-sparse attention on Mosaic GPU (Hopper: TMA copies, wgmma, warp specialization), forward and backward.
 
-The Triton-lowered forward of :mod:`ejkernel_pallas.blocksparse_attention_gpu` cannot overlap the softmax of
-one tile with the tensor-core work of another, and its kept-block efficiency stays near half of dense flash
-attention's at 10 % density. This kernel keeps the schedule (the same rows: partial visits, full visits,
-their key blocks) and runs each query mask block of 128 rows as one CTA of three warpgroups:
+The Triton-lowered kernels of :mod:`ejkernel_pallas.blocksparse_attention_gpu` cannot overlap the softmax of
+one tile with the tensor-core work of another; their kept-block efficiency stayed near half of dense flash
+attention's at 10 % density. These kernels keep the schedules (the same rows: partial visits, full visits,
+their blocks) and run each mask block of 128 rows as one CTA of three warpgroups:
 
-- a memory warpgroup (few registers) walks the row's key blocks and TMA-copies K and V into a ring of
-  ``stages`` shared-memory slots, refilling a slot once both consumers released it;
-- two compute warpgroups, 64 query rows each, run ``S = Q K^T`` and ``O += P V`` on wgmma with the online
-  softmax in registers, taking turns on the tensor cores (one warpgroup's softmax overlaps the other's
-  matmuls) through a shared barrier. Both read the same schedule row, so they visit the same blocks.
+- a memory warpgroup (few registers) walks the row's blocks and TMA-copies them into a ring of ``stages``
+  shared-memory slots, refilling a slot once both compute warpgroups released it (:func:`_stream`);
+- two compute warpgroups, 64 rows each, run the matmuls on wgmma with the softmax in registers. Both read
+  the same schedule row, so they visit the same blocks.
+
+Forward (per query block; K/V streamed): ``S = Q K^T``, online softmax, ``O += P V``; the compute warpgroups
+take turns on the tensor cores through a shared barrier (one's softmax overlaps the other's matmuls). dQ
+(per query block; K/V streamed): ``P`` from the saved LSE, ``dP = dO V^T``, ``dQ += dS K``. dK/dV (per key
+block and query head; Q, dO, LSE and delta streamed by query block, each visit taken as two halves of 64
+query rows so that the four accumulators fit the registers): ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``,
+``dK += dS^T Q``; GQA sums the per-query-head dK/dV of a group afterwards.
 
 Partial visits (a causal or window boundary, or a ragged tail, crosses the block) run the masked body, full
-ones the mask-free body: two loops, as in the Triton forward. Output and log-sum-exp are those of the GPU
-flash forward (natural-log LSE, ``0`` and a zero row where a row sees no key), so the Triton-lowered
-backward kernels take them unchanged.
+ones the mask-free body: two loops, as in the Triton-lowered kernels. Output and log-sum-exp are those of
+the GPU flash forward (natural-log LSE, ``0`` and a zero row where a row sees no key), so either forward
+feeds either backward.
 
 Served: bf16/fp16, head_dim 64 or 128 (query and value alike), query mask blocks of 128 rows, key mask
-blocks of 64 or 128, causal, sliding window, soft cap, GQA/MQA. Everything else (segment ids, sinks, float32,
-other blocks or head dims, a GPU before Hopper) is :func:`refusal`'s reason and runs the Triton-lowered
-forward instead.
+blocks of 64 or 128 (the backward: 128), causal, sliding window, soft cap, GQA/MQA. Everything else
+(segment ids, sinks, float32, other blocks or head dims, a GPU before Hopper) is :func:`refusal`'s /
+:func:`backward_refusal`'s reason and runs the Triton-lowered kernels instead.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,20 +96,89 @@ def refusal(call, *, check_device: bool = True) -> str | None:
     return None
 
 
+class _Static(NamedTuple):
+    scale: float
+    causal: bool
+    window: tuple[int, int] | None
+    soft_cap: float | None
+    q_offset: int  # key position of query row 0 (queries end-aligned to the keys)
+    kv_len: int
+    kv_block: int
+    head_dim: int
+    groups: int  # query heads per kv head
+    schedule_dims: tuple[int, int]  # (mask_batch, mask_heads) of the schedule rows
+    stages: int
+
+
+def _schedule(sched_ref, st: _Static, batch, head, row):
+    """(partial visits, all visits, block of visit ``j``) of this CTA's schedule row."""
+    mask_batch, mask_heads = st.schedule_dims
+    where = (batch if mask_batch > 1 else 0, head if mask_heads > 1 else 0, row)
+    partial = sched_ref[(*where, 0)]
+    return partial, partial + sched_ref[(*where, 1)], lambda j: sched_ref[(*where, 2 + j)]
+
+
+def _base2_logits(s, st: _Static):
+    """``(logits * log2(e), tanh of the capped logits or None)`` of raw ``q . k`` products ``s``."""
+    if st.soft_cap is None:
+        return s * (st.scale * LOG2E), None
+    tanh = jnp.tanh(s * (st.scale / st.soft_cap))
+    return tanh * (st.soft_cap * LOG2E), tanh
+
+
+def _masked(s, st: _Static, q_axis: int, q_first, kv_first):
+    """``s`` with -inf where causal / window / the key length hide the pair; ``q_axis`` is the query axis of
+    the tile (0 in the forward and dQ, 1 in the transposed dK/dV tiles); ``*_first`` the tile's first
+    query / key position."""
+    q_pos = plgpu.broadcasted_iota(jnp.int32, s.shape, q_axis, layout=plgpu.Layout.WGMMA) + q_first
+    kv_pos = plgpu.broadcasted_iota(jnp.int32, s.shape, 1 - q_axis, layout=plgpu.Layout.WGMMA) + kv_first
+    keep = kv_pos < st.kv_len
+    if st.causal:
+        keep &= kv_pos <= q_pos
+    if st.window is not None:
+        left, right = st.window
+        keep &= (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
+    return jnp.where(keep, s, -jnp.inf)
+
+
+def _stream(streams, block_of, total, stages: int):
+    """The memory warpgroup: TMA-copies block ``block_of(j)`` of every stream into slot ``j % stages`` for
+    visits ``j < total``, reusing a slot once the compute warpgroups released it. ``streams``: ``(source,
+    slots, ready, released)`` with ``source(block)`` the GMEM view to copy."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    def fetch(j, slot, wait):
+        block = block_of(j)
+        for source, slots, ready, released in streams:
+            if wait:
+                plgpu.barrier_wait(released.at[slot])
+            plgpu.copy_gmem_to_smem(source(block), slots.at[slot], ready.at[slot])
+
+    for first in range(stages):
+        pl.when(first < total)(functools.partial(fetch, first, first, False))
+
+    @pl.loop(0, jnp.maximum(total - stages, 0))
+    def _(j):
+        fetch(j + stages, lax.rem(j, jnp.int32(stages)), True)
+
+
+def _load_rows(ref, row_axis: int):
+    """A float32 vector of per-query values laid out along the query axis of WGMMA tiles."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - row_axis))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward: one CTA per (head, query mask block, batch)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, ready, released, turn, *, st):
     batch, head, row = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
     wg = lax.axis_index("wg")
     qo_tiles, k_slots, v_slots, lse_tiles = tiles
     k_ready, v_ready, q_ready = ready
     k_released, v_released = released
-    bq, bkv, dtype = ROWS_PER_WARPGROUP, st["kv_block"], q_ref.dtype
-    mask_batch, mask_heads = st["schedule_dims"]
-    schedule_row = (batch if mask_batch > 1 else 0, head if mask_heads > 1 else 0, row)
-    partial = sched_ref[(*schedule_row, 0)]
-    total = partial + sched_ref[(*schedule_row, 1)]
-
-    def key_block(visit):
-        return sched_ref[(*schedule_row, 2 + visit)]
+    bq, bkv, dtype = ROWS_PER_WARPGROUP, st.kv_block, q_ref.dtype
+    partial, total, key_block = _schedule(sched_ref, st, batch, head, row)
 
     def take_turn():  # the two compute warpgroups alternate on the tensor cores
         plgpu.barrier_arrive(turn)
@@ -118,7 +194,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-        acc = plgpu.layout_cast(jnp.zeros((bq, st["head_dim"]), jnp.float32), plgpu.Layout.WGMMA)
+        acc = plgpu.layout_cast(jnp.zeros((bq, st.head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
         @pl.when(total > 0)
         def _():
@@ -128,7 +204,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
 
         def visit(masked, j, carry):
             acc, m, l = carry
-            slot = lax.rem(j, jnp.int32(st["stages"]))
+            slot = lax.rem(j, jnp.int32(st.stages))
 
             def logits(acc_ref):
                 plgpu.wgmma(acc_ref, qo, k_slots.at[slot].transpose((1, 0)))
@@ -137,23 +213,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
 
             s = pl.run_scoped(logits, plgpu.ACC((bq, bkv), jnp.float32))
             plgpu.barrier_arrive(k_released.at[slot])
-            if st["soft_cap"] is not None:  # logits in base 2 after the cap
-                cap = st["soft_cap"]
-                s = jnp.tanh(s * (st["scale"] / cap)) * (cap * LOG2E)
-            else:
-                s = s * (st["scale"] * LOG2E)
+            s, _ = _base2_logits(s, st)
             if masked:
-                shape = (bq, bkv)
-                q_pos = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + (
-                    q_first + st["q_offset"])
-                kv_pos = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + key_block(j) * bkv
-                keep = kv_pos < st["kv_len"]
-                if st["causal"]:
-                    keep &= kv_pos <= q_pos
-                if st["window"] is not None:
-                    left, right = st["window"]
-                    keep &= (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
-                s = jnp.where(keep, s, -jnp.inf)
+                s = _masked(s, st, 0, q_first + st.q_offset, key_block(j) * bkv)
             m_new = jnp.maximum(m, s.max(axis=1))
             # a row with every logit masked so far keeps m = -inf; 0 in its place gives p = alpha = 0, no NaN
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -173,7 +235,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
 
                 @pl.when(j + 1 < total)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(j + 1, jnp.int32(st["stages"]))])
+                    plgpu.barrier_wait(k_ready.at[lax.rem(j + 1, jnp.int32(st.stages))])
 
             acc = pl.run_state(values)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_released.at[slot])
@@ -196,68 +258,280 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.int32(st["groups"]))
-
-        def fetch(j, slot):
-            cols = pl.ds(key_block(j) * bkv, bkv)
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], k_slots.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, cols, kv_head], v_slots.at[slot], v_ready.at[slot])
-
-        stages = st["stages"]
-        for first in range(stages):
-            pl.when(first < total)(functools.partial(fetch, first, first))
-
-        @pl.loop(0, jnp.maximum(total - stages, 0))
-        def _(j):
-            slot = lax.rem(j, jnp.int32(st["stages"]))
-            cols = pl.ds(key_block(j + stages) * bkv, bkv)
-            plgpu.barrier_wait(k_released.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, cols, kv_head], k_slots.at[slot], k_ready.at[slot])
-            plgpu.barrier_wait(v_released.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, cols, kv_head], v_slots.at[slot], v_ready.at[slot])
+        kv_head = lax.div(head, jnp.int32(st.groups))
+        streams = [(lambda b, ref=ref: ref.at[batch, pl.ds(b * bkv, bkv), kv_head], slots, rdy, rel)
+                   for ref, slots, rdy, rel in ((k_ref, k_slots, k_ready, k_released),
+                                                (v_ref, v_slots, v_ready, v_released))]
+        _stream(streams, key_block, total, st.stages)
 
 
-def forward(q, k, v, schedule, *, scale: float, causal: bool, window, soft_cap, q_len: int, kv_len: int,
-            kv_block: int, schedule_dims: tuple[int, int], stages: int = 2):
-    """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` of block-sparse attention on padded inputs: ``q``
-    ``[B, Sq, H, D]`` with ``Sq`` a multiple of 128, ``k``/``v`` ``[B, Skv, Hkv, D]`` with ``Skv`` a multiple of
-    ``kv_block``; ``schedule`` the int32 rows of ``blocksparse_attention_gpu.gpu_schedule`` by query block;
-    ``q_len``/``kv_len`` the unpadded lengths (queries end-aligned to the keys)."""
-    plgpu = _mosaic_gpu()
-    batch, sq, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    st = dict(scale=float(scale), causal=causal, window=window, soft_cap=soft_cap, q_offset=kv_len - q_len,
-              kv_len=kv_len, kv_block=kv_block, head_dim=head_dim, groups=heads // kv_heads,
-              schedule_dims=schedule_dims, stages=stages)
-    # 128-byte swizzled tiles: what wgmma reads from shared memory and TMA writes (64 bf16 per swizzled row)
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    scratch = (
-        (
-            plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((stages, kv_block, head_dim), k.dtype, transforms=transforms),
-            plgpu.SMEM((stages, kv_block, head_dim), v.dtype, transforms=transforms),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP), jnp.float32),
-        ),
-        (
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
-        ),
-        (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),) * 2,
-        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
-    )
-    kernel = plgpu.kernel(
-        functools.partial(_forward_kernel, st=st),
-        out_type=(
-            jax.ShapeDtypeStruct((batch, sq, heads, head_dim), q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, sq), jnp.float32),
-        ),
+# ---------------------------------------------------------------------------------------------------
+# Backward: dQ per (head, query mask block, batch) over the query schedule; dK/dV per (query head, key mask
+# block, batch) over the transposed schedule (per query head: GQA sums the group's heads afterwards)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dq_ref, tiles, ready, released, *, st):
+    batch, head, row = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
+    wg = lax.axis_index("wg")
+    q_tiles, do_tiles, k_slots, v_slots, stats = tiles
+    k_ready, v_ready, own_ready = ready
+    k_released, v_released = released
+    bq, bkv, dtype = ROWS_PER_WARPGROUP, st.kv_block, q_ref.dtype
+    partial, total, key_block = _schedule(sched_ref, st, batch, head, row)
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_first = row * Q_BLOCK + wg * bq
+        rows = pl.ds(q_first, bq)
+        own = ((q_ref.at[batch, rows, head], q_tiles.at[wg]), (do_ref.at[batch, rows, head], do_tiles.at[wg]),
+               (lse_ref.at[batch, head, rows], stats.at[wg, 0]), (delta_ref.at[batch, head, rows], stats.at[wg, 1]))
+        for i, (source, tile) in enumerate(own):
+            plgpu.copy_gmem_to_smem(source, tile, own_ready.at[wg * 4 + i])
+        for i in range(4):
+            plgpu.barrier_wait(own_ready.at[wg * 4 + i])
+        lse = _load_rows(stats.at[wg, 0], 0) * LOG2E
+        delta = _load_rows(stats.at[wg, 1], 0)
+        dq = plgpu.layout_cast(jnp.zeros((bq, st.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+        def visit(masked, j, dq):
+            slot = lax.rem(j, jnp.int32(st.stages))
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def logits(acc_ref):
+                plgpu.wgmma(acc_ref, q_tiles.at[wg], k_slots.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s, tanh = _base2_logits(pl.run_scoped(logits, plgpu.ACC((bq, bkv), jnp.float32)), st)
+            if masked:
+                s = _masked(s, st, 0, q_first + st.q_offset, key_block(j) * bkv)
+            p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            def probability_grads(acc_ref):
+                plgpu.wgmma(acc_ref, do_tiles.at[wg], v_slots.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            dp = pl.run_scoped(probability_grads, plgpu.ACC((bq, bkv), jnp.float32))
+            plgpu.barrier_arrive(v_released.at[slot])
+            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            if tanh is not None:
+                ds = ds * (1.0 - tanh * tanh)
+            ds16 = ds.astype(dtype)
+
+            def query_grads(acc_ref):
+                plgpu.wgmma(acc_ref, ds16, k_slots.at[slot])
+
+            dq = pl.run_state(query_grads)(plgpu.ACC.init(dq))
+            plgpu.barrier_arrive(k_released.at[slot])
+            return dq
+
+        dq = lax.fori_loop(0, partial, functools.partial(visit, True), dq)
+        dq = lax.fori_loop(partial, total, functools.partial(visit, False), dq)
+        q_tiles.at[wg][...] = (dq * st.scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tiles.at[wg], dq_ref.at[batch, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _memory():
+        kv_head = lax.div(head, jnp.int32(st.groups))
+        streams = [(lambda b, ref=ref: ref.at[batch, pl.ds(b * bkv, bkv), kv_head], slots, rdy, rel)
+                   for ref, slots, rdy, rel in ((k_ref, k_slots, k_ready, k_released),
+                                                (v_ref, v_slots, v_ready, v_released))]
+        _stream(streams, key_block, total, st.stages)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dk_ref, dv_ref, tiles, ready, released,
+                own_ready, *, st):
+    batch, head, col = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("cols")
+    wg = lax.axis_index("wg")
+    k_tiles, v_tiles, q_slots, do_slots, lse_slots, delta_slots = tiles
+    bkv, dtype = ROWS_PER_WARPGROUP, q_ref.dtype  # 64 key rows per warpgroup; query halves of 64
+    partial, total, query_block = _schedule(sched_ref, st, batch, head, col)
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        kv_first = col * st.kv_block + wg * bkv
+        rows = pl.ds(kv_first, bkv)
+        kv_head = lax.div(head, jnp.int32(st.groups))
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_tiles.at[wg], own_ready.at[wg * 2])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_tiles.at[wg], own_ready.at[wg * 2 + 1])
+        plgpu.barrier_wait(own_ready.at[wg * 2])
+        plgpu.barrier_wait(own_ready.at[wg * 2 + 1])
+        zeros = jnp.zeros((bkv, st.head_dim), jnp.float32)
+        dk = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+        dv = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+        def visit(masked, j, carry):
+            dk, dv = carry
+            slot = lax.rem(j, jnp.int32(st.stages))
+            for barrier in ready:
+                plgpu.barrier_wait(barrier.at[slot])
+            for half in range(Q_BLOCK // ROWS_PER_WARPGROUP):  # 64 query rows at a time: 64 x 64 logit tiles
+                half_rows = pl.ds(half * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)
+                q_half, do_half = q_slots.at[slot, half_rows], do_slots.at[slot, half_rows]
+
+                def logits(acc_ref, q_half=q_half):
+                    plgpu.wgmma(acc_ref, k_tiles.at[wg], q_half.transpose((1, 0)))
+                    return acc_ref[...]
+
+                shape = (bkv, ROWS_PER_WARPGROUP)
+                s, tanh = _base2_logits(pl.run_scoped(logits, plgpu.ACC(shape, jnp.float32)), st)
+                if masked:
+                    q_first = query_block(j) * Q_BLOCK + half * ROWS_PER_WARPGROUP + st.q_offset
+                    s = _masked(s, st, 1, q_first, kv_first)
+                lse = _load_rows(lse_slots.at[slot, half_rows], 1) * LOG2E
+                p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
+                p16 = p.astype(dtype)
+
+                def value_grads(refs, do_half=do_half, p16=p16):
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p16, do_half)
+                    plgpu.wgmma(dp_ref, v_tiles.at[wg], do_half.transpose((1, 0)))
+
+                zero_tile = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+                dv, dp = pl.run_state(value_grads)((plgpu.ACC.init(dv), plgpu.ACC.init(zero_tile)))
+                delta = _load_rows(delta_slots.at[slot, half_rows], 1)
+                ds = p * (dp - lax.broadcast_in_dim(delta, shape, [1]))
+                if tanh is not None:
+                    ds = ds * (1.0 - tanh * tanh)
+                ds16 = ds.astype(dtype)
+
+                def key_grads(acc_ref, q_half=q_half, ds16=ds16):
+                    plgpu.wgmma(acc_ref, ds16, q_half)
+
+                dk = pl.run_state(key_grads)(plgpu.ACC.init(dk))
+            for barrier in released:
+                plgpu.barrier_arrive(barrier.at[slot])
+            return dk, dv
+
+        carry = lax.fori_loop(0, partial, functools.partial(visit, True), (dk, dv))
+        dk, dv = lax.fori_loop(partial, total, functools.partial(visit, False), carry)
+        k_tiles.at[wg][...] = (dk * st.scale).astype(dtype)
+        v_tiles.at[wg][...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tiles.at[wg], dk_ref.at[batch, rows, head])
+        plgpu.copy_smem_to_gmem(v_tiles.at[wg], dv_ref.at[batch, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _memory():
+        def rows(ref):
+            return lambda b: ref.at[batch, pl.ds(b * Q_BLOCK, Q_BLOCK), head]
+
+        def stats(ref):
+            return lambda b: ref.at[batch, head, pl.ds(b * Q_BLOCK, Q_BLOCK)]
+
+        sources = (rows(q_ref), rows(do_ref), stats(lse_ref), stats(delta_ref))
+        _stream(list(zip(sources, tiles[2:], ready, released)), query_block, total, st.stages)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch
+
+
+def backward_refusal(call, *, check_device: bool = True) -> str | None:
+    """Why the Mosaic GPU backward kernels cannot take ``call``, or None: :func:`refusal`'s reasons, and key
+    mask blocks of 128 (two warpgroups of 64 key rows per CTA)."""
+    problem = refusal(call, check_device=check_device)
+    if problem is None and call.kv_block_size != Q_BLOCK:
+        problem = f"key mask blocks of {call.kv_block_size} (the backward takes {Q_BLOCK})"
+    return problem
+
+
+def _static(q, k, *, scale, causal, window, soft_cap, q_len, kv_len, kv_block, schedule_dims, stages) -> _Static:
+    return _Static(scale=float(scale), causal=causal, window=window, soft_cap=soft_cap, q_offset=kv_len - q_len,
+                   kv_len=kv_len, kv_block=kv_block, head_dim=q.shape[3], groups=q.shape[2] // k.shape[2],
+                   schedule_dims=schedule_dims, stages=stages)
+
+
+def _tiles(shape, dtype):
+    # 128-byte swizzled tiles: what wgmma reads from shared memory and TMA writes (64 16-bit values a row)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def _launch(kernel, st: _Static, out_type, scratch, grid, grid_names):
+    return plgpu.kernel(
+        functools.partial(kernel, st=st),
+        out_type=out_type,
         scratch_types=scratch,
-        grid=(heads, sq // Q_BLOCK, batch),
-        grid_names=("heads", "rows", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
-    return kernel(q, k, v, schedule)
+
+
+def forward(q, k, v, schedule, **static):
+    """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` of block-sparse attention on padded inputs: ``q``
+    ``[B, Sq, H, D]`` with ``Sq`` a multiple of 128, ``k``/``v`` ``[B, Skv, Hkv, D]`` with ``Skv`` a multiple of
+    ``kv_block``; ``schedule`` the int32 rows of ``blocksparse_attention_gpu.gpu_schedule`` by query block.
+    ``static``: ``scale``, ``causal``, ``window``, ``soft_cap``, ``q_len``/``kv_len`` (the unpadded lengths;
+    queries end-aligned to the keys), ``kv_block``, ``schedule_dims`` (mask batch, mask heads), ``stages``."""
+    _mosaic_gpu()
+    st = _static(q, k, **static)
+    batch, sq, heads, head_dim = q.shape
+    bq, wgs, stages = ROWS_PER_WARPGROUP, COMPUTE_WARPGROUPS, st.stages
+    scratch = (
+        (
+            _tiles((wgs, bq, head_dim), q.dtype),
+            _tiles((stages, st.kv_block, head_dim), k.dtype),
+            _tiles((stages, st.kv_block, head_dim), v.dtype),
+            plgpu.SMEM((wgs, bq), jnp.float32),
+        ),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=wgs)),
+        (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=wgs),
+    )
+    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, sq), jnp.float32))
+    return _launch(_forward_kernel, st, out_type, scratch, (heads, sq // Q_BLOCK, batch),
+                   ("heads", "rows", "batch"))(q, k, v, schedule)
+
+
+def backward(q, k, v, d_out, lse, delta, schedule_q, schedule_kv, **static):
+    """``(dq, dk, dv)`` of :func:`forward`'s call (same padded inputs and ``static``, which needs
+    ``kv_block == 128``): ``lse`` its LSE, ``delta`` ``[B, H, Sq]`` the rows' ``<dO, O>``, ``schedule_q`` /
+    ``schedule_kv`` the schedule rows by query block and by key block."""
+    _mosaic_gpu()
+    st = _static(q, k, **static)
+    batch, sq, heads, head_dim = q.shape
+    skv = k.shape[1]
+    bq, wgs, stages = ROWS_PER_WARPGROUP, COMPUTE_WARPGROUPS, st.stages
+    own = plgpu.Barrier(num_barriers=wgs * 4)
+    dq_scratch = (
+        (
+            _tiles((wgs, bq, head_dim), q.dtype),
+            _tiles((wgs, bq, head_dim), q.dtype),
+            _tiles((stages, st.kv_block, head_dim), k.dtype),
+            _tiles((stages, st.kv_block, head_dim), v.dtype),
+            plgpu.SMEM((wgs, 2, bq), jnp.float32),
+        ),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), own),
+        (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,
+    )
+    dq = _launch(_dq_kernel, st, jax.ShapeDtypeStruct(q.shape, q.dtype), dq_scratch,
+                 (heads, sq // Q_BLOCK, batch), ("heads", "rows", "batch"))(q, k, v, d_out, lse, delta, schedule_q)
+    dkv_scratch = (
+        (
+            _tiles((wgs, bq, head_dim), k.dtype),
+            _tiles((wgs, bq, head_dim), v.dtype),
+            _tiles((stages, Q_BLOCK, head_dim), q.dtype),
+            _tiles((stages, Q_BLOCK, head_dim), d_out.dtype),
+            plgpu.SMEM((stages, Q_BLOCK), jnp.float32),
+            plgpu.SMEM((stages, Q_BLOCK), jnp.float32),
+        ),
+        (plgpu.Barrier(num_barriers=stages),) * 4,
+        (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 4,
+        plgpu.Barrier(num_barriers=wgs * 2),
+    )
+    per_head = jax.ShapeDtypeStruct((batch, skv, heads, head_dim), k.dtype)
+    dk, dv = _launch(_dkv_kernel, st, (per_head, per_head), dkv_scratch, (heads, skv // st.kv_block, batch),
+                     ("heads", "cols", "batch"))(q, k, v, d_out, lse, delta, schedule_kv)
+    if st.groups > 1:  # each query head's share, summed over its kv head's group in float32
+        grouped = (batch, skv, k.shape[2], st.groups, head_dim)
+        dk = dk.reshape(grouped).astype(jnp.float32).sum(axis=3).astype(k.dtype)
+        dv = dv.reshape(grouped).astype(jnp.float32).sum(axis=3).astype(v.dtype)
+    return dq, dk, dv

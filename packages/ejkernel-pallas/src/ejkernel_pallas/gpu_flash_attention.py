@@ -139,8 +139,9 @@ class _Static:
     schedule_width: int = 0  # entries per schedule row (a power of two)
     mask_blocks: tuple[int, int] = (0, 0)  # (q, kv) mask blocks: multiples of the kernel's blocks
     # block-sparse: the Mosaic GPU forward (ejkernel_pallas.blocksparse_attention_mosaic) with this many K/V
-    # slots; 0: the Triton-lowered forward
+    # slots (0: the Triton-lowered forward), and its backward kernels
     mosaic_stages: int = 0
+    mosaic_backward: bool = False
 
     @property
     def statically_masked(self) -> bool:
@@ -513,9 +514,7 @@ def _forward(st: _Static, arrays: dict):
         from ejkernel_pallas import blocksparse_attention_mosaic
 
         return blocksparse_attention_mosaic.forward(
-            arrays["q"], arrays["k"], arrays["v"], arrays["sched_q"], scale=st.scale, causal=st.causal,
-            window=st.window, soft_cap=st.soft_cap, q_len=st.sq, kv_len=st.skv, kv_block=st.mask_blocks[1],
-            schedule_dims=st.schedule_dims, stages=st.mosaic_stages,
+            arrays["q"], arrays["k"], arrays["v"], arrays["sched_q"], **_mosaic_static(st, st.mosaic_stages)
         )
     q, v = arrays["q"], arrays["v"]
     batch, sq_pad, heads, d = q.shape
@@ -539,6 +538,12 @@ def _forward(st: _Static, arrays: dict):
     return out, lse
 
 
+def _mosaic_static(st: _Static, stages: int) -> dict:
+    """The static arguments of the Mosaic GPU block-sparse kernels."""
+    return dict(scale=st.scale, causal=st.causal, window=st.window, soft_cap=st.soft_cap, q_len=st.sq,
+                kv_len=st.skv, kv_block=st.mask_blocks[1], schedule_dims=st.schedule_dims, stages=stages)
+
+
 def _delta(out, d_out):
     """delta [B, H, S] = <dO_i, O_i>, elementwise in float32 (an einsum could run as a TF32 matmul on a GPU)."""
     return jnp.swapaxes(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
@@ -550,6 +555,12 @@ def _backward(st: _Static, arrays: dict, out, lse, d_out):
     skv_pad, kv_heads, dv = k.shape[1], k.shape[2], v.shape[3]
     t = st.tuning
     delta = _delta(out, d_out)
+    if st.mosaic_backward:
+        from ejkernel_pallas import blocksparse_attention_mosaic
+
+        return blocksparse_attention_mosaic.backward(
+            q, k, v, d_out, lse, delta, arrays["sched_q"], arrays["sched_kv"], **_mosaic_static(st, 2)
+        )
     inputs = {**arrays, "do": d_out, "lse": lse, "delta": delta}
     if st.exact_delta:
         inputs["o"] = out
