@@ -136,8 +136,11 @@ def test_lowers_for_sm90(dtype, block):
 # ---------------------------------------------------------------------------------------------------
 # The Mosaic GPU forward (ejkernel_pallas.blocksparse_attention_mosaic)
 
-# (batch, q_len, kv_len, heads, kv_heads, head_dim, kv_block, causal, window, soft cap, mask density)
+# (batch, q_len, kv_len, heads, kv_heads, head_dim, kv_block, causal, window, soft cap, mask density); names
+# with "segments" / "sinks" add those (segments: two per sequence, split at different points for q and kv)
 MOSAIC_CASES = {
+    "segments_sinks_gqa": (2, 384, 384, 4, 2, 128, 128, True, None, None, 0.6),
+    "segments_sinks_kv64": (1, 256, 320, 2, 1, 64, 64, False, (90, 30), 20.0, 0.8),
     "gqa_random_mask": (2, 384, 384, 4, 2, 128, 128, False, None, None, 0.5),
     "ragged_causal_window_cap": (1, 300, 333, 4, 4, 64, 64, True, (100, 20), 30.0, 0.7),
     "ragged_causal_window_cap_d64": (1, 300, 333, 4, 4, 64, 128, True, (100, 20), 30.0, 0.7),
@@ -155,7 +158,14 @@ def _mosaic_case(name, dtype):
     mask = random_block_mask(3, batch, heads, q_len, kv_len, 128, kv_block, density=density)
     static = dict(block_mask=mask, block_size=(128, kv_block), causal=causal, sliding_window=window,
                   logits_soft_cap=cap)
-    return dict(query=q, key=k, value=v), static
+    inputs = dict(query=q, key=k, value=v)
+    if "segments" in name:
+        inputs["q_segment_ids"] = jnp.asarray(np.broadcast_to(np.arange(q_len) >= q_len // 3, (batch, q_len)), jnp.int32)
+        inputs["kv_segment_ids"] = jnp.asarray(np.broadcast_to(np.arange(kv_len) >= kv_len // 2, (batch, kv_len)),
+                                               jnp.int32)
+    if "sinks" in name:
+        inputs["softmax_aux"] = jnp.asarray(rng.standard_normal((heads, 2)), jnp.float32)
+    return inputs, static
 
 
 def test_mosaic_forward_refusals_name_the_reason(monkeypatch):
@@ -166,13 +176,14 @@ def test_mosaic_forward_refusals_name_the_reason(monkeypatch):
         "dtype float32": validate(q.astype(jnp.float32), q.astype(jnp.float32), q.astype(jnp.float32)),
         "head dims": validate(q[..., :96], q[..., :96], q[..., :96]),
         "mask blocks (64, 128)": validate(q, q, q, block_size=(64, 128)),
-        "segment ids": validate(q, q, q, seg, seg),
         "Hopper": validate(q, q, q),  # this machine has no GPU
     }
     for reason, call in cases.items():
         assert reason in gpu_blocksparse.mosaic.refusal(call), (reason, gpu_blocksparse.mosaic.refusal(call))
     call = validate(q, q, q)
     assert gpu_blocksparse.mosaic.refusal(call, check_device=False) is None
+    with_segments_and_sinks = validate(q, q, q, seg, seg, jnp.zeros((2, 3)))
+    assert gpu_blocksparse.mosaic.backward_refusal(with_segments_and_sinks, check_device=False) is None
     assert not gpu_blocksparse.heuristic_tuning(call).mosaic_forward  # no Hopper GPU here
     assert "key mask blocks of 64" in gpu_blocksparse.mosaic.backward_refusal(
         validate(q, q, q, block_size=(128, 64)), check_device=False)
@@ -195,7 +206,8 @@ def test_mosaic_forward_refusals_name_the_reason(monkeypatch):
     gpu_blocksparse.check_tuning(three, validate(q[..., :64], q[..., :64], q[..., :64]))
 
 
-@pytest.mark.parametrize("name,mosaic_kernels", [("gqa_random_mask", 3), ("ragged_causal_window_cap", 1)])
+@pytest.mark.parametrize("name,mosaic_kernels", [("gqa_random_mask", 3), ("ragged_causal_window_cap", 1),
+                                                 ("segments_sinks_gqa", 3), ("segments_sinks_kv64", 1)])
 def test_mosaic_kernels_lower_for_sm90(name, mosaic_kernels, monkeypatch):
     """Mosaic GPU lowering (jax side) for an H100: forward, dQ and dK/dV for 128-row key blocks; the forward
     with the Triton-lowered backward for key blocks of 64."""
@@ -203,12 +215,13 @@ def test_mosaic_kernels_lower_for_sm90(name, mosaic_kernels, monkeypatch):
     monkeypatch.setattr(gpu_blocksparse.mosaic, "hopper_gpu", lambda: True)
 
     def loss(query, key, value):
-        call = BlockSparseAttention().validate(query, key, value, **static)
+        call = BlockSparseAttention().validate(query, key, value, **others, **static)
         tuning = gpu_blocksparse.heuristic_tuning(call)
         assert tuning.mosaic_forward
         return gpu_blocksparse.blocksparse_attention(call, tuning).astype(jnp.float32).sum()
 
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs.values()]
+    others = {name: value for name, value in inputs.items() if name not in ("query", "key", "value")}
+    shapes = [jax.ShapeDtypeStruct(inputs[name].shape, inputs[name].dtype) for name in ("query", "key", "value")]
     with abstract_device("NVIDIA H100 80GB HBM3", "gpu", 132):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*shapes).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
@@ -228,17 +241,29 @@ def test_mosaic_kernels_on_gpu(name, dtype):
     from ejkernel.testing.numerics import check_against_reference
 
     inputs, static = _mosaic_case(name, dtype)
-    call = BlockSparseAttention().validate(*inputs.values(), **static)
+    call = BlockSparseAttention().validate(**inputs, **static)
     tuning = gpu_blocksparse.heuristic_tuning(call)
     assert tuning.mosaic_forward, gpu_blocksparse.mosaic.refusal(call)
 
-    def kernel(query, key, value):
-        call = BlockSparseAttention().validate(query, key, value, **static)
+    def kernel(**arrays):
+        call = BlockSparseAttention().validate(**arrays, **static)
         return gpu_blocksparse.blocksparse_attention(call, tuning)
 
-    def reference(query, key, value):
-        return reference_blocksparse_attention(query, key, value, **static)
+    def reference(**arrays):
+        return reference_blocksparse_attention(**arrays, **static)
 
-    out = check_against_reference(kernel, reference, inputs, tuple(inputs), dtype=dtype)
+    wrt = tuple(name for name in inputs if "segment" not in name)  # every differentiable input, sinks too
+    out = check_against_reference(kernel, reference, inputs, wrt, dtype=dtype)
     first = static["block_mask"].shape[2] // 2 * 128  # random_block_mask turns this query block's row off
     assert not np.asarray(out[:, first:first + 128], np.float32).any()
+
+
+@pytest.mark.gpu
+def test_auto_dispatch_ranks_the_pallas_kernels_first_on_the_gpu():
+    """platform='auto' on a GPU takes the Pallas block-sparse kernels, ranked above Triton's where both are
+    installed (``ejkernel_pallas.plugin.BLOCKSPARSE_GPU_PRIORITY``)."""
+    from ejkernel.modules.operations._dispatch import resolve
+
+    inputs, static = _mosaic_case("gqa_random_mask", jnp.bfloat16)
+    resolution = resolve("blocksparse_attention", None, BlockSparseAttention().validate(**inputs, **static))
+    assert resolution.spec.platform.value == "pallas", resolution

@@ -23,8 +23,9 @@ the GPU flash forward (natural-log LSE, ``0`` and a zero row where a row sees no
 feeds either backward.
 
 Served: bf16/fp16, head_dim 64 or 128 (query and value alike), query mask blocks of 128 rows, key mask
-blocks of 64 or 128 (the backward: 128), causal, sliding window, soft cap, GQA/MQA. Everything else
-(segment ids, sinks, float32, other blocks or head dims, a GPU before Hopper) is :func:`refusal`'s /
+blocks of 64 or 128 (the backward: 128), causal, sliding window, soft cap, segment ids (each CTA's own ids
+loaded once, the visited blocks' streamed with them), sinks (they start each row's softmax state), GQA/MQA.
+Everything else (float32, other blocks or head dims, a GPU before Hopper) is :func:`refusal`'s /
 :func:`backward_refusal`'s reason and runs the Triton-lowered kernels instead.
 """
 
@@ -89,8 +90,6 @@ def refusal(call, *, check_device: bool = True) -> str | None:
         return f"head dims (query {query.shape[-1]}, value {value.shape[-1]}): equal, one of {HEAD_DIMS}"
     if call.q_block_size != Q_BLOCK or call.kv_block_size not in KV_BLOCKS:
         return f"mask blocks ({call.q_block_size}, {call.kv_block_size}): ({Q_BLOCK}, one of {KV_BLOCKS})"
-    if call.q_segment_ids is not None or call.softmax_aux is not None:
-        return "segment ids and sinks run in the Triton-lowered forward"
     if check_device and not hopper_gpu():
         return "needs a Hopper GPU (sm_90a: wgmma, TMA)"
     return None
@@ -108,6 +107,8 @@ class _Static(NamedTuple):
     groups: int  # query heads per kv head
     schedule_dims: tuple[int, int]  # (mask_batch, mask_heads) of the schedule rows
     stages: int
+    has_segments: bool = False
+    has_sinks: bool = False
 
 
 def _schedule(sched_ref, st: _Static, batch, head, row):
@@ -126,10 +127,10 @@ def _base2_logits(s, st: _Static):
     return tanh * (st.soft_cap * LOG2E), tanh
 
 
-def _masked(s, st: _Static, q_axis: int, q_first, kv_first):
-    """``s`` with -inf where causal / window / the key length hide the pair; ``q_axis`` is the query axis of
-    the tile (0 in the forward and dQ, 1 in the transposed dK/dV tiles); ``*_first`` the tile's first
-    query / key position."""
+def _masked(s, st: _Static, q_axis: int, q_first, kv_first, segments=None):
+    """``s`` with -inf where causal / window / the key length / segment ids hide the pair; ``q_axis`` is the
+    query axis of the tile (0 in the forward and dQ, 1 in the transposed dK/dV tiles); ``*_first`` the tile's
+    first query / key position; ``segments`` the tile's (query, key) segment-id vectors or None."""
     q_pos = plgpu.broadcasted_iota(jnp.int32, s.shape, q_axis, layout=plgpu.Layout.WGMMA) + q_first
     kv_pos = plgpu.broadcasted_iota(jnp.int32, s.shape, 1 - q_axis, layout=plgpu.Layout.WGMMA) + kv_first
     keep = kv_pos < st.kv_len
@@ -138,6 +139,9 @@ def _masked(s, st: _Static, q_axis: int, q_first, kv_first):
     if st.window is not None:
         left, right = st.window
         keep &= (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
+    if segments is not None:
+        q_seg, kv_seg = segments
+        keep &= lax.broadcast_in_dim(q_seg, s.shape, [q_axis]) == lax.broadcast_in_dim(kv_seg, s.shape, [1 - q_axis])
     return jnp.where(keep, s, -jnp.inf)
 
 
@@ -163,15 +167,52 @@ def _stream(streams, block_of, total, stages: int):
 
 
 def _load_rows(ref, row_axis: int):
-    """A float32 vector of per-query values laid out along the query axis of WGMMA tiles."""
+    """A vector of per-row values (LSE, delta, segment ids) laid out along axis ``row_axis`` of WGMMA tiles."""
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - row_axis))
+
+
+def _split_refs(refs, st: _Static, inputs: int):
+    """``(inputs, (q_seg, kv_seg) or None, sink stats or None, the rest)`` of a kernel's refs: ``inputs``
+    fixed inputs, then the segment ids and the sink statistics where the call has them."""
+    fixed, rest = refs[:inputs], refs[inputs:]
+    segments = None
+    if st.has_segments:
+        segments, rest = rest[:2], rest[2:]
+    sinks = None
+    if st.has_sinks:
+        sinks, rest = rest[0], rest[1:]
+    return fixed, segments, sinks, rest
+
+
+def _segment_scratch(own_rows: int, streamed_rows: int, stages: int):
+    """Shared memory and barriers of the segment ids: the CTA's own rows (per warpgroup), loaded once, and
+    the visited blocks' ids, streamed beside the other blocks."""
+    wgs = COMPUTE_WARPGROUPS
+    return (plgpu.SMEM((wgs, own_rows), jnp.int32), plgpu.SMEM((stages, streamed_rows), jnp.int32),
+            plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
+
+
+def _own_segments(segment_scratch, source, wg, row_axis: int):
+    """Copy this warpgroup's own segment ids (``source``, a GMEM view) in and load them as a row vector."""
+    own, _, own_ready, _, _ = segment_scratch
+    plgpu.copy_gmem_to_smem(source, own.at[wg], own_ready.at[wg])
+    plgpu.barrier_wait(own_ready.at[wg])
+    return _load_rows(own.at[wg], row_axis)
+
+
+def _segment_stream(segment_scratch, source):
+    _, slots, _, ready, released = segment_scratch
+    return source, slots, ready, released
 
 
 # ---------------------------------------------------------------------------------------------------
 # Forward: one CTA per (head, query mask block, batch)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, ready, released, turn, *, st):
+def _forward_kernel(*refs, st):
+    (q_ref, k_ref, v_ref, sched_ref), segment_refs, sink_ref, rest = _split_refs(refs, st, 4)
+    out_ref, lse_ref, tiles, ready, released, turn, segment_scratch = rest
     batch, head, row = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
     wg = lax.axis_index("wg")
     qo_tiles, k_slots, v_slots, lse_tiles = tiles
@@ -192,9 +233,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_first, bq), head], qo, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-        l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+        # sinks: their max (base 2) and summed exponentials start every row's softmax
+        m0, l0 = (sink_ref[head, 0], sink_ref[head, 1]) if st.has_sinks else (-jnp.inf, 0.0)
+        m = plgpu.layout_cast(jnp.full((bq,), m0, jnp.float32), row_layout)
+        l = plgpu.layout_cast(jnp.full((bq,), l0, jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((bq, st.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        if st.has_segments:
+            q_seg = _own_segments(segment_scratch, segment_refs[0].at[batch, pl.ds(q_first, bq)], wg, 0)
 
         @pl.when(total > 0)
         def _():
@@ -214,8 +259,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
             s = pl.run_scoped(logits, plgpu.ACC((bq, bkv), jnp.float32))
             plgpu.barrier_arrive(k_released.at[slot])
             s, _ = _base2_logits(s, st)
+            segments = (q_seg, _visited_segments(segment_scratch, slot)) if st.has_segments else None
             if masked:
-                s = _masked(s, st, 0, q_first + st.q_offset, key_block(j) * bkv)
+                s = _masked(s, st, 0, q_first + st.q_offset, key_block(j) * bkv, segments)
             m_new = jnp.maximum(m, s.max(axis=1))
             # a row with every logit masked so far keeps m = -inf; 0 in its place gives p = alpha = 0, no NaN
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -262,7 +308,24 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
         streams = [(lambda b, ref=ref: ref.at[batch, pl.ds(b * bkv, bkv), kv_head], slots, rdy, rel)
                    for ref, slots, rdy, rel in ((k_ref, k_slots, k_ready, k_released),
                                                 (v_ref, v_slots, v_ready, v_released))]
+        if st.has_segments:
+            kv_seg_ref = segment_refs[1]
+            streams.append(_segment_stream(segment_scratch, lambda b: kv_seg_ref.at[batch, pl.ds(b * bkv, bkv)]))
         _stream(streams, key_block, total, st.stages)
+
+
+def _visited_segments(segment_scratch, slot, rows=None):
+    """The segment ids of the visited block in slot ``slot`` (its ``rows`` if given), laid out along axis 1 of
+    the tiles (keys in the forward and dQ, queries in dK/dV). Waits for the slot (for the first ``rows``
+    only) and releases it unless ``rows`` is given (the caller releases after its last half)."""
+    _, slots, _, ready, released = segment_scratch
+    view = slots.at[slot] if rows is None else slots.at[slot, rows]
+    if rows is None or rows.start == 0:
+        plgpu.barrier_wait(ready.at[slot])
+    visited = _load_rows(view, 1)
+    if rows is None:
+        plgpu.barrier_arrive(released.at[slot])
+    return visited
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,7 +333,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, tiles, rea
 # block, batch) over the transposed schedule (per query head: GQA sums the group's heads afterwards)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dq_ref, tiles, ready, released, *, st):
+def _dq_kernel(*refs, st):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref), segment_refs, _, rest = _split_refs(refs, st, 7)
+    dq_ref, tiles, ready, released, segment_scratch = rest
     batch, head, row = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
     wg = lax.axis_index("wg")
     q_tiles, do_tiles, k_slots, v_slots, stats = tiles
@@ -293,6 +358,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dq_re
         lse = _load_rows(stats.at[wg, 0], 0) * LOG2E
         delta = _load_rows(stats.at[wg, 1], 0)
         dq = plgpu.layout_cast(jnp.zeros((bq, st.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        if st.has_segments:
+            q_seg = _own_segments(segment_scratch, segment_refs[0].at[batch, rows], wg, 0)
 
         def visit(masked, j, dq):
             slot = lax.rem(j, jnp.int32(st.stages))
@@ -303,8 +370,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dq_re
                 return acc_ref[...]
 
             s, tanh = _base2_logits(pl.run_scoped(logits, plgpu.ACC((bq, bkv), jnp.float32)), st)
+            segments = (q_seg, _visited_segments(segment_scratch, slot)) if st.has_segments else None
             if masked:
-                s = _masked(s, st, 0, q_first + st.q_offset, key_block(j) * bkv)
+                s = _masked(s, st, 0, q_first + st.q_offset, key_block(j) * bkv, segments)
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             plgpu.barrier_wait(v_ready.at[slot])
 
@@ -339,11 +407,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dq_re
         streams = [(lambda b, ref=ref: ref.at[batch, pl.ds(b * bkv, bkv), kv_head], slots, rdy, rel)
                    for ref, slots, rdy, rel in ((k_ref, k_slots, k_ready, k_released),
                                                 (v_ref, v_slots, v_ready, v_released))]
+        if st.has_segments:
+            kv_seg_ref = segment_refs[1]
+            streams.append(_segment_stream(segment_scratch, lambda b: kv_seg_ref.at[batch, pl.ds(b * bkv, bkv)]))
         _stream(streams, key_block, total, st.stages)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dk_ref, dv_ref, tiles, ready, released,
-                own_ready, *, st):
+def _dkv_kernel(*refs, st):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref), segment_refs, _, rest = _split_refs(refs, st, 7)
+    dk_ref, dv_ref, tiles, ready, released, own_ready, segment_scratch = rest
     batch, head, col = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("cols")
     wg = lax.axis_index("wg")
     k_tiles, v_tiles, q_slots, do_slots, lse_slots, delta_slots = tiles
@@ -363,6 +435,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dk_r
         zeros = jnp.zeros((bkv, st.head_dim), jnp.float32)
         dk = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
         dv = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+        if st.has_segments:
+            kv_seg = _own_segments(segment_scratch, segment_refs[1].at[batch, rows], wg, 0)
 
         def visit(masked, j, carry):
             dk, dv = carry
@@ -379,9 +453,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dk_r
 
                 shape = (bkv, ROWS_PER_WARPGROUP)
                 s, tanh = _base2_logits(pl.run_scoped(logits, plgpu.ACC(shape, jnp.float32)), st)
+                segments = None
+                if st.has_segments:
+                    segments = (_visited_segments(segment_scratch, slot, half_rows), kv_seg)
                 if masked:
                     q_first = query_block(j) * Q_BLOCK + half * ROWS_PER_WARPGROUP + st.q_offset
-                    s = _masked(s, st, 1, q_first, kv_first)
+                    s = _masked(s, st, 1, q_first, kv_first, segments)
                 lse = _load_rows(lse_slots.at[slot, half_rows], 1) * LOG2E
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
                 p16 = p.astype(dtype)
@@ -405,6 +482,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dk_r
                 dk = pl.run_state(key_grads)(plgpu.ACC.init(dk))
             for barrier in released:
                 plgpu.barrier_arrive(barrier.at[slot])
+            if st.has_segments:
+                plgpu.barrier_arrive(segment_scratch[4].at[slot])
             return dk, dv
 
         carry = lax.fori_loop(0, partial, functools.partial(visit, True), (dk, dv))
@@ -425,7 +504,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dk_r
             return lambda b: ref.at[batch, head, pl.ds(b * Q_BLOCK, Q_BLOCK)]
 
         sources = (rows(q_ref), rows(do_ref), stats(lse_ref), stats(delta_ref))
-        _stream(list(zip(sources, tiles[2:], ready, released)), query_block, total, st.stages)
+        streams = list(zip(sources, tiles[2:], ready, released))
+        if st.has_segments:
+            q_seg_ref = segment_refs[0]
+            streams.append(_segment_stream(segment_scratch, lambda b: q_seg_ref.at[batch, pl.ds(b * Q_BLOCK, Q_BLOCK)]))
+        _stream(streams, query_block, total, st.stages)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,10 +524,24 @@ def backward_refusal(call, *, check_device: bool = True) -> str | None:
     return problem
 
 
-def _static(q, k, *, scale, causal, window, soft_cap, q_len, kv_len, kv_block, schedule_dims, stages) -> _Static:
+def _static(q, k, segments, sink_stats, *, scale, causal, window, soft_cap, q_len, kv_len, kv_block, schedule_dims,
+            stages) -> _Static:
     return _Static(scale=float(scale), causal=causal, window=window, soft_cap=soft_cap, q_offset=kv_len - q_len,
                    kv_len=kv_len, kv_block=kv_block, head_dim=q.shape[3], groups=q.shape[2] // k.shape[2],
-                   schedule_dims=schedule_dims, stages=stages)
+                   schedule_dims=schedule_dims, stages=stages, has_segments=segments is not None,
+                   has_sinks=sink_stats is not None)
+
+
+def sink_statistics(sinks):
+    """float32 ``[H, 2]``: per head the largest sink logit in base 2 and the sum of ``exp2(sink * log2(e) -
+    that)`` (``sinks`` ``[H, n]``; padding entries -inf), the forward's starting softmax state."""
+    base2 = sinks.astype(jnp.float32) * LOG2E
+    top = jnp.max(base2, axis=1)
+    return jnp.stack([top, jnp.sum(jnp.exp2(base2 - top[:, None]), axis=1)], axis=1)
+
+
+def _optional(segments, sink_stats=None) -> tuple:
+    return (*(segments or ()), *(() if sink_stats is None else (sink_stats,)))
 
 
 def _tiles(shape, dtype):
@@ -465,14 +562,16 @@ def _launch(kernel, st: _Static, out_type, scratch, grid, grid_names):
     )
 
 
-def forward(q, k, v, schedule, **static):
+def forward(q, k, v, schedule, segments=None, sink_stats=None, **static):
     """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` of block-sparse attention on padded inputs: ``q``
     ``[B, Sq, H, D]`` with ``Sq`` a multiple of 128, ``k``/``v`` ``[B, Skv, Hkv, D]`` with ``Skv`` a multiple of
     ``kv_block``; ``schedule`` the int32 rows of ``blocksparse_attention_gpu.gpu_schedule`` by query block.
     ``static``: ``scale``, ``causal``, ``window``, ``soft_cap``, ``q_len``/``kv_len`` (the unpadded lengths;
-    queries end-aligned to the keys), ``kv_block``, ``schedule_dims`` (mask batch, mask heads), ``stages``."""
+    queries end-aligned to the keys), ``kv_block``, ``schedule_dims`` (mask batch, mask heads), ``stages``.
+    ``segments``: int32 ``(q_segment_ids [B, Sq], kv_segment_ids [B, Skv])`` or None; ``sink_stats``:
+    :func:`sink_statistics` of the sinks or None."""
     _mosaic_gpu()
-    st = _static(q, k, **static)
+    st = _static(q, k, segments, sink_stats, **static)
     batch, sq, heads, head_dim = q.shape
     bq, wgs, stages = ROWS_PER_WARPGROUP, COMPUTE_WARPGROUPS, st.stages
     scratch = (
@@ -485,18 +584,20 @@ def forward(q, k, v, schedule, **static):
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=wgs)),
         (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,
         plgpu.Barrier(num_arrivals=wgs),
+        _segment_scratch(bq, st.kv_block, stages) if segments is not None else (),
     )
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, sq), jnp.float32))
     return _launch(_forward_kernel, st, out_type, scratch, (heads, sq // Q_BLOCK, batch),
-                   ("heads", "rows", "batch"))(q, k, v, schedule)
+                   ("heads", "rows", "batch"))(q, k, v, schedule, *_optional(segments, sink_stats))
 
 
-def backward(q, k, v, d_out, lse, delta, schedule_q, schedule_kv, **static):
+def backward(q, k, v, d_out, lse, delta, schedule_q, schedule_kv, segments=None, **static):
     """``(dq, dk, dv)`` of :func:`forward`'s call (same padded inputs and ``static``, which needs
     ``kv_block == 128``): ``lse`` its LSE, ``delta`` ``[B, H, Sq]`` the rows' ``<dO, O>``, ``schedule_q`` /
-    ``schedule_kv`` the schedule rows by query block and by key block."""
+    ``schedule_kv`` the schedule rows by query block and by key block; ``segments`` as for the forward (sinks
+    change no gradient here: theirs comes from the LSE)."""
     _mosaic_gpu()
-    st = _static(q, k, **static)
+    st = _static(q, k, segments, None, **static)
     batch, sq, heads, head_dim = q.shape
     skv = k.shape[1]
     bq, wgs, stages = ROWS_PER_WARPGROUP, COMPUTE_WARPGROUPS, st.stages
@@ -511,9 +612,10 @@ def backward(q, k, v, d_out, lse, delta, schedule_q, schedule_kv, **static):
         ),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), own),
         (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,
+        _segment_scratch(bq, st.kv_block, stages) if segments is not None else (),
     )
-    dq = _launch(_dq_kernel, st, jax.ShapeDtypeStruct(q.shape, q.dtype), dq_scratch,
-                 (heads, sq // Q_BLOCK, batch), ("heads", "rows", "batch"))(q, k, v, d_out, lse, delta, schedule_q)
+    dq = _launch(_dq_kernel, st, jax.ShapeDtypeStruct(q.shape, q.dtype), dq_scratch, (heads, sq // Q_BLOCK, batch),
+                 ("heads", "rows", "batch"))(q, k, v, d_out, lse, delta, schedule_q, *_optional(segments))
     dkv_scratch = (
         (
             _tiles((wgs, bq, head_dim), k.dtype),
@@ -526,10 +628,11 @@ def backward(q, k, v, d_out, lse, delta, schedule_q, schedule_kv, **static):
         (plgpu.Barrier(num_barriers=stages),) * 4,
         (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 4,
         plgpu.Barrier(num_barriers=wgs * 2),
+        _segment_scratch(bq, Q_BLOCK, stages) if segments is not None else (),
     )
     per_head = jax.ShapeDtypeStruct((batch, skv, heads, head_dim), k.dtype)
     dk, dv = _launch(_dkv_kernel, st, (per_head, per_head), dkv_scratch, (heads, skv // st.kv_block, batch),
-                     ("heads", "cols", "batch"))(q, k, v, d_out, lse, delta, schedule_kv)
+                     ("heads", "cols", "batch"))(q, k, v, d_out, lse, delta, schedule_kv, *_optional(segments))
     if st.groups > 1:  # each query head's share, summed over its kv head's group in float32
         grouped = (batch, skv, k.shape[2], st.groups, head_dim)
         dk = dk.reshape(grouped).astype(jnp.float32).sum(axis=3).astype(k.dtype)

@@ -513,8 +513,11 @@ def _forward(st: _Static, arrays: dict):
     if st.mosaic_stages:
         from ejkernel_pallas import blocksparse_attention_mosaic
 
+        sinks = arrays.get("sinks")
         return blocksparse_attention_mosaic.forward(
-            arrays["q"], arrays["k"], arrays["v"], arrays["sched_q"], **_mosaic_static(st, st.mosaic_stages)
+            arrays["q"], arrays["k"], arrays["v"], arrays["sched_q"], _mosaic_segments(arrays),
+            None if sinks is None else blocksparse_attention_mosaic.sink_statistics(sinks),
+            **_mosaic_static(st, st.mosaic_stages),
         )
     q, v = arrays["q"], arrays["v"]
     batch, sq_pad, heads, d = q.shape
@@ -544,6 +547,10 @@ def _mosaic_static(st: _Static, stages: int) -> dict:
                 kv_len=st.skv, kv_block=st.mask_blocks[1], schedule_dims=st.schedule_dims, stages=stages)
 
 
+def _mosaic_segments(arrays: dict):
+    return (arrays["q_seg"], arrays["kv_seg"]) if "q_seg" in arrays else None
+
+
 def _delta(out, d_out):
     """delta [B, H, S] = <dO_i, O_i>, elementwise in float32 (an einsum could run as a TF32 matmul on a GPU)."""
     return jnp.swapaxes(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
@@ -559,7 +566,8 @@ def _backward(st: _Static, arrays: dict, out, lse, d_out):
         from ejkernel_pallas import blocksparse_attention_mosaic
 
         return blocksparse_attention_mosaic.backward(
-            q, k, v, d_out, lse, delta, arrays["sched_q"], arrays["sched_kv"], **_mosaic_static(st, 2)
+            q, k, v, d_out, lse, delta, arrays["sched_q"], arrays["sched_kv"], _mosaic_segments(arrays),
+            **_mosaic_static(st, 2),
         )
     inputs = {**arrays, "do": d_out, "lse": lse, "delta": delta}
     if st.exact_delta:
