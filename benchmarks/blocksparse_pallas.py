@@ -49,7 +49,7 @@ def random_mask(seed: int, heads: int, seq: int, density: float) -> np.ndarray:
     return mask
 
 
-# extra configs of the pallas block-sparse kernels ("pallas:<name>" rows; GpuBlockSparseTuning fields). The
+# extra configs of the pallas block-sparse kernels ("pallas:<name>" rows; GpuFlashTuning fields). The
 # default (heuristic) on a Hopper GPU runs the Mosaic GPU kernels since 2026-11-27; "triton-fwd" is the
 # Triton-lowered forward and backward they replaced (128x128 / 8 warps / 3 stages forward for 128-blocks),
 # "triton-bwd" the Mosaic forward with the Triton-lowered backward; the other variants run the Triton-lowered
@@ -76,10 +76,10 @@ def attend_fn(kind: str, platform: str):
         return lambda q, k, v, mask: flash_attention(q, k, v, causal=False, platform=platform)
     cfg = None
     if ":" in platform:
-        from ejkernel_pallas.blocksparse_attention_gpu import GpuBlockSparseTuning
+        from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
 
         platform, variant = platform.split(":")
-        cfg = GpuBlockSparseTuning(**VARIANTS[variant])
+        cfg = GpuFlashTuning(**VARIANTS[variant])
     return lambda q, k, v, mask: blocksparse_attention(
         q, k, v, block_mask=mask, block_size=BLOCK, causal=False, platform=platform, cfg=cfg
     )

@@ -23,8 +23,12 @@ class ProbeCall:
     causal: bool = False
 
 
-def _backend(name: str, platform: str, target: str, priority: int, unusable: str | None = None, refuse=None):
+def _backend(name: str, platform: str, target: str, priority: int, unusable: str | None = None, refuse=None,
+             ranks=None):
     class Probe(Implementation):
+        def priority_for(self, call):
+            return None if ranks is None else ranks({"causal": call.causal})
+
         def supports(self, call):
             options = {"causal": call.causal}
             if refuse is not None and refuse(options):
@@ -123,3 +127,13 @@ def test_flash_attention_on_cpu_runs_xla_and_names_the_gpu_backends_it_passed_ov
     assert "no GPU visible" in passed_over["triton (triton)"]
     with pytest.raises(KernelNotFoundError, match="platform='triton' cannot run here: no GPU visible"):
         FlashAttention().explain(q, q, q, platform="triton")
+
+
+def test_auto_ranks_an_implementation_by_its_priority_for_the_call(probe_backends):
+    """An implementation measured faster on some calls ranks above a better-registered one for those calls
+    alone (``priority_for``); an explicit platform is unaffected."""
+    probe_backends("triton_like", "triton", "cpu", 15)
+    probe_backends("pallas_like", "pallas", "cpu", 10, ranks=lambda options: 16 if options["causal"] else None)
+    assert _ran(resolve(ALGORITHM, "auto", _call(causal=True))) == "pallas_like"
+    assert _ran(resolve(ALGORITHM, "auto", _call(causal=False))) == "triton_like"
+    assert _ran(resolve(ALGORITHM, "triton", _call(causal=True))) == "triton_like"

@@ -195,7 +195,7 @@ def test_declared_backend_registers_plain_and_per_backend_keys():
     declared = DeclaredBackend(
         name="declared", distribution="dist-declared", platform="pallas", targets=("tpu", "gpu"),
         implementations={"everywhere": "json:dumps", ("tpu_only", "tpu"): "json:loads"}, priority=7,
-        priorities={("everywhere", "gpu"): 9, "tpu_only": 2}, check_usable=lambda: "no TPU or GPU visible",
+        check_usable=lambda: "no TPU or GPU visible",
     )
     info_hook, register_hook = declared.hooks()
     module = types.SimpleNamespace(ejkernel_backend_info=info_hook, ejkernel_register_kernels=register_hook)
@@ -204,7 +204,7 @@ def test_declared_backend_registers_plain_and_per_backend_keys():
     assert backend.status == "unavailable: no TPU or GPU visible" and backend.implementations == 3
     assert {(s.algorithm, s.backend.value, s.priority) for a in ("everywhere", "tpu_only")
             for s in host.registry.list_implementations(a)} == {
-        ("everywhere", "tpu", 7), ("everywhere", "gpu", 9), ("tpu_only", "tpu", 2)}
+        ("everywhere", "tpu", 7), ("everywhere", "gpu", 7), ("tpu_only", "tpu", 7)}
 
 
 @pytest.mark.parametrize("requested", [False, True])

@@ -160,7 +160,8 @@ def _mosaic_case(name, dtype):
                   logits_soft_cap=cap)
     inputs = dict(query=q, key=k, value=v)
     if "segments" in name:
-        inputs["q_segment_ids"] = jnp.asarray(np.broadcast_to(np.arange(q_len) >= q_len // 3, (batch, q_len)), jnp.int32)
+        q_ids = np.broadcast_to(np.arange(q_len) >= q_len // 3, (batch, q_len))
+        inputs["q_segment_ids"] = jnp.asarray(q_ids, jnp.int32)
         inputs["kv_segment_ids"] = jnp.asarray(np.broadcast_to(np.arange(kv_len) >= kv_len // 2, (batch, kv_len)),
                                                jnp.int32)
     if "sinks" in name:
@@ -188,22 +189,24 @@ def test_mosaic_forward_refusals_name_the_reason(monkeypatch):
     assert "key mask blocks of 64" in gpu_blocksparse.mosaic.backward_refusal(
         validate(q, q, q, block_size=(128, 64)), check_device=False)
     assert not any(t.mosaic_forward for t in gpu_blocksparse.candidate_tunings(call))
-    with pytest.raises(ValueError, match="GpuBlockSparseTuning.mosaic_forward=True: Pallas' interpreter"):
-        gpu_blocksparse.check_tuning(gpu_blocksparse.GpuBlockSparseTuning(mosaic_forward=True), call, interpret=True)
+    applied = gpu_blocksparse.mosaic.applied
+    both = GpuFlashTuning(mosaic_forward=True, mosaic_backward=True)
+    assert applied(both, call, interpret=False) == GpuFlashTuning()  # no Hopper GPU: the Triton-lowered kernels
     with pytest.raises(ValueError, match="mosaic_forward must be a bool"):
-        gpu_blocksparse.GpuBlockSparseTuning(mosaic_forward=1)
+        GpuFlashTuning(mosaic_forward=1)
     with pytest.raises(ValueError, match="mosaic_stages must be an int >= 2"):
-        gpu_blocksparse.GpuBlockSparseTuning(mosaic_stages=1)
+        GpuFlashTuning(mosaic_stages=1)
     monkeypatch.setattr(gpu_blocksparse.mosaic, "hopper_gpu", lambda: True)
     assert gpu_blocksparse.heuristic_tuning(call).mosaic_forward
     assert gpu_blocksparse.heuristic_tuning(call).mosaic_backward
-    with pytest.raises(ValueError, match="mosaic_backward=True: key mask blocks of 64"):
-        gpu_blocksparse.check_tuning(gpu_blocksparse.GpuBlockSparseTuning(mosaic_backward=True),
-                                     validate(q, q, q, block_size=(128, 64)))
-    three = gpu_blocksparse.GpuBlockSparseTuning(mosaic_forward=True, mosaic_stages=3)
+    assert applied(both, call, interpret=False) == both
+    assert applied(both, call, interpret=True) == GpuFlashTuning()  # Pallas' interpreter runs no Mosaic kernel
+    kv64 = validate(q, q, q, block_size=(128, 64))  # the forward only: the backward takes key blocks of 128
+    assert applied(both, kv64, interpret=False) == GpuFlashTuning(mosaic_forward=True)
+    three = GpuFlashTuning(mosaic_forward=True, mosaic_stages=3)
     with pytest.raises(ValueError, match="mosaic_stages=3: .* bytes of shared memory at head_dim 128"):
-        gpu_blocksparse.check_tuning(three, call)  # 3 x 64 KiB of K/V slots beside 32 KiB of Q/O: over 227 KiB
-    gpu_blocksparse.check_tuning(three, validate(q[..., :64], q[..., :64], q[..., :64]))
+        applied(three, call, interpret=False)  # 3 x 64 KiB of K/V slots beside 32 KiB of Q/O: over 227 KiB
+    assert applied(three, validate(q[..., :64], q[..., :64], q[..., :64]), interpret=False) == three
 
 
 @pytest.mark.parametrize("name,mosaic_kernels", [("gqa_random_mask", 3), ("ragged_causal_window_cap", 1),
@@ -259,11 +262,15 @@ def test_mosaic_kernels_on_gpu(name, dtype):
 
 
 @pytest.mark.gpu
-def test_auto_dispatch_ranks_the_pallas_kernels_first_on_the_gpu():
-    """platform='auto' on a GPU takes the Pallas block-sparse kernels, ranked above Triton's where both are
-    installed (``ejkernel_pallas.plugin.BLOCKSPARSE_GPU_PRIORITY``)."""
+def test_auto_dispatch_ranks_the_mosaic_kernels_first_on_hopper():
+    """platform='auto' on a Hopper GPU takes the Pallas block-sparse kernels where the Mosaic ones run forward
+    and backward (``priority_for``: above Triton's), the Triton backend's where it is installed otherwise."""
     from ejkernel.modules.operations._dispatch import resolve
+    from ejkernel.plugins import backends
 
-    inputs, static = _mosaic_case("gqa_random_mask", jnp.bfloat16)
-    resolution = resolve("blocksparse_attention", None, BlockSparseAttention().validate(**inputs, **static))
-    assert resolution.spec.platform.value == "pallas", resolution
+    def chosen(name):
+        inputs, static = _mosaic_case(name, jnp.bfloat16)
+        return resolve("blocksparse_attention", None, BlockSparseAttention().validate(**inputs, **static)).platform
+
+    assert chosen("gqa_random_mask") == "pallas"
+    assert chosen("ragged_causal_window_cap") == ("triton" if "triton" in backends() else "pallas")  # key blocks 64

@@ -119,3 +119,82 @@ def test_float32_dots_run_ieee_unless_default_is_asked_for():
     assert dot_precisions(jnp.float32) == dot_precisions(jnp.float32, precision="high") == {highest}
     assert dot_precisions(jnp.float32, precision="default") == {default}
     assert dot_precisions(jnp.bfloat16, precision="highest") == {None}
+
+
+def test_mosaic_kernels_serve_dense_calls_on_hopper(monkeypatch):
+    """On Hopper the heuristic takes the Mosaic GPU kernels for bf16 calls they can run (forward, dQ, dK/dV
+    over the dense block schedules: three Mosaic GPU custom calls, no Triton one) and not for dropout or
+    float32; a config asking for them where they cannot run is refused naming the field."""
+    from ejkernel_pallas import blocksparse_attention_mosaic as mosaic
+
+    q = jax.ShapeDtypeStruct((1, 300, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 2, 128), jnp.bfloat16)
+    call = flash_call(jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype),
+                      causal=True, logits_soft_cap=20.0)
+    assert not gpu.heuristic_tuning(300, 300).mosaic_forward  # the tiles alone: Mosaic off
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    tuning = gpu.IMPLEMENTATION.heuristic_config(call)
+    assert tuning.mosaic_forward and tuning.mosaic_backward
+    assert gpu.IMPLEMENTATION.candidate_configs(call)[0] == tuning
+    zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv)]
+    dropout = flash_call(*zeros, dropout_prob=0.1, dropout_seed=1)
+    assert not gpu.IMPLEMENTATION.heuristic_config(dropout).mosaic_forward
+    assert "dropout runs in the Triton-lowered kernels" in mosaic.refusal(dropout)
+    cum = jnp.array([0, 100, 300], jnp.int32)  # one array for both sides: the sequences run as segments
+    assert gpu.IMPLEMENTATION.heuristic_config(flash_call(*zeros, cum_seqlens_q=cum, cum_seqlens_k=cum)).mosaic_forward
+    separate = flash_call(*zeros, cum_seqlens_q=cum, cum_seqlens_k=cum + 0)
+    assert "separate cum_seqlens_q / cum_seqlens_k arrays" in mosaic.refusal(separate)
+
+    def loss(q, k, v):
+        call = flash_call(q, k, v, causal=True, logits_soft_cap=20.0)
+        return gpu.flash_attention(call, tuning).astype(jnp.float32).sum()
+
+    with abstract_device("NVIDIA H100 80GB HBM3", "gpu", 132):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("@mosaic_gpu") == 3, text[:2000]
+    assert text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call") == 0, text[:2000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (40, 7))], ids=["causal", "window"])
+def test_mosaic_kernels_take_packed_self_attention_on_gpu(causal, window):
+    """Varlen with one cum_seqlens array for queries and keys runs the Mosaic GPU kernels (its sequences as
+    segment ids) on a Hopper GPU: output and every gradient against the float64 reference, padding past the
+    last sequence zero."""
+    import numpy as np
+
+    from ejkernel.testing.numerics import check_against_reference
+
+    rng = np.random.default_rng(31)
+    q = jnp.asarray(rng.standard_normal((1, 300, 4, 128)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 300, 2, 128)), jnp.bfloat16) for _ in range(2))
+    cum = jnp.array([0, 100, 230, 290], jnp.int32)
+    inputs = dict(query=q, key=k, value=v, cum_seqlens_q=cum, cum_seqlens_k=cum)
+    static = dict(causal=causal, sliding_window=window, softmax_scale=128**-0.5)
+    call = flash_call(q, k, v, **static, cum_seqlens_q=cum, cum_seqlens_k=cum)
+    tuning = gpu.IMPLEMENTATION.heuristic_config(call)
+    assert tuning.mosaic_forward and tuning.mosaic_backward, tuning
+
+    def kernel(query, key, value, **cums):
+        return gpu.flash_attention(flash_call(query, key, value, **static, **cums), tuning)
+
+    def reference(query, key, value, **cums):
+        return flash_reference(query, key, value, **static, **cums)
+
+    out = check_against_reference(kernel, reference, inputs, ("query", "key", "value"), dtype=jnp.bfloat16)
+    assert not np.asarray(out[:, 290:], np.float32).any()
+
+
+@pytest.mark.gpu
+def test_auto_dispatch_ranks_the_mosaic_kernels_above_triton_on_hopper():
+    """After cuDNN (which refuses soft caps), platform='auto' takes the Pallas kernels where the Mosaic ones
+    run (``priority_for``), the Triton backend's where only the Triton-lowered ones would (dropout)."""
+    from ejkernel.modules.operations._dispatch import resolve
+    from ejkernel.plugins import backends
+
+    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    capped = resolve("flash_attention", None, flash_call(q, q, q, causal=True, logits_soft_cap=30.0))
+    assert capped.platform == "pallas", capped
+    dropout = resolve("flash_attention", None, flash_call(q, q, q, dropout_prob=0.1, dropout_seed=3))
+    assert dropout.platform == ("triton" if "triton" in backends() else "pallas"), dropout

@@ -4,9 +4,9 @@ The kernels are those of :mod:`ejkernel_pallas.gpu_flash_attention` (one program
 forward and dQ, per key block and query head for dK/dV; the same logits, masks, online softmax, sinks,
 soft cap, GQA), with their block loop driven by the shared schedules
 (``ejkernel.ops.utils.block_sparse.block_schedule``) instead of the causal/window ranges: each program reads
-its row of the schedule (:func:`gpu_schedule`: partial visits first, then full ones) and loops over exactly
-the blocks the mask leaves non-empty, in two plain loops: the masked body over the partial blocks, the
-mask-free body over the others. Time is therefore
+its row of the schedule (``gpu_flash_attention.gpu_schedule``: partial visits first, then full ones) and loops
+over exactly the blocks the mask leaves non-empty, in two plain loops: the masked body over the partial blocks,
+the mask-free body over the others. Time is therefore
 proportional to the kept blocks.
 
 Mask blocks must be powers of two >= 16 (Triton blocks; others are refused with ``UnsupportedFeature``, the
@@ -17,7 +17,7 @@ blocks of its mask block. Float32 precision as in the GPU flash kernels (IEEE do
 call asks for ``"default"``).
 
 On a Hopper GPU the forward runs the Mosaic GPU kernel of :mod:`ejkernel_pallas.blocksparse_attention_mosaic`
-instead (TMA, wgmma, warp specialization; ``GpuBlockSparseTuning.mosaic_forward``, which the heuristic sets
+instead (TMA, wgmma, warp specialization; ``GpuFlashTuning.mosaic_forward``, which the heuristic sets
 wherever that kernel can take the call); its output and LSE feed the same backward kernels.
 
 Dispatcher ranking on the GPU: the Triton backend (priority 15) ranks above this one (Pallas, 10) when
@@ -36,65 +36,26 @@ from jax.experimental import pallas as pl
 from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
-from ejkernel.ops.utils.block_sparse import BlockSchedule, block_schedule
+from ejkernel.ops.utils.block_sparse import block_schedule
 
 from ejkernel_pallas import blocksparse_attention_mosaic as mosaic
 from ejkernel_pallas import gpu_flash_attention as gpu
 from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
-from ejkernel_pallas.interpret import gpu_interpret_or_refuse
+from ejkernel_pallas.interpret import gpu_interpret_or_refuse, interpret_mode
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuBlockSparseTuning(GpuFlashTuning):
-    """The GPU flash kernels' tiles and launch parameters, plus ``mosaic_forward``: the forward runs the
-    Mosaic GPU kernel of :mod:`ejkernel_pallas.blocksparse_attention_mosaic` (Hopper; its own fixed tiles:
-    128 query rows per program, the mask's key block) with ``mosaic_stages`` K/V shared-memory slots, instead
-    of the Triton-lowered one; ``mosaic_backward``: the dQ and dK/dV kernels of that module (128-row blocks on
-    both sides) instead of the Triton-lowered ones. Either takes the other's output (same LSE)."""
-
-    mosaic_forward: bool = False
-    mosaic_stages: int = 2
-    mosaic_backward: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("mosaic_forward", "mosaic_backward"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GpuBlockSparseTuning.{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.mosaic_stages, bool) or not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
-            raise ValueError(f"GpuBlockSparseTuning.mosaic_stages must be an int >= 2, got {self.mosaic_stages!r}")
-
-
-def kernel_blocks(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> GpuBlockSparseTuning:
+def kernel_blocks(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> GpuFlashTuning:
     """``tuning`` with every block capped at the call's mask block (both powers of two, so the kernel block
     then divides the mask block)."""
     bq, bkv = call.q_block_size, call.kv_block_size
-    if not isinstance(tuning, GpuBlockSparseTuning):
-        tuning = GpuBlockSparseTuning(**dataclasses.asdict(tuning))
     return dataclasses.replace(
         tuning, fwd_q=min(tuning.fwd_q, bq), fwd_kv=min(tuning.fwd_kv, bkv), dkv_q=min(tuning.dkv_q, bq),
         dkv_kv=min(tuning.dkv_kv, bkv), dq_q=min(tuning.dq_q, bq), dq_kv=min(tuning.dq_kv, bkv),
     )
 
 
-def check_tuning(tuning: GpuFlashTuning, call: BlockSparseAttentionCall, *, interpret: bool = False) -> None:
-    """Kernel blocks must divide the mask blocks, and a Mosaic forward must be able to take the call (a
-    ValueError names the config field)."""
-    if getattr(tuning, "mosaic_backward", False):
-        problem = "Pallas' interpreter cannot run Mosaic GPU kernels" if interpret else mosaic.backward_refusal(call)
-        if problem is not None:
-            raise ValueError(f"GpuBlockSparseTuning.mosaic_backward=True: {problem}")
-    if getattr(tuning, "mosaic_forward", False):
-        problem = "Pallas' interpreter cannot run Mosaic GPU kernels" if interpret else mosaic.refusal(call)
-        if problem is not None:
-            raise ValueError(f"GpuBlockSparseTuning.mosaic_forward=True: {problem}")
-        need = mosaic.shared_memory_bytes(call.query.shape[-1], call.kv_block_size, tuning.mosaic_stages)
-        if need > mosaic.SHARED_MEMORY_BYTES:
-            raise ValueError(
-                f"GpuBlockSparseTuning.mosaic_stages={tuning.mosaic_stages}: {need} bytes of shared memory at "
-                f"head_dim {call.query.shape[-1]} and key blocks of {call.kv_block_size} (at most "
-                f"{mosaic.SHARED_MEMORY_BYTES})"
-            )
+def check_tuning(tuning: GpuFlashTuning, call: BlockSparseAttentionCall) -> None:
+    """Kernel blocks must divide the mask blocks (a ValueError names the config field)."""
     for field, mask_block in (("fwd_q", call.q_block_size), ("fwd_kv", call.kv_block_size),
                               ("dkv_q", call.q_block_size), ("dkv_kv", call.kv_block_size),
                               ("dq_q", call.q_block_size), ("dq_kv", call.kv_block_size)):
@@ -112,18 +73,16 @@ visit, half the loop iterations of 128 x 64. H200, S=16k, 10 %, 128-blocks (batc
 against 0.811 ms for the flash defaults (128 x 64, 4 warps, 2 stages)."""
 
 
-def heuristic_tuning(call: BlockSparseAttentionCall, *, interpret: bool = False) -> GpuBlockSparseTuning:
+def heuristic_tuning(call: BlockSparseAttentionCall, *, interpret: bool = False) -> GpuFlashTuning:
     """The GPU flash kernels' H200 defaults (forward 128 x 64, backward 64 x 64), capped at the mask blocks;
     forward :data:`WIDE_FORWARD` where both mask blocks hold 128; the Mosaic GPU forward wherever it can take
     the call (a Hopper GPU, not interpreted)."""
     wide = call.q_block_size >= 128 and call.kv_block_size >= 128
     tuning = kernel_blocks(WIDE_FORWARD if wide else GpuFlashTuning(), call)
-    forward = not interpret and mosaic.refusal(call) is None
-    backward = forward and mosaic.backward_refusal(call) is None
-    return dataclasses.replace(tuning, mosaic_forward=forward, mosaic_backward=backward)
+    return mosaic.with_mosaic(tuning, call, interpret=interpret)
 
 
-def candidate_tunings(call: BlockSparseAttentionCall, *, interpret: bool = False) -> list[GpuBlockSparseTuning]:
+def candidate_tunings(call: BlockSparseAttentionCall, *, interpret: bool = False) -> list[GpuFlashTuning]:
     """The GPU flash sweep's near-best tilings, capped at the mask blocks, each with the Mosaic forward too
     where it can take the call."""
     tilings = list(dict.fromkeys(kernel_blocks(t, call) for t in gpu._SWEEP))
@@ -131,19 +90,6 @@ def candidate_tunings(call: BlockSparseAttentionCall, *, interpret: bool = False
         return tilings
     mosaic_backward = mosaic.backward_refusal(call) is None
     return tilings + [dataclasses.replace(t, mosaic_forward=True, mosaic_backward=mosaic_backward) for t in tilings]
-
-
-def gpu_schedule(schedule: BlockSchedule, width: int) -> jax.Array:
-    """int32 ``[mask_batch, mask_heads, rows, width]``: per row the number of partial visits, the number of
-    full ones, then their column blocks (partial ones first, each group ascending; zeros after). ``width``
-    (a power of two: Triton blocks) >= 2 + max_visits. ``schedule``: ``block_schedule(..., order="partial_first")``
-    (the helper's one sort puts each row's partial blocks first)."""
-    visits = schedule.indices.shape[3]
-    real = jnp.arange(visits, dtype=jnp.int32) < schedule.counts[..., None]
-    columns = jnp.where(real, schedule.indices, 0)
-    partial = jnp.sum(real & schedule.partial, axis=3, dtype=jnp.int32)
-    row = jnp.concatenate([partial[..., None], (schedule.counts - partial)[..., None], columns], axis=3)
-    return gpu._pad_axis(row.astype(jnp.int32), 3, width)
 
 
 def refusal(call: BlockSparseAttentionCall) -> str | None:
@@ -170,8 +116,8 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTunin
         "q": gpu._pad_axis(gpu._pad_axis(query, 1, sq_pad), 3, d_pad),
         "k": gpu._pad_axis(gpu._pad_axis(key, 1, skv_pad), 3, d_pad),
         "v": gpu._pad_axis(gpu._pad_axis(value, 1, skv_pad), 3, dv_pad),
-        "sched_q": gpu_schedule(schedules[0], width),
-        "sched_kv": gpu_schedule(schedules[1], width),
+        "sched_q": gpu.gpu_schedule(schedules[0], width),
+        "sched_kv": gpu.gpu_schedule(schedules[1], width),
     }
     if call.q_segment_ids is not None:
         arrays["q_seg"] = gpu._pad_axis(call.q_segment_ids, 1, sq_pad)
@@ -187,8 +133,8 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTunin
         has_segments=call.q_segment_ids is not None, num_sinks=num_sinks, tuning=tuning, interpret=interpret,
         exact_delta=query.dtype == jnp.float32, precision=gpu._float32_precision(call),
         schedule_dims=(mask_batch, mask_heads), schedule_width=width, mask_blocks=(bq, bkv),
-        mosaic_stages=tuning.mosaic_stages if getattr(tuning, "mosaic_forward", False) else 0,
-        mosaic_backward=getattr(tuning, "mosaic_backward", False),
+        mosaic_stages=tuning.mosaic_stages if tuning.mosaic_forward else 0,
+        mosaic_backward=tuning.mosaic_backward,
     )
     out = gpu._attention(st, arrays)
     return out[:, :sq, :, :dv]
@@ -201,7 +147,8 @@ def blocksparse_attention(call: BlockSparseAttentionCall, tuning: GpuFlashTuning
     """GPU block-sparse attention of a validated call with ``tuning`` (kernel blocks dividing the mask
     blocks; ``interpret=True``: Pallas' interpreter on CPU). The schedules are built before the jitted
     program (numpy for a concrete mask)."""
-    check_tuning(tuning, call, interpret=interpret)
+    check_tuning(tuning, call)
+    tuning = mosaic.applied(tuning, call, interpret=interpret)
     schedules = tuple(block_schedule(call, by=by, order="partial_first") for by in ("q", "kv"))
     return _run_jit(call, schedules, tuning=tuning, interpret=interpret)
 
@@ -209,7 +156,7 @@ def blocksparse_attention(call: BlockSparseAttentionCall, tuning: GpuFlashTuning
 class GpuBlockSparseAttention(Implementation[BlockSparseAttentionCall, GpuFlashTuning]):
     """The Triton-lowered Pallas kernels (see the module docstring); on CPU in interpret mode only."""
 
-    config_type = GpuBlockSparseTuning
+    config_type = GpuFlashTuning
 
     def supports(self, call: BlockSparseAttentionCall) -> None:
         gpu_interpret_or_refuse()
@@ -217,11 +164,14 @@ class GpuBlockSparseAttention(Implementation[BlockSparseAttentionCall, GpuFlashT
         if problem is not None:
             raise UnsupportedFeature(f"pallas GPU blocksparse_attention: {problem}")
 
-    def heuristic_config(self, call: BlockSparseAttentionCall) -> GpuBlockSparseTuning:
-        return heuristic_tuning(call, interpret=gpu_interpret_or_refuse())
+    def priority_for(self, call: BlockSparseAttentionCall) -> int | None:
+        return mosaic.priority_for(call)
 
-    def candidate_configs(self, call: BlockSparseAttentionCall) -> list[GpuBlockSparseTuning]:
-        return candidate_tunings(call, interpret=gpu_interpret_or_refuse())
+    def heuristic_config(self, call: BlockSparseAttentionCall) -> GpuFlashTuning:
+        return heuristic_tuning(call, interpret=interpret_mode() is not None)
+
+    def candidate_configs(self, call: BlockSparseAttentionCall) -> list[GpuFlashTuning]:
+        return candidate_tunings(call, interpret=interpret_mode() is not None)
 
     def __call__(self, call: BlockSparseAttentionCall, config: GpuFlashTuning) -> jax.Array:
         return blocksparse_attention(call, config, interpret=gpu_interpret_or_refuse())

@@ -31,6 +31,7 @@ Everything else (float32, other blocks or head dims, a GPU before Hopper) is :fu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -77,8 +78,23 @@ def hopper_gpu() -> bool:
     return str(capability).startswith("9")
 
 
+def _blocks(call) -> tuple[int, int]:
+    """The (query, key) blocks the kernels run: a block-sparse call's mask blocks; 128 x 128 for dense
+    attention (a ``FlashAttentionCall``)."""
+    return getattr(call, "q_block_size", Q_BLOCK), getattr(call, "kv_block_size", Q_BLOCK)
+
+
+def packed_self_attention(call) -> bool:
+    """A varlen call whose queries and keys share one ``cum_seqlens`` array over equal lengths: causal and
+    window rules on packed positions equal the per-sequence ones within a sequence, so the sequences can run
+    as segment ids."""
+    return (call.cum_seqlens_q is not None and call.cum_seqlens_q is call.cum_seqlens_k
+            and call.query.shape[1] == call.key.shape[1])
+
+
 def refusal(call, *, check_device: bool = True) -> str | None:
-    """Why the Mosaic GPU forward cannot take ``call`` (a ``BlockSparseAttentionCall``), or None."""
+    """Why the Mosaic GPU forward cannot take ``call`` (a validated ``BlockSparseAttentionCall``, or a
+    ``FlashAttentionCall`` run as every block of 128 x 128), or None."""
     try:
         _mosaic_gpu()
     except ImportError as error:  # the Mosaic GPU dialect ships with jaxlib's CUDA support
@@ -88,8 +104,16 @@ def refusal(call, *, check_device: bool = True) -> str | None:
         return f"dtype {query.dtype} (bf16 or fp16)"
     if query.shape[-1] not in HEAD_DIMS or value.shape[-1] != query.shape[-1]:
         return f"head dims (query {query.shape[-1]}, value {value.shape[-1]}): equal, one of {HEAD_DIMS}"
-    if call.q_block_size != Q_BLOCK or call.kv_block_size not in KV_BLOCKS:
-        return f"mask blocks ({call.q_block_size}, {call.kv_block_size}): ({Q_BLOCK}, one of {KV_BLOCKS})"
+    q_block, kv_block = _blocks(call)
+    if q_block != Q_BLOCK or kv_block not in KV_BLOCKS:
+        return f"mask blocks ({q_block}, {kv_block}): ({Q_BLOCK}, one of {KV_BLOCKS})"
+    if getattr(call, "cum_seqlens_q", None) is not None and not packed_self_attention(call):
+        return ("varlen with separate cum_seqlens_q / cum_seqlens_k arrays runs in the Triton-lowered kernels (one "
+                "array for both, over equal lengths, runs here: its sequences as segments)")
+    if getattr(call, "dropout_prob", 0.0):
+        return "dropout runs in the Triton-lowered kernels"
+    if getattr(call, "bias", None) is not None or getattr(call, "attention_mask", None) is not None:
+        return "bias and attention_mask"
     if check_device and not hopper_gpu():
         return "needs a Hopper GPU (sm_90a: wgmma, TMA)"
     return None
@@ -519,9 +543,48 @@ def backward_refusal(call, *, check_device: bool = True) -> str | None:
     """Why the Mosaic GPU backward kernels cannot take ``call``, or None: :func:`refusal`'s reasons, and key
     mask blocks of 128 (two warpgroups of 64 key rows per CTA)."""
     problem = refusal(call, check_device=check_device)
-    if problem is None and call.kv_block_size != Q_BLOCK:
-        problem = f"key mask blocks of {call.kv_block_size} (the backward takes {Q_BLOCK})"
+    if problem is None and _blocks(call)[1] != Q_BLOCK:
+        problem = f"key mask blocks of {_blocks(call)[1]} (the backward takes {Q_BLOCK})"
     return problem
+
+
+def applied(tuning, call, *, interpret: bool):
+    """``tuning`` (a ``GpuFlashTuning``) with its ``mosaic_*`` fields kept where these kernels can take ``call``
+    here and turned off elsewhere (the Triton-lowered kernels run there, as for Triton's ``tma_forward``);
+    ValueError naming ``mosaic_stages`` where the forward's slots would not fit in shared memory."""
+    forward = tuning.mosaic_forward and not interpret and refusal(call) is None
+    backward = tuning.mosaic_backward and not interpret and backward_refusal(call) is None
+    if forward:
+        need = shared_memory_bytes(call.query.shape[-1], _blocks(call)[1], tuning.mosaic_stages)
+        if need > SHARED_MEMORY_BYTES:
+            raise ValueError(
+                f"GpuFlashTuning.mosaic_stages={tuning.mosaic_stages}: {need} bytes of shared memory at head_dim "
+                f"{call.query.shape[-1]} and key blocks of {_blocks(call)[1]} (at most {SHARED_MEMORY_BYTES})")
+    if (forward, backward) == (tuning.mosaic_forward, tuning.mosaic_backward):
+        return tuning
+    return dataclasses.replace(tuning, mosaic_forward=forward, mosaic_backward=backward)
+
+
+# The dispatcher's rank (``Implementation.priority_for``) of the Pallas GPU flash and block-sparse attention for
+# the calls these kernels take end to end (forward and backward): above the Triton backend's 15 (and below
+# cuDNN's 20, which flash attention tries first). Measured on an H100, 2026-11-27, bf16, D=128, 16k tokens:
+# flash attention forward 513-598 TFLOP/s against Triton's 439-559 and forward+backward 464-498 against
+# 342-388 (causal 383-552 / 367-465 against 303-467 / 272-384); block-sparse at S=16k, 10 % of 128 x 128
+# blocks: 0.520 / 2.022 ms against 0.652 / 2.588. Other calls keep the Pallas backend's 10: there the
+# Triton-lowered kernels run, which measured slower than Triton's (flash 415-461 / 330-354 TFLOP/s).
+MEASURED_PRIORITY = 16
+
+
+def priority_for(call) -> int | None:
+    """:data:`MEASURED_PRIORITY` where the Mosaic kernels take ``call`` here (forward and backward), else
+    None (the registered priority)."""
+    return MEASURED_PRIORITY if backward_refusal(call) is None else None
+
+
+def with_mosaic(tuning, call, *, interpret: bool):
+    """``tuning`` with the Mosaic kernels on wherever they can take ``call`` here (a Hopper GPU, not
+    interpreted), off elsewhere."""
+    return applied(dataclasses.replace(tuning, mosaic_forward=True, mosaic_backward=True), call, interpret=interpret)
 
 
 def _static(q, k, segments, sink_stats, *, scale, causal, window, soft_cap, q_len, kv_len, kv_block, schedule_dims,
@@ -565,7 +628,7 @@ def _launch(kernel, st: _Static, out_type, scratch, grid, grid_names):
 def forward(q, k, v, schedule, segments=None, sink_stats=None, **static):
     """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` of block-sparse attention on padded inputs: ``q``
     ``[B, Sq, H, D]`` with ``Sq`` a multiple of 128, ``k``/``v`` ``[B, Skv, Hkv, D]`` with ``Skv`` a multiple of
-    ``kv_block``; ``schedule`` the int32 rows of ``blocksparse_attention_gpu.gpu_schedule`` by query block.
+    ``kv_block``; ``schedule`` the int32 rows of ``gpu_flash_attention.gpu_schedule`` by query block.
     ``static``: ``scale``, ``causal``, ``window``, ``soft_cap``, ``q_len``/``kv_len`` (the unpadded lengths;
     queries end-aligned to the keys), ``kv_block``, ``schedule_dims`` (mask batch, mask heads), ``stages``.
     ``segments``: int32 ``(q_segment_ids [B, Sq], kv_segment_ids [B, Skv])`` or None; ``sink_stats``:

@@ -36,11 +36,14 @@ from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.flash_attention import FlashAttentionCall
 from ejkernel.ops.utils import dropout as dropout_hash
+from ejkernel.ops.utils.block_sparse import BlockSchedule, schedule_blocks
 from ejkernel.ops.utils.varlen import packed_keys, packed_queries
 
-from ejkernel_pallas.interpret import gpu_interpret_or_refuse
+from ejkernel_pallas import blocksparse_attention_mosaic
+from ejkernel_pallas.interpret import gpu_interpret_or_refuse, interpret_mode
 
 LOG2E = math.log2(math.e)
+MOSAIC_BLOCK = 128  # the Mosaic GPU kernels' blocks when they run dense attention
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -52,7 +55,11 @@ class GpuFlashTuning:
     """The GPU kernels' config: blocks (powers of two, >= 16) and Triton launch parameters of the forward
     (``fwd_*``), the dK/dV pass (``dkv_*``) and the dQ pass (``dq_*``; both backward kernels share warps and
     stages). Used as given (lengths are padded to whole blocks); :func:`heuristic_tuning` fits the
-    defaults to a call."""
+    defaults to a call. ``mosaic_forward`` / ``mosaic_backward``: run the forward / the backward as the Mosaic
+    GPU kernels of :mod:`ejkernel_pallas.blocksparse_attention_mosaic` wherever they can take the call (a
+    Hopper GPU; their own tiles: 128 query rows per program, key blocks of 128 (block-sparse: the mask's),
+    ``mosaic_stages`` K/V slots), the Triton-lowered kernels elsewhere; either takes the other's output (same
+    LSE)."""
 
     # Measured on an H200 (bf16, D=128, S=8k; benchmarks/gpu_flash_h200_run2.json): forward 128x64 with
     # 4 warps and 2 stages was the fastest of five tilings; in the backward 64x64 blocks with 4 warps beat
@@ -67,10 +74,19 @@ class GpuFlashTuning:
     dq_kv: int = 64
     bwd_warps: int = 4
     bwd_stages: int = 2
+    mosaic_forward: bool = False
+    mosaic_stages: int = 2
+    mosaic_backward: bool = False
 
     def __post_init__(self):
-        for field in dataclasses.fields(GpuFlashTuning):  # a subclass validates its own fields
+        for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name in ("mosaic_forward", "mosaic_backward"):
+                if not isinstance(value, bool):
+                    raise ValueError(f"GpuFlashTuning.{field.name} must be a bool, got {value!r}")
+                continue
+            if field.name == "mosaic_stages" and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+                raise ValueError(f"GpuFlashTuning.mosaic_stages must be an int >= 2, got {value!r}")
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GpuFlashTuning.{field.name} must be a positive int, got {value!r}")
             if field.name.endswith(("_q", "_kv")) and (value & (value - 1) or value < 16):
@@ -245,9 +261,22 @@ def _run_ranges(body, ranges, carry):
     return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
 
 
+def gpu_schedule(schedule: BlockSchedule, width: int) -> jax.Array:
+    """int32 ``[mask_batch, mask_heads, rows, width]``: per row the number of partial visits, the number of
+    full ones, then their column blocks (partial ones first, each group ascending; zeros after). ``width``
+    (a power of two: Triton blocks) >= 2 + max_visits. ``schedule``: ``block_schedule(..., order="partial_first")``
+    (the helper's one sort puts each row's partial blocks first)."""
+    visits = schedule.indices.shape[3]
+    real = jnp.arange(visits, dtype=jnp.int32) < schedule.counts[..., None]
+    columns = jnp.where(real, schedule.indices, 0)
+    partial = jnp.sum(real & schedule.partial, axis=3, dtype=jnp.int32)
+    row = jnp.concatenate([partial[..., None], (schedule.counts - partial)[..., None], columns], axis=3)
+    return _pad_axis(row.astype(jnp.int32), 3, width)
+
+
 def _run_schedule(row, body, carry, sub: int):
     """``body(masked, block, carry)`` over one row of a block-sparse schedule
-    (``ejkernel_pallas.blocksparse_attention_gpu.gpu_schedule``): ``row[0]`` partial visits then ``row[1]``
+    (:func:`gpu_schedule`): ``row[0]`` partial visits then ``row[1]``
     full ones, their mask blocks from ``row[2]`` on; each mask block is ``sub`` kernel blocks. Two plain
     loops over kernel tiles (masked, then mask-free; no branch inside). The mask block of the next tile is
     read one iteration ahead into the carry: loaded in the iteration that uses it, Triton 3.6's pipeliner
@@ -511,8 +540,6 @@ _SCHEDULES = ("sched_q", "sched_kv")  # block-sparse: the forward and dQ use sch
 
 def _forward(st: _Static, arrays: dict):
     if st.mosaic_stages:
-        from ejkernel_pallas import blocksparse_attention_mosaic
-
         sinks = arrays.get("sinks")
         return blocksparse_attention_mosaic.forward(
             arrays["q"], arrays["k"], arrays["v"], arrays["sched_q"], _mosaic_segments(arrays),
@@ -563,8 +590,6 @@ def _backward(st: _Static, arrays: dict, out, lse, d_out):
     t = st.tuning
     delta = _delta(out, d_out)
     if st.mosaic_backward:
-        from ejkernel_pallas import blocksparse_attention_mosaic
-
         return blocksparse_attention_mosaic.backward(
             q, k, v, d_out, lse, delta, arrays["sched_q"], arrays["sched_kv"], _mosaic_segments(arrays),
             **_mosaic_static(st, 2),
@@ -655,8 +680,10 @@ def _flash(call: FlashAttentionCall, tuning: GpuFlashTuning, interpret: bool) ->
     query, key, value = call.query, call.key, call.value
     batch, sq, heads, d = query.shape
     skv, kv_heads, dv = key.shape[1], key.shape[2], value.shape[3]
-    sq_pad = _round_up(sq, max(tuning.fwd_q, tuning.dkv_q, tuning.dq_q))
-    skv_pad = _round_up(skv, max(tuning.fwd_kv, tuning.dkv_kv, tuning.dq_kv))
+    mosaic = tuning.mosaic_forward or tuning.mosaic_backward  # run as every block of MOSAIC_BLOCK x MOSAIC_BLOCK
+    floor = MOSAIC_BLOCK if mosaic else 16
+    sq_pad = _round_up(sq, max(tuning.fwd_q, tuning.dkv_q, tuning.dq_q, floor))
+    skv_pad = _round_up(skv, max(tuning.fwd_kv, tuning.dkv_kv, tuning.dq_kv, floor))
     d_pad, dv_pad = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(dv))
     arrays = {
         "q": _pad_axis(_pad_axis(query, 1, sq_pad), 3, d_pad),
@@ -680,6 +707,16 @@ def _flash(call: FlashAttentionCall, tuning: GpuFlashTuning, interpret: bool) ->
         sinks = call.softmax_aux.reshape(heads, -1)
         num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
         arrays["sinks"] = _pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
+    schedule = {}
+    if mosaic:  # the dense block schedules (built with numpy at trace time): the kernels' loops walk them
+        rows = [schedule_blocks(None, sq, skv, MOSAIC_BLOCK, MOSAIC_BLOCK, causal=call.causal,
+                                sliding_window=call.sliding_window, segments="q_seg" in arrays,
+                                by=by, order="partial_first") for by in ("q", "kv")]
+        width = pl.next_power_of_2(2 + max(r.indices.shape[3] for r in rows))
+        arrays.update(sched_q=gpu_schedule(rows[0], width), sched_kv=gpu_schedule(rows[1], width))
+        schedule = dict(schedule_dims=(1, 1), schedule_width=width, mask_blocks=(MOSAIC_BLOCK, MOSAIC_BLOCK),
+                        mosaic_stages=tuning.mosaic_stages if tuning.mosaic_forward else 0,
+                        mosaic_backward=tuning.mosaic_backward)
     st = _Static(
         scale=call.softmax_scale,
         causal=call.causal,
@@ -697,6 +734,7 @@ def _flash(call: FlashAttentionCall, tuning: GpuFlashTuning, interpret: bool) ->
         exact_delta=query.dtype == jnp.float32,
         dropout_prob=call.dropout_prob,
         precision=_float32_precision(call),
+        **schedule,
     )
     out = _attention(st, arrays)
     return out[:, :sq, :, :dv]
@@ -706,9 +744,10 @@ _flash_jit = jax.jit(_flash, static_argnames=("tuning", "interpret"))
 
 
 def flash_attention(call: FlashAttentionCall, tuning: GpuFlashTuning, *, interpret: bool = False) -> jax.Array:
-    """GPU (Triton-lowered) flash attention of a validated call with ``tuning``; ``interpret=True`` runs
-    Pallas' interpreter (CPU). One compiled program per shapes and static fields (an eager call compiles
-    once); under a caller's ``jit`` it is inlined."""
+    """GPU flash attention of a validated call with ``tuning`` (Triton-lowered kernels, or the Mosaic GPU ones
+    its ``mosaic_*`` fields ask for); ``interpret=True`` runs Pallas' interpreter (CPU). One compiled program
+    per shapes and static fields (an eager call compiles once); under a caller's ``jit`` it is inlined."""
+    tuning = blocksparse_attention_mosaic.applied(tuning, call, interpret=interpret)
     if call.dropout_seed is not None:  # an int seed becomes an argument: a new seed does not recompile
         call = dataclasses.replace(call, dropout_seed=dropout_hash.seed_bits(call.dropout_seed))
     return _flash_jit(call, tuning=tuning, interpret=interpret)
@@ -734,11 +773,18 @@ class GpuFlashAttention(Implementation[FlashAttentionCall, GpuFlashTuning]):
                     f"pallas GPU flash_attention: {what} is not implemented (platform='xla' takes it)"
                 )
 
+    def priority_for(self, call: FlashAttentionCall) -> int | None:
+        return blocksparse_attention_mosaic.priority_for(call)
+
     def heuristic_config(self, call: FlashAttentionCall) -> GpuFlashTuning:
-        return heuristic_tuning(call.query.shape[1], call.key.shape[1])
+        """The H200 tiles fitted to the call; the Mosaic GPU kernels wherever they can take it (Hopper)."""
+        tuning = heuristic_tuning(call.query.shape[1], call.key.shape[1])
+        return blocksparse_attention_mosaic.with_mosaic(tuning, call, interpret=interpret_mode() is not None)
 
     def candidate_configs(self, call: FlashAttentionCall) -> list[GpuFlashTuning]:
-        return candidate_tunings(call.query.shape[1], call.key.shape[1])
+        tilings = candidate_tunings(call.query.shape[1], call.key.shape[1])
+        mosaic = blocksparse_attention_mosaic.with_mosaic(tilings[0], call, interpret=interpret_mode() is not None)
+        return [mosaic, *tilings] if mosaic != tilings[0] else tilings
 
     def __call__(self, call: FlashAttentionCall, config: GpuFlashTuning) -> jax.Array:
         return flash_attention(call, config, interpret=gpu_interpret_or_refuse())

@@ -10,7 +10,9 @@ from ejkernel_pallas.interpret import INTERPRET_ENV, interpret_family, interpret
 NAME = "pallas"
 DISTRIBUTION = "ejkernel-pallas"
 
-# algorithm -> {hardware: "module:attribute"}. Priority 10 puts these above the XLA fallback. On a machine
+# algorithm -> {hardware: "module:attribute"}. Priority 10 puts these above the XLA fallback; on a Hopper GPU
+# flash and block-sparse attention rank above the Triton backend's for the calls their Mosaic GPU kernels take
+# (``priority_for``: blocksparse_attention_mosaic.MEASURED_PRIORITY). On a machine
 # with neither TPU nor GPU the dispatcher names these kernels (with check_usable's reason and how to run
 # them) when it falls back; with EJKERNEL_PALLAS_INTERPRET set when the plugin loads they also register for
 # the CPU and run in Pallas interpret mode.
@@ -19,7 +21,6 @@ _KERNELS = {
         "tpu": "ejkernel_pallas.tpu_flash_attention:IMPLEMENTATION",
         "gpu": "ejkernel_pallas.gpu_flash_attention:IMPLEMENTATION",
     },
-    # on the GPU ranked above the Triton backend's kernel (BLOCKSPARSE_GPU_PRIORITY)
     "blocksparse_attention": {
         "tpu": "ejkernel_pallas.blocksparse_attention:IMPLEMENTATION",
         "gpu": "ejkernel_pallas.blocksparse_attention_gpu:IMPLEMENTATION",
@@ -44,12 +45,6 @@ def implementations(interpret: str | None) -> dict[tuple[str, str], str]:
 
 
 IMPLEMENTATIONS: dict[tuple[str, str], str] = implementations(interpret_mode())
-
-# Block-sparse attention on the GPU ranks above the Triton backend's (15): on an H100 (2026-11-27, S=16k, 10 %
-# of 128 x 128 blocks) its Mosaic GPU kernels took 0.502 ms forward and 1.960 ms forward+backward against
-# 0.654 / 2.537 for Triton's. Calls those kernels refuse (float32, other blocks, a GPU before Hopper) run
-# the Triton-lowered ones, which measured slower than Triton's (0.735 / 3.013 ms).
-BLOCKSPARSE_GPU_PRIORITY = 16
 
 __all__ = [
     "DISTRIBUTION",
@@ -82,7 +77,6 @@ BACKEND = DeclaredBackend(
     targets=("tpu", "gpu"),
     implementations=IMPLEMENTATIONS,
     priority=10,
-    priorities={("blocksparse_attention", "gpu"): BLOCKSPARSE_GPU_PRIORITY},
     check_usable=check_usable,
     description="Pallas kernels: Mosaic TPU, and Triton/Mosaic lowering on NVIDIA GPUs",
 )

@@ -32,9 +32,6 @@ class DeclaredBackend:
     register_for: tuple[str, ...] | None = None
     """Registry backends for plain algorithm keys; defaults to ``targets``."""
     priority: int = 0
-    priorities: Mapping[str | tuple[str, str], int] = dataclasses.field(default_factory=dict)
-    """Per-implementation priorities where they differ from ``priority`` (keys as in ``implementations``; an
-    ``(algorithm, backend)`` key wins over a plain algorithm): the ranking follows measurements per kernel."""
     check_usable: Callable[[], str | None] | None = None
     description: str = ""
     unverified: Mapping[str | tuple[str, str], str] = dataclasses.field(default_factory=dict)
@@ -56,8 +53,7 @@ class DeclaredBackend:
         for key, target in implementations.items():
             algorithm, backends = (key[0], (key[1],)) if isinstance(key, tuple) else (key, self.register_for or self.targets)
             for backend in backends:
-                priority = self.priorities.get((algorithm, backend), self.priorities.get(algorithm, self.priority))
-                registry.register_lazy(algorithm, self.platform, backend, target, priority=priority, plugin=plugin)
+                registry.register_lazy(algorithm, self.platform, backend, target, priority=self.priority, plugin=plugin)
 
     def hooks(self) -> tuple[Callable, Callable]:
         """``(ejkernel_backend_info, ejkernel_register_kernels)`` to export from the plugin module."""

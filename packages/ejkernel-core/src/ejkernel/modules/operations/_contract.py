@@ -90,6 +90,12 @@ class Implementation(Generic[CallT, ConfigT]):
         Called at dispatch, before anything compiles: look at shapes, dtypes and static fields only.
         """
 
+    def priority_for(self, call: CallT) -> int | None:
+        """This implementation's rank for ``call`` under ``platform="auto"`` where it differs from its
+        registered priority (None: the registered one): a kernel measured faster on some calls only (say, a
+        Hopper path beside a slower general one) ranks above another backend's for those calls alone."""
+        return None
+
     def heuristic_config(self, call: CallT) -> ConfigT:
         """The config for ``call`` when no cached or tuned one is known."""
         return self.config_type()

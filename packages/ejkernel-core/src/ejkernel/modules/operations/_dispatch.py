@@ -1,9 +1,10 @@
 """Choosing which registered implementation runs an operation, and falling back when one cannot.
 
-``platform="auto"`` walks the implementations registered for the current hardware, best first, and
-takes the first one whose backend plugin is usable here and whose ``supports(call)`` accepts the call;
-each one skipped is logged with its reason. An explicit ``platform=`` is honoured or refused with a clear
-error, never silently replaced.
+``platform="auto"`` walks the implementations registered for the current hardware, best first (by their
+priority for the call: ``Implementation.priority_for``, else the registered one), and takes the first one
+whose backend plugin is usable here and whose ``supports(call)`` accepts the call; each one skipped is
+logged with its reason. An explicit ``platform=`` is honoured or refused with a clear error, never silently
+replaced.
 """
 
 from __future__ import annotations
@@ -85,6 +86,21 @@ def _candidates(algorithm: str, platform: Platform | None, backend: Backend) -> 
     return specs
 
 
+def _ranked_for(specs: list[KernelSpec], call: Any) -> list[KernelSpec]:
+    """``specs`` ordered for ``call``: each usable implementation's ``priority_for(call)`` where it gives one,
+    else its registered priority (a stable sort: ties keep the registry's order). Unusable ones keep theirs
+    (their code is not imported)."""
+
+    def priority(spec: KernelSpec) -> int:
+        if _unusable_reason(spec) is not None:
+            return spec.priority
+        hook = _optional_attribute(spec.implementation, "priority_for")
+        ranked = hook(call) if hook is not None else None
+        return spec.priority if ranked is None else ranked
+
+    return sorted(specs, key=lambda spec: -priority(spec))
+
+
 def _install_hint(algorithm: str) -> str:
     from ejkernel.plugins import FIRST_PARTY, backends
 
@@ -129,7 +145,7 @@ def resolve(algorithm: str, platform: str | Platform | None, call: Any) -> Resol
         return Resolution(spec)
 
     skipped: list[tuple[str, str]] = []
-    for spec in candidates:
+    for spec in _ranked_for(candidates, call):
         reason = _unusable_reason(spec) or _unsupported_reason(spec, call)
         if reason is None:
             # Better-ranked kernels for other hardware (a GPU backend on a CPU-only machine) are passed

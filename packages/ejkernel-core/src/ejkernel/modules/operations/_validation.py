@@ -295,6 +295,7 @@ def normalize_segment_ids(q_segment_ids, kv_segment_ids, batch: int, q_len: int,
 
 
 def normalize_cum_seqlens(cum_seqlens_q, cum_seqlens_k, batch: int, q_len: int, kv_len: int):
+    args_q = cum_seqlens_q
     if cum_seqlens_q is None and cum_seqlens_k is None:
         return None, None
     if cum_seqlens_q is None or cum_seqlens_k is None:
@@ -312,7 +313,9 @@ def normalize_cum_seqlens(cum_seqlens_q, cum_seqlens_k, batch: int, q_len: int, 
             f"cum_seqlens_q and cum_seqlens_k must both have num_seqs + 1 entries; got cum_seqlens_q "
             f"{describe(cum_seqlens_q)}, cum_seqlens_k {describe(cum_seqlens_k)}"
         )
-    return cum_seqlens_q.astype(jnp.int32), cum_seqlens_k.astype(jnp.int32)
+    cum_seqlens_q = cum_seqlens_q.astype(jnp.int32)
+    # one array for both stays one (packed self-attention: a kernel may treat the sequences as segments)
+    return cum_seqlens_q, cum_seqlens_q if cum_seqlens_k is args_q else cum_seqlens_k.astype(jnp.int32)
 
 
 def normalize_packed_seqlens(cu_seqlens, query, name: str = "cu_seqlens"):

@@ -27,6 +27,7 @@ __all__ = [
     "BlockSchedule",
     "block_schedule",
     "effective_block_mask",
+    "schedule_blocks",
     "full_blocks",
     "reachable_blocks",
 ]
@@ -132,18 +133,31 @@ def block_schedule(call: BlockSparseAttentionCall, *, by: Literal["q", "kv"] = "
     ``max_visits`` (static) is the largest count when ``call.block_mask`` is concrete, else the number of
     column blocks; at least 1, so a kernel grid always has a step. A concrete mask is scheduled with numpy
     (no compilation per mask shape), a traced one with the same jnp code."""
+    return schedule_blocks(
+        call.block_mask, call.query.shape[1], call.key.shape[1], call.q_block_size, call.kv_block_size,
+        causal=call.causal, sliding_window=call.sliding_window,
+        segments=call.q_segment_ids is not None or call.kv_segment_ids is not None, by=by, order=order,
+    )
+
+
+def schedule_blocks(block_mask, q_len: int, kv_len: int, q_block: int, kv_block: int, *, causal: bool,
+                    sliding_window=None, segments: bool = False, by: Literal["q", "kv"] = "q",
+                    order: Literal["ascending", "full_first", "partial_first"] = "ascending") -> BlockSchedule:
+    """:func:`block_schedule` from its parts: ``block_mask`` ``[mask_batch, mask_heads, q_blocks,
+    kv_blocks]`` (None: every block, as dense attention visits them), the lengths and blocks, causal /
+    ``sliding_window``, and ``segments`` (the call has segment ids: every visited block is partial)."""
     if by not in ("q", "kv"):
         raise ValueError(f"block_schedule: by must be 'q' or 'kv', got {by!r}")
     if order not in ("ascending", "full_first", "partial_first"):
         raise ValueError(f"block_schedule: order must be 'ascending', 'full_first' or 'partial_first', got {order!r}")
-    concrete = _is_concrete(call.block_mask)
+    reachable = reachable_blocks(q_len, kv_len, q_block, kv_block, causal=causal, sliding_window=sliding_window)
+    if block_mask is None:
+        block_mask = np.ones((1, 1, *reachable.shape), dtype=bool)
+    concrete = _is_concrete(block_mask)
     xp = np if concrete else jnp
-    mask = xp.logical_and(xp.asarray(call.block_mask), _reachable_of(call))
-    partial = ~full_blocks(
-        call.query.shape[1], call.key.shape[1], call.q_block_size, call.kv_block_size,
-        causal=call.causal, sliding_window=call.sliding_window,
-    )
-    if call.q_segment_ids is not None or call.kv_segment_ids is not None:
+    mask = xp.logical_and(xp.asarray(block_mask), reachable)
+    partial = ~full_blocks(q_len, kv_len, q_block, kv_block, causal=causal, sliding_window=sliding_window)
+    if segments:
         partial = np.ones_like(partial)
     if by == "kv":
         mask = xp.swapaxes(mask, 2, 3)
