@@ -328,14 +328,20 @@ def _forward_kernel(*refs, st):
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
-        kv_head = lax.div(head, jnp.int32(st.groups))
-        streams = [(lambda b, ref=ref: ref.at[batch, pl.ds(b * bkv, bkv), kv_head], slots, rdy, rel)
-                   for ref, slots, rdy, rel in ((k_ref, k_slots, k_ready, k_released),
-                                                (v_ref, v_slots, v_ready, v_released))]
-        if st.has_segments:
-            kv_seg_ref = segment_refs[1]
-            streams.append(_segment_stream(segment_scratch, lambda b: kv_seg_ref.at[batch, pl.ds(b * bkv, bkv)]))
-        _stream(streams, key_block, total, st.stages)
+        _stream_key_blocks(st, batch, head, key_block, total, ((k_ref, k_slots, k_ready, k_released),
+                           (v_ref, v_slots, v_ready, v_released)), segment_refs, segment_scratch)
+
+
+def _stream_key_blocks(st: _Static, batch, head, key_block, total, kv, segment_refs, segment_scratch):
+    """The memory warpgroup of the forward and dQ kernels: K and V (``kv``: ``(ref, slots, ready, released)``
+    each), and the keys' segment ids where the call has them, of every visited key block."""
+    bkv, kv_head = st.kv_block, lax.div(head, jnp.int32(st.groups))
+    streams = [(lambda b, ref=ref: ref.at[batch, pl.ds(b * bkv, bkv), kv_head], slots, ready, released)
+               for ref, slots, ready, released in kv]
+    if st.has_segments:
+        kv_seg_ref = segment_refs[1]
+        streams.append(_segment_stream(segment_scratch, lambda b: kv_seg_ref.at[batch, pl.ds(b * bkv, bkv)]))
+    _stream(streams, key_block, total, st.stages)
 
 
 def _visited_segments(segment_scratch, slot, rows=None):
@@ -427,14 +433,8 @@ def _dq_kernel(*refs, st):
 
     @pl.when(wg == COMPUTE_WARPGROUPS)
     def _memory():
-        kv_head = lax.div(head, jnp.int32(st.groups))
-        streams = [(lambda b, ref=ref: ref.at[batch, pl.ds(b * bkv, bkv), kv_head], slots, rdy, rel)
-                   for ref, slots, rdy, rel in ((k_ref, k_slots, k_ready, k_released),
-                                                (v_ref, v_slots, v_ready, v_released))]
-        if st.has_segments:
-            kv_seg_ref = segment_refs[1]
-            streams.append(_segment_stream(segment_scratch, lambda b: kv_seg_ref.at[batch, pl.ds(b * bkv, bkv)]))
-        _stream(streams, key_block, total, st.stages)
+        _stream_key_blocks(st, batch, head, key_block, total, ((k_ref, k_slots, k_ready, k_released),
+                           (v_ref, v_slots, v_ready, v_released)), segment_refs, segment_scratch)
 
 
 def _dkv_kernel(*refs, st):
