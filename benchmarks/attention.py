@@ -69,6 +69,21 @@ def _jax_pallas_mha() -> Callable | None:
     return attend
 
 
+def _flash_attn3() -> Callable | None:
+    """flash-attn3-jax's ``flash_mha`` (FlashAttention-3 through XLA FFI; Hopper, D=128 wheels on PyPI), where
+    installed (carry its wheel: ``EXTRA_WHEELS="flash-attn3-jax==0.2.3" bash scripts/device/prepare.sh``)."""
+    try:
+        from flash_attn3_jax import flash_mha
+    except Exception as error:  # noqa: BLE001 - any import failure: the column is skipped, with the reason
+        print(f"# no flash-attn3-jax: {type(error).__name__}: {error}", file=sys.stderr)
+        return None
+
+    def attend(q, k, v, causal):
+        return flash_mha(q, k, v, softmax_scale=1.0 / math.sqrt(q.shape[-1]), is_causal=causal)
+
+    return attend
+
+
 def usable_gpu_platforms(algorithm: str) -> list[str]:
     """The platforms that register ``algorithm`` for the GPU and can run here, best first (each one passed
     over is named on stderr with its reason)."""
@@ -136,6 +151,9 @@ def implementations(selected: list[str] | None, configured: list[str] = ()) -> l
     mha = _jax_pallas_mha()
     if mha is not None:
         impls.append(Impl("jax-pallas-mha", mha))
+    fa3 = _flash_attn3()
+    if fa3 is not None:
+        impls.append(Impl("flash-attn3", fa3))
     if selected:
         impls = [i for i in impls if i.name in selected]
     return impls + configured_impls(list(configured))
