@@ -16,12 +16,14 @@ forward's 128 x 64 and the backward's 64 x 64 tiles of the flash sweep, each vis
 blocks of its mask block. Float32 precision as in the GPU flash kernels (IEEE dots unless the
 call asks for ``"default"``).
 
-On a Hopper GPU the forward runs the Mosaic GPU kernel of :mod:`ejkernel_pallas.blocksparse_attention_mosaic`
-instead (TMA, wgmma, warp specialization; ``GpuFlashTuning.mosaic_forward``, which the heuristic sets
-wherever that kernel can take the call); its output and LSE feed the same backward kernels.
+On a Hopper GPU the forward and the backward run the Mosaic GPU kernels of
+:mod:`ejkernel_pallas.blocksparse_attention_mosaic` instead (TMA, wgmma, warp specialization;
+``GpuFlashTuning.mosaic_forward`` / ``mosaic_backward``, which the heuristic sets wherever they can take the
+call); either kind of forward feeds either kind of backward.
 
-Dispatcher ranking on the GPU: the Triton backend (priority 15) ranks above this one (Pallas, 10) when
-both register ``blocksparse_attention``; measurements on the device decide whether that should change
+Dispatcher ranking on the GPU: where the Mosaic kernels take a call forward and backward, ``priority_for``
+ranks this implementation above the Triton backend's (16 against 15; measured faster on an H100); elsewhere
+the Triton backend's kernel comes first (Pallas' 10), since the Triton-lowered kernels here measured slower
 (``scripts/device/blocksparse_pallas.sh``, packages/ejkernel-pallas/NOTES.md).
 """
 

@@ -1,4 +1,11 @@
-"""Flash attention for NVIDIA GPUs in Pallas (Triton lowering), forward and backward.
+"""Flash attention for NVIDIA GPUs in Pallas (Triton lowering; Mosaic GPU on Hopper), forward and backward.
+
+On a Hopper GPU the calls the Mosaic GPU kernels of :mod:`ejkernel_pallas.blocksparse_attention_mosaic` take
+(bf16/fp16, head_dim 64 or 128, no dropout, varlen only with one ``cum_seqlens`` array) run through them over
+the dense block schedules (every block of 128 x 128 the causal / window rules reach;
+``GpuFlashTuning.mosaic_forward`` / ``mosaic_backward``, set by the heuristic there, and ``priority_for`` ranks
+this implementation above the Triton backend's for those calls). Everything below describes the
+Triton-lowered kernels, which serve every other call.
 
 ``IMPLEMENTATION`` (registered by ``plugin.py``) takes the validated ``FlashAttentionCall`` and a
 :class:`GpuFlashTuning` config. Semantics of docs/flash_attention.md for: causal, sliding window, soft cap,
@@ -154,8 +161,8 @@ class _Static:
     schedule_dims: tuple[int, int] | None = None
     schedule_width: int = 0  # entries per schedule row (a power of two)
     mask_blocks: tuple[int, int] = (0, 0)  # (q, kv) mask blocks: multiples of the kernel's blocks
-    # block-sparse: the Mosaic GPU forward (ejkernel_pallas.blocksparse_attention_mosaic) with this many K/V
-    # slots (0: the Triton-lowered forward), and its backward kernels
+    # the Mosaic GPU forward (ejkernel_pallas.blocksparse_attention_mosaic) with this many K/V slots (0: the
+    # Triton-lowered forward), and its backward kernels; both walk the schedules "sched_q" / "sched_kv"
     mosaic_stages: int = 0
     mosaic_backward: bool = False
 
