@@ -48,6 +48,8 @@ ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 COMPUTE_WARPGROUPS = 2
 Q_BLOCK = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS  # the query mask block one CTA serves
 SHARED_MEMORY_BYTES = 227 * 1024  # per CTA on sm_90
+HEAD_DIMS = (64, 128)
+KV_BLOCKS = (64, 128)
 
 
 def shared_memory_bytes(head_dim: int, kv_block: int, stages: int) -> int:
@@ -55,8 +57,6 @@ def shared_memory_bytes(head_dim: int, kv_block: int, stages: int) -> int:
     the LSE rows, and 4 KiB for barriers and alignment (3 slots at head_dim 128 and key blocks of 128 come to
     229,888 bytes by the first three and took 232,568 on an H100, 2026-11-27: over the limit)."""
     return 2 * (Q_BLOCK * head_dim + 2 * stages * kv_block * head_dim) + 4 * Q_BLOCK + 4096
-HEAD_DIMS = (64, 128)
-KV_BLOCKS = (64, 128)
 
 
 def _mosaic_gpu():
