@@ -134,7 +134,7 @@ def test_lowers_for_sm90(dtype, block):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The Mosaic GPU forward (ejkernel_pallas.blocksparse_attention_mosaic)
+# The Mosaic GPU forward (ejkernel_pallas.mosaic_attention)
 
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, kv_block, causal, window, soft cap, mask density); names
 # with "segments" / "sinks" add those (segments: two per sequence, split at different points for q and kv)

@@ -125,7 +125,7 @@ def test_mosaic_kernels_serve_dense_calls_on_hopper(monkeypatch):
     """On Hopper the heuristic takes the Mosaic GPU kernels for bf16 calls they can run (forward, dQ, dK/dV
     over the dense block schedules: three Mosaic GPU custom calls, no Triton one) and not for dropout or
     float32; a config asking for them where they cannot run is refused naming the field."""
-    from ejkernel_pallas import blocksparse_attention_mosaic as mosaic
+    from ejkernel_pallas import mosaic_attention as mosaic
 
     q = jax.ShapeDtypeStruct((1, 300, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 300, 2, 128), jnp.bfloat16)

@@ -17,7 +17,7 @@ blocks of its mask block. Float32 precision as in the GPU flash kernels (IEEE do
 call asks for ``"default"``).
 
 On a Hopper GPU the forward and the backward run the Mosaic GPU kernels of
-:mod:`ejkernel_pallas.blocksparse_attention_mosaic` instead (TMA, wgmma, warp specialization;
+:mod:`ejkernel_pallas.mosaic_attention` instead (TMA, wgmma, warp specialization;
 ``GpuFlashTuning.mosaic_forward`` / ``mosaic_backward``, which the heuristic sets wherever they can take the
 call); either kind of forward feeds either kind of backward.
 
@@ -40,7 +40,7 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
 from ejkernel.ops.utils.block_sparse import block_schedule
 
-from ejkernel_pallas import blocksparse_attention_mosaic as mosaic
+from ejkernel_pallas import mosaic_attention as mosaic
 from ejkernel_pallas import gpu_flash_attention as gpu
 from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
 from ejkernel_pallas.interpret import gpu_interpret_or_refuse, interpret_mode

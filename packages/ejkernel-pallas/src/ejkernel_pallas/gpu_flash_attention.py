@@ -1,6 +1,6 @@
 """Flash attention for NVIDIA GPUs in Pallas (Triton lowering; Mosaic GPU on Hopper), forward and backward.
 
-On a Hopper GPU the calls the Mosaic GPU kernels of :mod:`ejkernel_pallas.blocksparse_attention_mosaic` take
+On a Hopper GPU the calls the Mosaic GPU kernels of :mod:`ejkernel_pallas.mosaic_attention` take
 (bf16/fp16, head_dim 64 or 128, no dropout, varlen only with one ``cum_seqlens`` array) run through them over
 the dense block schedules (every block of 128 x 128 the causal / window rules reach;
 ``GpuFlashTuning.mosaic_forward`` / ``mosaic_backward``, set by the heuristic there, and ``priority_for`` ranks
@@ -46,7 +46,7 @@ from ejkernel.ops.utils import dropout as dropout_hash
 from ejkernel.ops.utils.block_sparse import BlockSchedule, schedule_blocks
 from ejkernel.ops.utils.varlen import packed_keys, packed_queries
 
-from ejkernel_pallas import blocksparse_attention_mosaic
+from ejkernel_pallas import mosaic_attention
 from ejkernel_pallas.interpret import gpu_interpret_or_refuse, interpret_mode
 
 LOG2E = math.log2(math.e)
@@ -63,7 +63,7 @@ class GpuFlashTuning:
     (``fwd_*``), the dK/dV pass (``dkv_*``) and the dQ pass (``dq_*``; both backward kernels share warps and
     stages). Used as given (lengths are padded to whole blocks); :func:`heuristic_tuning` fits the
     defaults to a call. ``mosaic_forward`` / ``mosaic_backward``: run the forward / the backward as the Mosaic
-    GPU kernels of :mod:`ejkernel_pallas.blocksparse_attention_mosaic` wherever they can take the call (a
+    GPU kernels of :mod:`ejkernel_pallas.mosaic_attention` wherever they can take the call (a
     Hopper GPU; their own tiles: 128 query rows per program, key blocks of 128 (block-sparse: the mask's),
     ``mosaic_stages`` K/V slots), the Triton-lowered kernels elsewhere; either takes the other's output (same
     LSE)."""
@@ -161,7 +161,7 @@ class _Static:
     schedule_dims: tuple[int, int] | None = None
     schedule_width: int = 0  # entries per schedule row (a power of two)
     mask_blocks: tuple[int, int] = (0, 0)  # (q, kv) mask blocks: multiples of the kernel's blocks
-    # the Mosaic GPU forward (ejkernel_pallas.blocksparse_attention_mosaic) with this many K/V slots (0: the
+    # the Mosaic GPU forward (ejkernel_pallas.mosaic_attention) with this many K/V slots (0: the
     # Triton-lowered forward), and its backward kernels; both walk the schedules "sched_q" / "sched_kv"
     mosaic_stages: int = 0
     mosaic_backward: bool = False
@@ -548,9 +548,9 @@ _SCHEDULES = ("sched_q", "sched_kv")  # block-sparse: the forward and dQ use sch
 def _forward(st: _Static, arrays: dict):
     if st.mosaic_stages:
         sinks = arrays.get("sinks")
-        return blocksparse_attention_mosaic.forward(
+        return mosaic_attention.forward(
             arrays["q"], arrays["k"], arrays["v"], arrays["sched_q"], _mosaic_segments(arrays),
-            None if sinks is None else blocksparse_attention_mosaic.sink_statistics(sinks),
+            None if sinks is None else mosaic_attention.sink_statistics(sinks),
             **_mosaic_static(st, st.mosaic_stages),
         )
     q, v = arrays["q"], arrays["v"]
@@ -597,7 +597,7 @@ def _backward(st: _Static, arrays: dict, out, lse, d_out):
     t = st.tuning
     delta = _delta(out, d_out)
     if st.mosaic_backward:
-        return blocksparse_attention_mosaic.backward(
+        return mosaic_attention.backward(
             q, k, v, d_out, lse, delta, arrays["sched_q"], arrays["sched_kv"], _mosaic_segments(arrays),
             **_mosaic_static(st, 2),
         )
@@ -754,7 +754,7 @@ def flash_attention(call: FlashAttentionCall, tuning: GpuFlashTuning, *, interpr
     """GPU flash attention of a validated call with ``tuning`` (Triton-lowered kernels, or the Mosaic GPU ones
     its ``mosaic_*`` fields ask for); ``interpret=True`` runs Pallas' interpreter (CPU). One compiled program
     per shapes and static fields (an eager call compiles once); under a caller's ``jit`` it is inlined."""
-    tuning = blocksparse_attention_mosaic.applied(tuning, call, interpret=interpret)
+    tuning = mosaic_attention.applied(tuning, call, interpret=interpret)
     if call.dropout_seed is not None:  # an int seed becomes an argument: a new seed does not recompile
         call = dataclasses.replace(call, dropout_seed=dropout_hash.seed_bits(call.dropout_seed))
     return _flash_jit(call, tuning=tuning, interpret=interpret)
@@ -781,16 +781,16 @@ class GpuFlashAttention(Implementation[FlashAttentionCall, GpuFlashTuning]):
                 )
 
     def priority_for(self, call: FlashAttentionCall) -> int | None:
-        return blocksparse_attention_mosaic.priority_for(call)
+        return mosaic_attention.priority_for(call)
 
     def heuristic_config(self, call: FlashAttentionCall) -> GpuFlashTuning:
         """The H200 tiles fitted to the call; the Mosaic GPU kernels wherever they can take it (Hopper)."""
         tuning = heuristic_tuning(call.query.shape[1], call.key.shape[1])
-        return blocksparse_attention_mosaic.with_mosaic(tuning, call, interpret=interpret_mode() is not None)
+        return mosaic_attention.with_mosaic(tuning, call, interpret=interpret_mode() is not None)
 
     def candidate_configs(self, call: FlashAttentionCall) -> list[GpuFlashTuning]:
         tilings = candidate_tunings(call.query.shape[1], call.key.shape[1])
-        mosaic = blocksparse_attention_mosaic.with_mosaic(tilings[0], call, interpret=interpret_mode() is not None)
+        mosaic = mosaic_attention.with_mosaic(tilings[0], call, interpret=interpret_mode() is not None)
         return [mosaic, *tilings] if mosaic != tilings[0] else tilings
 
     def __call__(self, call: FlashAttentionCall, config: GpuFlashTuning) -> jax.Array:

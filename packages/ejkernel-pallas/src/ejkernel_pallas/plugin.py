@@ -12,7 +12,7 @@ DISTRIBUTION = "ejkernel-pallas"
 
 # algorithm -> {hardware: "module:attribute"}. Priority 10 puts these above the XLA fallback; on a Hopper GPU
 # flash and block-sparse attention rank above the Triton backend's for the calls their Mosaic GPU kernels take
-# (``priority_for``: blocksparse_attention_mosaic.MEASURED_PRIORITY). On a machine
+# (``priority_for``: mosaic_attention.MEASURED_PRIORITY). On a machine
 # with neither TPU nor GPU the dispatcher names these kernels (with check_usable's reason and how to run
 # them) when it falls back; with EJKERNEL_PALLAS_INTERPRET set when the plugin loads they also register for
 # the CPU and run in Pallas interpret mode.

@@ -1,4 +1,6 @@
-"""Block-sparse attention on Mosaic GPU (Hopper: TMA copies, wgmma, warp specialization), forward and backward.
+"""Attention over block schedules on Mosaic GPU (Hopper: TMA copies, wgmma, warp specialization), forward and
+backward: the Pallas GPU block-sparse attention (its mask's schedules) and flash attention (the dense
+schedules: every block the causal / window rules reach) on Hopper.
 
 The Triton-lowered kernels of :mod:`ejkernel_pallas.blocksparse_attention_gpu` cannot overlap the softmax of
 one tile with the tensor-core work of another; their kept-block efficiency stayed near half of dense flash
