@@ -85,13 +85,10 @@ def heuristic_tuning(call: BlockSparseAttentionCall, *, interpret: bool = False)
 
 
 def candidate_tunings(call: BlockSparseAttentionCall, *, interpret: bool = False) -> list[GpuFlashTuning]:
-    """The GPU flash sweep's near-best tilings, capped at the mask blocks, each with the Mosaic forward too
-    where it can take the call."""
-    tilings = list(dict.fromkeys(kernel_blocks(t, call) for t in gpu._SWEEP))
-    if interpret or mosaic.refusal(call) is not None:
-        return tilings
-    mosaic_backward = mosaic.backward_refusal(call) is None
-    return tilings + [dataclasses.replace(t, mosaic_forward=True, mosaic_backward=mosaic_backward) for t in tilings]
+    """The GPU flash sweep's near-best tilings, capped at the mask blocks, each also with the Mosaic kernels
+    where they can take the call."""
+    tilings = [kernel_blocks(t, call) for t in gpu._SWEEP]
+    return list(dict.fromkeys(tilings + [mosaic.with_mosaic(t, call, interpret=interpret) for t in tilings]))
 
 
 def refusal(call: BlockSparseAttentionCall) -> str | None:
