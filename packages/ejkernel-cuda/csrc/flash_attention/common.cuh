@@ -1,0 +1,262 @@
+// Pieces every Hopper flash-attention kernel of ejkernel-cuda shares: the problem description, the
+// shared-memory tile layout (TMA boxes of 64 columns, 128-byte swizzle), wgmma over such tiles, the
+// pipeline barriers and the visibility rule of a query row.
+//
+// Tile layout. A tile of R rows x D columns (16-bit elements) is stored as D/64 column panels, each R rows
+// of 128 bytes, swizzled by TMA with CU_TENSOR_MAP_SWIZZLE_128B. That is wgmma's canonical 128-byte
+// swizzled layout read either way:
+//   K-major (rows are M or N, columns are the reduction): 8-row groups 1024 B apart (SBO); a 16-column
+//     k-step is a 32-byte advance of the start address inside a panel, the next panel R*128 B further.
+//   MN-major (rows are the reduction, columns are N): 8-row groups 1024 B apart (SBO), 64-column panels
+//     R*128 B apart (LBO); a 16-row k-step is a 2048-byte advance.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/arch/mma_sm90_desc.hpp"
+#include "cute/arch/mma_sm90_gmma.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+
+namespace ejk {
+
+using cute::SM90::GMMA::Major;
+using cute::SM90::GMMA::ScaleOut;
+
+// What one attention call computes (the masking rule of ejkernel's flash_attention: query i sits at
+// p = i + Sk - Sq; key j is visible when j < Sk, j <= p if causal, p - left <= j <= p + right for a
+// window side that is set).
+struct Problem {
+  int batch, q_len, kv_len, q_heads, kv_heads;
+  float softmax_scale;  // on the logits
+  float softcap;        // c of c * tanh(s / c); 0: off
+  int causal;
+  int window_left, window_right;  // -1: unbounded (clamped to the lengths on the host)
+};
+
+// The keys [lo, hi] row i may see (hi < lo: none), before the block bounds.
+struct RowRange {
+  int lo, hi;
+};
+
+__device__ __forceinline__ RowRange visible_keys(const Problem& p, int i) {
+  const int pos = i + p.kv_len - p.q_len;
+  int hi = p.kv_len - 1;
+  if (p.causal) hi = min(hi, pos);
+  if (p.window_right >= 0) hi = min(hi, pos + p.window_right);
+  int lo = 0;
+  if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
+  return {lo, hi};
+}
+
+// Key blocks [first, last) that rows [row_begin, row_end) may see, and whether block n needs the mask.
+struct KeyBlocks {
+  int first, last;
+};
+
+__host__ __device__ inline int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+__device__ __forceinline__ KeyBlocks key_blocks(const Problem& p, int row_begin, int row_end, int block_n) {
+  const int offset = p.kv_len - p.q_len;
+  int hi = p.kv_len - 1;
+  if (p.causal) hi = min(hi, row_end - 1 + offset);
+  if (p.window_right >= 0) hi = min(hi, row_end - 1 + offset + p.window_right);
+  int lo = 0;
+  if (p.window_left >= 0) lo = max(lo, row_begin + offset - p.window_left);
+  if (hi < lo) return {0, 0};
+  return {lo / block_n, hi / block_n + 1};
+}
+
+// Whether every row of [row_begin, row_end) sees every key of [key_begin, key_end) (then no mask).
+__device__ __forceinline__ bool block_unmasked(const Problem& p, int row_begin, int row_end, int key_begin,
+                                               int key_end) {
+  const int offset = p.kv_len - p.q_len;
+  if (key_end > p.kv_len) return false;
+  if (p.causal && key_end - 1 > row_begin + offset) return false;
+  if (p.window_right >= 0 && key_end - 1 > row_begin + offset + p.window_right) return false;
+  if (p.window_left >= 0 && key_begin < row_end - 1 + offset - p.window_left) return false;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Element types and the wgmma instructions over them (64 rows per warpgroup, N columns, k-steps of 16).
+
+template <class T> struct Element;
+template <> struct Element<__nv_bfloat16> {
+  static constexpr CUtensorMapDataType tma_type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  __device__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+};
+template <> struct Element<__half> {
+  static constexpr CUtensorMapDataType tma_type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  __device__ static uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  __device__ static __half from_float(float x) { return __float2half_rn(x); }
+  __device__ static float to_float(__half x) { return __half2float(x); }
+};
+
+template <class T, int N, Major A, Major B> struct GmmaOp;
+#define EJK_GMMA_OPS(TYPE, TAG, N)                                                                   \
+  template <Major A, Major B> struct GmmaOp<TYPE, N, A, B> {                                        \
+    using SS = cute::SM90::GMMA::MMA_64x##N##x16_F32##TAG##TAG##_SS<A, B>;                           \
+    using RS = cute::SM90::GMMA::MMA_64x##N##x16_F32##TAG##TAG##_RS<Major::K, B>;                   \
+  };
+EJK_GMMA_OPS(__nv_bfloat16, BF16, 64)
+EJK_GMMA_OPS(__nv_bfloat16, BF16, 128)
+EJK_GMMA_OPS(__half, F16, 64)
+EJK_GMMA_OPS(__half, F16, 128)
+#undef EJK_GMMA_OPS
+
+template <class Op, size_t... I>
+__device__ __forceinline__ void gmma_ss_(uint64_t a, uint64_t b, float* acc, ScaleOut scale,
+                                         std::index_sequence<I...>) {
+  Op::fma(a, b, acc[I]..., scale);
+}
+template <class Op, size_t... I>
+__device__ __forceinline__ void gmma_rs_(const uint32_t* a, uint64_t b, float* acc, ScaleOut scale,
+                                         std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, acc[I]..., scale);
+}
+
+// acc (N/2 floats per thread) = or += A (smem descriptor) x B (smem descriptor), one k-step.
+template <class T, int N, Major A, Major B>
+__device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float* acc, bool accumulate) {
+  gmma_ss_<typename GmmaOp<T, N, A, B>::SS>(a, b, acc, accumulate ? ScaleOut::One : ScaleOut::Zero,
+                                            std::make_index_sequence<N / 2>{});
+}
+// acc (N/2 floats per thread) = or += A (4 registers: this thread's part of 64 x 16) x B (smem), one k-step.
+template <class T, int N, Major B>
+__device__ __forceinline__ void gmma_rs(const uint32_t* a, uint64_t b, float* acc, bool accumulate) {
+  gmma_rs_<typename GmmaOp<T, N, Major::K, B>::RS>(a, b, acc, accumulate ? ScaleOut::One : ScaleOut::Zero,
+                                                   std::make_index_sequence<N / 2>{});
+}
+
+template <int N>
+__device__ __forceinline__ void fence_operands(float* acc) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(acc[i]);
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32_t* regs) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(regs[i]);
+}
+
+// Descriptor of the 128-byte swizzled layout above; addresses are shared-memory byte addresses.
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t address, uint32_t leading_bytes, uint32_t stride_bytes) {
+  cute::GmmaDescriptor desc;
+  desc.bitfield.start_address_ = static_cast<uint16_t>((address & 0x3FFFF) >> 4);
+  desc.bitfield.leading_byte_offset_ = static_cast<uint16_t>(leading_bytes >> 4);
+  desc.bitfield.stride_byte_offset_ = static_cast<uint16_t>(stride_bytes >> 4);
+  desc.bitfield.base_offset_ = 0;  // every tile starts 1024-byte aligned
+  desc.bitfield.layout_type_ = static_cast<uint8_t>(cute::SM90::GMMA::LayoutType::B128);
+  return desc.desc_;
+}
+
+// K-major operand: rows [row0, row0 + 64 or N) of a tile of `rows` rows, k-step `k` (16 columns).
+__device__ __forceinline__ uint64_t k_major(uint32_t tile, int rows, int row0, int k) {
+  return smem_descriptor(tile + (k / 4) * rows * 128 + row0 * 128 + (k % 4) * 32, 16, 1024);
+}
+// MN-major operand: reduction rows [16k, 16k + 16) of a tile of `rows` rows, all its columns.
+__device__ __forceinline__ uint64_t mn_major(uint32_t tile, int rows, int k) {
+  return smem_descriptor(tile + k * 16 * 128, rows * 128, 1024);
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Accumulator fragments. Thread t of a warpgroup holds, of a 64 x N float accumulator, rows
+// 16 * (t / 32) + (t % 32) / 4 ("row a") and that + 8 ("row b"); element 4 * c + e is column
+// 8 * c + 2 * (t % 4) + (e & 1), of row a for e < 2 and row b otherwise.
+
+__device__ __forceinline__ int fragment_row(int thread_in_group) {
+  return 16 * (thread_in_group / 32) + (thread_in_group % 32) / 4;
+}
+__device__ __forceinline__ int fragment_col(int thread_in_group, int element) {
+  return 8 * (element / 4) + 2 * (thread_in_group % 4) + (element & 1);
+}
+
+// The 16-bit A operand of wgmma (64 x 16 per k-step) from a float accumulator of the same rows: the
+// layouts coincide, two floats per register.
+template <class T, int N>
+__device__ __forceinline__ void to_operand(const float* acc, uint32_t* a) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) a[i] = Element<T>::pack(acc[2 * i], acc[2 * i + 1]);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Pipeline barriers (mbarriers in shared memory) and named barriers between warpgroups.
+
+using Barrier = uint64_t;
+
+__device__ __forceinline__ void barrier_init(Barrier* b, int arrivals) {
+  cutlass::arch::ClusterBarrier::init(b, arrivals);
+}
+__device__ __forceinline__ void barrier_wait(Barrier* b, int phase) { cutlass::arch::ClusterBarrier::wait(b, phase); }
+__device__ __forceinline__ void barrier_arrive(Barrier* b) { cutlass::arch::ClusterBarrier::arrive(b); }
+__device__ __forceinline__ void barrier_expect(Barrier* b, uint32_t bytes) {
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(b, bytes);
+}
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Loads rows [row0, row0 + rows) of head `head`, batch `batch` of a [B, S, H, D] tensor into a tile (D/64
+// panels), completing `bar`'s transaction. Rows past the end arrive as zeros.
+template <int D>
+__device__ __forceinline__ void load_tile(const CUtensorMap* map, Barrier* bar, void* tile, int rows, int row0,
+                                          int head, int batch) {
+#pragma unroll
+  for (int panel = 0; panel < D / 64; ++panel) {
+    cute::SM90_TMA_LOAD_4D::copy(map, bar, 0, static_cast<char*>(tile) + panel * rows * 128, panel * 64, head,
+                                 row0, batch);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Host side: TMA descriptors of [B, S, H, D] tensors with boxes of `rows` rows x 64 columns of one head.
+
+cudaError_t encode_tile_map(CUtensorMap* map, CUtensorMapDataType type, const void* data, int batch, int len,
+                            int heads, int dim, int rows);
+
+}  // namespace ejk

@@ -1,0 +1,302 @@
+// Flash-attention forward for Hopper (sm_90a).
+//
+// One CTA per (128-query tile, query head, batch): three warpgroups. Warpgroup 0 is the producer: one thread
+// streams Q once and the tile's key/value blocks through a 2-stage TMA ring. Warpgroups 1 and 2 each own 64
+// query rows and run, per key block, S = Q K^T (wgmma, both operands in shared memory), the online softmax
+// in registers and O += P V (wgmma, P from registers). Two overlaps keep the tensor cores busy:
+// - inside a warpgroup, the softmax of block n runs while the P V product of block n + 1's predecessor
+//   is in flight (S of the next block is issued first, then P V of the current one);
+// - between the two warpgroups, named barriers make them take turns issuing their products, so one's
+//   softmax runs while the other's matrix products occupy the tensor cores.
+// Key blocks are visited from the last one down (the masked diagonal blocks of causal tiles first), query
+// tiles from the last one down (the longest causal rows start first).
+#include "flash_attention/launch.cuh"
+
+namespace ejk {
+
+constexpr int kForwardRows = 128;  // query rows per CTA (two consumer warpgroups of 64)
+constexpr int kForwardStages = 2;
+constexpr int kForwardThreads = 384;
+
+template <class T, int D, int BN>
+struct ForwardShared {
+  T q[kForwardRows * D];
+  T k[kForwardStages][BN * D];
+  T v[kForwardStages][BN * D];
+  Barrier q_full;
+  Barrier k_full[kForwardStages], k_empty[kForwardStages];
+  Barrier v_full[kForwardStages], v_empty[kForwardStages];
+};
+
+struct ForwardParams {
+  CUtensorMap q_map, k_map, v_map;
+  void* out;   // [B, Sq, Hq, D]
+  float* lse;  // [B, Hq, Sq]
+  Problem problem;
+};
+
+template <class Shared>
+__device__ __forceinline__ Shared& aligned_shared() {
+  extern __shared__ char raw_shared[];
+  const uintptr_t base = reinterpret_cast<uintptr_t>(raw_shared);
+  return *reinterpret_cast<Shared*>((base + 1023) & ~uintptr_t(1023));
+}
+
+template <class T, int D, int BN>
+__global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const __grid_constant__ ForwardParams params) {
+  using Shared = ForwardShared<T, D, BN>;
+  Shared& shared = aligned_shared<Shared>();
+  const Problem& problem = params.problem;
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int kv_head = head / (problem.q_heads / problem.kv_heads);
+  const int row_begin = m_block * kForwardRows;
+  const int row_end = min(row_begin + kForwardRows, problem.q_len);
+  const KeyBlocks blocks = key_blocks(problem, row_begin, row_end, BN);
+  const int num_blocks = blocks.last - blocks.first;
+  const int warpgroup = threadIdx.x / 128;
+  const int t = threadIdx.x % 128;
+
+  if (threadIdx.x == 0) {
+    barrier_init(&shared.q_full, 1);
+#pragma unroll
+    for (int s = 0; s < kForwardStages; ++s) {
+      barrier_init(&shared.k_full[s], 1);
+      barrier_init(&shared.v_full[s], 1);
+      barrier_init(&shared.k_empty[s], 2);  // one arrival per consumer warpgroup
+      barrier_init(&shared.v_empty[s], 2);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x == 0 && num_blocks > 0) {
+      barrier_expect(&shared.q_full, kForwardRows * D * sizeof(T));
+      load_tile<D>(&params.q_map, &shared.q_full, shared.q, kForwardRows, row_begin, head, batch);
+      for (int it = 0; it < num_blocks; ++it) {
+        const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
+        const int key0 = (blocks.last - 1 - it) * BN;
+        barrier_wait(&shared.k_empty[stage], phase ^ 1);
+        barrier_expect(&shared.k_full[stage], BN * D * sizeof(T));
+        load_tile<D>(&params.k_map, &shared.k_full[stage], shared.k[stage], BN, key0, kv_head, batch);
+        barrier_wait(&shared.v_empty[stage], phase ^ 1);
+        barrier_expect(&shared.v_full[stage], BN * D * sizeof(T));
+        load_tile<D>(&params.v_map, &shared.v_full[stage], shared.v[stage], BN, key0, kv_head, batch);
+      }
+    }
+    return;
+  }
+
+  // consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of the tile
+  const int other = 1 - group;
+  const int row_a = row_begin + 64 * group + fragment_row(t);
+  const int row_b = row_a + 8;
+  const float log2e = 1.4426950408889634f;
+  const bool capped = problem.softcap > 0.f;
+  const float logit_scale = capped ? problem.softmax_scale / problem.softcap : problem.softmax_scale * log2e;
+  const float cap_scale = problem.softcap * log2e;
+
+  float o[D / 2];
+  float s[BN / 2];
+  uint32_t p[BN / 4];
+  float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+
+  const uint32_t q_tile = smem_address(shared.q);
+  auto k_tile = [&](int stage) { return smem_address(shared.k[stage]); };
+  auto v_tile = [&](int stage) { return smem_address(shared.v[stage]); };
+
+  auto issue_scores = [&](int stage) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      gmma_ss<T, BN, Major::K, Major::K>(k_major(q_tile, kForwardRows, 64 * group, k),
+                                         k_major(k_tile(stage), BN, 0, k), s, k > 0);
+    }
+    cute::warpgroup_commit_batch();
+  };
+  auto issue_values = [&](int stage, bool accumulate) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < BN / 16; ++k) {
+      gmma_rs<T, D, Major::MN>(p + 4 * k, mn_major(v_tile(stage), BN, k), o, accumulate || k > 0);
+    }
+    cute::warpgroup_commit_batch();
+  };
+  // Scores of key block `key0` -> probabilities (in s) against the updated running maxima; returns the
+  // factors the previous output rows are rescaled by.
+  auto softmax = [&](int key0, float& rescale_a, float& rescale_b) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = capped ? cap_scale * fast_tanh(s[i] * logit_scale) : s[i] * logit_scale;
+    if (!block_unmasked(problem, row_begin, row_end, key0, key0 + BN)) {
+      const RowRange range_a = visible_keys(problem, row_a), range_b = visible_keys(problem, row_b);
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {
+        const int key = key0 + fragment_col(t, i);
+        const RowRange& range = (i & 2) ? range_b : range_a;
+        if (key < range.lo || key > range.hi) s[i] = -INFINITY;
+      }
+    }
+    float block_a = -INFINITY, block_b = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      if (i & 2) block_b = fmaxf(block_b, s[i]);
+      else block_a = fmaxf(block_a, s[i]);
+    }
+    const float new_a = fmaxf(max_a, quad_max(block_a)), new_b = fmaxf(max_b, quad_max(block_b));
+    // rows that have seen no key yet keep a max of -inf: subtract 0 instead (their probabilities are 0)
+    const float base_a = new_a == -INFINITY ? 0.f : new_a, base_b = new_b == -INFINITY ? 0.f : new_b;
+    rescale_a = fast_exp2(max_a - base_a);
+    rescale_b = fast_exp2(max_b - base_b);
+    max_a = new_a;
+    max_b = new_b;
+    float row_sum_a = 0.f, row_sum_b = 0.f;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      s[i] = fast_exp2(s[i] - ((i & 2) ? base_b : base_a));
+      if (i & 2) row_sum_b += s[i];
+      else row_sum_a += s[i];
+    }
+    sum_a = sum_a * rescale_a + row_sum_a;  // per-thread partial sums; the quad is summed at the end
+    sum_b = sum_b * rescale_b + row_sum_b;
+  };
+  auto take_turn = [&]() { named_sync(1 + group, 256); };
+  auto pass_turn = [&]() { named_arrive(1 + other, 256); };
+
+  if (num_blocks > 0) {
+    if (group == 1) pass_turn();  // warpgroup 1 issues first
+    barrier_wait(&shared.q_full, 0);
+
+    barrier_wait(&shared.k_full[0], 0);
+    take_turn();
+    issue_scores(0);
+    pass_turn();
+    cute::warpgroup_wait<0>();
+    fence_operands<BN / 2>(s);
+    if (t == 0) barrier_arrive(&shared.k_empty[0]);
+    float rescale_a, rescale_b;
+    softmax((blocks.last - 1) * BN, rescale_a, rescale_b);
+    to_operand<T, BN>(s, p);
+
+    for (int it = 1; it < num_blocks; ++it) {
+      const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
+      const int previous = (it - 1) % kForwardStages, previous_phase = ((it - 1) / kForwardStages) & 1;
+      barrier_wait(&shared.k_full[stage], phase);
+      barrier_wait(&shared.v_full[previous], previous_phase);
+      take_turn();
+      issue_scores(stage);
+      issue_values(previous, it > 1);
+      pass_turn();
+      cute::warpgroup_wait<1>();  // the scores are in
+      fence_operands<BN / 2>(s);
+      if (t == 0) barrier_arrive(&shared.k_empty[stage]);
+      softmax((blocks.last - 1 - it) * BN, rescale_a, rescale_b);
+      cute::warpgroup_wait<0>();  // P V of the previous block is in
+      fence_operands<D / 2>(o);
+      fence_operands<BN / 4>(p);
+      if (t == 0) barrier_arrive(&shared.v_empty[previous]);
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+      to_operand<T, BN>(s, p);
+    }
+
+    const int last = num_blocks - 1;
+    const int stage = last % kForwardStages, phase = (last / kForwardStages) & 1;
+    barrier_wait(&shared.v_full[stage], phase);
+    take_turn();
+    issue_values(stage, num_blocks > 1);
+    if (group == 0) pass_turn();  // warpgroup 1 gave the first turn: it takes no last one back
+    cute::warpgroup_wait<0>();
+    fence_operands<D / 2>(o);
+    if (t == 0) barrier_arrive(&shared.v_empty[stage]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  }
+
+  // epilogue: normalize, store rows inside the query length, log-sum-exp in natural log
+  sum_a = quad_sum(sum_a);
+  sum_b = quad_sum(sum_b);
+  const float inverse_a = sum_a > 0.f ? 1.f / sum_a : 0.f, inverse_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
+  T* out = static_cast<T*>(params.out);
+  const size_t row_stride = static_cast<size_t>(problem.q_heads) * D;
+  const size_t head_offset = (static_cast<size_t>(batch) * problem.q_len * problem.q_heads + head) * D;
+#pragma unroll
+  for (int i = 0; i < D / 2; i += 2) {
+    const int row = (i & 2) ? row_b : row_a;
+    if (row < problem.q_len) {
+      const float inverse = (i & 2) ? inverse_b : inverse_a;
+      *reinterpret_cast<uint32_t*>(out + head_offset + row * row_stride + fragment_col(t, i)) =
+          Element<T>::pack(o[i] * inverse, o[i + 1] * inverse);
+    }
+  }
+  if (t % 4 == 0) {
+    const float ln2 = 0.6931471805599453f;
+    float* lse = params.lse + (static_cast<size_t>(batch) * problem.q_heads + head) * problem.q_len;
+    if (row_a < problem.q_len) lse[row_a] = sum_a > 0.f ? (max_a + __log2f(sum_a)) * ln2 : INFINITY;
+    if (row_b < problem.q_len) lse[row_b] = sum_b > 0.f ? (max_b + __log2f(sum_b)) * ln2 : INFINITY;
+  }
+}
+
+template <class T, int D>
+cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const void* q, const void* k, const void* v,
+                           void* out, float* lse) {
+  constexpr int BN = 128;
+  ForwardParams params;
+  params.out = out;
+  params.lse = lse;
+  params.problem = problem;
+  const CUtensorMapDataType type = Element<T>::tma_type;
+  cudaError_t error;
+  if ((error = encode_tile_map(&params.q_map, type, q, problem.batch, problem.q_len, problem.q_heads, D,
+                               kForwardRows)) != cudaSuccess ||
+      (error = encode_tile_map(&params.k_map, type, k, problem.batch, problem.kv_len, problem.kv_heads, D, BN)) !=
+          cudaSuccess ||
+      (error = encode_tile_map(&params.v_map, type, v, problem.batch, problem.kv_len, problem.kv_heads, D, BN)) !=
+          cudaSuccess) {
+    return error;
+  }
+  auto kernel = flash_forward_kernel<T, D, BN>;
+  const size_t shared_bytes = sizeof(ForwardShared<T, D, BN>) + 1024;
+  if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
+  const dim3 grid((problem.q_len + kForwardRows - 1) / kForwardRows, problem.q_heads, problem.batch);
+  kernel<<<grid, kForwardThreads, shared_bytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+namespace {
+
+ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           float softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                           float softcap, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  Problem problem;
+  ffi::Error error = read_problem(q, k, v, softmax_scale, causal, window_left, window_right, softcap, &problem);
+  if (error.failure()) return error;
+  const int head_dim = static_cast<int>(q.dimensions()[3]);
+  return dispatch(q.element_type(), head_dim, [&](auto element, auto dim) {
+    return launch_forward<typename decltype(element)::type, decltype(dim)::value>(
+        stream, problem, q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
+        lse->typed_data());
+  });
+}
+
+}  // namespace
+
+}  // namespace ejk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkFlashForward, ejk::forward_handler,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<float>("softcap")
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
