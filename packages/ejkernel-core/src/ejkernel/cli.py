@@ -70,18 +70,19 @@ def _first_sentence(text: str) -> str:
 
 
 def _backend_notes(records: list[dict], width: int, verbose: bool) -> list[str]:
-    """One wrapped ``name: status`` paragraph per backend that is not ok (unavailable: first sentence)."""
+    """One wrapped ``name: status`` paragraph per backend that is not ok (unavailable: first sentence), and
+    one ``name: part: status`` paragraph per part a backend declares (``BackendInfo.check_parts``)."""
     notes, shortened = [], False
     for record in records:
-        status = record["status"]
-        if status == "ok":
-            continue
-        if not verbose and status.startswith("unavailable:"):
-            short = _first_sentence(status)
-            shortened = shortened or short != status
-            status = short
-        label = f"{record['name']}: "
-        notes.append(textwrap.fill(status, width, initial_indent=label, subsequent_indent="  ", break_on_hyphens=False))
+        statuses = [] if record["status"] == "ok" else [(f"{record['name']}: ", record["status"])]
+        statuses += [(f"{record['name']}: {part}: ", status) for part, status in record.get("parts", {}).items()]
+        for label, status in statuses:
+            if not verbose and status.startswith("unavailable:"):
+                short = _first_sentence(status)
+                shortened = shortened or short != status
+                status = short
+            notes.append(textwrap.fill(status, width, initial_indent=label, subsequent_indent="  ",
+                                       break_on_hyphens=False))
     if shortened:
         notes.append("(ejkernel list-backends --verbose prints the whole reasons)")
     return notes

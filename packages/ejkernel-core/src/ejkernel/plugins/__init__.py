@@ -70,6 +70,7 @@ class LoadedBackend:
     """Why loading failed (import error, API mismatch, hook exception); None when it loaded."""
     implementations: int = 0
     _usable: tuple[str | None] | None = dataclasses.field(default=None, repr=False)
+    _parts: dict[str, str] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def platforms(self) -> tuple[str, ...]:
@@ -100,6 +101,19 @@ class LoadedBackend:
         reason = self.unusable_reason()
         return "ok" if reason is None else f"unavailable: {reason}"
 
+    def part_statuses(self) -> dict[str, str]:
+        """``{part: "ok" or "unavailable: why"}`` of the backend's parts (``BackendInfo.check_parts``; empty
+        when it declares none). Computed once."""
+        if self._parts is None:
+            check = self.info.check_parts if self.info is not None else None
+            try:
+                reasons = check() if check is not None else {}
+            except Exception as exc:  # a broken check must not break the caller
+                reasons = {"parts": f"availability check raised {type(exc).__name__}: {exc}"}
+            self._parts = {part: "ok" if reason is None else f"unavailable: {reason}"
+                           for part, reason in reasons.items()}
+        return self._parts
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -109,6 +123,7 @@ class LoadedBackend:
             "targets": list(self.targets),
             "status": self.status,
             "implementations": self.implementations,
+            "parts": self.part_statuses(),
         }
 
 

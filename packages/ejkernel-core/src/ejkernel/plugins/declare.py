@@ -34,6 +34,8 @@ class DeclaredBackend:
     priority: int = 0
     check_usable: Callable[[], str | None] | None = None
     description: str = ""
+    check_parts: Callable[[], dict[str, str | None]] | None = None
+    """``BackendInfo.check_parts``: the backend's parts that can be unusable on their own."""
     unverified: Mapping[str | tuple[str, str], str] = dataclasses.field(default_factory=dict)
     include_unverified: Callable[[], bool] = unverified_requested
 
@@ -46,6 +48,7 @@ class DeclaredBackend:
             targets=self.targets,
             check_usable=self.check_usable,
             description=self.description,
+            check_parts=self.check_parts,
         )
 
     def register(self, registry, plugin: str) -> None:

@@ -46,6 +46,10 @@ class BackendInfo:
     Called lazily (by the CLI and the dispatcher), never at import: it may import jax and look at devices.
     """
     description: str = ""
+    check_parts: Callable[[], dict[str, str | None]] | None = None
+    """Parts of a usable backend that can be unusable on their own (a kernel needing a newer GPU or a built
+    library beside the backend's main path): ``{part: why it cannot run here, or None}``. Called lazily, like
+    :attr:`check_usable`; ``ejkernel list-backends`` shows each part's status."""
     api_version: int = PLUGIN_API_VERSION
 
     def __post_init__(self) -> None:
