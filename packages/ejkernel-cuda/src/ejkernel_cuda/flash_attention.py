@@ -1,34 +1,95 @@
-"""``flash_attention`` on the GPU through cuDNN's fused flash attention (:mod:`ejkernel_cuda.cudnn_attention`).
+"""``flash_attention`` on NVIDIA GPUs: cuDNN's fused flash attention (:mod:`ejkernel_cuda.cudnn_attention`) or
+our own Hopper kernels through the XLA FFI (:mod:`ejkernel_cuda.native_flash`), chosen by
+:class:`CudaFlashConfig`.
 
-NVIDIA's own kernel, faster than our Triton one on Hopper (README's benchmark tables), for the calls it
-computes exactly as ejkernel defines them: bfloat16/float16,
-equal head dims, no mask or a causal one (or a causal window) over equal lengths, GQA. Everything else is
-refused with ``UnsupportedFeature`` before anything compiles, and the dispatcher takes Triton or XLA.
+cuDNN is NVIDIA's kernel, faster than our Triton one on Hopper (README's benchmark tables), for the calls it
+computes exactly as ejkernel defines them: bfloat16/float16, equal head dims, no mask or a causal one (or a
+causal window) over equal lengths, GQA. The native kernels (sm_90a only) take more of ejkernel's features
+(causal masks and windows over unequal lengths, windows reaching right, soft cap) at head dims 64 and 128.
+The heuristic takes cuDNN wherever it takes the call, the native kernels elsewhere; a call neither takes is
+refused with ``UnsupportedFeature`` (both reasons) before anything compiles, and the dispatcher takes
+Pallas, Triton or XLA.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import jax
 
-from ejkernel.modules.operations._contract import Implementation, NoConfig
+from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.flash_attention import FlashAttentionCall
-from ejkernel_cuda import cudnn_attention
+from ejkernel_cuda import cudnn_attention, native_flash
+
+KERNELS = ("cudnn", "native")
+
+# The dispatcher's rank (``Implementation.priority_for``) of the calls only the native kernels take: below
+# Pallas' Mosaic GPU kernels (16) and Triton (15), above Pallas' Triton-lowered kernels (10), until a GPU run
+# measures them (then set from the measurements). Calls cuDNN takes keep the backend's 20.
+NATIVE_PRIORITY = 12
 
 
-class CudnnFlashAttention(Implementation[FlashAttentionCall, NoConfig]):
-    """cuDNN's flash attention (nothing to tune: cuDNN picks its own kernel per shape)."""
+@dataclasses.dataclass(frozen=True)
+class CudaFlashConfig:
+    """Which kernel runs the call: ``"cudnn"`` (cuDNN's fused flash attention) or ``"native"`` (our sm_90a
+    kernels). A config naming a kernel that cannot take the call is refused with ``UnsupportedFeature``."""
 
-    def supports(self, call: FlashAttentionCall) -> None:
+    kernel: Literal["cudnn", "native"] = "cudnn"
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"CudaFlashConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+
+def cudnn_refusal(call: FlashAttentionCall) -> str | None:
+    """Why cuDNN cannot take ``call`` (its ``UnsupportedFeature`` message), or None."""
+    try:
         cudnn_attention.check_supported(
             "flash_attention", call.query, call.key, call.value, causal=call.causal,
             sliding_window=call.sliding_window,
             unsupported=dict(bias=call.bias, attention_mask=call.attention_mask, segment_ids=call.q_segment_ids,
                              cum_seqlens=call.cum_seqlens_q, logits_soft_cap=call.logits_soft_cap,
                              softmax_aux=call.softmax_aux, dropout_prob=call.dropout_prob))
+    except UnsupportedFeature as error:
+        return str(error)
+    return None
 
-    def __call__(self, call: FlashAttentionCall, config: NoConfig) -> jax.Array:
+
+def refusals(call: FlashAttentionCall) -> dict[str, str | None]:
+    """Each kernel's reason for refusing ``call`` here (None: it takes it), cuDNN first."""
+    return {"cudnn": cudnn_refusal(call), "native": native_flash.refusal(call)}
+
+
+class CudaFlashAttention(Implementation[FlashAttentionCall, CudaFlashConfig]):
+    """cuDNN or the native kernels (see the module docstring); nothing else to tune."""
+
+    config_type = CudaFlashConfig
+
+    def supports(self, call: FlashAttentionCall) -> None:
+        reasons = refusals(call)
+        if all(reasons.values()):
+            raise UnsupportedFeature(f"{reasons['cudnn']}; {native_flash.NAME}: {reasons['native']}")
+
+    def priority_for(self, call: FlashAttentionCall) -> int | None:
+        reasons = refusals(call)
+        return NATIVE_PRIORITY if reasons["cudnn"] and not reasons["native"] else None
+
+    def heuristic_config(self, call: FlashAttentionCall) -> CudaFlashConfig:
+        return CudaFlashConfig(kernel="cudnn" if cudnn_refusal(call) is None else "native")
+
+    def candidate_configs(self, call: FlashAttentionCall) -> list[CudaFlashConfig]:
+        return [CudaFlashConfig(kernel) for kernel, reason in refusals(call).items() if reason is None]
+
+    def __call__(self, call: FlashAttentionCall, config: CudaFlashConfig) -> jax.Array:
+        if config.kernel == "native":
+            return native_flash.call_attention(call)
+        reason = cudnn_refusal(call)
+        if reason is not None:
+            raise UnsupportedFeature(reason)
         return cudnn_attention.attention(call.query, call.key, call.value, call.softmax_scale, bool(call.causal),
                                          cudnn_attention.window_length(call.sliding_window))
 
 
-IMPLEMENTATION = CudnnFlashAttention()
+IMPLEMENTATION = CudaFlashAttention()

@@ -1,8 +1,11 @@
 """Entry point of the CUDA backend: NVIDIA's kernels for NVIDIA GPUs. Imports no kernel module: they load on
 first call.
 
-Today its attention runs on cuDNN's fused flash attention through JAX's cuDNN custom call
-(``cudnn_attention.py``); native FFI kernels built with nvcc are to come (issue #10).
+Its attention runs on cuDNN's fused flash attention through JAX's cuDNN custom call (``cudnn_attention.py``)
+and, for the calls cuDNN refuses, on our own Hopper (sm_90a) kernels through the XLA FFI
+(``native_flash.py``; the library ``hatch_build.py`` builds with nvcc). The backend is usable wherever cuDNN
+is; ``ejkernel list-backends`` shows the native kernels as a part of their own (usable only on an sm_90 GPU
+with the library built and loadable).
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from ejkernel.plugins.checks import first_reason, no_device
 from ejkernel.plugins.declare import DeclaredBackend
 
 # algorithm -> "module:IMPLEMENTATION". Priority 20 puts these above Triton (15), Pallas (10) and XLA (0):
-# cuDNN's flash attention is the fastest we measure on Hopper for the calls it takes; it refuses the
-# others (UnsupportedFeature) and the dispatcher goes down the list.
+# cuDNN's flash attention is the fastest we measure on Hopper for the calls it takes; flash attention ranks
+# the calls only the native kernels take lower (flash_attention.NATIVE_PRIORITY); the others are refused
+# (UnsupportedFeature) and the dispatcher goes down the list.
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
     "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION",
@@ -31,6 +35,15 @@ def _cudnn_missing() -> str | None:
     return api_missing()
 
 
+NATIVE_PART = "native flash attention (sm_90a)"
+
+
+def _parts() -> dict[str, str | None]:
+    from ejkernel_cuda.native_flash import usable_here
+
+    return {NATIVE_PART: usable_here()}
+
+
 BACKEND = DeclaredBackend(
     name="cuda",
     distribution="ejkernel-cuda",
@@ -40,6 +53,7 @@ BACKEND = DeclaredBackend(
     unverified=UNVERIFIED,
     priority=20,
     check_usable=lambda: first_reason(lambda: no_device("gpu"), _cudnn_missing),
-    description="NVIDIA GPU kernels: cuDNN's flash attention (native FFI kernels to come)",
+    description="NVIDIA GPU kernels: cuDNN's flash attention, our sm_90a flash attention through the XLA FFI",
+    check_parts=_parts,
 )
 ejkernel_backend_info, ejkernel_register_kernels = BACKEND.hooks()

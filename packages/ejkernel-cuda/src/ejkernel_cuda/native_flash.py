@@ -1,0 +1,201 @@
+"""Our own Hopper flash attention kernels (``csrc/flash_attention``, CUTLASS/CuTe, sm_90a) bound through the
+XLA FFI: forward and backward as ``jax.ffi.ffi_call``s of the targets ``EjkFlashForward`` /
+``EjkFlashBackward`` registered by :mod:`ejkernel_cuda._native`, one custom VJP around them.
+
+The FFI contract (what the kernels export; arrays contiguous row-major):
+
+- ``EjkFlashForward(q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, D]) -> (out [B, Sq, Hq, D] (q's dtype),
+  lse [B, Hq, Sq] float32)``: ``lse`` the natural log-sum-exp of the scaled (soft-capped) logits, ``+inf``
+  for a row that sees no key (whose output is 0);
+- ``EjkFlashBackward(q, k, v, d_out, lse, delta [B, Hq, Sq] float32) -> (dq, dk, dv)`` (the shapes and
+  dtypes of q, k, v), ``delta = rowsum(d_out * out)`` in float32, formed here in JAX;
+- attributes of both: ``softmax_scale`` (f32), ``causal`` (bool), ``window_left`` / ``window_right`` (i64,
+  -1: unbounded), ``softcap`` (f32, 0: off). Query ``i`` sits at key position ``i + Sk - Sq`` (ejkernel's
+  alignment); GQA/MQA (``Hq % Hk == 0``) is handled inside the kernels.
+
+Taken: bfloat16/float16, head dims 64 or 128 (query and value alike), any lengths >= 1, GQA/MQA, causal,
+sliding window, soft cap, on a GPU of compute capability 9.0 (H100 / H200 / GH200: the library holds sm_90a
+code only). :func:`refusal` names everything else (bias, masks, segment ids, varlen, sinks, dropout, other
+dtypes and head dims, another GPU, the library missing), and :func:`check_supported` raises it as
+``UnsupportedFeature`` before anything is traced.
+
+``jax.vmap`` folds the mapped axes into the batch axis (one kernel launch, no loop); the calls work under
+``jit``, ``shard_map`` (per-shard arrays) and ``jax.export``: the custom calls have no compatibility
+guarantee of JAX's, so ``jax.export.export(..., disabled_checks=native_flash.export_disabled_checks())``;
+they are serialized by name, and the process that runs the exported program must have registered the
+targets (:func:`ejkernel_cuda._native.ensure_registered`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.errors import UnsupportedFeature
+from ejkernel_cuda import _native
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+HEAD_DIMS = (64, 128)
+COMPUTE_CAPABILITY = "9.0"  # sm_90a code only: neither older GPUs nor later ones (whose sm_100 has no wgmma)
+NAME = "cuda native flash attention"
+
+
+@functools.lru_cache(maxsize=1)  # asked at every dispatch; the GPU does not change under a process
+def device_refusal() -> str | None:
+    """Why this process's GPU cannot run the kernels (no GPU, or not compute capability 9.0), or None."""
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:  # JAX_PLATFORMS without a GPU, or no CUDA plugin
+        devices = []
+    if not devices:
+        return "no GPU visible (the native kernels need an sm_90 GPU: H100 / H200 / GH200)"
+    capability = str(getattr(devices[0], "compute_capability", "unknown"))
+    if capability != COMPUTE_CAPABILITY:
+        return (f"the GPU ({devices[0].device_kind}) has compute capability {capability}; the native kernels are "
+                f"built for sm_90a only (H100 / H200 / GH200)")
+    return None
+
+
+def usable_here() -> str | None:
+    """Why the native kernels cannot run in this process at all, or None: what ``ejkernel list-backends``
+    shows for them. The GPU's reason and the library's together (a machine without the GPU may still lack
+    the library); the FFI targets are registered only where both are fine."""
+    reasons = [reason for reason in (device_refusal(), _native.library_missing()) if reason]
+    return "; ".join(reasons) if reasons else _native.registration_failed()
+
+
+def refusal(call, *, check_device: bool = True) -> str | None:
+    """Why the native kernels cannot take ``call`` (a validated ``FlashAttentionCall``) here, or None. The
+    call's own features first (so a refused feature is named on any machine), then the GPU and the library
+    (``check_device=False``: the call alone)."""
+    query, key, value = call.query, call.key, call.value
+    for given, feature in (
+        (call.bias is not None, "bias"),
+        (call.attention_mask is not None, "attention_mask"),
+        (call.q_segment_ids is not None or call.kv_segment_ids is not None, "segment ids"),
+        (call.cum_seqlens_q is not None or call.cum_seqlens_k is not None, "cum_seqlens (varlen)"),
+        (call.softmax_aux is not None, "softmax_aux (attention sinks)"),
+        (bool(call.dropout_prob), "dropout"),
+    ):
+        if given:
+            return f"{feature} is not supported"
+    if query.dtype not in DTYPES:
+        return f"dtype {query.dtype} is not supported (bfloat16 or float16)"
+    head_dims = (query.shape[-1], value.shape[-1])
+    if head_dims[0] != head_dims[1] or head_dims[0] not in HEAD_DIMS:
+        return f"head dims (query, value) {head_dims} are not supported (equal, one of {HEAD_DIMS})"
+    if min(query.shape[1], key.shape[1]) < 1:
+        return f"lengths (query {query.shape[1]}, key {key.shape[1]}) must be >= 1"
+    if not check_device:
+        return None
+    return usable_here()
+
+
+def check_supported(call, *, check_device: bool = True) -> None:
+    """Raise ``UnsupportedFeature`` naming :func:`refusal`'s reason."""
+    reason = refusal(call, check_device=check_device)
+    if reason is not None:
+        raise UnsupportedFeature(f"{NAME}: {reason}")
+
+
+def export_disabled_checks() -> list:
+    """``jax.export``'s ``disabled_checks`` for programs that call these kernels (module docstring)."""
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in _native.TARGETS]
+
+
+# ---- the FFI calls ---------------------------------------------------------------------------------
+
+
+def _attributes(scale: float, causal: bool, window: tuple[int, int] | None, softcap: float | None) -> dict:
+    """The kernels' attributes with the FFI types of the contract (numpy scalars fix f32 / i64)."""
+    left, right = (-1, -1) if window is None else window
+    return dict(softmax_scale=np.float32(scale), causal=bool(causal), window_left=np.int64(left),
+                window_right=np.int64(right), softcap=np.float32(softcap or 0.0))
+
+
+def _folded(function):
+    """``function`` (of arrays whose axis 0 is the batch) under ``jax.custom_batching.custom_vmap``: a
+    vmapped call moves the mapped axis in front, broadcasts unmapped arguments, folds it into the batch axis,
+    runs once and unfolds every result."""
+    mapped = jax.custom_batching.custom_vmap(function)
+
+    @mapped.def_vmap
+    def _rule(axis_size, in_batched, *arguments):
+        flat = []
+        for argument, batched in zip(arguments, in_batched):
+            if not batched:
+                argument = jnp.broadcast_to(argument, (axis_size, *argument.shape))
+            flat.append(argument.reshape(axis_size * argument.shape[1], *argument.shape[2:]))
+        results = mapped(*flat)
+        unfolded = tuple(r.reshape(axis_size, r.shape[0] // axis_size, *r.shape[1:]) for r in results)
+        return unfolded, (True,) * len(unfolded)
+
+    return mapped
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_call(scale, causal, window, softcap):
+    attributes = _attributes(scale, causal, window, softcap)
+
+    def forward_call(q, k, v):
+        b, sq, hq, _ = q.shape
+        shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+        return tuple(jax.ffi.ffi_call(_native.FORWARD_TARGET, shapes)(q, k, v, **attributes))
+
+    return _folded(forward_call)
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_call(scale, causal, window, softcap):
+    attributes = _attributes(scale, causal, window, softcap)
+
+    def backward_call(q, k, v, d_out, lse, delta):
+        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        return tuple(jax.ffi.ffi_call(_native.BACKWARD_TARGET, shapes)(q, k, v, d_out, lse, delta, **attributes))
+
+    return _folded(backward_call)
+
+
+def forward(q, k, v, *, scale: float, causal: bool, window: tuple[int, int] | None = None,
+            softcap: float | None = None):
+    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] float32)`` of the forward kernel (module docstring)."""
+    _native.ensure_registered()
+    return _forward_call(float(scale), bool(causal), window, softcap)(q, k, v)
+
+
+def backward(q, k, v, out, lse, d_out, *, scale: float, causal: bool, window: tuple[int, int] | None = None,
+             softcap: float | None = None):
+    """``(dq, dk, dv)`` of the backward kernels given the forward's ``out`` and ``lse``."""
+    _native.ensure_registered()
+    d_out = d_out.astype(q.dtype)
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    return _backward_call(float(scale), bool(causal), window, softcap)(q, k, v, d_out, lse, delta)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def attention(q, k, v, scale: float, causal: bool, window: tuple[int, int] | None, softcap: float | None):
+    """Flash attention of whole arrays on the native kernels, differentiable."""
+    return forward(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)[0]
+
+
+def _attention_fwd(q, k, v, scale, causal, window, softcap):
+    out, lse = forward(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+    return out, (q, k, v, out, lse)
+
+
+def _attention_bwd(scale, causal, window, softcap, residuals, d_out):
+    q, k, v, out, lse = residuals
+    return backward(q, k, v, out, lse, d_out, scale=scale, causal=causal, window=window, softcap=softcap)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def call_attention(call):
+    """:func:`attention` of a validated ``FlashAttentionCall`` (refused calls raise ``UnsupportedFeature``)."""
+    check_supported(call)
+    return attention(call.query, call.key, call.value, call.softmax_scale, bool(call.causal), call.sliding_window,
+                     call.logits_soft_cap)

@@ -1,0 +1,368 @@
+"""The CUDA backend's own Hopper flash attention kernels (``ejkernel_cuda.native_flash``) and how
+``flash_attention`` dispatches between them and cuDNN.
+
+CPU: the library the workspace install built (sm_90a SASS with wgmma and TMA instructions), its loading and
+FFI registration, every refusal, the config and the dispatcher's choices, the lowering to the custom calls
+(jit, vmap folded into the batch, jax.export). GPU (``-m gpu``, on an sm_90 device): the shared
+flash-attention conformance suite forced onto the native kernels (bf16 and fp16), and explicit cases (odd
+lengths, fully masked rows, GQA/MQA, head dims 64/128) with every gradient against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkernel import UnsupportedFeature
+from ejkernel.modules import flash_attention
+from ejkernel.modules.operations.flash_attention import FlashAttention
+from ejkernel.testing.flash_attention import FlashAttentionConformance, reference_flash_attention_numpy
+from ejkernel.testing.numerics import assert_close, normal_array
+from ejkernel_cuda import _native, native_flash, plugin
+from ejkernel_cuda.flash_attention import IMPLEMENTATION as FLASH
+from ejkernel_cuda.flash_attention import NATIVE_PRIORITY, CudaFlashConfig
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _nvidia_tool(name: str) -> str | None:
+    """``name`` from PATH, else from the nvidia-cuda-* wheels of the dev group (nvidia/cu*/bin)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    import nvidia  # namespace package of the NVIDIA wheels
+
+    for root in nvidia.__path__:
+        for candidate in sorted(Path(root).glob(f"*/bin/{name}")):
+            return str(candidate)
+    return None
+
+
+NVCC = _nvidia_tool("nvcc") or shutil.which("nvcc", path=os.path.join(os.environ.get("CUDA_HOME", "/none"), "bin"))
+needs_nvcc = pytest.mark.skipif(not NVCC, reason="no nvcc on this machine: the native library cannot be built here")
+
+
+def _call(dtype=jnp.bfloat16, q_len=128, kv_len=128, head_dim=64, v_head_dim=None, heads=4, kv_heads=2, **kw):
+    q = jnp.zeros((1, q_len, heads, head_dim), dtype)
+    k = jnp.zeros((1, kv_len, kv_heads, head_dim), dtype)
+    v = jnp.zeros((1, kv_len, kv_heads, v_head_dim or head_dim), dtype)
+    return FlashAttention().validate(q, k, v, **kw)
+
+
+# ---- the library ------------------------------------------------------------------------------------
+
+
+@needs_nvcc
+def test_workspace_install_built_the_library_with_wgmma_and_tma():
+    """`uv sync` (scripts/setup.sh) compiles csrc/ with nvcc where nvcc is found: a missing library here is a
+    build failure, not a skip. Its sm_90a SASS holds warpgroup MMAs (HGMMA) and TMA loads (UTMALDG)."""
+    assert _native.library_missing() is None, _native.library_missing()
+    cuobjdump = _nvidia_tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump (the dev group's nvidia-cuda-cuobjdump) to read the SASS with")
+    nvdisasm = _nvidia_tool("nvdisasm")  # cuobjdump -sass runs it
+    env = dict(os.environ, PATH=os.pathsep.join(filter(None, [nvdisasm and str(Path(nvdisasm).parent),
+                                                               os.environ.get("PATH")])))
+    result = subprocess.run([cuobjdump, "-sass", str(_native.LIBRARY_PATH)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    mnemonics = set(re.findall(r"\b([A-Z][A-Z0-9]+)(?=[.\s])", result.stdout))
+    assert {"HGMMA", "UTMALDG"} <= mnemonics, sorted(mnemonics)[:80]
+    assert "sm_90a" in subprocess.run([cuobjdump, "-lelf", str(_native.LIBRARY_PATH)], capture_output=True,
+                                      text=True, env=env).stdout
+
+
+@needs_nvcc
+def test_library_loads_and_exports_both_ffi_handlers():
+    library = ctypes.CDLL(str(_native.LIBRARY_PATH))
+    for name in ("EjkFlashForward", "EjkFlashBackward"):
+        assert hasattr(library, name), name
+    # with no GPU, the CUDA plugin's handler table takes the registration (or keeps it waiting): no error
+    assert _native.registration_failed() is None
+
+
+def test_a_missing_library_is_reported_with_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(_native, "LIBRARY_PATH", tmp_path / "libejkernel_cuda.so")
+    _native._opened.cache_clear()
+    try:
+        reason = _native.library_missing()
+        assert "not built" in reason and "uv sync" in reason and "nvidia-cuda-nvcc" in reason
+        (tmp_path / "libejkernel_cuda.so").write_bytes(b"not an ELF file")
+        _native._opened.cache_clear()
+        assert "fails to load" in _native.library_missing()
+    finally:
+        _native._opened.cache_clear()
+
+
+def test_importing_the_package_loads_nothing():
+    """The plugin and the binding modules import without opening the library (lazy, side-effect free)."""
+    code = ("import sys, ejkernel_cuda.plugin, ejkernel_cuda.flash_attention, ejkernel_cuda.native_flash as n; "
+            "assert n._native._opened.cache_info().currsize == 0; "
+            "assert 'libejkernel_cuda' not in open('/proc/self/maps').read()")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+# ---- refusals ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,feature", [
+    (dict(bias=jnp.zeros((1, 4, 128, 128), jnp.bfloat16)), "bias"),
+    (dict(attention_mask=jnp.ones((1, 1, 128, 128), bool)), "attention_mask"),
+    (dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.zeros((1, 128), jnp.int32)),
+     "segment ids"),
+    (dict(cum_seqlens_q=jnp.array([0, 128], jnp.int32), cum_seqlens_k=jnp.array([0, 128], jnp.int32)),
+     "cum_seqlens"),
+    (dict(softmax_aux=jnp.zeros((4,))), "softmax_aux"),
+    (dict(dropout_prob=0.1, dropout_seed=1), "dropout"),
+    (dict(dtype=jnp.float32), "dtype float32"),
+    (dict(head_dim=96), r"head dims \(query, value\) \(96, 96\)"),
+    (dict(head_dim=256), r"\(256, 256\)"),
+    (dict(head_dim=128, v_head_dim=64), r"\(128, 64\)"),
+])
+def test_refuses_each_feature_it_does_not_implement(kw, feature):
+    call = _call(**kw)
+    assert re.search(feature, native_flash.refusal(call, check_device=False))
+    with pytest.raises(UnsupportedFeature, match=f"cuda native flash attention: .*{feature}"):
+        native_flash.check_supported(call, check_device=False)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(causal=True, q_len=77, kv_len=300), dict(sliding_window=(16, 4)), dict(logits_soft_cap=30.0),
+    dict(dtype=jnp.float16, head_dim=128, heads=16, kv_heads=1), dict(q_len=1, kv_len=1),
+])
+def test_takes_the_calls_of_its_contract(kw):
+    assert native_flash.refusal(_call(**kw), check_device=False) is None
+
+
+@pytest.mark.skipif(ON_GPU, reason="the refusals of a machine without a GPU")
+def test_without_a_gpu_native_is_refused_with_the_reason():
+    soft_capped = _call(logits_soft_cap=30.0)  # cuDNN refuses it: only the native kernels could take it
+    assert native_flash.refusal(soft_capped).startswith("no GPU visible")
+    with pytest.raises(UnsupportedFeature, match="logits_soft_cap.*cuda native flash attention: no GPU visible"):
+        FLASH.supports(soft_capped)
+    with pytest.raises(UnsupportedFeature, match="cuda native flash attention: no GPU visible"):
+        FLASH(_call(), CudaFlashConfig(kernel="native"))
+    assert FLASH.candidate_configs(_call()) == [CudaFlashConfig("cudnn")]
+    assert FLASH.priority_for(soft_capped) is None
+    # the public function: the backend is unusable here, so "auto" never picks it (XLA runs)
+    q = normal_array(0, (1, 64, 2, 64), jnp.bfloat16)
+    assert FlashAttention().explain(q, q, q, logits_soft_cap=30.0).platform != "cuda"
+    assert flash_attention(q, q, q, logits_soft_cap=30.0).shape == q.shape
+
+
+@pytest.mark.skipif(ON_GPU, reason="the status of a machine without a GPU")
+def test_list_backends_says_why_the_native_kernels_cannot_run(capsys):
+    import json
+
+    from ejkernel.cli import main
+
+    assert main(["list-backends", "--json"]) == 0
+    cuda = {row["name"]: row for row in json.loads(capsys.readouterr().out)}["cuda"]
+    assert cuda["parts"][plugin.NATIVE_PART].startswith("unavailable: no GPU visible")
+    assert main(["list-backends"]) == 0
+    assert f"cuda: {plugin.NATIVE_PART}: unavailable: no GPU visible" in " ".join(capsys.readouterr().out.split())
+
+
+# ---- config and dispatch ----------------------------------------------------------------------------
+
+
+def test_config_validation():
+    assert CudaFlashConfig() == CudaFlashConfig("cudnn")
+    with pytest.raises(ValueError, match=r"CudaFlashConfig.kernel must be one of \('cudnn', 'native'\), got 'triton'"):
+        CudaFlashConfig(kernel="triton")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CudaFlashConfig().kernel = "native"  # frozen: the executor stores configs as-is
+
+
+def test_dispatch_between_cudnn_and_native(monkeypatch):
+    """With the native kernels usable (as on an H100): cuDNN where it takes the call (its rank), the native
+    kernels, ranked NATIVE_PRIORITY, where only they do; a call neither takes names both reasons."""
+    monkeypatch.setattr(native_flash, "usable_here", lambda: None)
+    plain, soft_capped = _call(causal=True), _call(logits_soft_cap=30.0)
+    assert FLASH.heuristic_config(plain) == CudaFlashConfig("cudnn")
+    assert FLASH.candidate_configs(plain) == [CudaFlashConfig("cudnn"), CudaFlashConfig("native")]
+    assert FLASH.priority_for(plain) is None  # the backend's 20
+    FLASH.supports(soft_capped)
+    assert FLASH.heuristic_config(soft_capped) == CudaFlashConfig("native")
+    assert FLASH.candidate_configs(soft_capped) == [CudaFlashConfig("native")]
+    assert FLASH.priority_for(soft_capped) == NATIVE_PRIORITY < 15
+    with pytest.raises(UnsupportedFeature, match="logits_soft_cap is not supported by cuDNN"):
+        FLASH(soft_capped, CudaFlashConfig("cudnn"))
+    with pytest.raises(UnsupportedFeature, match="cuDNN.*; cuda native flash attention: bias is not supported"):
+        FLASH.supports(_call(bias=jnp.zeros((1, 4, 128, 128), jnp.bfloat16)))
+
+
+# ---- lowering (CPU: the custom calls and their attributes, without running them) --------------------
+
+
+def _lowered_text(fn, *shapes, export=False):
+    if export:
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                     disabled_checks=native_flash.export_disabled_checks())(*shapes)
+        restored = jax.export.deserialize(exported.serialize())
+        assert restored.in_avals == exported.in_avals
+        return exported.mlir_module()
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["jit", "export"])
+def test_gradient_lowers_to_the_two_custom_calls(monkeypatch, export):
+    monkeypatch.setattr(_native, "ensure_registered", lambda: None)  # lowering needs no registered target
+    q = jax.ShapeDtypeStruct((2, 77, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return native_flash.attention(q, k, v, 0.125, True, (64, 0), 30.0).astype(jnp.float32).sum()
+
+    text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, export=export)
+    forward = [line for line in text.splitlines() if "custom_call @EjkFlashForward" in line]
+    backward = [line for line in text.splitlines() if "custom_call @EjkFlashBackward" in line]
+    assert len(forward) == len(backward) == 1, text[:3000]
+    for attribute in ("causal = true", "window_left = 64 : i64", "window_right = 0 : i64",
+                      "softcap = 3.000000e+01 : f32", "softmax_scale = 1.250000e-01 : f32"):
+        assert attribute in forward[0] and attribute in backward[0], attribute
+    assert "-> (tensor<2x77x8x128xbf16>, tensor<2x8x77xf32>)" in forward[0]
+    assert ("tensor<2x8x77xf32>, tensor<2x8x77xf32>) -> (tensor<2x77x8x128xbf16>, tensor<2x300x2x128xbf16>"
+            in backward[0])
+
+
+def test_vmap_folds_into_the_batch_axis(monkeypatch):
+    """Two nested vmaps (one over an unmapped key/value) run one launch of batch 3 x 2 x 1, no loop."""
+    monkeypatch.setattr(_native, "ensure_registered", lambda: None)
+    q = jax.ShapeDtypeStruct((3, 2, 1, 40, 4, 64), jnp.float16)
+    kv = jax.ShapeDtypeStruct((2, 1, 50, 4, 64), jnp.float16)
+
+    def loss(q, k, v):
+        return native_flash.attention(q, k, v, 0.1, False, None, None).astype(jnp.float32).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    text = _lowered_text(jax.vmap(jax.vmap(grad, in_axes=(0, 0, 0)), in_axes=(0, None, None)), q, kv, kv)
+    assert "custom_call @EjkFlashForward" in text and "tensor<6x40x4x64xf16>" in text
+    assert "stablehlo.while" not in text
+    assert "window_left = -1 : i64" in text and "softcap = 0.000000e+00 : f32" in text
+
+
+# ---- GPU --------------------------------------------------------------------------------------------
+
+
+def _native_or_skip():
+    """On an sm_90 GPU: run (a missing library fails the tests); elsewhere: skip naming the GPU."""
+    reason = native_flash.device_refusal()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+gpu = pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="needs a GPU"))
+
+
+@pytest.fixture
+def native_gpu():
+    _native_or_skip()
+    assert native_flash.usable_here() is None, native_flash.usable_here()
+
+
+@gpu
+@pytest.mark.usefixtures("native_gpu")
+class TestNativeFlashAttentionConformance(FlashAttentionConformance):
+    """The shared suite forced onto the native kernels, in bfloat16. The suite's head_dim-32 inputs are
+    widened to 64 (the kernels' smallest; the reference sees the same widened arrays), so its length, GQA,
+    window and scale cases run here instead of being refused; what the kernels refuse (bias, masks,
+    segments, varlen, sinks, dropout, unequal head dims) is reported as skips naming the reason."""
+
+    platform = "cuda"
+    cfg = CudaFlashConfig(kernel="native")
+    input_dtype = jnp.bfloat16
+    allow_unsupported = True
+    verify_reference = False
+
+    def in_input_dtype(self, inputs):
+        inputs = super().in_input_dtype(inputs)
+        if inputs["query"].shape[-1] == inputs["value"].shape[-1] == 32:
+            for name in ("query", "key", "value"):
+                x = inputs[name]
+                inputs[name] = jnp.concatenate([x, -x[..., ::-1]], axis=-1)  # new columns, not copies
+        return inputs
+
+
+@gpu
+class TestNativeFlashAttentionConformanceFloat16(TestNativeFlashAttentionConformance):
+    input_dtype = jnp.float16
+
+
+def _inputs(seed, b, sq, sk, h, hkv, d, dtype):
+    shapes = [(b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)]
+    return [normal_array((seed, i), shape, dtype) for i, shape in enumerate(shapes)]
+
+
+@gpu
+@pytest.mark.usefixtures("native_gpu")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,kw", [
+    (1, 1000, 1000, 4, 4, 128, dict()),
+    (2, 77, 300, 4, 2, 64, dict(causal=True)),
+    (1, 1000, 1000, 16, 4, 128, dict(causal=True, sliding_window=(100, 0))),  # GQA 16/4
+    (2, 257, 257, 8, 1, 64, dict(logits_soft_cap=20.0)),  # MQA
+    (1, 300, 77, 4, 2, 128, dict(causal=True)),  # the first 223 rows see no key: out 0, gradients 0
+    (1, 256, 64, 4, 2, 64, dict(sliding_window=(0, 10))),  # the window leaves rows 0..181 empty
+    (1, 200, 200, 4, 2, 64, dict(sliding_window=(3, 5))),  # windows reaching right
+    (1, 1, 1, 2, 1, 128, dict(causal=True)),
+])
+def test_explicit_cases_against_float64(dtype, b, sq, sk, h, hkv, d, kw):
+    q, k, v, do = _inputs(sq * 7 + sk, b, sq, sk, h, hkv, d, dtype)
+
+    def run(q, k, v, do):
+        out, pullback = jax.vjp(
+            lambda q, k, v: flash_attention(q, k, v, cfg=CudaFlashConfig("native"), **kw), q, k, v)
+        return (out, *pullback(do))
+
+    got = jax.jit(run)(q, k, v, do)
+    out, _, grads = reference_flash_attention_numpy(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                                                    d_out=np.asarray(do, np.float64), **kw)
+    want = (out, grads["query"], grads["key"], grads["value"])
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == jnp.dtype(dtype), name
+        assert_close(g, w, dtype=dtype, gradient=name != "out", name=name)
+    empty = {(300, 77): 223, (256, 64): 182}.get((sq, sk), 0)
+    if empty:
+        assert float(jnp.max(jnp.abs(got[0][:, :empty].astype(jnp.float32)))) == 0.0
+        assert float(jnp.max(jnp.abs(got[1][:, :empty].astype(jnp.float32)))) == 0.0
+
+
+@gpu
+@pytest.mark.usefixtures("native_gpu")
+def test_rows_a_window_leaves_empty_have_infinite_lse_and_zero_output():
+    """256 queries over 64 keys: query i sits at key i - 192; the window (0, 10) shows it keys [i - 192,
+    i - 182], so rows 0..181 see no key."""
+    q, k, v, _ = _inputs(5, 1, 256, 64, 2, 1, 64, "bfloat16")
+    out, lse = jax.jit(lambda q, k, v: native_flash.forward(q, k, v, scale=0.125, causal=False, window=(0, 10)))(
+        q, k, v)
+    assert bool(jnp.all(jnp.isposinf(lse[:, :, :182]))) and bool(jnp.all(jnp.isfinite(lse[:, :, 182:])))
+    assert float(jnp.max(jnp.abs(out[:, :182].astype(jnp.float32)))) == 0.0
+
+
+@gpu
+@pytest.mark.usefixtures("native_gpu")
+def test_runs_under_shard_map_and_from_an_exported_program():
+    from jax.sharding import PartitionSpec as P
+
+    q, k, v, _ = _inputs(6, 2, 256, 256, 4, 2, 128, "bfloat16")
+    want = flash_attention(q, k, v, causal=True, cfg=CudaFlashConfig("native"))
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    local = jax.shard_map(lambda q, k, v: flash_attention(q, k, v, causal=True, cfg=CudaFlashConfig("native")),
+                          mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    np.testing.assert_array_equal(np.asarray(jax.jit(local)(q, k, v)), np.asarray(want))
+    exported = jax.export.export(
+        jax.jit(lambda q, k, v: native_flash.attention(q, k, v, 128 ** -0.5, True, None, None)),
+        disabled_checks=native_flash.export_disabled_checks())(q, k, v)
+    restored = jax.export.deserialize(exported.serialize())
+    np.testing.assert_array_equal(np.asarray(restored.call(q, k, v)), np.asarray(want))
