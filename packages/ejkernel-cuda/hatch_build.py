@@ -138,7 +138,7 @@ class CudaLibraryHook(BuildHookInterface):
         nvcc = find_nvcc()
         try:
             if nvcc is None:
-                raise BuildError(f"nvcc was not found: {INSTALL_HINT}")
+                raise BuildError(f"the native kernels need nvcc, which was not found: {INSTALL_HINT}")
             build_library(csrc, library, root / "build" / "nvcc", nvcc, log=self.app.display_info)
         except BuildError as error:
             if not editable:

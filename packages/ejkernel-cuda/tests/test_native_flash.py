@@ -173,6 +173,15 @@ def test_list_backends_says_why_the_native_kernels_cannot_run(capsys):
     assert f"cuda: {plugin.NATIVE_PART}: unavailable: no GPU visible" in " ".join(capsys.readouterr().out.split())
 
 
+def test_unverified_until_a_gpu_run_passes(monkeypatch):
+    """The project's rule for kernels no GPU has checked: off unless EJKERNEL_UNVERIFIED_KERNELS=1."""
+    monkeypatch.setattr(native_flash, "VERIFIED_ON_GPU", False)
+    monkeypatch.delenv("EJKERNEL_UNVERIFIED_KERNELS", raising=False)
+    assert "not yet verified on a GPU" in native_flash.usable_here()
+    monkeypatch.setenv("EJKERNEL_UNVERIFIED_KERNELS", "1")
+    assert "not yet verified" not in (native_flash.usable_here() or "")
+
+
 # ---- config and dispatch ----------------------------------------------------------------------------
 
 

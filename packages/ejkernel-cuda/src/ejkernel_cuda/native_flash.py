@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.errors import UnsupportedFeature
+from ejkernel.plugins.checks import UNVERIFIED_ENV, unverified_requested
 from ejkernel_cuda import _native
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -59,11 +60,18 @@ def device_refusal() -> str | None:
     return None
 
 
+# The project's rule for kernels no GPU run has checked (docs/DEVELOPING.md): used only with
+# EJKERNEL_UNVERIFIED_KERNELS=1 (scripts/device/gpu_tests.sh sets it) until their GPU tests pass; then True.
+VERIFIED_ON_GPU = False
+
+
 def usable_here() -> str | None:
     """Why the native kernels cannot run in this process at all, or None: what ``ejkernel list-backends``
     shows for them. The GPU's reason and the library's together (a machine without the GPU may still lack
     the library); the FFI targets are registered only where both are fine."""
     reasons = [reason for reason in (device_refusal(), _native.library_missing()) if reason]
+    if not VERIFIED_ON_GPU and not unverified_requested():
+        reasons.append(f"not yet verified on a GPU: used only with {UNVERIFIED_ENV}=1 (the device test run)")
     return "; ".join(reasons) if reasons else _native.registration_failed()
 
 
