@@ -5,6 +5,8 @@ One command (on a GPU; through the device tool: `bash scripts/device/run.sh pyth
     python benchmarks/attention.py                       # the full sweep
     python benchmarks/attention.py --seqs 2048,8192 --head-dims 128 --quick
     python benchmarks/attention.py --impls cudnn --cfg triton:fwd_block_q=64,fwd_num_warps=4  # explicit config
+    python benchmarks/attention.py --impls cudnn,ejkernel-cuda-native   # the CUDA backend's own sm_90a kernels
+    (the same as --cfg cuda:kernel=native; ejkernel-cuda is what its heuristic picks: cuDNN where cuDNN takes it)
 
 Sweep: S in {1k, 2k, 4k, 8k, 16k}, causal and not, head_dim 64 and 128, forward and forward+backward, bf16,
 a fixed token budget (batch = tokens / S) and hidden size (heads = hidden / head_dim). Timing: jit, warm-up,
@@ -119,13 +121,46 @@ def _ejkernel_impls() -> list[Impl]:
             return flash_attention(q, k, v, causal=causal, platform=platform)
 
         impls.append(Impl(f"ejkernel-{platform}", attend))
-    return impls
+    native = _cuda_native_impl() if "cuda" in platforms else None
+    return impls + ([native] if native is not None else [])
+
+
+def _cuda_native_impl() -> Impl | None:
+    """``ejkernel-cuda-native``: the CUDA backend's own sm_90a kernels, forced by their config (the
+    ``ejkernel-cuda`` column runs what the heuristic picks: cuDNN wherever cuDNN takes the call)."""
+    from ejkernel.modules.operations.flash_attention import flash_attention
+    from ejkernel_cuda.flash_attention import CudaFlashConfig
+    from ejkernel_cuda.native_flash import usable_here
+
+    reason = usable_here()
+    if reason:
+        print(f"# skipping ejkernel-cuda-native: {reason}", file=sys.stderr)
+        return None
+
+    def attend(q, k, v, causal):
+        return flash_attention(q, k, v, causal=causal, platform="cuda", cfg=CudaFlashConfig(kernel="native"))
+
+    return Impl("ejkernel-cuda-native", attend)
+
+
+def _config_value(text: str):
+    """A ``--cfg`` field's value: ``none``, an int, ``true`` / ``false``, else the text itself."""
+    lowered = text.lower()
+    if lowered == "none":
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def configured_impls(specs: list[str]) -> list[Impl]:
     """``--cfg triton:fwd_block_q=128,fwd_num_warps=4``: an ejkernel platform run with an explicit config,
-    its implementation's own config type built from the given integer fields (``none`` for None; the
-    other fields keep their defaults), e.g. ``ejkernel_triton.flash_attention.TritonFlashConfig``."""
+    its implementation's own config type built from the given fields (:func:`_config_value`: ints, ``none``,
+    ``true``/``false``, names such as ``cuda:kernel=native``; the other fields keep their defaults), e.g.
+    ``ejkernel_triton.flash_attention.TritonFlashConfig``."""
     from ejkernel.kernels._registry import kernel_registry
     from ejkernel.modules.operations.flash_attention import flash_attention
 
@@ -134,8 +169,7 @@ def configured_impls(specs: list[str]) -> list[Impl]:
         platform, _, fields = text.partition(":")
         spec = next(s for s in kernel_registry.find("flash_attention", platform, "gpu"))
         values = dict(item.split("=", 1) for item in fields.split(",") if item)
-        cfg = spec.implementation.config_type(
-            **{name: None if value.lower() == "none" else int(value) for name, value in values.items()})
+        cfg = spec.implementation.config_type(**{name: _config_value(value) for name, value in values.items()})
 
         def attend(q, k, v, causal, platform=platform, cfg=cfg):
             return flash_attention(q, k, v, causal=causal, platform=platform, cfg=cfg)
