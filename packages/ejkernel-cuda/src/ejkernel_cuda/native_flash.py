@@ -144,13 +144,25 @@ def _folded(function):
     return mapped
 
 
+def _result(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """An FFI result's type, varying over the manual mesh axes ``like`` varies over: inside ``shard_map`` the
+    custom VJP checks that each gradient has its input's type (jax 0.11's ``manual_axis_type``)."""
+    aval = jax.typeof(like)
+    varying = getattr(aval, "manual_axis_type", None)
+    if varying is None or varying.empty:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    # the varying axes are named by the (abstract) mesh of the array: the result's sharding carries it
+    sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=varying)
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_call(scale, causal, window, softcap):
     attributes = _attributes(scale, causal, window, softcap)
 
     def forward_call(q, k, v):
         b, sq, hq, _ = q.shape
-        shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+        shapes = (_result(q.shape, q.dtype, q), _result((b, hq, sq), jnp.float32, q))
         return tuple(jax.ffi.ffi_call(_native.FORWARD_TARGET, shapes)(q, k, v, **attributes))
 
     return _folded(forward_call)
@@ -161,7 +173,7 @@ def _backward_call(scale, causal, window, softcap):
     attributes = _attributes(scale, causal, window, softcap)
 
     def backward_call(q, k, v, d_out, lse, delta):
-        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        shapes = tuple(_result(x.shape, x.dtype, x) for x in (q, k, v))
         return tuple(jax.ffi.ffi_call(_native.BACKWARD_TARGET, shapes)(q, k, v, d_out, lse, delta, **attributes))
 
     return _folded(backward_call)
