@@ -42,7 +42,10 @@ __device__ __forceinline__ Shared& aligned_shared() {
   return *reinterpret_cast<Shared*>((base + 1023) & ~uintptr_t(1023));
 }
 
-template <class T, int D, int BN>
+// Capped: a soft cap is applied (a template parameter, like whether a key block needs the mask: the main
+// loop must be one branch-free block for the compiler to keep the softmax between the waits for the
+// products in flight).
+template <class T, int D, int BN, bool Capped>
 __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const __grid_constant__ ForwardParams params) {
   using Shared = ForwardShared<T, D, BN>;
   Shared& shared = aligned_shared<Shared>();
@@ -96,11 +99,15 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   const int row_a = row_begin + 64 * group + fragment_row(t);
   const int row_b = row_a + 8;
   const float log2e = 1.4426950408889634f;
-  const bool capped = problem.softcap > 0.f;
-  const float logit_scale = capped ? problem.softmax_scale / problem.softcap : problem.softmax_scale * log2e;
-  const float cap_scale = problem.softcap * log2e;
+  // Scores stay raw dot products (or, soft-capped, capped logits in log2 units) and the running maxima are
+  // kept in the same units: the exponent is then one FMA, exp2(s * unit - max * unit).
+  const float tanh_scale = problem.softmax_scale / problem.softcap;
+  const float cap_log2 = problem.softcap * log2e;
+  const float unit = Capped ? 1.f : problem.softmax_scale * log2e;
 
   float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;  // rescaled (by 0) before the first P V overwrites it
   float s[BN / 2];
   uint32_t p[BN / 4];
   float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
@@ -118,7 +125,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
     }
     cute::warpgroup_commit_batch();
   };
-  auto issue_values = [&](int stage, bool accumulate) {
+  auto issue_values = [&](const uint32_t* p, int stage, bool accumulate) {
     cute::warpgroup_arrive();
 #pragma unroll
     for (int k = 0; k < BN / 16; ++k) {
@@ -128,10 +135,12 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   };
   // Scores of key block `key0` -> probabilities (in s) against the updated running maxima; returns the
   // factors the previous output rows are rescaled by.
-  auto softmax = [&](int key0, float& rescale_a, float& rescale_b) {
+  auto softmax = [&](int key0, auto masked, float& rescale_a, float& rescale_b) {
+    if constexpr (Capped) {
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = capped ? cap_scale * fast_tanh(s[i] * logit_scale) : s[i] * logit_scale;
-    if (!block_unmasked(problem, row_begin, row_end, key0, key0 + BN)) {
+      for (int i = 0; i < BN / 2; ++i) s[i] = cap_log2 * fast_tanh(s[i] * tanh_scale);
+    }
+    if constexpr (decltype(masked)::value) {
       const RowRange range_a = visible_keys(problem, row_a), range_b = visible_keys(problem, row_b);
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) {
@@ -148,18 +157,21 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
     }
     const float new_a = fmaxf(max_a, quad_max(block_a)), new_b = fmaxf(max_b, quad_max(block_b));
     // rows that have seen no key yet keep a max of -inf: subtract 0 instead (their probabilities are 0)
-    const float base_a = new_a == -INFINITY ? 0.f : new_a, base_b = new_b == -INFINITY ? 0.f : new_b;
-    rescale_a = fast_exp2(max_a - base_a);
-    rescale_b = fast_exp2(max_b - base_b);
+    const float base_a = new_a == -INFINITY ? 0.f : new_a * unit, base_b = new_b == -INFINITY ? 0.f : new_b * unit;
+    rescale_a = fast_exp2(max_a * unit - base_a);
+    rescale_b = fast_exp2(max_b * unit - base_b);
     max_a = new_a;
     max_b = new_b;
     float row_sum_a = 0.f, row_sum_b = 0.f;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
-      s[i] = fast_exp2(s[i] - ((i & 2) ? base_b : base_a));
+      s[i] = fast_exp2(fmaf(s[i], unit, -((i & 2) ? base_b : base_a)));
       if (i & 2) row_sum_b += s[i];
       else row_sum_a += s[i];
     }
+    // pin the exponentials here: left alone, the compiler sinks them below the wait for P V and the
+    // softmax no longer overlaps the tensor cores
+    fence_operands<BN / 2>(s);
     sum_a = sum_a * rescale_a + row_sum_a;  // per-thread partial sums; the quad is summed at the end
     sum_b = sum_b * rescale_b + row_sum_b;
   };
@@ -177,44 +189,59 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
     cute::warpgroup_wait<0>();
     fence_operands<BN / 2>(s);
     if (t == 0) barrier_arrive(&shared.k_empty[0]);
+    // Factors the output rows still owe the latest maxima: applied just before the next P V is issued,
+    // while the scores of the next block are computed, not after the wait for the last P V.
     float rescale_a, rescale_b;
-    softmax((blocks.last - 1) * BN, rescale_a, rescale_b);
+    auto needs_mask = [&](int key0) { return !block_unmasked(problem, row_begin, row_end, key0, key0 + BN); };
+    const int first_key = (blocks.last - 1) * BN;
+    if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
+    else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
     to_operand<T, BN>(s, p);
+    auto rescale_output = [&]() {
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+    };
 
-    for (int it = 1; it < num_blocks; ++it) {
+    // One step: S of block `it`, P V of block it - 1, softmax of block it (masked: a compile-time flag, so
+    // that the step is one branch-free block). ptxas still places the wait for P V before the softmax's
+    // exponentials (it packs P into the registers that product reads, interleaved with them, to keep the
+    // register count down: a second P register set does not fit at D = 128); the softmax then overlaps
+    // the other warpgroup's products only.
+    auto step = [&](int it, auto masked) {
       const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
       const int previous = (it - 1) % kForwardStages, previous_phase = ((it - 1) / kForwardStages) & 1;
       barrier_wait(&shared.k_full[stage], phase);
       barrier_wait(&shared.v_full[previous], previous_phase);
       take_turn();
       issue_scores(stage);
-      issue_values(previous, it > 1);
+      rescale_output();
+      issue_values(p, previous, it > 1);
       pass_turn();
       cute::warpgroup_wait<1>();  // the scores are in
       fence_operands<BN / 2>(s);
       if (t == 0) barrier_arrive(&shared.k_empty[stage]);
-      softmax((blocks.last - 1 - it) * BN, rescale_a, rescale_b);
+      softmax((blocks.last - 1 - it) * BN, masked, rescale_a, rescale_b);
       cute::warpgroup_wait<0>();  // P V of the previous block is in
       fence_operands<D / 2>(o);
       fence_operands<BN / 4>(p);
       if (t == 0) barrier_arrive(&shared.v_empty[previous]);
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
       to_operand<T, BN>(s, p);
+    };
+    for (int it = 1; it < num_blocks; ++it) {
+      if (needs_mask((blocks.last - 1 - it) * BN)) step(it, std::true_type{});
+      else step(it, std::false_type{});
     }
 
     const int last = num_blocks - 1;
     const int stage = last % kForwardStages, phase = (last / kForwardStages) & 1;
     barrier_wait(&shared.v_full[stage], phase);
     take_turn();
-    issue_values(stage, num_blocks > 1);
+    rescale_output();
+    issue_values(p, stage, num_blocks > 1);
     if (group == 0) pass_turn();  // warpgroup 1 gave the first turn: it takes no last one back
     cute::warpgroup_wait<0>();
     fence_operands<D / 2>(o);
     if (t == 0) barrier_arrive(&shared.v_empty[stage]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   }
 
   // epilogue: normalize, store rows inside the query length, log-sum-exp in natural log
@@ -236,8 +263,8 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   if (t % 4 == 0) {
     const float ln2 = 0.6931471805599453f;
     float* lse = params.lse + (static_cast<size_t>(batch) * problem.q_heads + head) * problem.q_len;
-    if (row_a < problem.q_len) lse[row_a] = sum_a > 0.f ? (max_a + __log2f(sum_a)) * ln2 : INFINITY;
-    if (row_b < problem.q_len) lse[row_b] = sum_b > 0.f ? (max_b + __log2f(sum_b)) * ln2 : INFINITY;
+    if (row_a < problem.q_len) lse[row_a] = sum_a > 0.f ? (max_a * unit + __log2f(sum_a)) * ln2 : INFINITY;
+    if (row_b < problem.q_len) lse[row_b] = sum_b > 0.f ? (max_b * unit + __log2f(sum_b)) * ln2 : INFINITY;
   }
 }
 
@@ -259,7 +286,7 @@ cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const vo
           cudaSuccess) {
     return error;
   }
-  auto kernel = flash_forward_kernel<T, D, BN>;
+  auto kernel = problem.softcap > 0.f ? flash_forward_kernel<T, D, BN, true> : flash_forward_kernel<T, D, BN, false>;
   const size_t shared_bytes = sizeof(ForwardShared<T, D, BN>) + 1024;
   if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
   const dim3 grid((problem.q_len + kForwardRows - 1) / kForwardRows, problem.q_heads, problem.batch);
