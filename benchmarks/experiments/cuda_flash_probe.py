@@ -47,10 +47,12 @@ def forward(q, k, v, scale, causal, window, softcap):
 
 def backward(q, k, v, out, lse, do, scale, causal, window, softcap):
     delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+    b, sq, h, d = q.shape
     return jax.ffi.ffi_call("EjkFlashBackward", (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                                  jax.ShapeDtypeStruct(k.shape, k.dtype),
-                                                 jax.ShapeDtypeStruct(v.shape, v.dtype)))(
-        q, k, v, do, lse, delta, **_attrs(scale, causal, window, softcap))
+                                                 jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                                 jax.ShapeDtypeStruct((b, h, sq, d), jnp.float32)))(
+        q, k, v, do, lse, delta, **_attrs(scale, causal, window, softcap))[:3]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))

@@ -1,26 +1,26 @@
-// Flash-attention backward for Hopper (sm_90a): two kernels, no atomics.
+// Flash-attention backward for Hopper (sm_90a), FlashAttention-3's way: one kernel computes dK, dV and
+// dQ with five matrix products per block pair, dQ summed over key tiles in float32 global memory.
 //
-// dQ kernel: one CTA per (128-query tile, query head, batch), like the forward: a TMA producer warpgroup
-// streams the visible key/value blocks (64 keys, 2 stages); each of two consumer warpgroups holds 64 rows of
-// Q and dO in shared memory and, per block, computes S = Q K^T and dP = dO V^T (wgmma, shared operands),
-// dS = P * (dP - delta) in registers (P = exp(S - lse)), then dQ += dS K (wgmma, dS from registers).
-//
-// dK/dV kernel: one CTA per (128-key tile, kv head, batch); each consumer warpgroup owns 64 keys and keeps
-// dK and dV in registers while the producer streams, for every query head of the kv group and every
-// 64-query block that sees the tile, Q, dO (TMA) and their rows' lse and delta (copied by a second producer
-// warp). Per block, in the transposed form (keys as rows): S^T = K Q^T, dP^T = V dO^T,
-// dV += P^T dO, dK += dS^T Q. GQA sums over the group's query heads in registers.
+// One CTA per (128-key tile, kv head, batch). Each of two consumer warpgroups owns 64 keys and keeps their
+// dK and dV in registers while a producer warpgroup streams, for every query head of the kv group and
+// every 64-query block that sees the tile, Q and dO (TMA, 2 stages) and their rows' lse and delta (one
+// producer warp). Per block, keys as rows:
+//   S^T = K Q^T and dP^T = V dO^T (wgmma, shared operands); P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta)
+//   in registers; dV += P^T dO and dK += dS^T Q (wgmma, P^T / dS^T from registers);
+//   dS^T goes to shared memory, and dQ_block = dS K (wgmma: dS read transposed, each warpgroup 64 of the
+//   head dim's columns) goes through shared memory into a float32 accumulator [B, Hq, Sq, D] by one bulk
+//   reduce-add (cp.reduce.async.bulk) per block. A last kernel scales it and writes dQ in q's layout/dtype.
+// GQA sums dK/dV over the group's query heads in registers.
 //
 // Soft cap: with t = tanh(s / c), dS picks up the factor 1 - t^2. Rows past the query length carry
-// lse = +inf and delta = 0, so they contribute nothing; rows that saw no key (lse = +inf) neither.
+// lse = +inf and delta = 0, so they contribute nothing (and are not added to the accumulator); rows that
+// saw no key (lse = +inf) neither.
 #include "flash_attention/launch.cuh"
 
 namespace ejk {
 
 constexpr int kBackwardThreads = 384;
 constexpr int kBackwardStages = 2;
-constexpr int kDqRows = 128;   // query rows per dQ CTA (two warpgroups of 64)
-constexpr int kDqKeys = 64;    // keys per streamed block of the dQ kernel
 constexpr int kDkvKeys = 128;  // keys per dK/dV CTA (two warpgroups of 64)
 constexpr int kDkvRows = 64;   // query rows per streamed block of the dK/dV kernel
 
@@ -32,10 +32,10 @@ __device__ __forceinline__ Shared& aligned_backward_shared() {
 }
 
 struct BackwardParams {
-  CUtensorMap q_map, k_map, v_map, do_map;  // row counts per box as each kernel streams them
+  CUtensorMap q_map, k_map, v_map, do_map;
   const float* lse;    // [B, Hq, Sq]
   const float* delta;  // [B, Hq, Sq]
-  void* dq;            // [B, Sq, Hq, D]
+  float* dq_accum;     // [B, Hq, Sq, D], zeroed before the kernel; unscaled
   void* dk;            // [B, Sk, Hk, D]
   void* dv;
   Problem problem;
@@ -78,144 +78,6 @@ __device__ __forceinline__ void store_rows(T* base, size_t row_stride, int row_a
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// dQ
-
-template <class T, int D>
-struct DqShared {
-  T q[kDqRows * D];
-  T d_out[kDqRows * D];
-  T k[kBackwardStages][kDqKeys * D];
-  T v[kBackwardStages][kDqKeys * D];
-  Barrier rows_full;
-  Barrier k_full[kBackwardStages], k_empty[kBackwardStages];
-  Barrier v_full[kBackwardStages], v_empty[kBackwardStages];
-};
-
-template <class T, int D>
-__global__ void __launch_bounds__(kBackwardThreads, 1) flash_dq_kernel(const __grid_constant__ BackwardParams params) {
-  constexpr int BN = kDqKeys;
-  using Shared = DqShared<T, D>;
-  Shared& shared = aligned_backward_shared<Shared>();
-  const Problem& problem = params.problem;
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const int kv_head = head / (problem.q_heads / problem.kv_heads);
-  const int row_begin = m_block * kDqRows;
-  const int row_end = min(row_begin + kDqRows, problem.q_len);
-  const KeyBlocks blocks = key_blocks(problem, row_begin, row_end, BN);
-  const int num_blocks = blocks.last - blocks.first;
-  const int warpgroup = threadIdx.x / 128;
-  const int t = threadIdx.x % 128;
-
-  if (threadIdx.x == 0) {
-    barrier_init(&shared.rows_full, 1);
-    for (int s = 0; s < kBackwardStages; ++s) {
-      barrier_init(&shared.k_full[s], 1);
-      barrier_init(&shared.v_full[s], 1);
-      barrier_init(&shared.k_empty[s], 2);
-      barrier_init(&shared.v_empty[s], 2);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (threadIdx.x == 0 && num_blocks > 0) {
-      barrier_expect(&shared.rows_full, 2 * kDqRows * D * sizeof(T));
-      load_tile<D>(&params.q_map, &shared.rows_full, shared.q, kDqRows, row_begin, head, batch);
-      load_tile<D>(&params.do_map, &shared.rows_full, shared.d_out, kDqRows, row_begin, head, batch);
-      for (int it = 0; it < num_blocks; ++it) {
-        const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
-        const int key0 = (blocks.last - 1 - it) * BN;
-        barrier_wait(&shared.k_empty[stage], phase ^ 1);
-        barrier_expect(&shared.k_full[stage], BN * D * sizeof(T));
-        load_tile<D>(&params.k_map, &shared.k_full[stage], shared.k[stage], BN, key0, kv_head, batch);
-        barrier_wait(&shared.v_empty[stage], phase ^ 1);
-        barrier_expect(&shared.v_full[stage], BN * D * sizeof(T));
-        load_tile<D>(&params.v_map, &shared.v_full[stage], shared.v[stage], BN, key0, kv_head, batch);
-      }
-    }
-    return;
-  }
-
-  cutlass::arch::warpgroup_reg_alloc<240>();
-  const int group = warpgroup - 1;
-  const int row_a = row_begin + 64 * group + fragment_row(t);
-  const int row_b = row_a + 8;
-  const LogitMap logits(problem);
-  const float log2e = 1.4426950408889634f;
-  const size_t stats = (static_cast<size_t>(batch) * problem.q_heads + head) * problem.q_len;
-  // rows past the query length: lse = +inf (P = 0), delta = 0
-  const float lse_a = row_a < problem.q_len ? params.lse[stats + row_a] * log2e : INFINITY;
-  const float lse_b = row_b < problem.q_len ? params.lse[stats + row_b] * log2e : INFINITY;
-  const float delta_a = row_a < problem.q_len ? params.delta[stats + row_a] : 0.f;
-  const float delta_b = row_b < problem.q_len ? params.delta[stats + row_b] : 0.f;
-
-  float dq[D / 2];
-  float s[BN / 2];
-  float dp[BN / 2];
-  uint32_t ds[BN / 4];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
-
-  if (num_blocks > 0) {
-    barrier_wait(&shared.rows_full, 0);
-    const uint32_t q_tile = smem_address(shared.q), do_tile = smem_address(shared.d_out);
-    for (int it = 0; it < num_blocks; ++it) {
-      const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
-      const int key0 = (blocks.last - 1 - it) * BN;
-      const uint32_t k_tile = smem_address(shared.k[stage]), v_tile = smem_address(shared.v[stage]);
-      barrier_wait(&shared.k_full[stage], phase);
-      barrier_wait(&shared.v_full[stage], phase);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) {
-        gmma_ss<T, BN, Major::K, Major::K>(k_major(q_tile, kDqRows, 64 * group, k), k_major(k_tile, BN, 0, k), s,
-                                           k > 0);
-      }
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) {
-        gmma_ss<T, BN, Major::K, Major::K>(k_major(do_tile, kDqRows, 64 * group, k), k_major(v_tile, BN, 0, k),
-                                           dp, k > 0);
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_operands<BN / 2>(s);
-      fence_operands<BN / 2>(dp);
-      if (t == 0) barrier_arrive(&shared.v_empty[stage]);
-
-      const bool masked = !block_unmasked(problem, row_begin, row_end, key0, key0 + BN);
-      const RowRange range_a = visible_keys(problem, row_a), range_b = visible_keys(problem, row_b);
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const bool second = i & 2;
-        float slope;
-        float prob = logits.probability(s[i], second ? lse_b : lse_a, slope);
-        if (masked) {
-          const int key = key0 + fragment_col(t, i);
-          const RowRange& range = second ? range_b : range_a;
-          if (key < range.lo || key > range.hi) prob = 0.f;
-        }
-        dp[i] = prob * (dp[i] - (second ? delta_b : delta_a)) * slope;
-      }
-      to_operand<T, BN>(dp, ds);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < BN / 16; ++k) gmma_rs<T, D, Major::MN>(ds + 4 * k, mn_major(k_tile, BN, k), dq, true);
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_operands<D / 2>(dq);
-      fence_operands<BN / 4>(ds);
-      if (t == 0) barrier_arrive(&shared.k_empty[stage]);
-    }
-  }
-  T* dq_out = static_cast<T*>(params.dq) + (static_cast<size_t>(batch) * problem.q_len * problem.q_heads + head) * D;
-  store_rows(dq_out, static_cast<size_t>(problem.q_heads) * D, row_a, row_b, problem.q_len, t, dq, D,
-             problem.softmax_scale);
-}
-
-// ---------------------------------------------------------------------------------------------------------
 // dK / dV
 
 template <class T, int D>
@@ -224,6 +86,8 @@ struct DkvShared {
   T v[kDkvKeys * D];
   T q[kBackwardStages][kDkvRows * D];
   T d_out[kBackwardStages][kDkvRows * D];
+  T ds[kDkvKeys * kDkvRows];      // dS^T of the current block: keys as rows, 64 query columns (one panel)
+  float dq[kDkvRows * D];         // this block's dQ, row-major, for the bulk reduce-add
   float lse[kBackwardStages][kDkvRows];  // log2 units
   float delta[kBackwardStages][kDkvRows];
   Barrier keys_full;
@@ -244,8 +108,29 @@ __device__ __forceinline__ RowBlocks row_blocks(const Problem& p, int key_begin,
   return {lo / block_m, hi / block_m + 1};
 }
 
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// global[i] += shared[i] for `bytes` bytes (float32), asynchronously; completes with the thread's bulk group.
+__device__ __forceinline__ void bulk_reduce_add(float* global, const float* shared, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(global),
+               "r"(smem_address(shared)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Byte offset of element (row, col) of a 16-bit tile with 64-column panels of 128-byte rows, 128-byte
+// swizzle (TMA's layout: the 16-byte chunk index XORed with the row's index within its 8-row group).
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
+  return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
+}
+
+constexpr int kSyncDsWritten = 1;  // named barriers of the two consumer warpgroups
+constexpr int kSyncDqWritten = 2;
+
 template <class T, int D>
-__global__ void __launch_bounds__(kBackwardThreads, 1) flash_dkv_kernel(const __grid_constant__ BackwardParams params) {
+__global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(const __grid_constant__ BackwardParams params) {
   constexpr int BM = kDkvRows;
   using Shared = DkvShared<T, D>;
   Shared& shared = aligned_backward_shared<Shared>();
@@ -273,7 +158,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_dkv_kernel(const __
   __syncthreads();
 
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();  // the statistics warp needs more than 24
+    cutlass::arch::warpgroup_reg_dealloc<24>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (num_steps > 0 && warp == 0 && lane == 0) {
       barrier_expect(&shared.keys_full, 2 * kDkvKeys * D * sizeof(T));
@@ -307,11 +192,16 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_dkv_kernel(const __
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<240>();
   const int group = warpgroup - 1;
   const int key_a = key_begin + 64 * group + fragment_row(t);  // this thread's two keys (accumulator rows)
   const int key_b = key_a + 8;
   const LogitMap logits(problem);
+  // dQ columns per warpgroup that computes them: half of D = 128 each, all of D = 64 in warpgroup 0 (a
+  // 32-column half would start inside a swizzle atom of the K tile)
+  constexpr int kDqCols = 64;
+  const bool computes_dq = D == 128 || group == 0;
+  const bool reduces = group == 0 && t == 0;  // the thread that issues the bulk reduce-adds
 
   float dk[D / 2], dv[D / 2];
   float s[BM / 2], dp[BM / 2];
@@ -322,8 +212,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_dkv_kernel(const __
   if (num_steps > 0) {
     barrier_wait(&shared.keys_full, 0);
     const uint32_t k_tile = smem_address(shared.k), v_tile = smem_address(shared.v);
+    const uint32_t ds_tile = smem_address(shared.ds);
+    char* ds_bytes = reinterpret_cast<char*>(shared.ds);
     for (int it = 0; it < num_steps; ++it) {
       const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
+      const int head = kv_head * group_size + it / blocks_per_head;
       const int row0 = (blocks.first + it % blocks_per_head) * BM;
       const uint32_t q_tile = smem_address(shared.q[stage]), do_tile = smem_address(shared.d_out[stage]);
       barrier_wait(&shared.rows_full[stage], phase);
@@ -369,13 +262,52 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_dkv_kernel(const __
         gmma_rs<T, D, Major::MN>(ds_operand + 4 * k, mn_major(q_tile, BM, k), dk, true);
       }
       cute::warpgroup_commit_batch();
+
+      // dS^T into shared memory (keys 64 * group + row, query columns), for dQ = dS K
+#pragma unroll
+      for (int i = 0; i < BM / 2; i += 2) {
+        const int row = 64 * group + fragment_row(t) + ((i & 2) ? 8 : 0);
+        *reinterpret_cast<uint32_t*>(ds_bytes + swizzled_offset(row, fragment_col(t, i))) = ds_operand[i / 2];
+      }
+      fence_async_shared();
+      if (reduces) bulk_wait_read();  // the last block's dQ has left the shared tile
+      named_sync(kSyncDsWritten, 256);
+
+      float dq[kDqCols / 2];
+      if (computes_dq) {
+        cute::warpgroup_arrive();
+        const uint32_t k_columns = k_tile + (D == 128 ? group : 0) * kDkvKeys * 128;  // panel of this group's columns
+#pragma unroll
+        for (int k = 0; k < kDkvKeys / 16; ++k) {
+          gmma_ss<T, kDqCols, Major::MN, Major::MN>(mn_major(ds_tile, kDkvKeys, k), mn_major(k_columns, kDkvKeys, k),
+                                                    dq, k > 0);
+        }
+        cute::warpgroup_commit_batch();
+      }
       cute::warpgroup_wait<0>();
       fence_operands<D / 2>(dk);
       fence_operands<D / 2>(dv);
       fence_operands<BM / 4>(p_operand);
       fence_operands<BM / 4>(ds_operand);
       if (t == 0) barrier_arrive(&shared.rows_empty[stage]);
+      if (computes_dq) {
+        fence_operands<kDqCols / 2>(dq);
+        const int column0 = D == 128 ? 64 * group : 0;
+#pragma unroll
+        for (int i = 0; i < kDqCols / 2; i += 2) {
+          const int row = fragment_row(t) + ((i & 2) ? 8 : 0);
+          *reinterpret_cast<float2*>(&shared.dq[row * D + column0 + fragment_col(t, i)]) = make_float2(dq[i], dq[i + 1]);
+        }
+      }
+      fence_async_shared();
+      named_sync(kSyncDqWritten, 256);  // also: both warpgroups are done reading dS^T
+      if (reduces) {
+        const int rows = min(BM, problem.q_len - row0);
+        float* target = params.dq_accum + ((static_cast<size_t>(batch) * problem.q_heads + head) * problem.q_len + row0) * D;
+        bulk_reduce_add(target, shared.dq, rows * D * sizeof(float));
+      }
     }
+    if (reduces) bulk_wait_all();
   }
   const size_t row_stride = static_cast<size_t>(problem.kv_heads) * D;
   const size_t offset = (static_cast<size_t>(batch) * problem.kv_len * problem.kv_heads + kv_head) * D;
@@ -384,16 +316,38 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_dkv_kernel(const __
   store_rows(static_cast<T*>(params.dv) + offset, row_stride, key_a, key_b, problem.kv_len, t, dv, D, 1.f);
 }
 
+// dq [B, Sq, Hq, D] (q's dtype) = scale * dq_accum [B, Hq, Sq, D]; four columns per thread.
+template <class T, int D>
+__global__ void dq_convert_kernel(const float* __restrict__ accum, T* __restrict__ dq, Problem problem) {
+  const size_t quads = static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len * (D / 4);
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < quads;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int col = static_cast<int>(i % (D / 4)) * 4;
+    size_t rest = i / (D / 4);
+    const int row = static_cast<int>(rest % problem.q_len);
+    rest /= problem.q_len;
+    const int head = static_cast<int>(rest % problem.q_heads);
+    const size_t batch = rest / problem.q_heads;
+    const float4 x = *reinterpret_cast<const float4*>(accum + i * 4);
+    const float scale = problem.softmax_scale;
+    uint2 packed;
+    packed.x = Element<T>::pack(x.x * scale, x.y * scale);
+    packed.y = Element<T>::pack(x.z * scale, x.w * scale);
+    *reinterpret_cast<uint2*>(dq + ((batch * problem.q_len + row) * problem.q_heads + head) * D + col) = packed;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Launch and FFI binding
 
 template <class T, int D>
 cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const void* q, const void* k, const void* v,
-                            const void* d_out, const float* lse, const float* delta, void* dq, void* dk, void* dv) {
+                            const void* d_out, const float* lse, const float* delta, float* dq_accum, void* dq,
+                            void* dk, void* dv) {
   BackwardParams params;
   params.lse = lse;
   params.delta = delta;
-  params.dq = dq;
+  params.dq_accum = dq_accum;
   params.dk = dk;
   params.dv = dv;
   params.problem = problem;
@@ -403,32 +357,25 @@ cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const v
     return encode_tile_map(map, type, data, problem.batch, queries ? problem.q_len : problem.kv_len,
                            queries ? problem.q_heads : problem.kv_heads, D, rows);
   };
-  // dQ: 128 query rows once, keys streamed 64 at a time
-  if ((error = encode(&params.q_map, q, true, kDqRows)) != cudaSuccess ||
-      (error = encode(&params.do_map, d_out, true, kDqRows)) != cudaSuccess ||
-      (error = encode(&params.k_map, k, false, kDqKeys)) != cudaSuccess ||
-      (error = encode(&params.v_map, v, false, kDqKeys)) != cudaSuccess) {
-    return error;
-  }
-  auto dq_kernel = flash_dq_kernel<T, D>;
-  const size_t dq_bytes = sizeof(DqShared<T, D>) + 1024;
-  if ((error = allow_shared_memory(dq_kernel, dq_bytes)) != cudaSuccess) return error;
-  dq_kernel<<<dim3((problem.q_len + kDqRows - 1) / kDqRows, problem.q_heads, problem.batch), kBackwardThreads, dq_bytes,
-              stream>>>(params);
-  if ((error = cudaGetLastError()) != cudaSuccess) return error;
-
-  // dK/dV: 128 keys once, query rows streamed 64 at a time
   if ((error = encode(&params.q_map, q, true, kDkvRows)) != cudaSuccess ||
       (error = encode(&params.do_map, d_out, true, kDkvRows)) != cudaSuccess ||
       (error = encode(&params.k_map, k, false, kDkvKeys)) != cudaSuccess ||
       (error = encode(&params.v_map, v, false, kDkvKeys)) != cudaSuccess) {
     return error;
   }
-  auto dkv_kernel = flash_dkv_kernel<T, D>;
-  const size_t dkv_bytes = sizeof(DkvShared<T, D>) + 1024;
-  if ((error = allow_shared_memory(dkv_kernel, dkv_bytes)) != cudaSuccess) return error;
-  dkv_kernel<<<dim3((problem.kv_len + kDkvKeys - 1) / kDkvKeys, problem.kv_heads, problem.batch), kBackwardThreads,
-               dkv_bytes, stream>>>(params);
+  const size_t accum_bytes =
+      static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len * D * sizeof(float);
+  if ((error = cudaMemsetAsync(dq_accum, 0, accum_bytes, stream)) != cudaSuccess) return error;
+  auto kernel = flash_backward_kernel<T, D>;
+  const size_t shared_bytes = sizeof(DkvShared<T, D>) + 1024;
+  if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
+  kernel<<<dim3((problem.kv_len + kDkvKeys - 1) / kDkvKeys, problem.kv_heads, problem.batch), kBackwardThreads,
+           shared_bytes, stream>>>(params);
+  if ((error = cudaGetLastError()) != cudaSuccess) return error;
+  const size_t quads = accum_bytes / sizeof(float4);
+  const int threads = 256;
+  const int grid = static_cast<int>(std::min<size_t>((quads + threads - 1) / threads, 132 * 16));
+  dq_convert_kernel<T, D><<<grid, threads, 0, stream>>>(dq_accum, static_cast<T*>(dq), problem);
   return cudaGetLastError();
 }
 
@@ -438,21 +385,23 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                             float softmax_scale, bool causal, int64_t window_left, int64_t window_right, float softcap,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                            ffi::Result<ffi::AnyBuffer> dv) {
+                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum) {
   Problem problem;
   ffi::Error error = read_problem(q, k, v, softmax_scale, causal, window_left, window_right, softcap, &problem);
   if (error.failure()) return error;
   if (d_out.element_type() != q.element_type() || d_out.element_count() != q.element_count() ||
       lse.element_count() != static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len ||
-      delta.element_count() != lse.element_count()) {
+      delta.element_count() != lse.element_count() || dq_accum->element_count() != q.element_count()) {
     return ffi::Error::InvalidArgument("ejkernel flash attention backward: d_out must match q " + shape_text(q) +
-                                       " and lse/delta be float32 [batch, heads, q_len]");
+                                       ", lse/delta be float32 [batch, heads, q_len] and the dq accumulator "
+                                       "float32 [batch, heads, q_len, dim]");
   }
   const int head_dim = static_cast<int>(q.dimensions()[3]);
   return dispatch(q.element_type(), head_dim, [&](auto element, auto dim) {
     return launch_backward<typename decltype(element)::type, decltype(dim)::value>(
         stream, problem, q.untyped_data(), k.untyped_data(), v.untyped_data(), d_out.untyped_data(),
-        lse.typed_data(), delta.typed_data(), dq->untyped_data(), dk->untyped_data(), dv->untyped_data());
+        lse.typed_data(), delta.typed_data(), dq_accum->typed_data(), dq->untyped_data(), dk->untyped_data(),
+        dv->untyped_data());
   });
 }
 
@@ -460,6 +409,7 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 
 }  // namespace ejk
 
+// Results: dq, dk, dv, and the float32 dQ accumulator [B, Hq, Sq, D] (a workspace: callers drop it).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkFlashBackward, ejk::backward_handler,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
@@ -476,4 +426,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkFlashBackward, ejk::backward_handler,
                                   .Attr<float>("softcap")
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

@@ -7,8 +7,9 @@ The FFI contract (what the kernels export; arrays contiguous row-major):
 - ``EjkFlashForward(q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, D]) -> (out [B, Sq, Hq, D] (q's dtype),
   lse [B, Hq, Sq] float32)``: ``lse`` the natural log-sum-exp of the scaled (soft-capped) logits, ``+inf``
   for a row that sees no key (whose output is 0);
-- ``EjkFlashBackward(q, k, v, d_out, lse, delta [B, Hq, Sq] float32) -> (dq, dk, dv)`` (the shapes and
-  dtypes of q, k, v), ``delta = rowsum(d_out * out)`` in float32, formed here in JAX;
+- ``EjkFlashBackward(q, k, v, d_out, lse, delta [B, Hq, Sq] float32) -> (dq, dk, dv, dq_accum)`` (the
+  shapes and dtypes of q, k, v; ``dq_accum`` float32 ``[B, Hq, Sq, D]`` is the kernel's workspace, dropped
+  here), ``delta = rowsum(d_out * out)`` in float32, formed here in JAX;
 - attributes of both: ``softmax_scale`` (f32), ``causal`` (bool), ``window_left`` / ``window_right`` (i64,
   -1: unbounded), ``softcap`` (f32, 0: off). Query ``i`` sits at key position ``i + Sk - Sq`` (ejkernel's
   alignment); GQA/MQA (``Hq % Hk == 0``) is handled inside the kernels.
@@ -173,8 +174,10 @@ def _backward_call(scale, causal, window, softcap):
     attributes = _attributes(scale, causal, window, softcap)
 
     def backward_call(q, k, v, d_out, lse, delta):
-        shapes = tuple(_result(x.shape, x.dtype, x) for x in (q, k, v))
-        return tuple(jax.ffi.ffi_call(_native.BACKWARD_TARGET, shapes)(q, k, v, d_out, lse, delta, **attributes))
+        b, sq, hq, d = q.shape
+        shapes = (*(_result(x.shape, x.dtype, x) for x in (q, k, v)), _result((b, hq, sq, d), jnp.float32, q))
+        dq, dk, dv, _ = jax.ffi.ffi_call(_native.BACKWARD_TARGET, shapes)(q, k, v, d_out, lse, delta, **attributes)
+        return dq, dk, dv
 
     return _folded(backward_call)
 
