@@ -138,7 +138,7 @@ def test_refuses_each_feature_it_does_not_implement(kw, feature):
 
 @pytest.mark.parametrize("kw", [
     dict(), dict(causal=True, q_len=77, kv_len=300), dict(sliding_window=(16, 4)), dict(logits_soft_cap=30.0),
-    dict(dtype=jnp.float16, head_dim=128, heads=16, kv_heads=1), dict(q_len=1, kv_len=1),
+    dict(dtype=jnp.float16, head_dim=128, heads=16, kv_heads=1), dict(q_len=1, kv_len=130),
 ])
 def test_takes_the_calls_of_its_contract(kw):
     assert native_flash.refusal(_call(**kw), check_device=False) is None
