@@ -41,27 +41,27 @@ struct BackwardParams {
   Problem problem;
 };
 
-// The scaled (soft-capped) logit in log2 units, and the factor the soft cap puts on its gradient.
+// The scaled (soft-capped) logit in log2 units, and the factor the soft cap puts on its gradient (Capped:
+// a compile-time flag, like the forward's, so the elementwise work is branch-free).
+template <bool Capped>
 struct LogitMap {
-  bool capped;
   float raw_scale;  // dot -> argument of tanh (capped) or log2 logit
   float cap_log2;   // c * log2(e)
 
   __device__ LogitMap(const Problem& p) {
     const float log2e = 1.4426950408889634f;
-    capped = p.softcap > 0.f;
-    raw_scale = capped ? p.softmax_scale / p.softcap : p.softmax_scale * log2e;
+    raw_scale = Capped ? p.softmax_scale / p.softcap : p.softmax_scale * log2e;
     cap_log2 = p.softcap * log2e;
   }
   // P from the dot product and the row's lse in log2 units; sets `slope` to d(capped logit)/d(logit).
   __device__ __forceinline__ float probability(float dot, float lse_log2, float& slope) const {
-    if (capped) {
+    if constexpr (Capped) {
       const float t = fast_tanh(dot * raw_scale);
       slope = 1.f - t * t;
       return fast_exp2(cap_log2 * t - lse_log2);
     }
     slope = 1.f;
-    return fast_exp2(dot * raw_scale - lse_log2);
+    return fast_exp2(fmaf(dot, raw_scale, -lse_log2));
   }
 };
 
@@ -129,7 +129,7 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
 constexpr int kSyncDsWritten = 1;  // named barriers of the two consumer warpgroups
 constexpr int kSyncDqWritten = 2;
 
-template <class T, int D>
+template <class T, int D, bool Capped>
 __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(const __grid_constant__ BackwardParams params) {
   constexpr int BM = kDkvRows;
   using Shared = DkvShared<T, D>;
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   const int group = warpgroup - 1;
   const int key_a = key_begin + 64 * group + fragment_row(t);  // this thread's two keys (accumulator rows)
   const int key_b = key_a + 8;
-  const LogitMap logits(problem);
+  const LogitMap<Capped> logits(problem);
   // dQ columns per warpgroup that computes them: half of D = 128 each, all of D = 64 in warpgroup 0 (a
   // 32-column half would start inside a swizzle atom of the K tile)
   constexpr int kDqCols = 64;
@@ -220,43 +220,55 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       const int row0 = (blocks.first + it % blocks_per_head) * BM;
       const uint32_t q_tile = smem_address(shared.q[stage]), do_tile = smem_address(shared.d_out[stage]);
       barrier_wait(&shared.rows_full[stage], phase);
+      // Five products in four groups, each wait leaving a product running under the elementwise work:
+      // S^T and dP^T issued together; P^T once S^T is in, then dV issued; dS^T once dP^T is in, then dK;
+      // dS^T through shared memory, then dQ.
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k = 0; k < D / 16; ++k) {
         gmma_ss<T, BM, Major::K, Major::K>(k_major(k_tile, kDkvKeys, 64 * group, k), k_major(q_tile, BM, 0, k), s,
                                            k > 0);
       }
+      cute::warpgroup_commit_batch();
 #pragma unroll
       for (int k = 0; k < D / 16; ++k) {
         gmma_ss<T, BM, Major::K, Major::K>(k_major(v_tile, kDkvKeys, 64 * group, k), k_major(do_tile, BM, 0, k),
                                            dp, k > 0);
       }
       cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
+      cute::warpgroup_wait<1>();  // S^T is in
       fence_operands<BM / 2>(s);
-      fence_operands<BM / 2>(dp);
 
       const bool masked = !block_unmasked(problem, row0, min(row0 + BM, problem.q_len), key_begin, key_begin + kDkvKeys);
 #pragma unroll
-      for (int i = 0; i < BM / 2; ++i) {
-        const int col = fragment_col(t, i);  // query row row0 + col
-        float slope;
-        float prob = logits.probability(s[i], shared.lse[stage][col], slope);
-        if (masked) {
-          const RowRange range = visible_keys(problem, row0 + col);
-          const int key = (i & 2) ? key_b : key_a;
-          if (key < range.lo || key > range.hi || row0 + col >= problem.q_len) prob = 0.f;
+      for (int i = 0; i < BM / 2; i += 2) {
+        float prob[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = fragment_col(t, i + j);  // query row row0 + col
+          float slope;
+          prob[j] = logits.probability(s[i + j], shared.lse[stage][col], slope);
+          if (masked) {
+            const RowRange range = visible_keys(problem, row0 + col);
+            const int key = (i & 2) ? key_b : key_a;
+            if (key < range.lo || key > range.hi || row0 + col >= problem.q_len) prob[j] = 0.f;
+          }
+          s[i + j] = prob[j] * slope;  // what dS^T needs of P^T (P^T itself goes to dV packed)
         }
-        s[i] = prob;
-        dp[i] = prob * (dp[i] - shared.delta[stage][col]) * slope;
+        p_operand[i / 2] = Element<T>::pack(prob[0], prob[1]);
       }
-      to_operand<T, BM>(s, p_operand);
-      to_operand<T, BM>(dp, ds_operand);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k = 0; k < BM / 16; ++k) {
         gmma_rs<T, D, Major::MN>(p_operand + 4 * k, mn_major(do_tile, BM, k), dv, true);
       }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();  // dP^T is in (dV may still run)
+      fence_operands<BM / 2>(dp);
+#pragma unroll
+      for (int i = 0; i < BM / 2; ++i) dp[i] = s[i] * (dp[i] - shared.delta[stage][fragment_col(t, i)]);
+      to_operand<T, BM>(dp, ds_operand);
+      cute::warpgroup_arrive();
 #pragma unroll
       for (int k = 0; k < BM / 16; ++k) {
         gmma_rs<T, D, Major::MN>(ds_operand + 4 * k, mn_major(q_tile, BM, k), dk, true);
@@ -366,7 +378,7 @@ cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const v
   const size_t accum_bytes =
       static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len * D * sizeof(float);
   if ((error = cudaMemsetAsync(dq_accum, 0, accum_bytes, stream)) != cudaSuccess) return error;
-  auto kernel = flash_backward_kernel<T, D>;
+  auto kernel = problem.softcap > 0.f ? flash_backward_kernel<T, D, true> : flash_backward_kernel<T, D, false>;
   const size_t shared_bytes = sizeof(DkvShared<T, D>) + 1024;
   if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
   kernel<<<dim3((problem.kv_len + kDkvKeys - 1) / kDkvKeys, problem.kv_heads, problem.batch), kBackwardThreads,

@@ -98,6 +98,12 @@ def refusal(call, *, check_device: bool = True) -> str | None:
         return f"head dims (query, value) {head_dims} are not supported (equal, one of {HEAD_DIMS})"
     if min(query.shape[1], key.shape[1]) < 1:
         return f"lengths (query {query.shape[1]}, key {key.shape[1]}) must be >= 1"
+    if query.shape[1] == key.shape[1] == 1:
+        # softmax over one key: dq and dk are exactly 0, the kernels' float32 rounding leaves ~1e-8 of them
+        return "one query and one key (exact zero gradients: taken by the other backends)"
+    if not call.softmax_scale > 0:
+        # the kernels take the running maximum over raw scores (a positive scale keeps its order)
+        return f"softmax_scale={call.softmax_scale} (the kernels need a positive scale)"
     if not check_device:
         return None
     return usable_here()
