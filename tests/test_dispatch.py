@@ -137,3 +137,15 @@ def test_auto_ranks_an_implementation_by_its_priority_for_the_call(probe_backend
     assert _ran(resolve(ALGORITHM, "auto", _call(causal=True))) == "pallas_like"
     assert _ran(resolve(ALGORITHM, "auto", _call(causal=False))) == "triton_like"
     assert _ran(resolve(ALGORITHM, "triton", _call(causal=True))) == "triton_like"
+
+
+def test_hopper_kernels_rank_by_their_measurements():
+    """On Hopper, for the calls cuDNN refuses (soft cap, windows reaching right, ...): Pallas' Mosaic GPU kernels
+    first, then ejkernel-cuda's native ones, then Triton's (forward+backward measured in that order on an H100,
+    2026-11-27: the ranks' comments); cuDNN's rank stays above them all."""
+    from ejkernel_cuda import plugin as cuda_plugin
+    from ejkernel_cuda.flash_attention import NATIVE_PRIORITY
+    from ejkernel_pallas.mosaic_attention import MEASURED_PRIORITY
+    from ejkernel_triton import plugin as triton_plugin
+
+    assert triton_plugin.BACKEND.priority < NATIVE_PRIORITY < MEASURED_PRIORITY < cuda_plugin.BACKEND.priority

@@ -128,6 +128,8 @@ def test_importing_the_package_loads_nothing():
     (dict(head_dim=96), r"head dims \(query, value\) \(96, 96\)"),
     (dict(head_dim=256), r"\(256, 256\)"),
     (dict(head_dim=128, v_head_dim=64), r"\(128, 64\)"),
+    (dict(q_len=1, kv_len=1), "one query and one key"),
+    (dict(softmax_scale=-0.125), "softmax_scale=-0.125"),
 ])
 def test_refuses_each_feature_it_does_not_implement(kw, feature):
     call = _call(**kw)
@@ -204,7 +206,7 @@ def test_dispatch_between_cudnn_and_native(monkeypatch):
     FLASH.supports(soft_capped)
     assert FLASH.heuristic_config(soft_capped) == CudaFlashConfig("native")
     assert FLASH.candidate_configs(soft_capped) == [CudaFlashConfig("native")]
-    assert FLASH.priority_for(soft_capped) == NATIVE_PRIORITY < 15
+    assert FLASH.priority_for(soft_capped) == NATIVE_PRIORITY
     with pytest.raises(UnsupportedFeature, match="logits_soft_cap is not supported by cuDNN"):
         FLASH(soft_capped, CudaFlashConfig("cudnn"))
     with pytest.raises(UnsupportedFeature, match="cuDNN.*; cuda native flash attention: bias is not supported"):

@@ -25,10 +25,13 @@ from ejkernel_cuda import cudnn_attention, native_flash
 
 KERNELS = ("cudnn", "native")
 
-# The dispatcher's rank (``Implementation.priority_for``) of the calls only the native kernels take: below
-# Pallas' Mosaic GPU kernels (16) and Triton (15), above Pallas' Triton-lowered kernels (10), until a GPU run
-# measures them (then set from the measurements). Calls cuDNN takes keep the backend's 20.
-NATIVE_PRIORITY = 12
+# The dispatcher's rank (``Implementation.priority_for``) of the calls only the native kernels take (cuDNN
+# refuses them: soft cap, windows reaching right, causal masks over unequal lengths): above Triton (15),
+# below Pallas' Mosaic GPU kernels (17). One H100 run, 2026-11-27, bf16, D=128, 16k tokens
+# (`results/nvidia-h100-2026-11-27-cuda-native.json`), TFLOP/s forward / forward+backward: native 547-605 /
+# 383-443 (causal 417-603 / 298-436), Mosaic 537-613 / 446-498, Triton (same day's run) 439-559 / 342-388.
+# Calls cuDNN takes keep the backend's 20.
+NATIVE_PRIORITY = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -143,7 +143,7 @@ def widened_call(call: Any) -> FlashAttentionCall:
 class ThroughFlashAttention(Implementation):
     """An implementation of an operation whose call restricts ``flash_attention``'s (e.g.
     ``scaled_dot_product_attention``) by a backend's ``flash_attention`` implementation: the call widened
-    (:func:`widened_call`), refusals, configs and the run all that implementation's."""
+    (:func:`widened_call`), refusals, ranking, configs and the run all that implementation's."""
 
     def __init__(self, flash: Implementation):
         self.flash = flash
@@ -153,6 +153,9 @@ class ThroughFlashAttention(Implementation):
     # config the flash implementation's ``config_type`` (the registry's contract check compares annotations).
     def supports(self, call) -> None:
         self.flash.supports(widened_call(call))
+
+    def priority_for(self, call) -> int | None:
+        return self.flash.priority_for(widened_call(call))
 
     def heuristic_config(self, call):
         return self.flash.heuristic_config(widened_call(call))
