@@ -86,7 +86,7 @@ struct DkvShared {
   T v[kDkvKeys * D];
   T q[kBackwardStages][kDkvRows * D];
   T d_out[kBackwardStages][kDkvRows * D];
-  T ds[kDkvKeys * kDkvRows];      // dS^T of the current block: keys as rows, 64 query columns (one panel)
+  T ds[2][kDkvKeys * kDkvRows];   // dS^T of a block (alternating): keys as rows, 64 query columns (one panel)
   float dq[kDkvRows * D];         // this block's dQ, row-major, for the bulk reduce-add
   float lse[kBackwardStages][kDkvRows];  // log2 units
   float delta[kBackwardStages][kDkvRows];
@@ -212,12 +212,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   if (num_steps > 0) {
     barrier_wait(&shared.keys_full, 0);
     const uint32_t k_tile = smem_address(shared.k), v_tile = smem_address(shared.v);
-    const uint32_t ds_tile = smem_address(shared.ds);
-    char* ds_bytes = reinterpret_cast<char*>(shared.ds);
-    for (int it = 0; it < num_steps; ++it) {
+    // One block pair; `masked`: a compile-time flag, so the elementwise work is branch-free
+    auto step = [&](int it, int head, int row0, auto masked) {
       const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
-      const int head = kv_head * group_size + it / blocks_per_head;
-      const int row0 = (blocks.first + it % blocks_per_head) * BM;
       const uint32_t q_tile = smem_address(shared.q[stage]), do_tile = smem_address(shared.d_out[stage]);
       barrier_wait(&shared.rows_full[stage], phase);
       // Five products in four groups, each wait leaving a product running under the elementwise work:
@@ -239,7 +236,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       cute::warpgroup_wait<1>();  // S^T is in
       fence_operands<BM / 2>(s);
 
-      const bool masked = !block_unmasked(problem, row0, min(row0 + BM, problem.q_len), key_begin, key_begin + kDkvKeys);
 #pragma unroll
       for (int i = 0; i < BM / 2; i += 2) {
         float prob[2];
@@ -248,7 +244,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
           const int col = fragment_col(t, i + j);  // query row row0 + col
           float slope;
           prob[j] = logits.probability(s[i + j], shared.lse[stage][col], slope);
-          if (masked) {
+          if constexpr (decltype(masked)::value) {
             const RowRange range = visible_keys(problem, row0 + col);
             const int key = (i & 2) ? key_b : key_a;
             if (key < range.lo || key > range.hi || row0 + col >= problem.q_len) prob[j] = 0.f;
@@ -275,7 +271,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       }
       cute::warpgroup_commit_batch();
 
-      // dS^T into shared memory (keys 64 * group + row, query columns), for dQ = dS K
+      // dS^T into shared memory (keys 64 * group + row, query columns), for dQ = dS K; two tiles, so that a
+      // warpgroup ahead by one block does not overwrite the tile the other one still reads
+      const uint32_t ds_tile = smem_address(shared.ds[it % 2]);
+      char* ds_bytes = reinterpret_cast<char*>(shared.ds[it % 2]);
 #pragma unroll
       for (int i = 0; i < BM / 2; i += 2) {
         const int row = 64 * group + fragment_row(t) + ((i & 2) ? 8 : 0);
@@ -312,11 +311,25 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         }
       }
       fence_async_shared();
-      named_sync(kSyncDqWritten, 256);  // also: both warpgroups are done reading dS^T
+      // Only the reducing thread's warp waits for both warpgroups' dQ columns; the other warps go on to the
+      // next block. Its dS^T goes to the other tile; the one after that reuses this block's tile, read by
+      // products that completed before kSyncDsWritten of the next block. The dQ tile is rewritten only after
+      // that barrier too, which the reducing warp reaches once this block's reduce-add has read the tile.
+      if (group == 0 && t < 32) named_sync(kSyncDqWritten, 256);
+      else named_arrive(kSyncDqWritten, 256);
       if (reduces) {
         const int rows = min(BM, problem.q_len - row0);
         float* target = params.dq_accum + ((static_cast<size_t>(batch) * problem.q_heads + head) * problem.q_len + row0) * D;
         bulk_reduce_add(target, shared.dq, rows * D * sizeof(float));
+      }
+    };
+    for (int it = 0; it < num_steps; ++it) {
+      const int head = kv_head * group_size + it / blocks_per_head;
+      const int row0 = (blocks.first + it % blocks_per_head) * BM;
+      if (block_unmasked(problem, row0, min(row0 + BM, problem.q_len), key_begin, key_begin + kDkvKeys)) {
+        step(it, head, row0, std::false_type{});
+      } else {
+        step(it, head, row0, std::true_type{});
       }
     }
     if (reduces) bulk_wait_all();
