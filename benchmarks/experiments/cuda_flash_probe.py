@@ -148,7 +148,7 @@ def check(case) -> dict:
     return row
 
 
-def timing(seqs, reps) -> list[dict]:
+def timing(seqs, reps, names) -> list[dict]:
     rows = []
     fa3 = _flash_attn3()
     for seq in seqs:
@@ -169,6 +169,8 @@ def timing(seqs, reps) -> list[dict]:
                 impls["flash-attn3"] = lambda q, k, v, c=causal: fa3(q, k, v, c)
             flops = 4 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
             for name, fn in impls.items():
+                if names and name not in names:
+                    continue
                 fwd = jax.jit(fn)
 
                 def step(q, k, v, do, fn=fn):
@@ -195,10 +197,12 @@ def main() -> None:
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--seqs", default="2048,8192")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--no-checks", action="store_true", help="timing only")
+    parser.add_argument("--impls", default="", help="comma-separated subset of the timed columns")
     args = parser.parse_args()
     register(args.library)
     result = {"device": str(jax.devices()[0].device_kind), "checks": [], "timing": []}
-    for case in CASES:
+    for case in [] if args.no_checks else CASES:
         try:
             row = check(case)
         except Exception as error:  # noqa: BLE001
@@ -206,7 +210,8 @@ def main() -> None:
         print(json.dumps(row))
         result["checks"].append(row)
     if not args.no_timing:
-        result["timing"] = timing([int(s) for s in args.seqs.split(",")], args.reps)
+        result["timing"] = timing([int(s) for s in args.seqs.split(",")], args.reps,
+                                  [name for name in args.impls.split(",") if name])
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "cuda_flash_probe.json").write_text(json.dumps(result, indent=1))
 
