@@ -39,7 +39,6 @@ struct BackwardParams {
   void* dk;            // [B, Sk, Hk, D]
   void* dv;
   Problem problem;
-  TileOrder order;  // pairs (kv head, batch) x key tiles
 };
 
 // The scaled (soft-capped) logit in log2 units, and the factor the soft cap puts on its gradient (Capped:
@@ -136,9 +135,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   using Shared = DkvShared<T, D>;
   Shared& shared = aligned_backward_shared<Shared>();
   const Problem& problem = params.problem;
-  int pair, n_block;  // key tiles up from the first: the ones most queries see (causal) start first
-  tile_of(params.order, blockIdx.x, pair, n_block);
-  const int kv_head = pair % problem.kv_heads, batch = pair / problem.kv_heads;
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y, batch = blockIdx.z;
   const int group_size = problem.q_heads / problem.kv_heads;
   const int key_begin = n_block * kDkvKeys;
   const int key_end = min(key_begin + kDkvKeys, problem.kv_len);
@@ -396,11 +394,7 @@ cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const v
   auto kernel = problem.softcap > 0.f ? flash_backward_kernel<T, D, true> : flash_backward_kernel<T, D, false>;
   const size_t shared_bytes = sizeof(DkvShared<T, D>) + 1024;
   if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
-  const int tiles = (problem.kv_len + kDkvKeys - 1) / kDkvKeys;
-  const int group_size = problem.q_heads / problem.kv_heads;  // a pair streams Q and dO of its query heads
-  params.order = tile_order(problem.kv_heads * problem.batch, tiles,
-                            size_t(2) * group_size * problem.q_len * D * sizeof(T));
-  kernel<<<dim3(problem.kv_heads * problem.batch * tiles), kBackwardThreads,
+  kernel<<<dim3((problem.kv_len + kDkvKeys - 1) / kDkvKeys, problem.kv_heads, problem.batch), kBackwardThreads,
            shared_bytes, stream>>>(params);
   if ((error = cudaGetLastError()) != cudaSuccess) return error;
   const size_t quads = accum_bytes / sizeof(float4);

@@ -85,30 +85,6 @@ __device__ __forceinline__ bool block_unmasked(const Problem& p, int row_begin, 
   return true;
 }
 
-// Which (head, batch) pair and which tile a CTA of a 1-D grid takes. Pairs go in groups of `group` (sized on
-// the host so a group's streamed operands stay in L2); within a group the tile rank is the slow index and
-// the pair the fast one, so every wave starts the heaviest tiles (rank 0) of all the group's pairs before
-// lighter ones: the long causal tiles no longer finish last.
-struct TileOrder {
-  int pairs, tiles, group;
-};
-__device__ __forceinline__ void tile_of(const TileOrder& order, int linear, int& pair, int& rank) {
-  const int per_group = order.group * order.tiles;
-  const int group_index = linear / per_group;
-  const int first_pair = group_index * order.group;
-  const int size = min(order.group, order.pairs - first_pair);
-  const int within = linear - group_index * per_group;
-  rank = within / size;
-  pair = first_pair + within % size;
-}
-// The group for pairs whose streamed operands take `bytes_per_pair`: about 24 MiB of them in L2 at once.
-inline TileOrder tile_order(int pairs, int tiles, size_t bytes_per_pair) {
-  const size_t budget = size_t(24) << 20;
-  size_t group = bytes_per_pair ? budget / bytes_per_pair : pairs;
-  group = group < 1 ? 1 : (group > size_t(pairs) ? size_t(pairs) : group);
-  return {pairs, tiles, static_cast<int>(group)};
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // Element types and the wgmma instructions over them (64 rows per warpgroup, N columns, k-steps of 16).
 

@@ -9,7 +9,7 @@
 // - between the two warpgroups, named barriers make them take turns issuing their products, so one's
 //   softmax runs while the other's matrix products occupy the tensor cores.
 // Key blocks are visited from the last one down (the masked diagonal blocks of causal tiles first), query
-// tiles from the last one down across groups of heads (TileOrder: the longest causal rows start first).
+// tiles from the last one down (the longest causal rows start first).
 #include "flash_attention/launch.cuh"
 
 namespace ejk {
@@ -33,7 +33,6 @@ struct ForwardParams {
   void* out;   // [B, Sq, Hq, D]
   float* lse;  // [B, Hq, Sq]
   Problem problem;
-  TileOrder order;  // pairs (query head, batch) x query tiles
 };
 
 template <class Shared>
@@ -51,10 +50,8 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   using Shared = ForwardShared<T, D, BN>;
   Shared& shared = aligned_shared<Shared>();
   const Problem& problem = params.problem;
-  int pair, rank;  // query tiles from the last one down: the longest causal rows start first
-  tile_of(params.order, blockIdx.x, pair, rank);
-  const int m_block = params.order.tiles - 1 - rank;
-  const int head = pair % problem.q_heads, batch = pair / problem.q_heads;
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
   const int kv_head = head / (problem.q_heads / problem.kv_heads);
   const int row_begin = m_block * kForwardRows;
   const int row_end = min(row_begin + kForwardRows, problem.q_len);
@@ -292,10 +289,7 @@ cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const vo
   auto kernel = problem.softcap > 0.f ? flash_forward_kernel<T, D, BN, true> : flash_forward_kernel<T, D, BN, false>;
   const size_t shared_bytes = sizeof(ForwardShared<T, D, BN>) + 1024;
   if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
-  const int tiles = (problem.q_len + kForwardRows - 1) / kForwardRows;
-  // a pair streams its kv head's K and V (shared with the group's other query heads: counted once per pair)
-  params.order = tile_order(problem.q_heads * problem.batch, tiles, size_t(2) * problem.kv_len * D * sizeof(T));
-  const dim3 grid(problem.q_heads * problem.batch * tiles);
+  const dim3 grid((problem.q_len + kForwardRows - 1) / kForwardRows, problem.q_heads, problem.batch);
   kernel<<<grid, kForwardThreads, shared_bytes, stream>>>(params);
   return cudaGetLastError();
 }
