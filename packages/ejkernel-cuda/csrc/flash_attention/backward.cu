@@ -436,20 +436,15 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 
 // Results: dq, dk, dv, and the float32 dQ accumulator [B, Hq, Sq, D] (a workspace: callers drop it).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkFlashBackward, ejk::backward_handler,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+                              ejk::problem_attributes(xla::ffi::Ffi::Bind()
+                                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                          .Arg<xla::ffi::AnyBuffer>()  // q
+                                                          .Arg<xla::ffi::AnyBuffer>()  // k
+                                                          .Arg<xla::ffi::AnyBuffer>()  // v
+                                                          .Arg<xla::ffi::AnyBuffer>()  // d_out
+                                                          .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // lse
+                                                          .Arg<xla::ffi::Buffer<xla::ffi::F32>>())  // delta
+                                  .Ret<xla::ffi::AnyBuffer>()                  // dq
+                                  .Ret<xla::ffi::AnyBuffer>()                  // dk
+                                  .Ret<xla::ffi::AnyBuffer>()                  // dv
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());   // dq accumulator

@@ -95,8 +95,6 @@ template <> struct Element<__nv_bfloat16> {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
-  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 template <> struct Element<__half> {
   static constexpr CUtensorMapDataType tma_type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -104,8 +102,6 @@ template <> struct Element<__half> {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
-  __device__ static __half from_float(float x) { return __float2half_rn(x); }
-  __device__ static float to_float(__half x) { return __half2float(x); }
 };
 
 template <class T, int N, Major A, Major B> struct GmmaOp;

@@ -315,15 +315,10 @@ ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
 }  // namespace ejk
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkFlashForward, ejk::forward_handler,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+                              ejk::problem_attributes(xla::ffi::Ffi::Bind()
+                                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                          .Arg<xla::ffi::AnyBuffer>()  // q
+                                                          .Arg<xla::ffi::AnyBuffer>()  // k
+                                                          .Arg<xla::ffi::AnyBuffer>())  // v
+                                  .Ret<xla::ffi::AnyBuffer>()                  // out
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());   // lse

@@ -7,6 +7,7 @@
 
 #include "flash_attention/common.cuh"
 #include <type_traits>
+#include <utility>
 
 // XLA's FFI headers trip two of nvcc's diagnostics (missing returns after exhaustive switches, always_inline
 // on non-inline functions): not ours to fix.
@@ -81,6 +82,17 @@ ffi::Error dispatch(ffi::DataType type, int head_dim, Launch&& launch) {
     error = head_dim == 64 ? launch(ElementTag<__half>{}, HeadDim<64>{}) : launch(ElementTag<__half>{}, HeadDim<128>{});
   }
   return cuda_error(error, "kernel launch");
+}
+
+// The attributes of both handlers (after their buffers), as read_problem takes them.
+template <class Binding>
+auto problem_attributes(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<float>("softmax_scale")
+      .template Attr<bool>("causal")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<float>("softcap");
 }
 
 // Raises a kernel's dynamic shared-memory limit (per device, hence at every launch: a host call of
