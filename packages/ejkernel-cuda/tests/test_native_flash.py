@@ -263,6 +263,22 @@ def test_vmap_folds_into_the_batch_axis(monkeypatch):
     assert "window_left = -1 : i64" in text and "softcap = 0.000000e+00 : f32" in text
 
 
+def test_batches_past_the_grid_limit_run_in_chunks(monkeypatch):
+    """The kernels' grids hold at most 65535 batch rows: a larger (here vmap-folded) batch runs in launches of
+    that many, forward and backward."""
+    monkeypatch.setattr(_native, "ensure_registered", lambda: None)
+    q = jax.ShapeDtypeStruct((3, 30000, 2, 1, 64), jnp.bfloat16)  # 90,000 once folded
+
+    def loss(q):
+        return native_flash.attention(q, q, q, 0.125, True, None, None).astype(jnp.float32).sum()
+
+    text = _lowered_text(jax.vmap(jax.grad(loss)), q)
+    forward = [line for line in text.splitlines() if "custom_call @EjkFlashForward" in line]
+    backward = [line for line in text.splitlines() if "custom_call @EjkFlashBackward" in line]
+    assert len(forward) == len(backward) == 2, (len(forward), len(backward))
+    assert "tensor<65535x2x1x64xbf16>" in forward[0] and "tensor<24465x2x1x64xbf16>" in forward[1]
+
+
 def test_gradient_inside_shard_map_lowers(monkeypatch):
     """Per-shard arrays vary over the mesh axis: the FFI results must too (the custom VJP checks the types)."""
     from jax.sharding import PartitionSpec as P

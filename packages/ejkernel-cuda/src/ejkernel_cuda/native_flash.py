@@ -133,10 +133,31 @@ def _attributes(scale: float, causal: bool, window: tuple[int, int] | None, soft
                 window_right=np.int64(right), softcap=np.float32(softcap or 0.0))
 
 
+# The kernels' grids put the batch on CUDA's z axis (65535 blocks at most): larger batches (a vmap folded into
+# the batch, many short sequences) run in launches of this many.
+MAX_LAUNCH_BATCH = 65535
+
+
+def _in_batch_chunks(function):
+    """``function`` (of arrays whose axis 0 is the batch, returning such arrays) run on batch chunks of at most
+    :data:`MAX_LAUNCH_BATCH`, the results concatenated."""
+
+    def chunked(*arrays):
+        batch = arrays[0].shape[0]
+        if batch <= MAX_LAUNCH_BATCH:
+            return function(*arrays)
+        parts = [function(*(a[start:start + MAX_LAUNCH_BATCH] for a in arrays))
+                 for start in range(0, batch, MAX_LAUNCH_BATCH)]
+        return tuple(jnp.concatenate(pieces, axis=0) for pieces in zip(*parts))
+
+    return chunked
+
+
 def _folded(function):
     """``function`` (of arrays whose axis 0 is the batch) under ``jax.custom_batching.custom_vmap``: a
     vmapped call moves the mapped axis in front, broadcasts unmapped arguments, folds it into the batch axis,
-    runs once and unfolds every result."""
+    runs once and unfolds every result; batches past the grid's limit in chunks (:func:`_in_batch_chunks`)."""
+    function = _in_batch_chunks(function)
     mapped = jax.custom_batching.custom_vmap(function)
 
     @mapped.def_vmap
