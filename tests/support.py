@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,6 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("ejkernel-core", "ejkernel-xla", "ejkernel-triton", "ejkernel-pallas", "ejkernel-cuda")
 TEST_PLUGINS = REPO / "tests" / "plugins"
 UV = str(Path(sys.executable).with_name("uv"))
+
+
+def cuda_wheel_unbuildable() -> str | None:
+    """Why the ejkernel-cuda wheel cannot be built on this machine (its build hook finds no nvcc), or None."""
+    hook_path = REPO / "packages" / "ejkernel-cuda" / "hatch_build.py"
+    spec = importlib.util.spec_from_file_location("ejkernel_cuda_build_hook", hook_path)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return None if hook.find_nvcc() else f"the ejkernel-cuda wheel needs nvcc: {hook.INSTALL_HINT}"
 
 
 def run(command: list[str], *, env: dict | None = None, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
