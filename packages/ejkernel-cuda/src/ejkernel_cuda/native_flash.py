@@ -94,7 +94,7 @@ def refusal(call, *, check_device: bool = True) -> str | None:
         if given:
             return f"{feature} is not supported"
     if query.dtype not in DTYPES:
-        return f"dtype {query.dtype} is not supported (bfloat16 or float16)"
+        return f"query/key/value dtype {query.dtype} is not supported (bfloat16 or float16)"
     head_dims = (query.shape[-1], value.shape[-1])
     if head_dims[0] != head_dims[1] or head_dims[0] not in HEAD_DIMS:
         return f"head dims (query, value) {head_dims} are not supported (equal, one of {HEAD_DIMS})"
