@@ -118,11 +118,8 @@ def test_importing_the_package_loads_nothing():
 @pytest.mark.parametrize("kw,feature", [
     (dict(bias=jnp.zeros((1, 4, 128, 128), jnp.bfloat16)), "bias"),
     (dict(attention_mask=jnp.ones((1, 1, 128, 128), bool)), "attention_mask"),
-    (dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.zeros((1, 128), jnp.int32)),
-     "segment ids"),
     (dict(cum_seqlens_q=jnp.array([0, 128], jnp.int32), cum_seqlens_k=jnp.array([0, 128], jnp.int32)),
      "cum_seqlens"),
-    (dict(softmax_aux=jnp.zeros((4,))), "softmax_aux"),
     (dict(dropout_prob=0.1, dropout_seed=1), "dropout"),
     (dict(dtype=jnp.float32), "dtype float32"),
     (dict(head_dim=96), r"head dims \(query, value\) \(96, 96\)"),
@@ -141,6 +138,8 @@ def test_refuses_each_feature_it_does_not_implement(kw, feature):
 @pytest.mark.parametrize("kw", [
     dict(), dict(causal=True, q_len=77, kv_len=300), dict(sliding_window=(16, 4)), dict(logits_soft_cap=30.0),
     dict(dtype=jnp.float16, head_dim=128, heads=16, kv_heads=1), dict(q_len=1, kv_len=130),
+    dict(softmax_aux=jnp.zeros((4,))), dict(softmax_aux=jnp.zeros((4, 2))),
+    dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.zeros((1, 128), jnp.int32)),
 ])
 def test_takes_the_calls_of_its_contract(kw):
     assert native_flash.refusal(_call(**kw), check_device=False) is None
@@ -243,8 +242,31 @@ def test_gradient_lowers_to_the_two_custom_calls(monkeypatch, export):
                       "softcap = 3.000000e+01 : f32", "softmax_scale = 1.250000e-01 : f32"):
         assert attribute in forward[0] and attribute in backward[0], attribute
     assert "-> (tensor<2x77x8x128xbf16>, tensor<2x8x77xf32>)" in forward[0]
-    assert ("tensor<2x8x77xf32>, tensor<2x8x77xf32>) -> (tensor<2x77x8x128xbf16>, tensor<2x300x2x128xbf16>"
-            in backward[0])
+    assert ("tensor<2x8x77xf32>, tensor<2x8x77xf32>, tensor<2x8x0xf32>, tensor<2x0xi32>, tensor<2x0xi32>) -> "
+            "(tensor<2x77x8x128xbf16>, tensor<2x300x2x128xbf16>" in backward[0])  # no sinks, no segment ids
+
+
+def test_sinks_and_segment_ids_reach_both_kernels(monkeypatch):
+    """Sinks go to the kernels broadcast over the batch (float32 [B, Hq, n]) and get a gradient (formed in
+    JAX from lse and delta); segment ids go as int32 [B, S] and get none."""
+    monkeypatch.setattr(_native, "ensure_registered", lambda: None)
+    q = jax.ShapeDtypeStruct((2, 77, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 77, 2, 64), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((8, 3), jnp.float32)
+    segments = jax.ShapeDtypeStruct((2, 77), jnp.int32)
+
+    def loss(q, k, v, sinks, segments):
+        out = native_flash.attention(q, k, v, 0.125, True, None, None, sinks=sinks, q_segment_ids=segments,
+                                     kv_segment_ids=segments)
+        return out.astype(jnp.float32).sum()
+
+    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, sinks, segments)
+    assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape, sinks.shape]
+    text = _lowered_text(jax.grad(loss, argnums=(0, 3)), q, kv, kv, sinks, segments)
+    forward = [line for line in text.splitlines() if "custom_call @EjkFlashForward" in line]
+    backward = [line for line in text.splitlines() if "custom_call @EjkFlashBackward" in line]
+    assert "tensor<2x8x3xf32>, tensor<2x77xi32>, tensor<2x77xi32>) -> (tensor<2x77x8x64xbf16>" in forward[0]
+    assert "tensor<2x8x3xf32>, tensor<2x77xi32>, tensor<2x77xi32>) -> (tensor<2x77x8x64xbf16>" in backward[0]
 
 
 def test_vmap_folds_into_the_batch_axis(monkeypatch):
@@ -319,8 +341,8 @@ def native_gpu():
 class TestNativeFlashAttentionConformance(FlashAttentionConformance):
     """The shared suite forced onto the native kernels, in bfloat16. The suite's head_dim-32 inputs are
     widened to 64 (the kernels' smallest; the reference sees the same widened arrays), so its length, GQA,
-    window and scale cases run here instead of being refused; what the kernels refuse (bias, masks,
-    segments, varlen, sinks, dropout, unequal head dims) is reported as skips naming the reason."""
+    window and scale cases run here instead of being refused; what the kernels refuse (bias, masks, varlen,
+    dropout, unequal head dims) is reported as skips naming the reason."""
 
     platform = "cuda"
     cfg = CudaFlashConfig(kernel="native")
@@ -342,6 +364,11 @@ class TestNativeFlashAttentionConformanceFloat16(TestNativeFlashAttentionConform
     input_dtype = jnp.float16
 
 
+SINKS_8x2 = np.linspace(-1.0, 2.0, 16, dtype=np.float32).reshape(8, 2)
+SINKS_4 = np.float32([0.5, -1.0, 3.0, 0.0])
+SEGMENTS_300 = np.repeat(np.int32([0, 1, 2]), [100, 150, 50])[None].repeat(2, axis=0)  # three packed sequences
+
+
 def _inputs(seed, b, sq, sk, h, hkv, d, dtype):
     shapes = [(b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)]
     return [normal_array((seed, i), shape, dtype) for i, shape in enumerate(shapes)]
@@ -359,6 +386,9 @@ def _inputs(seed, b, sq, sk, h, hkv, d, dtype):
     (1, 256, 64, 4, 2, 64, dict(sliding_window=(0, 10))),  # the window leaves rows 0..181 empty
     (1, 200, 200, 4, 2, 64, dict(sliding_window=(3, 5))),  # windows reaching right
     (2, 1, 130, 4, 2, 128, dict(causal=True)),  # one query row (decoding); Sq = Sk = 1 has dq = dk = 0 exactly
+    (1, 300, 300, 8, 2, 128, dict(causal=True, softmax_aux=SINKS_8x2)),  # two sinks per head, GQA
+    (1, 256, 64, 4, 2, 64, dict(sliding_window=(0, 10), softmax_aux=SINKS_4)),  # empty rows see the sinks only
+    (2, 300, 300, 4, 2, 64, dict(causal=True, q_segment_ids=SEGMENTS_300, kv_segment_ids=SEGMENTS_300)),
 ])
 def test_explicit_cases_against_float64(dtype, b, sq, sk, h, hkv, d, kw):
     q, k, v, do = _inputs(sq * 7 + sk, b, sq, sk, h, hkv, d, dtype)

@@ -39,6 +39,7 @@ struct BackwardParams {
   void* dk;            // [B, Sk, Hk, D]
   void* dv;
   Problem problem;
+  Extras extras;  // the backward reads the segment ids (sinks act through lse alone)
 };
 
 // The scaled (soft-capped) logit in log2 units, and the factor the soft cap puts on its gradient (Capped:
@@ -90,6 +91,7 @@ struct DkvShared {
   float dq[kDkvRows * D];         // this block's dQ, row-major, for the bulk reduce-add
   float lse[kBackwardStages][kDkvRows];  // log2 units
   float delta[kBackwardStages][kDkvRows];
+  int q_segment[kBackwardStages][kDkvRows];  // segment ids of the block's query rows (segmented calls)
   Barrier keys_full;
   Barrier rows_full[kBackwardStages], rows_empty[kBackwardStages];
 };
@@ -185,6 +187,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
           const bool inside = row < problem.q_len;
           shared.lse[stage][r] = inside ? params.lse[stats + row] * log2e : INFINITY;
           shared.delta[stage][r] = inside ? params.delta[stats + row] : 0.f;
+          if (params.extras.q_segments) {
+            shared.q_segment[stage][r] =
+                inside ? params.extras.q_segments[static_cast<size_t>(batch) * problem.q_len + row] : -1;
+          }
         }
         barrier_arrive(&shared.rows_full[stage]);
       }
@@ -196,6 +202,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   const int group = warpgroup - 1;
   const int key_a = key_begin + 64 * group + fragment_row(t);  // this thread's two keys (accumulator rows)
   const int key_b = key_a + 8;
+  const bool segmented = params.extras.kv_segments != nullptr;
+  int segment_a = -2, segment_b = -2;  // keys past the length: masked by their range anyway
+  if (segmented) {
+    const int* kv_segments = params.extras.kv_segments + static_cast<size_t>(batch) * problem.kv_len;
+    if (key_a < problem.kv_len) segment_a = kv_segments[key_a];
+    if (key_b < problem.kv_len) segment_b = kv_segments[key_b];
+  }
   const LogitMap<Capped> logits(problem);
   // dQ columns per warpgroup that computes them: half of D = 128 each, all of D = 64 in warpgroup 0 (a
   // 32-column half would start inside a swizzle atom of the K tile)
@@ -247,7 +260,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
           if constexpr (decltype(masked)::value) {
             const RowRange range = visible_keys(problem, row0 + col);
             const int key = (i & 2) ? key_b : key_a;
-            if (key < range.lo || key > range.hi || row0 + col >= problem.q_len) prob[j] = 0.f;
+            if (key < range.lo || key > range.hi || row0 + col >= problem.q_len ||
+                (segmented && shared.q_segment[stage][col] != ((i & 2) ? segment_b : segment_a))) {
+              prob[j] = 0.f;
+            }
           }
           s[i + j] = prob[j] * slope;  // what dS^T needs of P^T (P^T itself goes to dV packed)
         }
@@ -326,7 +342,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
     for (int it = 0; it < num_steps; ++it) {
       const int head = kv_head * group_size + it / blocks_per_head;
       const int row0 = (blocks.first + it % blocks_per_head) * BM;
-      if (block_unmasked(problem, row0, min(row0 + BM, problem.q_len), key_begin, key_begin + kDkvKeys)) {
+      if (!segmented && block_unmasked(problem, row0, min(row0 + BM, problem.q_len), key_begin, key_begin + kDkvKeys)) {
         step(it, head, row0, std::false_type{});
       } else {
         step(it, head, row0, std::true_type{});
@@ -366,7 +382,8 @@ __global__ void dq_convert_kernel(const float* __restrict__ accum, T* __restrict
 // Launch and FFI binding
 
 template <class T, int D>
-cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const void* q, const void* k, const void* v,
+cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const Extras& extras, const void* q,
+                            const void* k, const void* v,
                             const void* d_out, const float* lse, const float* delta, float* dq_accum, void* dq,
                             void* dk, void* dv) {
   BackwardParams params;
@@ -376,6 +393,7 @@ cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const v
   params.dk = dk;
   params.dv = dv;
   params.problem = problem;
+  params.extras = extras;
   const CUtensorMapDataType type = Element<T>::tma_type;
   cudaError_t error;
   auto encode = [&](CUtensorMap* map, const void* data, bool queries, int rows) {
@@ -408,12 +426,15 @@ namespace {
 
 ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
-                            float softmax_scale, bool causal, int64_t window_left, int64_t window_right, float softcap,
+                            ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> q_segments,
+                            ffi::Buffer<ffi::S32> kv_segments, float softmax_scale, bool causal, int64_t window_left, int64_t window_right, float softcap,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum) {
   Problem problem;
+  Extras extras;
   ffi::Error error = read_problem(q, k, v, softmax_scale, causal, window_left, window_right, softcap, &problem);
   if (error.failure()) return error;
+  if ((error = read_extras(problem, sinks, q_segments, kv_segments, &extras)).failure()) return error;
   if (d_out.element_type() != q.element_type() || d_out.element_count() != q.element_count() ||
       lse.element_count() != static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len ||
       delta.element_count() != lse.element_count() || dq_accum->element_count() != q.element_count()) {
@@ -424,7 +445,7 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   const int head_dim = static_cast<int>(q.dimensions()[3]);
   return dispatch(q.element_type(), head_dim, [&](auto element, auto dim) {
     return launch_backward<typename decltype(element)::type, decltype(dim)::value>(
-        stream, problem, q.untyped_data(), k.untyped_data(), v.untyped_data(), d_out.untyped_data(),
+        stream, problem, extras, q.untyped_data(), k.untyped_data(), v.untyped_data(), d_out.untyped_data(),
         lse.typed_data(), delta.typed_data(), dq_accum->typed_data(), dq->untyped_data(), dk->untyped_data(),
         dv->untyped_data());
   });
@@ -436,14 +457,14 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 
 // Results: dq, dk, dv, and the float32 dQ accumulator [B, Hq, Sq, D] (a workspace: callers drop it).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkFlashBackward, ejk::backward_handler,
-                              ejk::problem_attributes(xla::ffi::Ffi::Bind()
-                                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                                          .Arg<xla::ffi::AnyBuffer>()  // q
-                                                          .Arg<xla::ffi::AnyBuffer>()  // k
-                                                          .Arg<xla::ffi::AnyBuffer>()  // v
-                                                          .Arg<xla::ffi::AnyBuffer>()  // d_out
-                                                          .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // lse
-                                                          .Arg<xla::ffi::Buffer<xla::ffi::F32>>())  // delta
+                              ejk::problem_attributes(ejk::extra_buffers(xla::ffi::Ffi::Bind()
+                                                                             .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                                             .Arg<xla::ffi::AnyBuffer>()  // q
+                                                                             .Arg<xla::ffi::AnyBuffer>()  // k
+                                                                             .Arg<xla::ffi::AnyBuffer>()  // v
+                                                                             .Arg<xla::ffi::AnyBuffer>()  // d_out
+                                                                             .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // lse
+                                                                             .Arg<xla::ffi::Buffer<xla::ffi::F32>>()))  // delta
                                   .Ret<xla::ffi::AnyBuffer>()                  // dq
                                   .Ret<xla::ffi::AnyBuffer>()                  // dk
                                   .Ret<xla::ffi::AnyBuffer>()                  // dv

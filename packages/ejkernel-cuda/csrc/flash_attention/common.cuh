@@ -41,6 +41,15 @@ struct Problem {
   int window_left, window_right;  // -1: unbounded (clamped to the lengths on the host)
 };
 
+// Optional inputs, read where present: attention sinks (logits that join every row's softmax denominator) and
+// segment ids (a key is visible to a query of the same id only).
+struct Extras {
+  const float* sinks;        // [B, Hq, num_sinks] (the Python side broadcasts the heads' sinks over the batch)
+  int num_sinks;             // 0: none
+  const int* q_segments;     // [B, Sq], or null
+  const int* kv_segments;    // [B, Sk], or null
+};
+
 // The keys [lo, hi] row i may see (hi < lo: none), before the block bounds.
 struct RowRange {
   int lo, hi;

@@ -33,6 +33,7 @@ struct ForwardParams {
   void* out;   // [B, Sq, Hq, D]
   float* lse;  // [B, Hq, Sq]
   Problem problem;
+  Extras extras;
 };
 
 template <class Shared>
@@ -111,6 +112,26 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   float s[BN / 2];
   uint32_t p[BN / 4];
   float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+  const Extras& extras = params.extras;
+  if (extras.num_sinks > 0) {
+    // the sinks start every row's softmax state: their maximum (in score units) and their sum against it,
+    // counted once per row (the quad's partial sums are added at the end)
+    const float* sinks = extras.sinks + (static_cast<size_t>(batch) * problem.q_heads + head) * extras.num_sinks;
+    float top = -INFINITY, total = 0.f;
+    for (int j = 0; j < extras.num_sinks; ++j) top = fmaxf(top, sinks[j]);
+    for (int j = 0; j < extras.num_sinks; ++j) total += fast_exp2((sinks[j] - top) * log2e);
+    max_a = max_b = top * log2e / unit;
+    sum_a = sum_b = t % 4 == 0 ? total : 0.f;
+  }
+  // segment ids of this thread's two rows (rows past the length: none of the keys')
+  const int* kv_segments = extras.kv_segments ? extras.kv_segments + static_cast<size_t>(batch) * problem.kv_len
+                                              : nullptr;
+  int segment_a = -1, segment_b = -1;
+  if (kv_segments) {
+    const int* q_segments = extras.q_segments + static_cast<size_t>(batch) * problem.q_len;
+    if (row_a < problem.q_len) segment_a = q_segments[row_a];
+    if (row_b < problem.q_len) segment_b = q_segments[row_b];
+  }
 
   const uint32_t q_tile = smem_address(shared.q);
   auto k_tile = [&](int stage) { return smem_address(shared.k[stage]); };
@@ -146,7 +167,11 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
       for (int i = 0; i < BN / 2; ++i) {
         const int key = key0 + fragment_col(t, i);
         const RowRange& range = (i & 2) ? range_b : range_a;
-        if (key < range.lo || key > range.hi) s[i] = -INFINITY;
+        if (key < range.lo || key > range.hi) {
+          s[i] = -INFINITY;
+        } else if (kv_segments && kv_segments[key] != ((i & 2) ? segment_b : segment_a)) {
+          s[i] = -INFINITY;
+        }
       }
     }
     float block_a = -INFINITY, block_b = -INFINITY;
@@ -192,7 +217,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
     // Factors the output rows still owe the latest maxima: applied just before the next P V is issued,
     // while the scores of the next block are computed, not after the wait for the last P V.
     float rescale_a, rescale_b;
-    auto needs_mask = [&](int key0) { return !block_unmasked(problem, row_begin, row_end, key0, key0 + BN); };
+    auto needs_mask = [&](int key0) {
+      return kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN);
+    };
     const int first_key = (blocks.last - 1) * BN;
     if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
     else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
@@ -269,13 +296,14 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
 }
 
 template <class T, int D>
-cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const void* q, const void* k, const void* v,
-                           void* out, float* lse) {
+cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const Extras& extras, const void* q,
+                           const void* k, const void* v, void* out, float* lse) {
   constexpr int BN = 128;
   ForwardParams params;
   params.out = out;
   params.lse = lse;
   params.problem = problem;
+  params.extras = extras;
   const CUtensorMapDataType type = Element<T>::tma_type;
   cudaError_t error;
   if ((error = encode_tile_map(&params.q_map, type, q, problem.batch, problem.q_len, problem.q_heads, D,
@@ -297,15 +325,19 @@ cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const vo
 namespace {
 
 ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           float softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                           float softcap, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                           ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> q_segments,
+                           ffi::Buffer<ffi::S32> kv_segments, float softmax_scale, bool causal, int64_t window_left,
+                           int64_t window_right, float softcap, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   Problem problem;
+  Extras extras;
   ffi::Error error = read_problem(q, k, v, softmax_scale, causal, window_left, window_right, softcap, &problem);
   if (error.failure()) return error;
+  if ((error = read_extras(problem, sinks, q_segments, kv_segments, &extras)).failure()) return error;
   const int head_dim = static_cast<int>(q.dimensions()[3]);
   return dispatch(q.element_type(), head_dim, [&](auto element, auto dim) {
     return launch_forward<typename decltype(element)::type, decltype(dim)::value>(
-        stream, problem, q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
+        stream, problem, extras, q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
         lse->typed_data());
   });
 }
@@ -315,10 +347,10 @@ ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
 }  // namespace ejk
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkFlashForward, ejk::forward_handler,
-                              ejk::problem_attributes(xla::ffi::Ffi::Bind()
-                                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                                          .Arg<xla::ffi::AnyBuffer>()  // q
-                                                          .Arg<xla::ffi::AnyBuffer>()  // k
-                                                          .Arg<xla::ffi::AnyBuffer>())  // v
+                              ejk::problem_attributes(ejk::extra_buffers(xla::ffi::Ffi::Bind()
+                                                                             .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                                             .Arg<xla::ffi::AnyBuffer>()  // q
+                                                                             .Arg<xla::ffi::AnyBuffer>()  // k
+                                                                             .Arg<xla::ffi::AnyBuffer>()))  // v
                                   .Ret<xla::ffi::AnyBuffer>()                  // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());   // lse

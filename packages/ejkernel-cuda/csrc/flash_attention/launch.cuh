@@ -61,6 +61,36 @@ inline ffi::Error read_problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   return ffi::Error::Success();
 }
 
+// Extras of the optional buffers: sinks [B, Hq, n] float32 (n = 0: none), segment ids [B, Sq] and [B, Sk]
+// int32 (both [B, 0]: none).
+inline ffi::Error read_extras(const Problem& problem, const ffi::Buffer<ffi::F32>& sinks,
+                              const ffi::Buffer<ffi::S32>& q_segments, const ffi::Buffer<ffi::S32>& kv_segments,
+                              Extras* extras) {
+  auto sd = sinks.dimensions(), qs = q_segments.dimensions(), ks = kv_segments.dimensions();
+  if (sd.size() != 3 || sd[0] != problem.batch || sd[1] != problem.q_heads) {
+    return ffi::Error::InvalidArgument("ejkernel flash attention: sinks must be float32 [batch, heads, n]");
+  }
+  const bool segmented = qs.size() == 2 && ks.size() == 2 && qs[0] == problem.batch && ks[0] == problem.batch &&
+                         qs[1] == problem.q_len && ks[1] == problem.kv_len;
+  const bool plain = qs.size() == 2 && ks.size() == 2 && qs[1] == 0 && ks[1] == 0;
+  if (!segmented && !plain) {
+    return ffi::Error::InvalidArgument("ejkernel flash attention: segment ids must be int32 [batch, q_len] and "
+                                       "[batch, kv_len], or both [batch, 0]");
+  }
+  *extras = Extras{sinks.typed_data(), static_cast<int>(sd[2]), segmented ? q_segments.typed_data() : nullptr,
+                   segmented ? kv_segments.typed_data() : nullptr};
+  return ffi::Error::Success();
+}
+
+// The optional buffers of both handlers (after q, k, v and, in the backward, its own inputs).
+template <class Binding>
+auto extra_buffers(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // sinks
+      .template Arg<ffi::Buffer<ffi::S32>>()   // q segment ids
+      .template Arg<ffi::Buffer<ffi::S32>>();  // kv segment ids
+}
+
 inline ffi::Error cuda_error(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("ejkernel flash attention: ") + what + ": " + cudaGetErrorString(error));

@@ -4,21 +4,24 @@ XLA FFI: forward and backward as ``jax.ffi.ffi_call``s of the targets ``EjkFlash
 
 The FFI contract (what the kernels export; arrays contiguous row-major):
 
-- ``EjkFlashForward(q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, D]) -> (out [B, Sq, Hq, D] (q's dtype),
-  lse [B, Hq, Sq] float32)``: ``lse`` the natural log-sum-exp of the scaled (soft-capped) logits, ``+inf``
-  for a row that sees no key (whose output is 0);
-- ``EjkFlashBackward(q, k, v, d_out, lse, delta [B, Hq, Sq] float32) -> (dq, dk, dv, dq_accum)`` (the
-  shapes and dtypes of q, k, v; ``dq_accum`` float32 ``[B, Hq, Sq, D]`` is the kernel's workspace, dropped
-  here), ``delta = rowsum(d_out * out)`` in float32, formed here in JAX;
+- ``EjkFlashForward(q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, D], sinks [B, Hq, n] float32,
+  q_segment_ids [B, Sq] int32, kv_segment_ids [B, Sk] int32) -> (out [B, Sq, Hq, D] (q's dtype), lse [B, Hq,
+  Sq] float32)``: ``lse`` the natural log-sum-exp of the scaled (soft-capped) logits and the sinks, ``+inf``
+  for a row that sees no key and has no sink (its output is 0); ``n = 0`` means no sinks, segment ids of
+  shape ``[B, 0]`` none;
+- ``EjkFlashBackward(q, k, v, d_out, lse, delta [B, Hq, Sq] float32, sinks, q_segment_ids, kv_segment_ids)
+  -> (dq, dk, dv, dq_accum)`` (the shapes and dtypes of q, k, v; ``dq_accum`` float32 ``[B, Hq, Sq, D]`` is
+  the kernel's workspace, dropped here), ``delta = rowsum(d_out * out)`` in float32, formed here in JAX, as
+  is the sinks' gradient (``-sum_rows exp(sink - lse) * delta``);
 - attributes of both: ``softmax_scale`` (f32), ``causal`` (bool), ``window_left`` / ``window_right`` (i64,
   -1: unbounded), ``softcap`` (f32, 0: off). Query ``i`` sits at key position ``i + Sk - Sq`` (ejkernel's
   alignment); GQA/MQA (``Hq % Hk == 0``) is handled inside the kernels.
 
 Taken: bfloat16/float16, head dims 64 or 128 (query and value alike), any lengths >= 1, GQA/MQA, causal,
-sliding window, soft cap, on a GPU of compute capability 9.0 (H100 / H200 / GH200: the library holds sm_90a
-code only). :func:`refusal` names everything else (bias, masks, segment ids, varlen, sinks, dropout, other
-dtypes and head dims, another GPU, the library missing), and :func:`check_supported` raises it as
-``UnsupportedFeature`` before anything is traced.
+sliding window, soft cap, attention sinks, segment ids (every key block then masked: none skipped), on a GPU
+of compute capability 9.0 (H100 / H200 / GH200: the library holds sm_90a code only). :func:`refusal` names
+everything else (bias, masks, varlen, dropout, other dtypes and head dims, another GPU, the library missing),
+and :func:`check_supported` raises it as ``UnsupportedFeature`` before anything is traced.
 
 ``jax.vmap`` folds the mapped axes into the batch axis (one kernel launch, no loop); the calls work under
 ``jit``, ``shard_map`` (per-shard arrays) and ``jax.export``: the custom calls have no compatibility
@@ -62,10 +65,10 @@ def device_refusal() -> str | None:
 
 
 # The project's rule for kernels no GPU run has checked (docs/DEVELOPING.md): used only with
-# EJKERNEL_UNVERIFIED_KERNELS=1 (scripts/device/gpu_tests.sh sets it) until their GPU tests pass. They passed
-# on an H100, 2026-11-27 (test_native_flash.py: 99 passed, the 48 skipped are refusals;
-# results/nvidia-h100-2026-11-27-cuda-native-gpu-tests.json).
-VERIFIED_ON_GPU = True
+# EJKERNEL_UNVERIFIED_KERNELS=1 (scripts/device/gpu_tests.sh sets it) until their GPU tests pass. The kernels
+# of main passed on an H100, 2026-11-27 (results/nvidia-h100-2026-11-27-cuda-native-gpu-tests.json); this
+# branch's sinks and segment ids (kernels changed after that run) have not run on a GPU yet.
+VERIFIED_ON_GPU = False
 
 
 def usable_here() -> str | None:
@@ -86,9 +89,7 @@ def refusal(call, *, check_device: bool = True) -> str | None:
     for given, feature in (
         (call.bias is not None, "bias"),
         (call.attention_mask is not None, "attention_mask"),
-        (call.q_segment_ids is not None or call.kv_segment_ids is not None, "segment ids"),
         (call.cum_seqlens_q is not None or call.cum_seqlens_k is not None, "cum_seqlens (varlen)"),
-        (call.softmax_aux is not None, "softmax_aux (attention sinks)"),
         (bool(call.dropout_prob), "dropout"),
     ):
         if given:
@@ -190,10 +191,11 @@ def _result(shape, dtype, like) -> jax.ShapeDtypeStruct:
 def _forward_call(scale, causal, window, softcap):
     attributes = _attributes(scale, causal, window, softcap)
 
-    def forward_call(q, k, v):
+    def forward_call(q, k, v, sinks, q_segments, kv_segments):
         b, sq, hq, _ = q.shape
         shapes = (_result(q.shape, q.dtype, q), _result((b, hq, sq), jnp.float32, q))
-        return tuple(jax.ffi.ffi_call(_native.FORWARD_TARGET, shapes)(q, k, v, **attributes))
+        return tuple(jax.ffi.ffi_call(_native.FORWARD_TARGET, shapes)(q, k, v, sinks, q_segments, kv_segments,
+                                                                      **attributes))
 
     return _folded(forward_call)
 
@@ -202,52 +204,83 @@ def _forward_call(scale, causal, window, softcap):
 def _backward_call(scale, causal, window, softcap):
     attributes = _attributes(scale, causal, window, softcap)
 
-    def backward_call(q, k, v, d_out, lse, delta):
+    def backward_call(q, k, v, d_out, lse, delta, sinks, q_segments, kv_segments):
         b, sq, hq, d = q.shape
         shapes = (*(_result(x.shape, x.dtype, x) for x in (q, k, v)), _result((b, hq, sq, d), jnp.float32, q))
-        dq, dk, dv, _ = jax.ffi.ffi_call(_native.BACKWARD_TARGET, shapes)(q, k, v, d_out, lse, delta, **attributes)
+        dq, dk, dv, _ = jax.ffi.ffi_call(_native.BACKWARD_TARGET, shapes)(
+            q, k, v, d_out, lse, delta, sinks, q_segments, kv_segments, **attributes)
         return dq, dk, dv
 
     return _folded(backward_call)
 
 
+def _varying_like(x, like):
+    """``x`` made to vary over the manual mesh axes ``like`` varies over (inside ``shard_map``: a replicated sink
+    array feeding per-shard kernels; its gradient is then summed over the shards by ``pcast``'s transpose)."""
+    axes = getattr(getattr(jax.typeof(like), "manual_axis_type", None), "varying", frozenset())
+    have = getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
+    missing = tuple(sorted(axes - have))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _extras(q, k, sinks, q_segment_ids, kv_segment_ids):
+    """The kernels' optional inputs in their FFI form: sinks float32 [B, Hq, n] (n = 0: none; broadcast over the
+    batch, so a vmap folds them like the other inputs), segment ids int32 [B, Sq] / [B, Sk] (both [B, 0]: none)."""
+    b, _, hq, _ = q.shape
+    sinks = jnp.zeros((hq, 0), jnp.float32) if sinks is None else sinks.astype(jnp.float32).reshape(hq, -1)
+    if q_segment_ids is None:
+        q_segment_ids = kv_segment_ids = jnp.zeros((b, 0), jnp.int32)
+    extras = (jnp.broadcast_to(sinks, (b, *sinks.shape)), q_segment_ids.astype(jnp.int32),
+              kv_segment_ids.astype(jnp.int32))
+    return tuple(_varying_like(x, q) for x in extras)
+
+
 def forward(q, k, v, *, scale: float, causal: bool, window: tuple[int, int] | None = None,
-            softcap: float | None = None):
-    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] float32)`` of the forward kernel (module docstring)."""
+            softcap: float | None = None, sinks=None, q_segment_ids=None, kv_segment_ids=None):
+    """``(out [B, Sq, Hq, D], lse [B, Hq, Sq] float32)`` of the forward kernel (module docstring); ``sinks``:
+    ``[Hq]`` or ``[Hq, n]`` logits in every row's denominator; segment ids ``[B, Sq]`` and ``[B, Sk]``."""
     _native.ensure_registered()
-    return _forward_call(float(scale), bool(causal), window, softcap)(q, k, v)
+    return _forward_call(float(scale), bool(causal), window, softcap)(
+        q, k, v, *_extras(q, k, sinks, q_segment_ids, kv_segment_ids))
 
 
-def backward(q, k, v, out, lse, d_out, *, scale: float, causal: bool, window: tuple[int, int] | None = None,
-             softcap: float | None = None):
-    """``(dq, dk, dv)`` of the backward kernels given the forward's ``out`` and ``lse``."""
-    _native.ensure_registered()
-    d_out = d_out.astype(q.dtype)
-    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    return _backward_call(float(scale), bool(causal), window, softcap)(q, k, v, d_out, lse, delta)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention(q, k, v, sinks, q_segments, kv_segments, scale, causal, window, softcap):
+    """Differentiable in q, k, v and sinks (``_extras``'s FFI forms; segment ids get no gradient)."""
+    return _forward_call(scale, causal, window, softcap)(q, k, v, sinks, q_segments, kv_segments)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def attention(q, k, v, scale: float, causal: bool, window: tuple[int, int] | None, softcap: float | None):
-    """Flash attention of whole arrays on the native kernels, differentiable."""
-    return forward(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)[0]
-
-
-def _attention_fwd(q, k, v, scale, causal, window, softcap):
-    out, lse = forward(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
-    return out, (q, k, v, out, lse)
+def _attention_fwd(q, k, v, sinks, q_segments, kv_segments, scale, causal, window, softcap):
+    out, lse = _forward_call(scale, causal, window, softcap)(q, k, v, sinks, q_segments, kv_segments)
+    return out, (q, k, v, sinks, q_segments, kv_segments, out, lse)
 
 
 def _attention_bwd(scale, causal, window, softcap, residuals, d_out):
-    q, k, v, out, lse = residuals
-    return backward(q, k, v, out, lse, d_out, scale=scale, causal=causal, window=window, softcap=softcap)
+    q, k, v, sinks, q_segments, kv_segments, out, lse = residuals
+    d_out = d_out.astype(q.dtype)
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    dq, dk, dv = _backward_call(scale, causal, window, softcap)(q, k, v, d_out, lse, delta, sinks, q_segments,
+                                                                  kv_segments)
+    # a sink only joins the denominators: d sink[h, j] = -sum over rows of P(sink j) * delta
+    d_sinks = -jnp.einsum("bhs,bhsn->bhn", delta, jnp.exp(sinks[:, :, None, :] - lse[..., None]))
+    no_gradient = np.zeros(q_segments.shape, jax.dtypes.float0)
+    return dq, dk, dv, d_sinks, no_gradient, np.zeros(kv_segments.shape, jax.dtypes.float0)
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, scale: float, causal: bool, window: tuple[int, int] | None, softcap: float | None, *,
+              sinks=None, q_segment_ids=None, kv_segment_ids=None):
+    """Flash attention of whole arrays on the native kernels, differentiable (in q, k, v and sinks)."""
+    _native.ensure_registered()
+    return _attention(q, k, v, *_extras(q, k, sinks, q_segment_ids, kv_segment_ids), float(scale), bool(causal),
+                      window, softcap)
 
 
 def call_attention(call):
     """:func:`attention` of a validated ``FlashAttentionCall`` (refused calls raise ``UnsupportedFeature``)."""
     check_supported(call)
     return attention(call.query, call.key, call.value, call.softmax_scale, bool(call.causal), call.sliding_window,
-                     call.logits_soft_cap)
+                     call.logits_soft_cap, sinks=call.softmax_aux, q_segment_ids=call.q_segment_ids,
+                     kv_segment_ids=call.kv_segment_ids)
