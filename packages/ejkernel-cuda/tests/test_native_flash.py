@@ -135,14 +135,26 @@ def test_refuses_each_feature_it_does_not_implement(kw, feature):
         native_flash.check_supported(call, check_device=False)
 
 
+PACKED = jnp.array([0, 50, 100, 128], jnp.int32)
+
+
 @pytest.mark.parametrize("kw", [
     dict(), dict(causal=True, q_len=77, kv_len=300), dict(sliding_window=(16, 4)), dict(logits_soft_cap=30.0),
     dict(dtype=jnp.float16, head_dim=128, heads=16, kv_heads=1), dict(q_len=1, kv_len=130),
     dict(softmax_aux=jnp.zeros((4,))), dict(softmax_aux=jnp.zeros((4, 2))),
     dict(q_segment_ids=jnp.zeros((1, 128), jnp.int32), kv_segment_ids=jnp.zeros((1, 128), jnp.int32)),
+    dict(cum_seqlens_q=PACKED, cum_seqlens_k=PACKED, causal=True),  # one array: packed self-attention
 ])
 def test_takes_the_calls_of_its_contract(kw):
     assert native_flash.refusal(_call(**kw), check_device=False) is None
+
+
+def test_packed_sequences_run_as_segment_ids():
+    """cum_seqlens [0, 3, 3, 7] over 9 tokens: sequences 0 and 2 (1 is empty); the two padding tokens get
+    different ids on the query and key side, so they see nothing."""
+    cum = jnp.array([0, 3, 3, 7], jnp.int32)
+    np.testing.assert_array_equal(native_flash._sequence_ids(cum, 9, outside=-1), [[0, 0, 0, 2, 2, 2, 2, -1, -1]])
+    np.testing.assert_array_equal(native_flash._sequence_ids(cum, 9, outside=-2)[0, -2:], [-2, -2])
 
 
 @pytest.mark.skipif(ON_GPU, reason="the refusals of a machine without a GPU")

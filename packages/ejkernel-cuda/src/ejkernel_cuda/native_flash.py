@@ -18,10 +18,12 @@ The FFI contract (what the kernels export; arrays contiguous row-major):
   alignment); GQA/MQA (``Hq % Hk == 0``) is handled inside the kernels.
 
 Taken: bfloat16/float16, head dims 64 or 128 (query and value alike), any lengths >= 1, GQA/MQA, causal,
-sliding window, soft cap, attention sinks, segment ids (every key block then masked: none skipped), on a GPU
-of compute capability 9.0 (H100 / H200 / GH200: the library holds sm_90a code only). :func:`refusal` names
-everything else (bias, masks, varlen, dropout, other dtypes and head dims, another GPU, the library missing),
-and :func:`check_supported` raises it as ``UnsupportedFeature`` before anything is traced.
+sliding window, soft cap, attention sinks, segment ids (every key block then masked: none skipped), packed
+varlen self-attention (one ``cum_seqlens`` array for queries and keys: run as segment ids), on a GPU of
+compute capability 9.0 (H100 / H200 / GH200: the library holds sm_90a code only). :func:`refusal` names
+everything else (bias, masks, varlen with separate arrays, dropout, other dtypes and head dims, another GPU,
+the library missing), and :func:`check_supported` raises it as ``UnsupportedFeature`` before anything is
+traced.
 
 ``jax.vmap`` folds the mapped axes into the batch axis (one kernel launch, no loop); the calls work under
 ``jit``, ``shard_map`` (per-shard arrays) and ``jax.export``: the custom calls have no compatibility
@@ -89,7 +91,9 @@ def refusal(call, *, check_device: bool = True) -> str | None:
     for given, feature in (
         (call.bias is not None, "bias"),
         (call.attention_mask is not None, "attention_mask"),
-        (call.cum_seqlens_q is not None or call.cum_seqlens_k is not None, "cum_seqlens (varlen)"),
+        (call.cum_seqlens_q is not None and not _packed_self_attention(call),
+         "cum_seqlens (varlen) with separate query and key arrays or lengths"),
+        (call.cum_seqlens_q is not None and call.q_segment_ids is not None, "segment ids together with cum_seqlens"),
         (bool(call.dropout_prob), "dropout"),
     ):
         if given:
@@ -278,9 +282,30 @@ def attention(q, k, v, scale: float, causal: bool, window: tuple[int, int] | Non
                       window, softcap)
 
 
+def _packed_self_attention(call) -> bool:
+    """A varlen call whose queries and keys share one ``cum_seqlens`` array over equal lengths: each sequence's
+    queries then sit at the positions of its keys (ejkernel aligns them per sequence), so causal and window
+    rules on the packed positions are the per-sequence ones, and the sequences run as segment ids."""
+    return (call.cum_seqlens_q is not None and call.cum_seqlens_q is call.cum_seqlens_k
+            and call.query.shape[1] == call.key.shape[1])
+
+
+def _sequence_ids(cum_seqlens, length: int, outside: int):
+    """``[1, length]`` int32: each packed token's sequence index; ``outside`` past the last sequence."""
+    positions = jnp.arange(length, dtype=jnp.int32)
+    ids = jnp.searchsorted(cum_seqlens, positions, side="right").astype(jnp.int32) - 1
+    return jnp.where(positions < cum_seqlens[-1], ids, outside)[None]
+
+
 def call_attention(call):
-    """:func:`attention` of a validated ``FlashAttentionCall`` (refused calls raise ``UnsupportedFeature``)."""
+    """:func:`attention` of a validated ``FlashAttentionCall`` (refused calls raise ``UnsupportedFeature``);
+    packed varlen self-attention runs as segment ids (tokens past the last sequence see nothing)."""
     check_supported(call)
+    q_segment_ids, kv_segment_ids = call.q_segment_ids, call.kv_segment_ids
+    if call.cum_seqlens_q is not None:
+        length = call.query.shape[1]
+        q_segment_ids = _sequence_ids(call.cum_seqlens_q, length, outside=-1)
+        kv_segment_ids = _sequence_ids(call.cum_seqlens_k, length, outside=-2)
     return attention(call.query, call.key, call.value, call.softmax_scale, bool(call.causal), call.sliding_window,
-                     call.logits_soft_cap, sinks=call.softmax_aux, q_segment_ids=call.q_segment_ids,
-                     kv_segment_ids=call.kv_segment_ids)
+                     call.logits_soft_cap, sinks=call.softmax_aux, q_segment_ids=q_segment_ids,
+                     kv_segment_ids=kv_segment_ids)
