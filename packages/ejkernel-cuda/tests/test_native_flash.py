@@ -379,6 +379,7 @@ class TestNativeFlashAttentionConformanceFloat16(TestNativeFlashAttentionConform
 SINKS_8x2 = np.linspace(-1.0, 2.0, 16, dtype=np.float32).reshape(8, 2)
 SINKS_4 = np.float32([0.5, -1.0, 3.0, 0.0])
 SEGMENTS_300 = np.repeat(np.int32([0, 1, 2]), [100, 150, 50])[None].repeat(2, axis=0)  # three packed sequences
+CUM_300 = np.int32([0, 100, 250, 280])  # one array for queries and keys: packed self-attention
 
 
 def _inputs(seed, b, sq, sk, h, hkv, d, dtype):
@@ -401,6 +402,7 @@ def _inputs(seed, b, sq, sk, h, hkv, d, dtype):
     (1, 300, 300, 8, 2, 128, dict(causal=True, softmax_aux=SINKS_8x2)),  # two sinks per head, GQA
     (1, 256, 64, 4, 2, 64, dict(sliding_window=(0, 10), softmax_aux=SINKS_4)),  # empty rows see the sinks only
     (2, 300, 300, 4, 2, 64, dict(causal=True, q_segment_ids=SEGMENTS_300, kv_segment_ids=SEGMENTS_300)),
+    (1, 300, 300, 8, 2, 128, dict(causal=True, cum_seqlens_q=CUM_300, cum_seqlens_k=CUM_300)),  # 20 padding tokens
 ])
 def test_explicit_cases_against_float64(dtype, b, sq, sk, h, hkv, d, kw):
     q, k, v, do = _inputs(sq * 7 + sk, b, sq, sk, h, hkv, d, dtype)
