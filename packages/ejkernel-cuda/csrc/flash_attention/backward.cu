@@ -24,13 +24,6 @@ constexpr int kBackwardStages = 2;
 constexpr int kDkvKeys = 128;  // keys per dK/dV CTA (two warpgroups of 64)
 constexpr int kDkvRows = 64;   // query rows per streamed block of the dK/dV kernel
 
-template <class Shared>
-__device__ __forceinline__ Shared& aligned_backward_shared() {
-  extern __shared__ char raw_shared[];
-  const uintptr_t base = reinterpret_cast<uintptr_t>(raw_shared);
-  return *reinterpret_cast<Shared*>((base + 1023) & ~uintptr_t(1023));
-}
-
 struct BackwardParams {
   CUtensorMap q_map, k_map, v_map, do_map;
   const float* lse;    // [B, Hq, Sq]
@@ -135,7 +128,7 @@ template <class T, int D, bool Capped>
 __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(const __grid_constant__ BackwardParams params) {
   constexpr int BM = kDkvRows;
   using Shared = DkvShared<T, D>;
-  Shared& shared = aligned_backward_shared<Shared>();
+  Shared& shared = aligned_shared<Shared>();
   const Problem& problem = params.problem;
   const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y, batch = blockIdx.z;
@@ -145,7 +138,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   const RowBlocks blocks = row_blocks(problem, key_begin, key_end, BM);
   const int blocks_per_head = blocks.last - blocks.first;
   const int num_steps = blocks_per_head * group_size;  // step = (query head of the group, query block)
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warpgroup_index();
   const int t = threadIdx.x % 128;
   const float log2e = 1.4426950408889634f;
 
@@ -224,11 +217,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
 
   if (num_steps > 0) {
     barrier_wait(&shared.keys_full, 0);
-    const uint32_t k_tile = smem_address(shared.k), v_tile = smem_address(shared.v);
+    const uint32_t k_tile_0 = smem_address(shared.k), v_tile_0 = smem_address(shared.v);
     // One block pair; `masked`: a compile-time flag, so the elementwise work is branch-free
     auto step = [&](int it, int head, int row0, auto masked) {
       const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
       const uint32_t q_tile = smem_address(shared.q[stage]), do_tile = smem_address(shared.d_out[stage]);
+      const uint32_t k_tile = in_loop(k_tile_0), v_tile = in_loop(v_tile_0);
       barrier_wait(&shared.rows_full[stage], phase);
       // Five products in four groups, each wait leaving a product running under the elementwise work:
       // S^T and dP^T issued together; P^T once S^T is in, then dV issued; dS^T once dP^T is in, then dK;

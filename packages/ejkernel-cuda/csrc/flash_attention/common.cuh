@@ -160,28 +160,52 @@ __device__ __forceinline__ void fence_operands(uint32_t* regs) {
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(regs[i]);
 }
 
-// Descriptor of the 128-byte swizzled layout above; addresses are shared-memory byte addresses.
-__device__ __forceinline__ uint64_t smem_descriptor(uint32_t address, uint32_t leading_bytes, uint32_t stride_bytes) {
-  cute::GmmaDescriptor desc;
-  desc.bitfield.start_address_ = static_cast<uint16_t>((address & 0x3FFFF) >> 4);
-  desc.bitfield.leading_byte_offset_ = static_cast<uint16_t>(leading_bytes >> 4);
-  desc.bitfield.stride_byte_offset_ = static_cast<uint16_t>(stride_bytes >> 4);
-  desc.bitfield.base_offset_ = 0;  // every tile starts 1024-byte aligned
-  desc.bitfield.layout_type_ = static_cast<uint8_t>(cute::SM90::GMMA::LayoutType::B128);
-  return desc.desc_;
+// Descriptor of the 128-byte swizzled layout above, for the operand `offset` bytes into a tile (tiles start
+// 1024-byte aligned, offsets are multiples of 16). Shared addresses stay below 2^18, so the 14-bit start
+// field is the address / 16 with no masking, and the descriptor is a sum: (tile / 16 + offset / 16) plus
+// constants in the low word, a constant high word (stride, base offset 0, layout). A loop's descriptors of
+// one tile then cost one uniform add each instead of a bitfield assembly per product.
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t tile, uint32_t offset, uint32_t leading_bytes,
+                                                    uint32_t stride_bytes) {
+  const uint32_t low = (tile >> 4) + (offset >> 4) + ((leading_bytes >> 4) << 16);
+  const uint32_t high =
+      (stride_bytes >> 4) | (static_cast<uint32_t>(cute::SM90::GMMA::LayoutType::B128) << 30);
+  return (static_cast<uint64_t>(high) << 32) | low;
 }
 
 // K-major operand: rows [row0, row0 + 64 or N) of a tile of `rows` rows, k-step `k` (16 columns).
 __device__ __forceinline__ uint64_t k_major(uint32_t tile, int rows, int row0, int k) {
-  return smem_descriptor(tile + (k / 4) * rows * 128 + row0 * 128 + (k % 4) * 32, 16, 1024);
+  return smem_descriptor(tile, (k / 4) * rows * 128 + row0 * 128 + (k % 4) * 32, 16, 1024);
 }
 // MN-major operand: reduction rows [16k, 16k + 16) of a tile of `rows` rows, all its columns.
 __device__ __forceinline__ uint64_t mn_major(uint32_t tile, int rows, int k) {
-  return smem_descriptor(tile + k * 16 * 128, rows * 128, 1024);
+  return smem_descriptor(tile, k * 16 * 128, rows * 128, 1024);
 }
+
+// `x` as a value the compiler cannot hoist out of a loop: descriptors derived from it in the loop body are
+// recomputed (one uniform add each) instead of being hoisted into dozens of long-lived registers.
+__device__ __forceinline__ uint32_t in_loop(uint32_t x) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+  return x;
+}
+
+// The warpgroup of the calling thread, as a value the compiler knows to be the same across the warp (a
+// shuffle from lane 0): what is computed from it (tile offsets, descriptors) then lives in uniform registers.
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffff, threadIdx.x / 128, 0); }
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The kernel's shared storage at the first 1024-byte boundary of dynamic shared memory (128-byte swizzled
+// tiles need it; the launch asks for 1024 bytes more). The offset is added to the __shared__ array itself,
+// not to its address as an integer, so the compiler still knows the space: LDS/STS, not generic LD/ST
+// (whose stores also put a MEMBAR before each proxy fence).
+template <class Shared>
+__device__ __forceinline__ Shared& aligned_shared() {
+  extern __shared__ char raw_shared[];
+  const uint32_t misalignment = smem_address(raw_shared) & 1023;
+  return *reinterpret_cast<Shared*>(raw_shared + ((1024 - misalignment) & 1023));
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -36,13 +36,6 @@ struct ForwardParams {
   Extras extras;
 };
 
-template <class Shared>
-__device__ __forceinline__ Shared& aligned_shared() {
-  extern __shared__ char raw_shared[];
-  const uintptr_t base = reinterpret_cast<uintptr_t>(raw_shared);
-  return *reinterpret_cast<Shared*>((base + 1023) & ~uintptr_t(1023));
-}
-
 // Capped: a soft cap is applied (a template parameter, like whether a key block needs the mask: the main
 // loop must be one branch-free block for the compiler to keep the softmax between the waits for the
 // products in flight).
@@ -58,7 +51,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   const int row_end = min(row_begin + kForwardRows, problem.q_len);
   const KeyBlocks blocks = key_blocks(problem, row_begin, row_end, BN);
   const int num_blocks = blocks.last - blocks.first;
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warpgroup_index();
   const int t = threadIdx.x % 128;
 
   if (threadIdx.x == 0) {
