@@ -83,6 +83,7 @@ def main() -> None:
               "timing": timing([int(s) for s in args.seqs.split(",")], args.reps,
                                [name for name in args.impls.split(",") if name])}
     if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "cuda_flash_probe.json").write_text(json.dumps(result, indent=1))
 
 

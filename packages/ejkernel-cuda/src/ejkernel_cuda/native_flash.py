@@ -68,9 +68,9 @@ def device_refusal() -> str | None:
 
 # The project's rule for kernels no GPU run has checked (docs/DEVELOPING.md): used only with
 # EJKERNEL_UNVERIFIED_KERNELS=1 (scripts/device/gpu_tests.sh sets it) until their GPU tests pass. The kernels
-# of main passed on an H100, 2026-11-27 (results/nvidia-h100-2026-11-27-cuda-native-gpu-tests.json); this
-# branch's sinks and segment ids (kernels changed after that run) have not run on a GPU yet.
-VERIFIED_ON_GPU = False
+# with sinks, segment ids and packed varlen passed on an H100, 2026-11-27
+# (results/nvidia-h100-2026-11-27b-cuda-native-gpu-tests.json: 115 passed, 40 refusals skipped).
+VERIFIED_ON_GPU = True
 
 
 def usable_here() -> str | None:
