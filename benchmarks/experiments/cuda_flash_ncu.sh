@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ON THE DEVICE (inside scripts/device/run.sh): Nsight Compute reports of the native CUDA flash-attention
 # kernels and FlashAttention-3's at one shape, into $OUT/ncu/ (the .ncu-rep, the details page, and the
-# per-instruction SASS page of each). SEQ (8192) and CAUSAL (empty / --causal) pick the shape.
+# per-instruction SASS page of each), as one ncu.tar.gz. SEQ (8192) and CAUSAL (empty / --causal) pick the shape.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/out}/ncu
@@ -20,8 +20,13 @@ profile() {  # name impl kernel-regex launch-skip launch-count
     grep -E "^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
         "$OUT/$1.details.txt" | head -40
 }
-profile native-bwd native 'flash_backward_kernel' 2 1
-profile fa3-bwd flash-attn3 'device_kernel' 4 4  # a step: forward, then the backward's three
-profile native-fwd native 'flash_forward_kernel' 2 1
-profile fa3-fwd flash-attn3 'device_kernel' 8 1
+# PROFILES picks among: native-bwd fa3-bwd native-fwd fa3-fwd (default: all four)
+for name in ${PROFILES:-native-bwd fa3-bwd native-fwd fa3-fwd}; do
+    case $name in
+        native-bwd) profile native-bwd native 'flash_backward_kernel' 2 1 ;;
+        fa3-bwd) profile fa3-bwd flash-attn3 'device_kernel' 4 4 ;;  # a step: forward, then the backward's three
+        native-fwd) profile native-fwd native 'flash_forward_kernel' 2 1 ;;
+        fa3-fwd) profile fa3-fwd flash-attn3 'device_kernel' 8 1 ;;
+    esac
+done
 tar czf "$OUT.tar.gz" -C "$(dirname "$OUT")" ncu && rm -rf "$OUT"  # the device tool returns 8 files

@@ -8,7 +8,7 @@
 //   S^T = K Q^T and dP^T = V dO^T (wgmma, shared operands); P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta)
 //   in registers; dV += P^T dO and dK += dS^T Q (wgmma, P^T / dS^T from registers);
 //   dS^T goes to shared memory, and dQ_block = dS K (wgmma: dS read transposed, each warpgroup 64 of the
-//   head dim's columns) goes through shared memory into a float32 accumulator [B, Hq, Sq, D] by one bulk
+//   head dim's columns) goes through shared memory into a float32 accumulator (64-query chunks) by one bulk
 //   reduce-add (cp.reduce.async.bulk) per block. A last kernel scales it and writes dQ in q's layout/dtype.
 // GQA sums dK/dV over the group's query heads in registers.
 //
@@ -28,7 +28,7 @@ struct BackwardParams {
   CUtensorMap q_map, k_map, v_map, do_map;
   const float* lse;    // [B, Hq, Sq]
   const float* delta;  // [B, Hq, Sq]
-  float* dq_accum;     // [B, Hq, Sq, D], zeroed before the kernel; unscaled
+  float* dq_accum;     // [B, Hq, q_chunks, 64 * D] in fragment order (dq_chunk_offset), zeroed; unscaled
   void* dk;            // [B, Sk, Hk, D]
   void* dv;
   Problem problem;
@@ -81,7 +81,7 @@ struct DkvShared {
   T q[kBackwardStages][kDkvRows * D];
   T d_out[kBackwardStages][kDkvRows * D];
   T ds[2][kDkvKeys * kDkvRows];   // dS^T of a block (alternating): keys as rows, 64 query columns (one panel)
-  float dq[kDkvRows * D];         // this block's dQ, row-major, for the bulk reduce-add
+  float dq[kDkvRows * D];         // this block's dQ in fragment order (dq_chunk_offset), for the bulk reduce-add
   float lse[kBackwardStages][kDkvRows];  // log2 units
   float delta[kBackwardStages][kDkvRows];
   int q_segment[kBackwardStages][kDkvRows];  // segment ids of the block's query rows (segmented calls)
@@ -119,6 +119,17 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 // swizzle (TMA's layout: the 16-byte chunk index XORed with the row's index within its 8-row group).
 __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
   return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
+}
+
+// The dQ accumulator [B, Hq, q_chunks, 64 * D] holds each 64-query block as one chunk in fragment order:
+// the float4 of accumulator elements 4c..4c+3 of thread t of the warpgroup computing 64-column panel
+// `panel` at float offset ((panel * 8 + c) * 128 + t) * 4. A warp's 16-byte stores are then contiguous
+// (no bank conflicts) and the chunk goes out in one bulk reduce-add; dq_convert_kernel maps it back.
+__device__ __forceinline__ int dq_chunk_offset(int panel, int c, int t) { return ((panel * 8 + c) * 128 + t) * 4; }
+__host__ __device__ __forceinline__ int q_chunks(const Problem& p) { return (p.q_len + kDkvRows - 1) / kDkvRows; }
+
+inline size_t dq_accum_elements(const Problem& p, int64_t head_dim) {
+  return static_cast<size_t>(p.batch) * p.q_heads * q_chunks(p) * kDkvRows * head_dim;
 }
 
 constexpr int kSyncDsWritten = 1;  // named barriers of the two consumer warpgroups
@@ -224,6 +235,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       const uint32_t q_tile = smem_address(shared.q[stage]), do_tile = smem_address(shared.d_out[stage]);
       const uint32_t k_tile = in_loop(k_tile_0), v_tile = in_loop(v_tile_0);
       barrier_wait(&shared.rows_full[stage], phase);
+      // This thread's 16 query columns come in 8 adjacent pairs: their lse loaded before the products are
+      // issued (the loads then complete under S^T), delta once P^T is formed (registers are short before)
+      float2 lse_pairs[BM / 8], delta_pairs[BM / 8];
+#pragma unroll
+      for (int c = 0; c < BM / 8; ++c) {
+        lse_pairs[c] = *reinterpret_cast<const float2*>(&shared.lse[stage][fragment_col(t, 4 * c)]);
+      }
       // Five products in four groups, each wait leaving a product running under the elementwise work:
       // S^T and dP^T issued together; P^T once S^T is in, then dV issued; dS^T once dP^T is in, then dK;
       // dS^T through shared memory, then dQ.
@@ -250,7 +268,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         for (int j = 0; j < 2; ++j) {
           const int col = fragment_col(t, i + j);  // query row row0 + col
           float slope;
-          prob[j] = logits.probability(s[i + j], shared.lse[stage][col], slope);
+          const float2 lse = lse_pairs[i / 4];
+          prob[j] = logits.probability(s[i + j], j ? lse.y : lse.x, slope);
           if constexpr (decltype(masked)::value) {
             const RowRange range = visible_keys(problem, row0 + col);
             const int key = (i & 2) ? key_b : key_a;
@@ -263,6 +282,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         }
         p_operand[i / 2] = Element<T>::pack(prob[0], prob[1]);
       }
+#pragma unroll
+      for (int c = 0; c < BM / 8; ++c) {
+        delta_pairs[c] = *reinterpret_cast<const float2*>(&shared.delta[stage][fragment_col(t, 4 * c)]);
+      }
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k = 0; k < BM / 16; ++k) {
@@ -272,7 +295,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       cute::warpgroup_wait<1>();  // dP^T is in (dV may still run)
       fence_operands<BM / 2>(dp);
 #pragma unroll
-      for (int i = 0; i < BM / 2; ++i) dp[i] = s[i] * (dp[i] - shared.delta[stage][fragment_col(t, i)]);
+      for (int i = 0; i < BM / 2; ++i) {
+        const float2 delta = delta_pairs[i / 4];
+        dp[i] = s[i] * (dp[i] - ((i & 1) ? delta.y : delta.x));
+      }
       to_operand<T, BM>(dp, ds_operand);
       cute::warpgroup_arrive();
 #pragma unroll
@@ -313,11 +339,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       if (t == 0) barrier_arrive(&shared.rows_empty[stage]);
       if (computes_dq) {
         fence_operands<kDqCols / 2>(dq);
-        const int column0 = D == 128 ? 64 * group : 0;
+        const int panel = D == 128 ? group : 0;
 #pragma unroll
-        for (int i = 0; i < kDqCols / 2; i += 2) {
-          const int row = fragment_row(t) + ((i & 2) ? 8 : 0);
-          *reinterpret_cast<float2*>(&shared.dq[row * D + column0 + fragment_col(t, i)]) = make_float2(dq[i], dq[i + 1]);
+        for (int c = 0; c < kDqCols / 8; ++c) {
+          *reinterpret_cast<float4*>(&shared.dq[dq_chunk_offset(panel, c, t)]) =
+              make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
         }
       }
       fence_async_shared();
@@ -327,10 +353,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       // that barrier too, which the reducing warp reaches once this block's reduce-add has read the tile.
       if (group == 0 && t < 32) named_sync(kSyncDqWritten, 256);
       else named_arrive(kSyncDqWritten, 256);
-      if (reduces) {
-        const int rows = min(BM, problem.q_len - row0);
-        float* target = params.dq_accum + ((static_cast<size_t>(batch) * problem.q_heads + head) * problem.q_len + row0) * D;
-        bulk_reduce_add(target, shared.dq, rows * D * sizeof(float));
+      if (reduces) {  // the whole chunk: rows past the length hold zeros (their P is 0) and land in padding
+        const size_t chunk = (static_cast<size_t>(batch) * problem.q_heads + head) * q_chunks(problem) + row0 / BM;
+        bulk_reduce_add(params.dq_accum + chunk * BM * D, shared.dq, BM * D * sizeof(float));
       }
     };
     for (int it = 0; it < num_steps; ++it) {
@@ -351,24 +376,35 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   store_rows(static_cast<T*>(params.dv) + offset, row_stride, key_a, key_b, problem.kv_len, t, dv, D, 1.f);
 }
 
-// dq [B, Sq, Hq, D] (q's dtype) = scale * dq_accum [B, Hq, Sq, D]; four columns per thread.
+// dq [B, Sq, Hq, D] (q's dtype) = scale * the fragment-ordered accumulator (dq_chunk_offset); one float4 per
+// thread: two adjacent columns of two rows 8 apart.
 template <class T, int D>
 __global__ void dq_convert_kernel(const float* __restrict__ accum, T* __restrict__ dq, Problem problem) {
-  const size_t quads = static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len * (D / 4);
+  constexpr int kChunk = kDkvRows * D;
+  const size_t quads = static_cast<size_t>(problem.batch) * problem.q_heads * q_chunks(problem) * (kChunk / 4);
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < quads;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const int col = static_cast<int>(i % (D / 4)) * 4;
-    size_t rest = i / (D / 4);
-    const int row = static_cast<int>(rest % problem.q_len);
-    rest /= problem.q_len;
+    const int within = static_cast<int>(i % (kChunk / 4));  // (panel * 8 + c) * 128 + t
+    size_t rest = i / (kChunk / 4);
+    const int row0 = static_cast<int>(rest % q_chunks(problem)) * kDkvRows;
+    rest /= q_chunks(problem);
     const int head = static_cast<int>(rest % problem.q_heads);
     const size_t batch = rest / problem.q_heads;
+    const int t = within % 128, c = (within / 128) % 8, panel = within / 1024;
+    const int col = 64 * panel + fragment_col(t, 4 * c);
     const float4 x = *reinterpret_cast<const float4*>(accum + i * 4);
     const float scale = problem.softmax_scale;
-    uint2 packed;
-    packed.x = Element<T>::pack(x.x * scale, x.y * scale);
-    packed.y = Element<T>::pack(x.z * scale, x.w * scale);
-    *reinterpret_cast<uint2*>(dq + ((batch * problem.q_len + row) * problem.q_heads + head) * D + col) = packed;
+    const int row_a = row0 + fragment_row(t), row_b = row_a + 8;
+    T* out = dq + head * D + col;
+    const size_t row_stride = static_cast<size_t>(problem.q_heads) * D;
+    if (row_a < problem.q_len) {
+      *reinterpret_cast<uint32_t*>(out + (batch * problem.q_len + row_a) * row_stride) =
+          Element<T>::pack(x.x * scale, x.y * scale);
+    }
+    if (row_b < problem.q_len) {
+      *reinterpret_cast<uint32_t*>(out + (batch * problem.q_len + row_b) * row_stride) =
+          Element<T>::pack(x.z * scale, x.w * scale);
+    }
   }
 }
 
@@ -400,8 +436,7 @@ cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const E
       (error = encode(&params.v_map, v, false, kDkvKeys)) != cudaSuccess) {
     return error;
   }
-  const size_t accum_bytes =
-      static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len * D * sizeof(float);
+  const size_t accum_bytes = dq_accum_elements(problem, D) * sizeof(float);
   if ((error = cudaMemsetAsync(dq_accum, 0, accum_bytes, stream)) != cudaSuccess) return error;
   auto kernel = problem.softcap > 0.f ? flash_backward_kernel<T, D, true> : flash_backward_kernel<T, D, false>;
   const size_t shared_bytes = sizeof(DkvShared<T, D>) + 1024;
@@ -431,10 +466,11 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   if ((error = read_extras(problem, sinks, q_segments, kv_segments, &extras)).failure()) return error;
   if (d_out.element_type() != q.element_type() || d_out.element_count() != q.element_count() ||
       lse.element_count() != static_cast<size_t>(problem.batch) * problem.q_heads * problem.q_len ||
-      delta.element_count() != lse.element_count() || dq_accum->element_count() != q.element_count()) {
+      delta.element_count() != lse.element_count() ||
+      dq_accum->element_count() != dq_accum_elements(problem, q.dimensions()[3])) {
     return ffi::Error::InvalidArgument("ejkernel flash attention backward: d_out must match q " + shape_text(q) +
                                        ", lse/delta be float32 [batch, heads, q_len] and the dq accumulator "
-                                       "float32 [batch, heads, q_len, dim]");
+                                       "float32 [batch, heads, q_len rounded up to 64, dim]");
   }
   const int head_dim = static_cast<int>(q.dimensions()[3]);
   return dispatch(q.element_type(), head_dim, [&](auto element, auto dim) {
@@ -449,7 +485,8 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 
 }  // namespace ejk
 
-// Results: dq, dk, dv, and the float32 dQ accumulator [B, Hq, Sq, D] (a workspace: callers drop it).
+// Results: dq, dk, dv, and the float32 dQ accumulator [B, Hq, Sq rounded up to 64, D] (a workspace: callers
+// drop it).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkFlashBackward, ejk::backward_handler,
                               ejk::problem_attributes(ejk::extra_buffers(xla::ffi::Ffi::Bind()
                                                                              .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
