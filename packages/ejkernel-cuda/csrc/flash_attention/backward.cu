@@ -103,8 +103,6 @@ __device__ __forceinline__ RowBlocks row_blocks(const Problem& p, int key_begin,
   return {lo / block_m, hi / block_m + 1};
 }
 
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 // global[i] += shared[i] for `bytes` bytes (float32), asynchronously; completes with the thread's bulk group.
 __device__ __forceinline__ void bulk_reduce_add(float* global, const float* shared, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(global),
@@ -114,12 +112,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* global, const float* shar
 }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-// Byte offset of element (row, col) of a 16-bit tile with 64-column panels of 128-byte rows, 128-byte
-// swizzle (TMA's layout: the 16-byte chunk index XORed with the row's index within its 8-row group).
-__device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
-  return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
-}
 
 // The dQ accumulator [B, Hq, q_chunks, 64 * D] holds each 64-query block as one chunk in fragment order:
 // the float4 of accumulator elements 4c..4c+3 of thread t of the warpgroup computing 64-column panel

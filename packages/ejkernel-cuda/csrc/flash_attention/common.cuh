@@ -282,6 +282,29 @@ __device__ __forceinline__ void load_tile(const CUtensorMap* map, Barrier* bar, 
   }
 }
 
+// Orders this thread's shared-memory writes before later async-proxy reads (wgmma, TMA, bulk copies).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Byte offset of element (row, col) of a 16-bit tile with 64-column panels of 128-byte rows, 128-byte
+// swizzle (TMA's layout: the 16-byte chunk index XORed with the row's index within its 8-row group).
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
+  return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
+}
+
+// Stores rows [row0, row0 + 64) of head `head`, batch `batch` of a [B, S, H, D] tensor from rows
+// [first, first + 64) of a tile of `rows` rows (D/64 panels; the map's box is 64 rows), in one bulk group;
+// rows past the end are not written. The tile must stay until tma_store_wait.
+template <int D>
+__device__ __forceinline__ void store_tile(const CUtensorMap* map, const void* tile, int rows, int first, int row0,
+                                           int head, int batch) {
+#pragma unroll
+  for (int panel = 0; panel < D / 64; ++panel) {
+    cute::SM90_TMA_STORE_4D::copy(map, static_cast<const char*>(tile) + (panel * rows + first) * 128, panel * 64,
+                                  head, row0, batch);
+  }
+  cute::tma_store_arrive();
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Host side: TMA descriptors of [B, S, H, D] tensors with boxes of `rows` rows x 64 columns of one head.
 

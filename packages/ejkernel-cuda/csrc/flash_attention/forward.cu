@@ -30,7 +30,7 @@ struct ForwardShared {
 
 struct ForwardParams {
   CUtensorMap q_map, k_map, v_map;
-  void* out;   // [B, Sq, Hq, D]
+  CUtensorMap out_map;  // [B, Sq, Hq, D], boxes of 64 rows (one consumer warpgroup's)
   float* lse;  // [B, Hq, Sq]
   Problem problem;
   Extras extras;
@@ -264,21 +264,26 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
     if (t == 0) barrier_arrive(&shared.v_empty[stage]);
   }
 
-  // epilogue: normalize, store rows inside the query length, log-sum-exp in natural log
+  // epilogue: normalize; the output goes through this warpgroup's rows of the Q tile (its own products
+  // that read them are complete; the other warpgroup reads only its rows) to TMA stores, which clip rows
+  // past the query length; log-sum-exp in natural log
   sum_a = quad_sum(sum_a);
   sum_b = quad_sum(sum_b);
   const float inverse_a = sum_a > 0.f ? 1.f / sum_a : 0.f, inverse_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
-  T* out = static_cast<T*>(params.out);
-  const size_t row_stride = static_cast<size_t>(problem.q_heads) * D;
-  const size_t head_offset = (static_cast<size_t>(batch) * problem.q_len * problem.q_heads + head) * D;
+  char* q_bytes = reinterpret_cast<char*>(shared.q);
 #pragma unroll
   for (int i = 0; i < D / 2; i += 2) {
-    const int row = (i & 2) ? row_b : row_a;
-    if (row < problem.q_len) {
-      const float inverse = (i & 2) ? inverse_b : inverse_a;
-      *reinterpret_cast<uint32_t*>(out + head_offset + row * row_stride + fragment_col(t, i)) =
-          Element<T>::pack(o[i] * inverse, o[i + 1] * inverse);
-    }
+    const int row = 64 * group + fragment_row(t) + ((i & 2) ? 8 : 0);  // within the tile
+    const int col = fragment_col(t, i);
+    const float inverse = (i & 2) ? inverse_b : inverse_a;
+    *reinterpret_cast<uint32_t*>(q_bytes + (col / 64) * kForwardRows * 128 + swizzled_offset(row, col % 64)) =
+        Element<T>::pack(o[i] * inverse, o[i + 1] * inverse);
+  }
+  fence_async_shared();
+  named_sync(3 + group, 128);
+  if (t == 0) {
+    store_tile<D>(&params.out_map, shared.q, kForwardRows, 64 * group, row_begin + 64 * group, head, batch);
+    cute::tma_store_wait<0>();
   }
   if (t % 4 == 0) {
     const float ln2 = 0.6931471805599453f;
@@ -293,7 +298,6 @@ cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const Ex
                            const void* k, const void* v, void* out, float* lse) {
   constexpr int BN = 128;
   ForwardParams params;
-  params.out = out;
   params.lse = lse;
   params.problem = problem;
   params.extras = extras;
@@ -304,6 +308,8 @@ cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const Ex
       (error = encode_tile_map(&params.k_map, type, k, problem.batch, problem.kv_len, problem.kv_heads, D, BN)) !=
           cudaSuccess ||
       (error = encode_tile_map(&params.v_map, type, v, problem.batch, problem.kv_len, problem.kv_heads, D, BN)) !=
+          cudaSuccess ||
+      (error = encode_tile_map(&params.out_map, type, out, problem.batch, problem.q_len, problem.q_heads, D, 64)) !=
           cudaSuccess) {
     return error;
   }
