@@ -11,8 +11,9 @@ The FFI contract (what the kernels export; arrays contiguous row-major):
   shape ``[B, 0]`` none;
 - ``EjkFlashBackward(q, k, v, d_out, lse, delta [B, Hq, Sq] float32, sinks, q_segment_ids, kv_segment_ids)
   -> (dq, dk, dv, dq_accum)`` (the shapes and dtypes of q, k, v; ``dq_accum`` float32 ``[B, Hq, Sq rounded up
-  to 64, D]`` is the kernel's workspace (64-query chunks in the kernel's own order), dropped here), ``delta = rowsum(d_out * out)`` in float32, formed here in JAX, as
-  is the sinks' gradient (``-sum_rows exp(sink - lse) * delta``);
+  to 64, D]`` is the kernel's workspace, 64-query chunks in its own order, dropped here), ``delta =
+  rowsum(d_out * out)`` in float32, formed here in JAX, as is the sinks' gradient (``-sum_rows exp(sink -
+  lse) * delta``);
 - attributes of both: ``softmax_scale`` (f32), ``causal`` (bool), ``window_left`` / ``window_right`` (i64,
   -1: unbounded), ``softcap`` (f32, 0: off). Query ``i`` sits at key position ``i + Sk - Sq`` (ejkernel's
   alignment); GQA/MQA (``Hq % Hk == 0``) is handled inside the kernels.
@@ -210,7 +211,8 @@ def _backward_call(scale, causal, window, softcap):
 
     def backward_call(q, k, v, d_out, lse, delta, sinks, q_segments, kv_segments):
         b, sq, hq, d = q.shape
-        shapes = (*(_result(x.shape, x.dtype, x) for x in (q, k, v)), _result((b, hq, -(-sq // 64) * 64, d), jnp.float32, q))
+        accumulator = _result((b, hq, -(-sq // 64) * 64, d), jnp.float32, q)
+        shapes = (*(_result(x.shape, x.dtype, x) for x in (q, k, v)), accumulator)
         dq, dk, dv, _ = jax.ffi.ffi_call(_native.BACKWARD_TARGET, shapes)(
             q, k, v, d_out, lse, delta, sinks, q_segments, kv_segments, **attributes)
         return dq, dk, dv
