@@ -140,12 +140,12 @@ def test_auto_ranks_an_implementation_by_its_priority_for_the_call(probe_backend
 
 
 def test_hopper_kernels_rank_by_their_measurements():
-    """On Hopper, for the calls cuDNN refuses (soft cap, windows reaching right, ...): Pallas' Mosaic GPU kernels
-    first, then ejkernel-cuda's native ones, then Triton's (forward+backward measured in that order on an H100,
-    2026-11-27: the ranks' comments); cuDNN's rank stays above them all."""
+    """On Hopper, for the calls cuDNN refuses (soft cap, sinks, windows reaching right, ...): ejkernel-cuda's
+    native kernels first, then Pallas' Mosaic GPU kernels, then Triton's (measured in that order, the last run on
+    an H200, 2026-11-27: the ranks' comments); cuDNN's rank stays above them all."""
     from ejkernel_cuda import plugin as cuda_plugin
     from ejkernel_cuda.flash_attention import NATIVE_PRIORITY
     from ejkernel_pallas.mosaic_attention import MEASURED_PRIORITY
     from ejkernel_triton import plugin as triton_plugin
 
-    assert triton_plugin.BACKEND.priority < NATIVE_PRIORITY < MEASURED_PRIORITY < cuda_plugin.BACKEND.priority
+    assert triton_plugin.BACKEND.priority < MEASURED_PRIORITY < NATIVE_PRIORITY < cuda_plugin.BACKEND.priority

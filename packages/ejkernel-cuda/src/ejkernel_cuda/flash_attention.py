@@ -26,12 +26,12 @@ from ejkernel_cuda import cudnn_attention, native_flash
 KERNELS = ("cudnn", "native")
 
 # The dispatcher's rank (``Implementation.priority_for``) of the calls only the native kernels take (cuDNN
-# refuses them: soft cap, windows reaching right, causal masks over unequal lengths): above Triton (15),
-# below Pallas' Mosaic GPU kernels (17). One H100 run, 2026-11-27, bf16, D=128, 16k tokens
-# (`results/nvidia-h100-2026-11-27-cuda-native.json`), TFLOP/s forward / forward+backward: native 547-605 /
-# 383-443 (causal 417-603 / 298-436), Mosaic 537-613 / 446-498, Triton (same day's run) 439-559 / 342-388.
-# Calls cuDNN takes keep the backend's 20.
-NATIVE_PRIORITY = 16
+# refuses them: soft cap, sinks, segment ids, packed varlen, windows reaching right, causal masks over unequal
+# lengths): above Pallas' Mosaic GPU kernels (17) and Triton (15). One H200 run, 2026-11-27, bf16, D=128, 16k
+# tokens (`results/nvidia-h200-2026-11-27b-cuda-native.json`), TFLOP/s forward / forward+backward: native
+# 547-631 / 483-552 (causal 398-633 / 355-540), Mosaic 523-599 / 457-487 (causal 364-576 / 360-464): faster in
+# 11 of the 12 cells, equal in the 12th (S=2k causal forward+backward). Calls cuDNN takes keep the backend's 20.
+NATIVE_PRIORITY = 18
 
 
 @dataclasses.dataclass(frozen=True)

@@ -569,9 +569,9 @@ def applied(tuning, call, *, interpret: bool):
 
 
 # The dispatcher's rank (``Implementation.priority_for``) of the Pallas GPU flash and block-sparse attention for
-# the calls these kernels take end to end (forward and backward): above the Triton backend's 15 and
-# ejkernel-cuda's native kernels' 16 (same forward, slower backward: 383-443 against 446-498 TFLOP/s
-# forward+backward in one H100 run, `results/nvidia-h100-2026-11-27-cuda-native.json`), below cuDNN's 20,
+# the calls these kernels take end to end (forward and backward): above the Triton backend's 15, below
+# ejkernel-cuda's native flash kernels' 18 (faster since 2026-11-27: 483-552 against 457-487 TFLOP/s
+# forward+backward in one H200 run, `results/nvidia-h200-2026-11-27b-cuda-native.json`) and cuDNN's 20,
 # which flash attention tries first. Measured on an H100, 2026-11-27, bf16, D=128, 16k tokens:
 # flash attention forward 513-598 TFLOP/s against Triton's 439-559 and forward+backward 464-498 against
 # 342-388 (causal 383-552 / 367-465 against 303-467 / 272-384); block-sparse at S=16k, 10 % of 128 x 128
