@@ -158,11 +158,15 @@ def test_bf16_long_problems_match_float32(d, h, hkv, seq, kw):
 def test_auto_takes_cudnn_for_what_it_supports():
     q, k, v, _ = _inputs(1, 256, 4, 2, 128)
     assert FlashAttention().explain(q, k, v, causal=True).platform == "cuda"
-    # cuDNN refuses soft caps: next come the Pallas kernels where installed (their Mosaic GPU kernels rank
-    # above Triton's on Hopper for the calls they take), else Triton's
+    # cuDNN refuses soft caps: next come this backend's native kernels on Hopper (ranked above the Pallas and
+    # Triton kernels for the calls they take), else the Pallas kernels where installed, else Triton's
     from ejkernel.plugins import backends
+    from ejkernel_cuda import native_flash
 
-    expected = "pallas" if "pallas" in backends() else "triton"
+    if native_flash.usable_here() is None:
+        expected = "cuda"
+    else:
+        expected = "pallas" if "pallas" in backends() else "triton"
     assert FlashAttention().explain(q, k, v, logits_soft_cap=5.0).platform == expected
 
 

@@ -186,15 +186,25 @@ def test_mosaic_kernels_take_packed_self_attention_on_gpu(causal, window):
     assert not np.asarray(out[:, 290:], np.float32).any()
 
 
+def _native_cuda_kernels_run() -> bool:
+    """Whether ejkernel-cuda is installed and its native flash kernels can run here."""
+    try:
+        from ejkernel_cuda import native_flash
+    except ImportError:
+        return False
+    return native_flash.usable_here() is None
+
+
 @pytest.mark.gpu
 def test_auto_dispatch_ranks_the_mosaic_kernels_above_triton_on_hopper():
-    """After cuDNN (which refuses soft caps), platform='auto' takes the Pallas kernels where the Mosaic ones
-    run (``priority_for``), the Triton backend's where only the Triton-lowered ones would (dropout)."""
+    """After cuDNN (which refuses soft caps) and ejkernel-cuda's native kernels where those run (ranked above
+    these since 2026-11-27), platform='auto' takes the Pallas kernels where the Mosaic ones run
+    (``priority_for``), the Triton backend's where only the Triton-lowered ones would (dropout)."""
     from ejkernel.modules.operations._dispatch import resolve
     from ejkernel.plugins import backends
 
     q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
     capped = resolve("flash_attention", None, flash_call(q, q, q, causal=True, logits_soft_cap=30.0))
-    assert capped.platform == "pallas", capped
+    assert capped.platform == ("cuda" if _native_cuda_kernels_run() else "pallas"), capped
     dropout = resolve("flash_attention", None, flash_call(q, q, q, dropout_prob=0.1, dropout_seed=3))
     assert dropout.platform == ("triton" if "triton" in backends() else "pallas"), dropout
