@@ -13,8 +13,9 @@
 // GQA sums dK/dV over the group's query heads in registers.
 //
 // Soft cap: with t = tanh(s / c), dS picks up the factor 1 - t^2. Rows past the query length carry
-// lse = +inf and delta = 0, so they contribute nothing (and are not added to the accumulator); rows that
-// saw no key (lse = +inf) neither.
+// lse = +inf and delta = 0 (their Q and dO rows arrive as TMA's zeros), so they contribute zeros (added to
+// the accumulator's padding rows, which the convert kernel skips); rows that saw no key (lse = +inf) add
+// zeros too.
 #include "flash_attention/launch.cuh"
 
 namespace ejk {
