@@ -30,7 +30,8 @@ KERNELS = ("cudnn", "native")
 # lengths): above Pallas' Mosaic GPU kernels (17) and Triton (15). One H200 run, 2026-11-27, bf16, D=128, 16k
 # tokens (`results/nvidia-h200-2026-11-27b-cuda-native.json`), TFLOP/s forward / forward+backward: native
 # 547-631 / 483-552 (causal 398-633 / 355-540), Mosaic 523-599 / 457-487 (causal 364-576 / 360-464): faster in
-# 11 of the 12 cells, equal in the 12th (S=2k causal forward+backward). Calls cuDNN takes keep the backend's 20.
+# 11 of the 12 cells, 1.4 % behind in the 12th (S=2k causal forward+backward). Calls cuDNN takes keep the
+# backend's 20.
 NATIVE_PRIORITY = 18
 
 
