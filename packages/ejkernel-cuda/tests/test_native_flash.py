@@ -256,6 +256,7 @@ def test_gradient_lowers_to_the_two_custom_calls(monkeypatch, export):
     assert "-> (tensor<2x77x8x128xbf16>, tensor<2x8x77xf32>)" in forward[0]
     assert ("tensor<2x8x77xf32>, tensor<2x8x77xf32>, tensor<2x8x0xf32>, tensor<2x0xi32>, tensor<2x0xi32>) -> "
             "(tensor<2x77x8x128xbf16>, tensor<2x300x2x128xbf16>" in backward[0])  # no sinks, no segment ids
+    assert "tensor<2x8x128x128xf32>)" in backward[0]  # the dQ workspace: 77 queries rounded up to 64-row chunks
 
 
 def test_sinks_and_segment_ids_reach_both_kernels(monkeypatch):
