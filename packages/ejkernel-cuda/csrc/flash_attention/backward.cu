@@ -231,10 +231,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       // This thread's 16 query columns come in 8 adjacent pairs: their lse loaded before the products are
       // issued (the loads then complete under S^T), delta once P^T is formed (registers are short before)
       float2 lse_pairs[BM / 8], delta_pairs[BM / 8];
+      auto load_pairs = [&](float2* pairs, const float* rows) {
 #pragma unroll
-      for (int c = 0; c < BM / 8; ++c) {
-        lse_pairs[c] = *reinterpret_cast<const float2*>(&shared.lse[stage][fragment_col(t, 4 * c)]);
-      }
+        for (int c = 0; c < BM / 8; ++c) pairs[c] = *reinterpret_cast<const float2*>(&rows[fragment_col(t, 4 * c)]);
+      };
+      load_pairs(lse_pairs, shared.lse[stage]);
       // Five products in four groups, each wait leaving a product running under the elementwise work:
       // S^T and dP^T issued together; P^T once S^T is in, then dV issued; dS^T once dP^T is in, then dK;
       // dS^T through shared memory, then dQ.
@@ -275,10 +276,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         }
         p_operand[i / 2] = Element<T>::pack(prob[0], prob[1]);
       }
-#pragma unroll
-      for (int c = 0; c < BM / 8; ++c) {
-        delta_pairs[c] = *reinterpret_cast<const float2*>(&shared.delta[stage][fragment_col(t, 4 * c)]);
-      }
+      load_pairs(delta_pairs, shared.delta[stage]);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int k = 0; k < BM / 16; ++k) {

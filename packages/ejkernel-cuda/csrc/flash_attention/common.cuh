@@ -65,12 +65,10 @@ __device__ __forceinline__ RowRange visible_keys(const Problem& p, int i) {
   return {lo, hi};
 }
 
-// Key blocks [first, last) that rows [row_begin, row_end) may see, and whether block n needs the mask.
+// Key blocks [first, last) that rows [row_begin, row_end) may see (block_unmasked: whether one needs the mask).
 struct KeyBlocks {
   int first, last;
 };
-
-__host__ __device__ inline int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 __device__ __forceinline__ KeyBlocks key_blocks(const Problem& p, int row_begin, int row_end, int block_n) {
   const int offset = p.kv_len - p.q_len;

@@ -3,11 +3,13 @@
 // One CTA per (128-query tile, query head, batch): three warpgroups. Warpgroup 0 is the producer: one thread
 // streams Q once and the tile's key/value blocks through a 2-stage TMA ring. Warpgroups 1 and 2 each own 64
 // query rows and run, per key block, S = Q K^T (wgmma, both operands in shared memory), the online softmax
-// in registers and O += P V (wgmma, P from registers). Two overlaps keep the tensor cores busy:
-// - inside a warpgroup, the softmax of block n runs while the P V product of block n + 1's predecessor
-//   is in flight (S of the next block is issued first, then P V of the current one);
+// in registers and O += P V (wgmma, P from registers). Two overlaps are meant to keep the tensor cores busy:
+// - inside a warpgroup, S of block n is issued before P V of block n - 1, so that the softmax of block n
+//   could run under that P V (ptxas places the wait for P V before the exponentials, so this one is partial:
+//   NOTES.md);
 // - between the two warpgroups, named barriers make them take turns issuing their products, so one's
 //   softmax runs while the other's matrix products occupy the tensor cores.
+// The output leaves through the warpgroup's rows of the Q tile and TMA stores.
 // Key blocks are visited from the last one down (the masked diagonal blocks of causal tiles first), query
 // tiles from the last one down (the longest causal rows start first).
 #include "flash_attention/launch.cuh"

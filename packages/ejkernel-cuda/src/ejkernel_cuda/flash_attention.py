@@ -5,7 +5,8 @@ our own Hopper kernels through the XLA FFI (:mod:`ejkernel_cuda.native_flash`), 
 cuDNN is NVIDIA's kernel, faster than our Triton one on Hopper (README's benchmark tables), for the calls it
 computes exactly as ejkernel defines them: bfloat16/float16, equal head dims, no mask or a causal one (or a
 causal window) over equal lengths, GQA. The native kernels (sm_90a only) take more of ejkernel's features
-(causal masks and windows over unequal lengths, windows reaching right, soft cap) at head dims 64 and 128.
+(causal masks and windows over unequal lengths, windows reaching right, soft cap, attention sinks, segment
+ids, packed varlen self-attention) at head dims 64 and 128.
 The heuristic takes cuDNN wherever it takes the call, the native kernels elsewhere; a call neither takes is
 refused with ``UnsupportedFeature`` (both reasons) before anything compiles, and the dispatcher takes
 Pallas, Triton or XLA.
