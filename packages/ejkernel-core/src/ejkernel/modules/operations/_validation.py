@@ -132,6 +132,9 @@ def _concise(function: str, message: str, arguments: dict[str, Any]) -> str | No
     value = arguments.get(name, None)
     actual = describe(value) if value is not None else (_ACTUAL.search(message) or [None, "?"])[1]
     text = f"{function}: argument {name!r} is {actual}; expected {expected.group(1).replace('jaxtyping.', '')}"
+    if isinstance(value, np.ndarray) and "Array" in expected.group(1):
+        # the shape may well fit: say what does not (a numpy array where a JAX array is annotated)
+        text = text.replace(f"is {actual};", f"is a numpy array {actual} (pass a JAX array: jnp.asarray(...));", 1)
     if _AXES in message:
         axes = [line.strip() for line in message.split(_AXES, 1)[1].strip().splitlines() if "=" in line]
         if axes:
