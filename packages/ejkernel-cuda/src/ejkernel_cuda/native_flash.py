@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejkernel.errors import UnsupportedFeature
-from ejkernel.plugins.checks import UNVERIFIED_ENV, unverified_requested
+from ejkernel.plugins.checks import UNVERIFIED_ENV, first_gpu, gpu_compute_capability, unverified_requested
 from ejkernel_cuda import _native
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -51,18 +51,13 @@ COMPUTE_CAPABILITY = "9.0"  # sm_90a code only: neither older GPUs nor later one
 NAME = "cuda native flash attention"
 
 
-@functools.lru_cache(maxsize=1)  # asked at every dispatch; the GPU does not change under a process
 def device_refusal() -> str | None:
     """Why this process's GPU cannot run the kernels (no GPU, or not compute capability 9.0), or None."""
-    try:
-        devices = jax.local_devices(backend="gpu")
-    except RuntimeError:  # JAX_PLATFORMS without a GPU, or no CUDA plugin
-        devices = []
-    if not devices:
+    capability = gpu_compute_capability()
+    if capability is None:
         return "no GPU visible (the native kernels need an sm_90 GPU: H100 / H200 / GH200)"
-    capability = str(getattr(devices[0], "compute_capability", "unknown"))
     if capability != COMPUTE_CAPABILITY:
-        return (f"the GPU ({devices[0].device_kind}) has compute capability {capability}; the native kernels are "
+        return (f"the GPU ({first_gpu().device_kind}) has compute capability {capability}; the native kernels are "
                 f"built for sm_90a only (H100 / H200 / GH200)")
     return None
 

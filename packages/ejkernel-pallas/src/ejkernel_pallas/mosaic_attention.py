@@ -43,6 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ejkernel.plugins.checks import gpu_compute_capability
+
 plgpu = None  # jax.experimental.pallas.mosaic_gpu, imported on first use (~0.9 s: not at plugin import)
 
 LOG2E = math.log2(math.e)
@@ -70,15 +72,9 @@ def _mosaic_gpu():
     return plgpu
 
 
-@functools.lru_cache(maxsize=1)  # asked at every dispatch (priority_for); the GPU does not change under a process
 def hopper_gpu() -> bool:
-    """True where the default backend is a GPU of compute capability 9.x (wgmma and TMA as used here)."""
-    try:
-        devices = jax.local_devices(backend="gpu")
-    except RuntimeError:
-        return False
-    capability = getattr(devices[0], "compute_capability", "") if devices else ""
-    return str(capability).startswith("9")
+    """True where this process's GPU has compute capability 9.x (wgmma and TMA as used here)."""
+    return (gpu_compute_capability() or "").startswith("9")
 
 
 def _blocks(call) -> tuple[int, int]:

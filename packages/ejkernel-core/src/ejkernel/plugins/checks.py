@@ -6,6 +6,7 @@ nothing heavy unless asked to look at devices.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import re
@@ -44,6 +45,25 @@ def no_device(*kinds: str) -> str | None:
         except RuntimeError:
             continue
     return "no " + " or ".join(k.upper() for k in kinds) + " visible"
+
+
+@functools.lru_cache(maxsize=1)  # asked at every dispatch by kernels that need a GPU generation
+def first_gpu():
+    """This process's first local GPU (``jax.local_devices(backend="gpu")[0]``), or None: no GPU visible, or
+    no GPU plugin. Looked up once: the devices do not change under a process."""
+    import jax
+
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:  # JAX_PLATFORMS without a GPU, or no CUDA plugin
+        return None
+    return devices[0] if devices else None
+
+
+def gpu_compute_capability() -> str | None:
+    """``"9.0"`` (say) of :func:`first_gpu`, ``"unknown"`` where the device does not tell, None without one."""
+    device = first_gpu()
+    return None if device is None else str(getattr(device, "compute_capability", "unknown"))
 
 
 def first_reason(*checks) -> str | None:
