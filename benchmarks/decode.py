@@ -14,10 +14,15 @@ sequences, batches 1, 8, 64 at 4096 tokens; paged caches with pages of 16 and 64
 cache, as a server's allocator leaves them). GB/s = bytes of K and V read (2·B·ctx·Hkv·D·2) / time.
 Copy bandwidth: `x + 1` over 4 GiB of float32, bytes read + written. Timing as `attention.py`: jit, warm-up,
 median of `--reps` samples, each the mean of `--calls` back-to-back calls, rotating over enough input sets to
-exceed the L2 cache. Numerics: relative L2 error of each output against a float32 reference (shapes up to
-2 GB of cache). `--sweep`: the Triton kernels with other configs at the standard shape (the schedule
-candidates of packages/ejkernel-triton/NOTES.md). `--final`: the short run of scripts/device/serving.sh with
-FINAL=1: the defaults, then the mixed batch, then a few candidates at the shapes they concern.
+exceed the L2 cache. `--layers 1,16` (default): besides one dispatched call per step, the step over 16 caches
+(a model's 16 layers, each with its own cache) in ONE executable, time per layer (`gbps_layers16` in the JSON):
+a decode step of a few tens of microseconds is otherwise timed at the host's dispatch rate (~30 us per call on
+the device machines), not the kernel's; a served model runs all its layers in one executable. Numerics:
+relative L2 error of each output against a float32 reference (shapes up to
+2 GB of cache). `--sweep`: the Triton kernels with other configs at the standard shape or `--sweep-shapes`
+(the schedule candidates of packages/ejkernel-triton/NOTES.md; `--sweep-set former`: the former heuristic's
+config, for A/B). `--final`: the short run of scripts/device/serving.sh with FINAL=1: the defaults, then the
+mixed batch, then a few candidates at the shapes they concern.
 
 `--mixed` (on by default): `ragged_page_attention` on the mixed batch of `MIXED` (pages of `--page-sizes`),
 with its two parts alone (the prefill chunks only; the decode rows only; first page size) to split the time,
@@ -145,17 +150,41 @@ def sweep_configs(batch, context, kv_heads) -> list:
     except Exception:  # noqa: BLE001
         return []
     h = heuristic_config(batch * kv_heads, context, 128, jnp.bfloat16).num_splits
-    # H200 runs of 2026-11-23: 1 split (the default) 84-86 %, 2/3/5 splits 57-76 %, 128-key steps / 8 warps /
-    # prefetch 3 / the inline combine no better
-    variants = [(64, 2 * h, 2, 4, False), (64, 3 * h, 2, 4, True), (128, h, 1, 4, False), (32, 2 * h, 3, 4, False),
-                (32, h, 3, 4, False), (32, 2 * h, 2, 4, False)]
+    # H200 runs of 2026-11-23 at 32 x 4096 (one call per step): 1 split 84-86 %, 2/3/5 splits 57-76 %, 128-key
+    # steps / 8 warps / prefetch 3 / the inline combine no better. H100 2026-11-27 (8 layers per executable):
+    # the inline combine and 128-key steps won at small batches and short contexts, hence the candidates below
+    # (the inline combine only acts when a call has several splits)
+    variants = [(64, h, 2, 4, False), (64, h, 2, 4, True), (64, 2 * h, 2, 4, True), (128, h, 1, 4, True),
+                (128, h, 2, 4, True), (128, max(1, h // 2), 1, 4, True), (32, h, 3, 4, True), (32, 2 * h, 3, 4, True)]
     out = []
     for n, splits, prefetch, warps, inline in variants:
         cfg = TritonDecodeConfig(block_n=n, num_splits=splits, prefetch=prefetch, num_warps=warps,
-                                 inline_combine=inline)
+                                 inline_combine=inline and splits > 1)
         if cfg not in [c for c, _ in out]:
             out.append((cfg, [(batch, context)]))
     return out
+
+
+def merged_sweep(shapes, kv_heads) -> list:
+    """:func:`sweep_configs` at each of ``shapes``, one row per config with every shape it runs at."""
+    by_config: dict = {}
+    for batch, context in shapes:
+        for cfg, at in sweep_configs(batch, context, kv_heads):
+            by_config.setdefault(cfg, []).extend(at)
+    return list(by_config.items())
+
+
+def former_default_configs(shapes, kv_heads) -> list:
+    """The heuristic of 2026-11-23 (64-key steps, two in flight, the combine as a second launch) at each shape
+    where it differs from today's: [(config, shapes)], for A/B rows beside the defaults. At batch 64 paged caches
+    took (and take) the narrow program: that row is then the dense caches' former default."""
+    from ejkernel_triton.decode.config import TritonDecodeConfig, heuristic_config
+
+    by_config: dict = {}
+    for batch, context in shapes:
+        splits = heuristic_config(batch * kv_heads, context, 128, jnp.bfloat16).num_splits
+        by_config.setdefault(TritonDecodeConfig(block_n=64, num_splits=splits, prefetch=2), []).append((batch, context))
+    return list(by_config.items())
 
 
 def final_sweep_configs() -> list:
@@ -233,6 +262,15 @@ def reference(q, k, v):
         logits = jnp.einsum("bkgd,bskd->bkgs", qf, k.astype(jnp.float32)) * q.shape[-1] ** -0.5
         out = jnp.einsum("bkgs,bskd->bkgd", jax.nn.softmax(logits, axis=-1), v.astype(jnp.float32))
     return out.reshape(q.shape)
+
+
+def time_layers(fn, extra, inputs, layers, args) -> float:
+    """Seconds per layer of a step over ``layers`` caches in one executable (a model's layers, each reading its
+    own cache): the host dispatches once per ``layers`` steps, as in a served model's forward."""
+    groups = [tuple(inputs[(g * layers + i) % len(inputs)] for i in range(layers))
+              for g in range(max(1, len(inputs) // layers))]
+    step = jax.jit(lambda xs: [fn(x, **extra) for x in xs])
+    return time_calls(lambda c: step(groups[c % len(groups)]), args.warmup, args.reps, args.calls) / layers
 
 
 # ---- the mixed (continuous-batching) batch -----------------------------------------------------------
@@ -394,8 +432,10 @@ def series(row) -> str:
     return row["impl"] + (f" p{row['page_size']}" if row.get("page_size") else "")
 
 
-def markdown_table(doc) -> str:
-    rows = [r for r in doc["results"] if "gbps" in r and "[" not in r["impl"] and "part" not in r]
+def markdown_table(doc, key: str = "gbps") -> str:
+    """Defaults of every implementation, GB/s of ``key`` (``gbps``: one call per step; ``gbps_layersN``: per
+    layer of N in one executable) and share of the copy bandwidth."""
+    rows = [r for r in doc["results"] if key in r and "[" not in r["impl"] and "part" not in r]
     names = []
     for r in rows:
         if series(r) not in names:
@@ -406,7 +446,7 @@ def markdown_table(doc) -> str:
         cells = []
         for name in names:
             hit = [r for r in rows if (r["batch"], r["context"], series(r)) == (batch, context, name)]
-            cells.append(f"{hit[0]['gbps']:.0f} ({100 * hit[0]['gbps'] / copy:.0f} %)" if hit else "—")
+            cells.append(f"{hit[0][key]:.0f} ({100 * hit[0][key] / copy:.0f} %)" if hit else "—")
         lines.append(f"| {batch} | {context} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -415,11 +455,16 @@ def print_report(doc) -> None:
     print(f"## {doc['device']}, {doc['date'][:10]}: decode GB/s (share of copy bandwidth {doc['copy_gbps']:.0f} GB/s); "
           f"{doc['setup']['heads']}/{doc['setup']['kv_heads']} heads, D={doc['setup']['head_dim']}, {doc['setup']['dtype']}")
     print(markdown_table(doc))
+    layer_keys = sorted({k for r in doc["results"] for k in r if k.startswith("gbps_layers")})
+    for key in layer_keys:
+        print(f"\n## per layer, {key[len('gbps_layers'):]} layers in one executable (GB/s, share of copy)")
+        print(markdown_table(doc, key))
     sweep = [r for r in doc["results"] if "[" in r["impl"] and "gbps" in r]
     if sweep:
-        print("\n## config sweep (GB/s)")
+        print("\n## config sweep (GB/s; per layer in brackets)")
         for r in sorted(sweep, key=lambda r: (r["batch"], r["context"], series(r).split("[")[0], -r["gbps"])):
-            print(f"B={r['batch']:3d} ctx={r['context']:6d} {series(r):70s} {r['gbps']:7.0f}  "
+            layered = " ".join(f"[{r[k]:.0f}]" for k in layer_keys if k in r)
+            print(f"B={r['batch']:3d} ctx={r['context']:6d} {series(r):70s} {r['gbps']:7.0f} {layered} "
                   f"err {r.get('rel_err', float('nan')):.1e}")
     mixed = [r for r in doc["results"] if "part" in r and "ms" in r]
     if mixed:
@@ -441,20 +486,25 @@ def plot(doc, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in doc["results"] if "gbps" in r and "[" not in r["impl"] and "part" not in r]
+    # the layered timing when the run has one (per call, small steps measure the host's dispatch), else per call
+    layered = sorted({k for r in doc["results"] for k in r if k.startswith("gbps_layers")},
+                     key=lambda k: int(k[len("gbps_layers"):]))
+    key = layered[-1] if layered else "gbps"
+    rows = [r for r in doc["results"] if key in r and "[" not in r["impl"] and "part" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
     batch0, context0 = doc["setup"].get("standard", STANDARD)
     for ax, (fixed, vary, value) in zip(axes, (("batch", "context", batch0), ("context", "batch", context0))):
         names = sorted({series(r) for r in rows})
         for name in names:
-            pts = sorted((r[vary], r["gbps"]) for r in rows if series(r) == name and r[fixed] == value)
+            pts = sorted((r[vary], r[key]) for r in rows if series(r) == name and r[fixed] == value)
             if len(pts) > 1:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.axhline(doc["copy_gbps"], color="k", ls="--", lw=1, label="copy bandwidth")
         ax.axhline(0.85 * doc["copy_gbps"], color="gray", ls=":", lw=1, label="85 % of copy")
         ax.set_xscale("log", base=2)
         ax.set_xlabel(vary)
-        ax.set_ylabel("GB/s (K+V bytes / step time)")
+        ax.set_ylabel("GB/s (K+V bytes / step time)" if key == "gbps" else
+                      f"GB/s per layer ({key[len('gbps_layers'):]} layers per executable)")
         ax.set_title(f"{fixed} = {value}", fontsize=9)
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
@@ -498,6 +548,17 @@ def main(argv=None) -> int:
                    help=f"Triton schedule candidates on the mixed batch, of {','.join(MIXED_CANDIDATES)} (name@64: "
                         "at pages of 64 only)")
     p.add_argument("--mixed-parts", default="mixed,prefill,decode", help="the mixed batch and/or its parts alone")
+    p.add_argument("--layers", default="1,16", type=lambda t: [int(x) for x in t.split(",") if x],
+                   help="comma-separated layer counts: a timed call runs the step over that many caches (a "
+                        "model's layers, each with its own cache) in one executable; time per layer. 1: one "
+                        "dispatched call per step (host dispatch included)")
+    p.add_argument("--layers-max-bytes", type=float, default=16e9,
+                   help="layered timing only where the layers' caches together hold at most this many bytes")
+    p.add_argument("--sweep-shapes", default="", help="BATCHxCONTEXT list: the config sweep at each (default: "
+                   "--standard)")
+    p.add_argument("--sweep-set", default="schedule", choices=("schedule", "former"),
+                   help="the sweep's configs: schedule candidates (sweep_configs), or the former heuristic's "
+                        "default at each sweep shape (former_default_configs)")
     p.add_argument("--final", action="store_true",
                    help="the short final run: the decode defaults at --shapes, then the mixed batch, then the few "
                         "candidates of final_sweep_configs (instead of the standard shape's sweep)")
@@ -517,7 +578,15 @@ def main(argv=None) -> int:
     page_sizes = [int(s) for s in args.page_sizes.split(",") if s]
     dtype = jnp.dtype(args.dtype)
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
-    sweep = (final_sweep_configs() if args.final else sweep_configs(*standard_shape, Hkv)) if args.sweep else []
+    sweep_shapes = [tuple(int(v) for v in t.split("x")) for t in args.sweep_shapes.split(",") if t] or [standard_shape]
+    if not args.sweep:
+        sweep = []
+    elif args.final:
+        sweep = final_sweep_configs()
+    elif args.sweep_set == "former":
+        sweep = former_default_configs(sweep_shapes, Hkv)
+    else:
+        sweep = merged_sweep(sweep_shapes, Hkv)
     impls = ejkernel_impls(sweep, tuple(args.sweep_layouts.split(","))) + peer_impls()
     if args.impls:
         impls = [i for i in impls if any(i.name.startswith(s) for s in args.impls.split(","))]
@@ -559,7 +628,8 @@ def main(argv=None) -> int:
         if sweep_pass and not any((batch, context) in i.sweep_shapes for i in impls):
             continue
         kv_bytes = 2 * batch * context * Hkv * D * dtype.itemsize
-        sets = max(1, min(16, math.ceil(args.rotate_bytes / kv_bytes)))
+        layer_counts = [n for n in args.layers if n > 1 and n * kv_bytes <= args.layers_max_bytes]
+        sets = max(1, min(16, math.ceil(args.rotate_bytes / kv_bytes)), *layer_counts)
         key, sub = jax.random.split(key)
         logical = [logical_kv(jax.random.fold_in(sub, s), batch, context, Hkv, D, dtype) for s in range(sets)]
         queries = [jax.random.normal(jax.random.fold_in(sub, 100 + s), (batch, H, D), jnp.float32).astype(dtype)
@@ -598,6 +668,9 @@ def main(argv=None) -> int:
                     secs, extra, step = best
                     row.update(ms=secs * 1e3, gbps=kv_bytes / secs / 1e9, share=kv_bytes / secs / 1e9 / copy_gbps,
                                **extra)
+                    for layers in layer_counts:
+                        secs = time_layers(impl.fn, extra, inputs, layers, args)
+                        row[f"gbps_layers{layers}"] = kv_bytes / secs / 1e9
                     if ref is not None:
                         row["rel_err"] = relative_error(step(inputs[0]), ref)
                 except Exception as exc:  # noqa: BLE001
@@ -606,6 +679,8 @@ def main(argv=None) -> int:
                 save()
                 shown = (f"{row['gbps']:7.0f} GB/s ({100 * row['share']:3.0f} %) {row['ms']:8.4f} ms "
                          f"err {row.get('rel_err', float('nan')):.1e}" if "gbps" in row else row["error"])
+                shown += "".join(f"  [{k[5:]}: {v:.0f} GB/s = {100 * v / copy_gbps:.0f} %]" for k, v in row.items()
+                                 if k.startswith("gbps_layers"))
                 print(f"B={batch:3d} ctx={context:6d} {impl.name + (f' p{ps}' if ps else ''):62s} {shown}", flush=True)
             del inputs
         del logical, queries, ref

@@ -140,26 +140,35 @@ def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype, sms: int 
     """One wave of programs (the model in the module docstring; predictions per shape in NOTES.md):
 
     - the work fits one wave of the wide program (``block_n`` keys per step, two in flight): split each
-      sequence until the wave is full (B=32 x 8 kv heads, 4k: 1 split = 256 of 396 slots; B=8: 6 splits = 384);
+      sequence until the wave is full (B=8 x 8 kv heads, 4k: 6 splits = 384 of 396 slots), the last split of
+      each sequence merging the partials (``inline_combine``: no second launch); when one split fills the wave
+      (B=32 x 8, 4k: 256 of 396 slots), the long-step program: twice the keys per step, one in flight (the same
+      shared memory, half the loop iterations);
     - more work than that, paged caches: the half-width program (4 per SM) when its last wave is fuller
-      (B=64 x 8: one wave of 512 in 528 slots, instead of 1.29 waves: 70 % of copy measured), one split.
-      Dense (``paged=False``, ragged decode) keeps the wide program there: it measured 87 % at B=64 in 1.29
-      waves (H200, batch 2), which the wave model does not explain (NOTES.md); until the half-width program is
-      measured on it, the measured config stays.
+      (B=64 x 8: one wave of 512 in 528 slots, instead of 1.29 waves: 70 % of copy measured), one split;
+      otherwise (dense, ragged decode) the long-step program.
+
+    Measured on an H100 (2026-11-27, 8 layers per executable; NOTES.md "decode heuristic, layered"): the inline
+    combine won at batch 1 (+10-40 %), the long-step program at 32 x 512 (+10-80 %) and on dense caches at
+    64 x 4096 (+6 %), both within the noise elsewhere.
     """
     sms = sms or sm_count()
     block_n = default_block_n(head_dim, dtype)
     wide = TritonDecodeConfig(block_n=block_n, num_splits=1, num_warps=4, prefetch=2)
+    long_steps = TritonDecodeConfig(block_n=2 * block_n, num_splits=1, num_warps=4, prefetch=1) \
+        if 2 * block_n <= 128 else wide
     wide_slots = sms * resident_programs(block_n, wide.prefetch, head_dim, dtype)
     if work <= wide_slots:
         splits = heuristic_splits(work, max_tokens, sms, wide_slots // sms)
-        return dataclasses.replace(wide, num_splits=splits)
+        if splits == 1:
+            return long_steps
+        return dataclasses.replace(wide, num_splits=splits, inline_combine=True)
     if paged and block_n >= 32:
         narrow = TritonDecodeConfig(block_n=block_n // 2, num_splits=1, num_warps=4, prefetch=NARROW_PREFETCH)
         narrow_slots = sms * resident_programs(narrow.block_n, narrow.prefetch, head_dim, dtype)
         if wave_fill(work, narrow_slots) > wave_fill(work, wide_slots) + 0.05:
             return narrow
-    return wide
+    return long_steps
 
 
 def candidate_configs(work: int, max_tokens: int, head_dim: int, dtype, paged: bool = True) -> list[TritonDecodeConfig]:

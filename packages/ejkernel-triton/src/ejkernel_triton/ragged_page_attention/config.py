@@ -101,7 +101,8 @@ def heuristic_config(max_num_seqs: int, kv_heads: int, group: int, max_tokens: i
     block_m = max(64 if wide_rows else 128, padded_group(group))
     return TritonRaggedPageConfig(block_m=block_m, block_n=block_n, num_warps=8 if block_m >= 128 else 4,
                                   prefetch=2, decode_block_n=decode.block_n, decode_num_splits=decode.num_splits,
-                                  decode_num_warps=decode.num_warps, decode_prefetch=decode.prefetch)
+                                  decode_num_warps=decode.num_warps, decode_prefetch=decode.prefetch,
+                                  decode_inline_combine=decode.inline_combine)
 
 
 def candidate_configs(max_num_seqs: int, kv_heads: int, group: int, max_tokens: int, head_dim: int,
