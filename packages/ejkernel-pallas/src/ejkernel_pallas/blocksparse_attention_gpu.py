@@ -39,11 +39,12 @@ from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
 from ejkernel.ops.utils.block_sparse import block_schedule
+from ejkernel.ops.utils.padding import pad_axis
 
 from ejkernel_pallas import mosaic_attention as mosaic
 from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning, gpu_schedule
 from ejkernel_pallas.gpu_flash_attention.implementation import _float32_precision
-from ejkernel_pallas.gpu_flash_attention.kernels import _pad_axis, _Static
+from ejkernel_pallas.gpu_flash_attention.kernels import _Static
 from ejkernel_pallas.gpu_flash_attention.launch import _attention
 from ejkernel_pallas.gpu_flash_attention.tuning import _SWEEP
 from ejkernel_pallas.interpret import gpu_interpret_or_refuse, interpret_mode
@@ -115,20 +116,20 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTunin
     d_pad, dv_pad = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(dv))
     width = pl.next_power_of_2(2 + max(s.indices.shape[3] for s in schedules))
     arrays = {
-        "q": _pad_axis(_pad_axis(query, 1, sq_pad), 3, d_pad),
-        "k": _pad_axis(_pad_axis(key, 1, skv_pad), 3, d_pad),
-        "v": _pad_axis(_pad_axis(value, 1, skv_pad), 3, dv_pad),
+        "q": pad_axis(pad_axis(query, 1, sq_pad), 3, d_pad),
+        "k": pad_axis(pad_axis(key, 1, skv_pad), 3, d_pad),
+        "v": pad_axis(pad_axis(value, 1, skv_pad), 3, dv_pad),
         "sched_q": gpu_schedule(schedules[0], width),
         "sched_kv": gpu_schedule(schedules[1], width),
     }
     if call.q_segment_ids is not None:
-        arrays["q_seg"] = _pad_axis(call.q_segment_ids, 1, sq_pad)
-        arrays["kv_seg"] = _pad_axis(call.kv_segment_ids, 1, skv_pad)
+        arrays["q_seg"] = pad_axis(call.q_segment_ids, 1, sq_pad)
+        arrays["kv_seg"] = pad_axis(call.kv_segment_ids, 1, skv_pad)
     num_sinks = 0
     if call.softmax_aux is not None:
         sinks = call.softmax_aux.reshape(heads, -1)
         num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
-        arrays["sinks"] = _pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
+        arrays["sinks"] = pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
     st = _Static(
         scale=call.softmax_scale, causal=call.causal, window=call.sliding_window, soft_cap=call.logits_soft_cap,
         sq=sq, skv=skv, q_offset=skv - sq, groups=heads // kv_heads, varlen=False,

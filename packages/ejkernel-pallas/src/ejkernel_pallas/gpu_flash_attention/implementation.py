@@ -14,10 +14,11 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.flash_attention import FlashAttentionCall
 from ejkernel.ops.utils import dropout as dropout_hash
 from ejkernel.ops.utils.block_sparse import schedule_blocks
+from ejkernel.ops.utils.padding import pad_axis, round_up
 from ejkernel.ops.utils.varlen import packed_keys, packed_queries
 
 from ejkernel_pallas import mosaic_attention
-from ejkernel_pallas.gpu_flash_attention.kernels import _pad_axis, _round_up, _Static, gpu_schedule
+from ejkernel_pallas.gpu_flash_attention.kernels import _Static, gpu_schedule
 from ejkernel_pallas.gpu_flash_attention.launch import _attention
 from ejkernel_pallas.gpu_flash_attention.tuning import GpuFlashTuning, candidate_tunings, heuristic_tuning
 from ejkernel_pallas.interpret import gpu_interpret_or_refuse, interpret_mode
@@ -42,13 +43,13 @@ def _flash(call: FlashAttentionCall, tuning: GpuFlashTuning, interpret: bool) ->
     skv, kv_heads, dv = key.shape[1], key.shape[2], value.shape[3]
     mosaic = tuning.mosaic_forward or tuning.mosaic_backward  # run as every block of MOSAIC_BLOCK x MOSAIC_BLOCK
     floor = MOSAIC_BLOCK if mosaic else 16
-    sq_pad = _round_up(sq, max(tuning.fwd_q, tuning.dkv_q, tuning.dq_q, floor))
-    skv_pad = _round_up(skv, max(tuning.fwd_kv, tuning.dkv_kv, tuning.dq_kv, floor))
+    sq_pad = round_up(sq, max(tuning.fwd_q, tuning.dkv_q, tuning.dq_q, floor))
+    skv_pad = round_up(skv, max(tuning.fwd_kv, tuning.dkv_kv, tuning.dq_kv, floor))
     d_pad, dv_pad = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(dv))
     arrays = {
-        "q": _pad_axis(_pad_axis(query, 1, sq_pad), 3, d_pad),
-        "k": _pad_axis(_pad_axis(key, 1, skv_pad), 3, d_pad),
-        "v": _pad_axis(_pad_axis(value, 1, skv_pad), 3, dv_pad),
+        "q": pad_axis(pad_axis(query, 1, sq_pad), 3, d_pad),
+        "k": pad_axis(pad_axis(key, 1, skv_pad), 3, d_pad),
+        "v": pad_axis(pad_axis(value, 1, skv_pad), 3, dv_pad),
     }
     varlen = call.cum_seqlens_q is not None
     if varlen:
@@ -58,15 +59,15 @@ def _flash(call: FlashAttentionCall, tuning: GpuFlashTuning, interpret: bool) ->
         arrays.update(q_pos=q_pos[None], kv_pos=kv_pos[None], q_seg=jnp.where(q_exists, q_seq, -1)[None],
                       kv_seg=jnp.where(kv_exists, kv_seq, -2)[None])
     elif call.q_segment_ids is not None:
-        arrays["q_seg"] = _pad_axis(call.q_segment_ids, 1, sq_pad)
-        arrays["kv_seg"] = _pad_axis(call.kv_segment_ids, 1, skv_pad)
+        arrays["q_seg"] = pad_axis(call.q_segment_ids, 1, sq_pad)
+        arrays["kv_seg"] = pad_axis(call.kv_segment_ids, 1, skv_pad)
     if call.dropout_prob > 0.0:  # int32 in the kernel: the seed's 32 bits, reinterpreted
         arrays["seed"] = lax.bitcast_convert_type(dropout_hash.seed_bits(call.dropout_seed), jnp.int32).reshape(1)
     num_sinks = 0
     if call.softmax_aux is not None:
         sinks = call.softmax_aux.reshape(heads, -1)
         num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
-        arrays["sinks"] = _pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
+        arrays["sinks"] = pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
     schedule = {}
     if mosaic:  # the dense block schedules (built with numpy at trace time): the kernels' loops walk them
         rows = [schedule_blocks(None, sq, skv, MOSAIC_BLOCK, MOSAIC_BLOCK, causal=call.causal,

@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 
 from ejkernel.ops.utils import dropout as dropout_hash
 from ejkernel.ops.utils.block_sparse import BlockSchedule
+from ejkernel.ops.utils.padding import pad_axis
 
 from ejkernel_pallas.gpu_flash_attention.tuning import GpuFlashTuning
 
@@ -54,19 +55,6 @@ class _Static:
     @property
     def statically_masked(self) -> bool:
         return self.varlen or self.has_segments
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad_axis(x, axis: int, length: int, value=0):
-    extra = length - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -163,7 +151,7 @@ def gpu_schedule(schedule: BlockSchedule, width: int) -> jax.Array:
     columns = jnp.where(real, schedule.indices, 0)
     partial = jnp.sum(real & schedule.partial, axis=3, dtype=jnp.int32)
     row = jnp.concatenate([partial[..., None], (schedule.counts - partial)[..., None], columns], axis=3)
-    return _pad_axis(row.astype(jnp.int32), 3, width)
+    return pad_axis(row.astype(jnp.int32), 3, width)
 
 
 def _run_schedule(row, body, carry, sub: int):
