@@ -24,10 +24,11 @@ jax.config.update("jax_enable_x64", True)
 
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention  # noqa: E402
 from ejkernel.testing.blocksparse_attention import random_block_mask, reference_blocksparse_attention  # noqa: E402
-from ejkernel_triton import interpret, launch  # noqa: E402
+from ejkernel_triton import interpret  # noqa: E402
 from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, TritonBlockSparseConfig  # noqa: E402
 from ejkernel_triton.decode import config as decode_config  # noqa: E402
 from ejkernel.testing.numerics import relative_error  # noqa: E402
+from interpreter_support import compile_for_hopper, random_qkv  # noqa: E402
 
 KERNELS_RUN: list[str] = []
 _run_on_host = interpret.run_on_host
@@ -43,17 +44,12 @@ def case(name, *, seed, b=1, sq=45, skv=45, h=2, hkv=1, d=64, dv=None, dtype=jnp
     """`hopper`: compile as for sm_90, where a config asking for it takes the TMA forward (`_fwd_tma_kernel`);
     `sms`: the SM count the persistent forward sizes its grid by (so each program loops over several items)."""
     decode_config.sm_count = (lambda: sms) if sms else _sm_count
-    if hopper:
-        os.environ[launch.COMPUTE_CAPABILITY_ENV] = "90"
-    else:
-        os.environ.pop(launch.COMPUTE_CAPABILITY_ENV, None)
+    compile_for_hopper(hopper)
     KERNELS_RUN.clear()
     dv = dv or d
     ks = jax.random.split(jax.random.key(seed), 5)
     lead = (2,) if vmap else ()
-    q = jax.random.normal(ks[0], (*lead, b, sq, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (*lead, b, skv, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (*lead, b, skv, hkv, dv), jnp.float32).astype(dtype)
+    q, k, v = random_qkv(ks, lead=lead, b=b, sq=sq, skv=skv, h=h, hkv=hkv, d=d, dv=dv, dtype=dtype)
     mask = random_block_mask(seed, mask_batch, h if mask_heads is None else mask_heads, sq, skv, *blocks)
     static = dict(block_mask=mask, block_size=blocks, **kw)
     extra = {}

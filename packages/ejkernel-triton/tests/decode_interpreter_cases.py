@@ -8,7 +8,6 @@ compares with the float64 reference of ``ejkernel.testing``, and prints one JSON
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -22,12 +21,12 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-from ejkernel import UnsupportedFeature  # noqa: E402
 from ejkernel.modules import page_attention, ragged_decode_attention  # noqa: E402
 from ejkernel.testing.numerics import normal_array, relative_error  # noqa: E402
 from ejkernel.testing.page_attention import random_block_tables, reference_page_attention, sinks_for  # noqa: E402
 from ejkernel.testing.ragged_decode_attention import reference_ragged_decode_attention  # noqa: E402
 from ejkernel_triton.decode import TritonDecodeConfig  # noqa: E402
+from interpreter_support import gradient_outcome, print_row  # noqa: E402
 
 
 def _f64(x):
@@ -119,13 +118,8 @@ def run(name):
     if empty is not None and empty.any():
         row["empty_rows_zero"] = bool(np.all(np.asarray(out)[empty] == 0))
     if grad is not None:
-        try:
-            grad()
-            row["gradient"] = "returned"
-        except UnsupportedFeature:
-            row["gradient"] = "refused"
-    row["seconds"] = round(time.time() - t0, 2)
-    print(json.dumps(row), flush=True)
+        row["gradient"] = gradient_outcome(grad)
+    print_row(row, t0)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ jax.config.update("jax_enable_x64", True)
 
 from ejkernel.modules.operations.flash_attention import flash_attention  # noqa: E402
 from ejkernel.testing.flash_attention import reference_flash_attention  # noqa: E402
-from ejkernel_triton import launch  # noqa: E402
 from ejkernel_triton.flash_attention import TritonFlashConfig, forward  # noqa: E402
 from ejkernel.testing.numerics import relative_error  # noqa: E402
+from interpreter_support import compile_for_hopper, random_qkv  # noqa: E402
 
 SMALL_BLOCKS = TritonFlashConfig(32, 32, 4, 1, 32, 32, 32, 32, 4, 1)
 
@@ -38,10 +38,7 @@ def _segments(rng, batch, length, num):
 def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp.float32, sinks=0,
          segments=False, unmatched_segment=False, varlen=None, vmap=False, hopper=False, **kw):
     """`hopper`: compile as for sm_90, where eligible calls take the TMA forward (`_fwd_tma_kernel`)."""
-    if hopper:
-        os.environ[launch.COMPUTE_CAPABILITY_ENV] = "90"
-    else:
-        os.environ.pop(launch.COMPUTE_CAPABILITY_ENV, None)
+    compile_for_hopper(hopper)
     tma_calls = []  # which TMA kernels ran ("fwd")
     original_tma = forward.forward_tma
     forward.forward_tma = lambda *a: tma_calls.append("fwd") or original_tma(*a)
@@ -49,9 +46,7 @@ def case(name, *, seed, b=1, sq=37, skv=37, h=1, hkv=1, d=32, dv=None, dtype=jnp
     dv = dv or d
     ks = jax.random.split(jax.random.key(seed), 5)
     lead = (2,) if vmap else ()
-    q = jax.random.normal(ks[0], (*lead, b, sq, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (*lead, b, skv, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (*lead, b, skv, hkv, dv), jnp.float32).astype(dtype)
+    q, k, v = random_qkv(ks, lead=lead, b=b, sq=sq, skv=skv, h=h, hkv=hkv, d=d, dv=dv, dtype=dtype)
     w = jax.random.normal(ks[3], (*lead, b, sq, h, dv), jnp.float32)
     extra = dict(kw)
     if sinks:

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,49 @@ def case_row_fixture(script: Path):
         return request.param, interpreter_results[request.param]
 
     return interpreter_results, case_row
+
+
+# ---- used inside the cases files (the interpreter process): imports that load triton stay in the functions
+
+
+def compile_for_hopper(hopper: bool) -> None:
+    """Make the launcher compile for sm_90 (where a config can take the TMA kernels), or for the GPU it finds."""
+    from ejkernel_triton import launch
+
+    if hopper:
+        os.environ[launch.COMPUTE_CAPABILITY_ENV] = "90"
+    else:
+        os.environ.pop(launch.COMPUTE_CAPABILITY_ENV, None)
+
+
+def random_qkv(keys, *, lead: tuple, b: int, sq: int, skv: int, h: int, hkv: int, d: int, dv: int, dtype):
+    """Standard normal q ``[*lead, b, sq, h, d]``, k ``[*lead, b, skv, hkv, d]``, v ``[*lead, b, skv, hkv, dv]``
+    from ``keys[0]``, ``keys[1]``, ``keys[2]``, drawn in float32 and cast to ``dtype``."""
+    import jax
+    import jax.numpy as jnp
+
+    q = jax.random.normal(keys[0], (*lead, b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (*lead, b, skv, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (*lead, b, skv, hkv, dv), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def gradient_outcome(take_gradient) -> str:
+    """``"returned"`` when ``take_gradient()`` runs, ``"refused"`` when it raises ``UnsupportedFeature`` (what
+    a forward-only kernel must do rather than return a wrong gradient)."""
+    from ejkernel import UnsupportedFeature
+
+    try:
+        take_gradient()
+    except UnsupportedFeature:
+        return "refused"
+    return "returned"
+
+
+def print_row(row: dict, started: float) -> None:
+    """Print a case's row, with the seconds since ``started``, as the JSON line :func:`run_cases` reads."""
+    row["seconds"] = round(time.time() - started, 2)
+    print(json.dumps(row), flush=True)
 
 
 def assert_forward_only_row(row: dict, tolerance: float) -> None:

@@ -10,7 +10,6 @@ JSON line.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -24,7 +23,6 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-from ejkernel import UnsupportedFeature  # noqa: E402
 from ejkernel.modules import ragged_page_attention  # noqa: E402
 from ejkernel.testing.ragged_page_attention import (  # noqa: E402
     RaggedPageAttentionConformance,
@@ -32,6 +30,7 @@ from ejkernel.testing.ragged_page_attention import (  # noqa: E402
 )
 from ejkernel_triton.ragged_page_attention import TritonRaggedPageConfig  # noqa: E402
 from ejkernel.testing.numerics import relative_error  # noqa: E402
+from interpreter_support import gradient_outcome, print_row  # noqa: E402
 
 # small tiles: several prefill tiles per sequence and several key steps; decode with three splits
 SMALL = TritonRaggedPageConfig(block_m=16, block_n=16, num_warps=4, prefetch=1, decode_block_n=16,
@@ -72,19 +71,11 @@ def run(name):
     row = dict(name=name, dtype=jnp.dtype(spec["dtype"]).name, out=relative_error(out, ref),
                finite=bool(np.all(np.isfinite(np.asarray(out, np.float64)))),
                padding_zero=bool(np.all(np.asarray(out)[used:] == 0)))
-    if not spec.get("gradient"):
-        row["seconds"] = round(time.time() - t0, 2)
-        print(json.dumps(row), flush=True)
-        return
-    try:
-        jax.grad(lambda q: ragged_page_attention(q, *list(inputs.values())[1:], platform="triton",
-                                                 cfg=spec["config"], **static).astype(jnp.float32).sum())(
-            inputs["queries"])
-        row["gradient"] = "returned"
-    except UnsupportedFeature:
-        row["gradient"] = "refused"
-    row["seconds"] = round(time.time() - t0, 2)
-    print(json.dumps(row), flush=True)
+    if spec.get("gradient"):
+        row["gradient"] = gradient_outcome(lambda: jax.grad(
+            lambda q: ragged_page_attention(q, *list(inputs.values())[1:], platform="triton", cfg=spec["config"],
+                                            **static).astype(jnp.float32).sum())(inputs["queries"]))
+    print_row(row, t0)
 
 
 if __name__ == "__main__":

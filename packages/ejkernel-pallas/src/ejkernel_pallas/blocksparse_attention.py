@@ -34,6 +34,7 @@ from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation, NoConfig
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
 from ejkernel.ops.utils.block_sparse import BlockSchedule, block_schedule
+from ejkernel.ops.utils.padding import pad_axis
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_flash_attention import TpuFlashBlocks, sink_gradient
@@ -41,7 +42,6 @@ from ejkernel_pallas.tpu_flash_attention.kernels import (
     _check_tiling,
     _dot,
     _logits_and_mask,
-    _pad_axis,
     _probabilities_and_dlogits,
     _specs,
     _Static,
@@ -391,13 +391,13 @@ def _prepare(call: BlockSparseAttentionCall, interpret, count_visits: bool = Fal
     mask_batch, mask_heads, q_blocks, kv_blocks = call.block_mask.shape
     sq_pad, skv_pad = q_blocks * bq, kv_blocks * bkv
     arrays = {
-        "q": _pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
-        "k": _pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
-        "v": _pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
+        "q": pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
+        "k": pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
+        "v": pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
     }
     if call.q_segment_ids is not None:
-        arrays["q_seg"] = _pad_axis(call.q_segment_ids.astype(jnp.int32), 1, sq_pad)[:, :, None]
-        arrays["kv_seg"] = _pad_axis(call.kv_segment_ids.astype(jnp.int32), 1, skv_pad)[:, None, :]
+        arrays["q_seg"] = pad_axis(call.q_segment_ids.astype(jnp.int32), 1, sq_pad)[:, :, None]
+        arrays["kv_seg"] = pad_axis(call.kv_segment_ids.astype(jnp.int32), 1, skv_pad)[:, None, :]
     num_sinks = 0
     if call.softmax_aux is not None:
         sinks = call.softmax_aux.reshape(heads, -1)

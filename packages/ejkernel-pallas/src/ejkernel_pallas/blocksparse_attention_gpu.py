@@ -39,10 +39,14 @@ from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
 from ejkernel.ops.utils.block_sparse import block_schedule
+from ejkernel.ops.utils.padding import pad_axis
 
 from ejkernel_pallas import mosaic_attention as mosaic
-from ejkernel_pallas import gpu_flash_attention as gpu
-from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning
+from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning, gpu_schedule
+from ejkernel_pallas.gpu_flash_attention.implementation import _float32_precision
+from ejkernel_pallas.gpu_flash_attention.kernels import _Static
+from ejkernel_pallas.gpu_flash_attention.launch import _attention
+from ejkernel_pallas.gpu_flash_attention.tuning import _SWEEP
 from ejkernel_pallas.interpret import gpu_interpret_or_refuse, interpret_mode
 
 
@@ -87,7 +91,7 @@ def heuristic_tuning(call: BlockSparseAttentionCall, *, interpret: bool = False)
 def candidate_tunings(call: BlockSparseAttentionCall, *, interpret: bool = False) -> list[GpuFlashTuning]:
     """The GPU flash sweep's near-best tilings, capped at the mask blocks, each also with the Mosaic kernels
     where they can take the call."""
-    tilings = [kernel_blocks(t, call) for t in gpu._SWEEP]
+    tilings = [kernel_blocks(t, call) for t in _SWEEP]
     return list(dict.fromkeys(tilings + [mosaic.with_mosaic(t, call, interpret=interpret) for t in tilings]))
 
 
@@ -112,30 +116,30 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTunin
     d_pad, dv_pad = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(dv))
     width = pl.next_power_of_2(2 + max(s.indices.shape[3] for s in schedules))
     arrays = {
-        "q": gpu._pad_axis(gpu._pad_axis(query, 1, sq_pad), 3, d_pad),
-        "k": gpu._pad_axis(gpu._pad_axis(key, 1, skv_pad), 3, d_pad),
-        "v": gpu._pad_axis(gpu._pad_axis(value, 1, skv_pad), 3, dv_pad),
-        "sched_q": gpu.gpu_schedule(schedules[0], width),
-        "sched_kv": gpu.gpu_schedule(schedules[1], width),
+        "q": pad_axis(pad_axis(query, 1, sq_pad), 3, d_pad),
+        "k": pad_axis(pad_axis(key, 1, skv_pad), 3, d_pad),
+        "v": pad_axis(pad_axis(value, 1, skv_pad), 3, dv_pad),
+        "sched_q": gpu_schedule(schedules[0], width),
+        "sched_kv": gpu_schedule(schedules[1], width),
     }
     if call.q_segment_ids is not None:
-        arrays["q_seg"] = gpu._pad_axis(call.q_segment_ids, 1, sq_pad)
-        arrays["kv_seg"] = gpu._pad_axis(call.kv_segment_ids, 1, skv_pad)
+        arrays["q_seg"] = pad_axis(call.q_segment_ids, 1, sq_pad)
+        arrays["kv_seg"] = pad_axis(call.kv_segment_ids, 1, skv_pad)
     num_sinks = 0
     if call.softmax_aux is not None:
         sinks = call.softmax_aux.reshape(heads, -1)
         num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
-        arrays["sinks"] = gpu._pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
-    st = gpu._Static(
+        arrays["sinks"] = pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
+    st = _Static(
         scale=call.softmax_scale, causal=call.causal, window=call.sliding_window, soft_cap=call.logits_soft_cap,
         sq=sq, skv=skv, q_offset=skv - sq, groups=heads // kv_heads, varlen=False,
         has_segments=call.q_segment_ids is not None, num_sinks=num_sinks, tuning=tuning, interpret=interpret,
-        exact_delta=query.dtype == jnp.float32, precision=gpu._float32_precision(call),
+        exact_delta=query.dtype == jnp.float32, precision=_float32_precision(call),
         schedule_dims=(mask_batch, mask_heads), schedule_width=width, mask_blocks=(bq, bkv),
         mosaic_stages=tuning.mosaic_stages if tuning.mosaic_forward else 0,
         mosaic_backward=tuning.mosaic_backward,
     )
-    out = gpu._attention(st, arrays)
+    out = _attention(st, arrays)
     return out[:, :sq, :, :dv]
 
 

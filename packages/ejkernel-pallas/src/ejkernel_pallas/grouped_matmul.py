@@ -28,9 +28,10 @@ from jax.experimental.pallas import tpu as pltpu
 from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.grouped_matmul import GroupedMatmulCall
+from ejkernel.ops.utils.padding import round_up
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
-from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
+from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, sublane_multiple
 
 # ---------------------------------------------------------------------------------------------------
 # Tuning

@@ -31,10 +31,11 @@ from jax.experimental.pallas import tpu as pltpu
 from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
+from ejkernel.ops.utils.padding import round_up
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_flash_attention.kernels import init_softmax_state
-from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, round_up, sublane_multiple
+from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, sublane_multiple
 
 
 @dataclasses.dataclass(frozen=True)

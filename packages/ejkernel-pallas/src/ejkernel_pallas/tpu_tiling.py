@@ -25,10 +25,6 @@ def sublane_multiple(dtype) -> int:
     return SUBLANES_32BIT * max(1, 4 // itemsize)
 
 
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def check_block(name: str, block_shape, array_shape, dtype) -> None:
     """Raise :class:`TpuTilingError` unless ``block_shape`` tiles ``array_shape`` on a TPU.
 

@@ -29,6 +29,7 @@ from jax import lax
 
 from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.ops.utils.dropout import keep_mask, seed_bits
+from ejkernel.ops.utils.padding import pad_axis
 
 # ---- token descriptions ---------------------------------------------------------------------------
 
@@ -369,14 +370,6 @@ def sink_lse(softmax_aux: jax.Array | None, batch: int, num_heads: int, q_len: i
     return jnp.broadcast_to(per_head[None, :, None], (batch, num_heads, q_len))
 
 
-def _pad_to(x: jax.Array | None, axis: int, length: int, value=0) -> jax.Array | None:
-    if x is None or x.shape[axis] == length:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, length - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
-
-
 def _seq_blocks(x: jax.Array, num_blocks: int, block: int) -> jax.Array:
     """[B, S, ...] -> [num_blocks, B, block, ...]."""
     return jnp.moveaxis(x.reshape(x.shape[0], num_blocks, block, *x.shape[2:]), 1, 0)
@@ -444,16 +437,16 @@ def _flash_forward(blocks: BlockSizes, params: AttentionParams, q, k, v, bias, a
     kv_len = k.shape[1]
     bq, bk = blocks.q, blocks.kv
     nq, nk = -(-q_len // bq), -(-kv_len // bk)
-    qp, kp, vp = _pad_to(q, 1, nq * bq), _pad_to(k, 1, nk * bk), _pad_to(v, 1, nk * bk)
-    bias_p = _pad_to(_pad_to(bias, 2, nq * bq), 3, nk * bk)
-    mask_p = _pad_to(_pad_to(mask, 2, nq * bq, False), 3, nk * bk, False)
+    qp, kp, vp = pad_axis(q, 1, nq * bq), pad_axis(k, 1, nk * bk), pad_axis(v, 1, nk * bk)
+    bias_p = pad_axis(pad_axis(bias, 2, nq * bq), 3, nk * bk)
+    mask_p = pad_axis(pad_axis(mask, 2, nq * bq, False), 3, nk * bk, False)
     q_blocks = _seq_blocks(qp, nq, bq)
     k_blocks, v_blocks = _seq_blocks(kp, nk, bk), _seq_blocks(vp, nk, bk)
     qt = _blocked_tokens(pad_tokens(q_tok, nq * bq), nq, bq)
     kt = _blocked_tokens(pad_tokens(kv_tok, nk * bk), nk, bk)
     bias_b = _pair_blocks(bias_p, nq, bq, nk, bk, kv_major=False)
     mask_b = _pair_blocks(mask_p, nq, bq, nk, bk, kv_major=False)
-    sinks = _pad_to(sink_lse(aux, batch, num_heads, q_len), 2, nq * bq, -jnp.inf)
+    sinks = pad_axis(sink_lse(aux, batch, num_heads, q_len), 2, nq * bq, -jnp.inf)
     init_lse = _seq_blocks(jnp.moveaxis(sinks, 2, 1), nq, bq)
 
     def one_q_block(xs):
@@ -491,16 +484,16 @@ def _flash_backward(blocks: BlockSizes, params: AttentionParams, res, d_out):
     nq, nk = -(-q_len // bq), -(-kv_len // bk)
     d_out = d_out.astype(q.dtype)
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    q_blocks = _seq_blocks(_pad_to(q, 1, nq * bq), nq, bq)
-    do_blocks = _seq_blocks(_pad_to(d_out, 1, nq * bq), nq, bq)
-    lse_blocks = _seq_blocks(jnp.moveaxis(_pad_to(lse, 2, nq * bq, -jnp.inf), 2, 1), nq, bq)
-    delta_blocks = _seq_blocks(jnp.moveaxis(_pad_to(delta, 2, nq * bq), 2, 1), nq, bq)
-    k_blocks = _seq_blocks(_pad_to(k, 1, nk * bk), nk, bk)
-    v_blocks = _seq_blocks(_pad_to(v, 1, nk * bk), nk, bk)
+    q_blocks = _seq_blocks(pad_axis(q, 1, nq * bq), nq, bq)
+    do_blocks = _seq_blocks(pad_axis(d_out, 1, nq * bq), nq, bq)
+    lse_blocks = _seq_blocks(jnp.moveaxis(pad_axis(lse, 2, nq * bq, -jnp.inf), 2, 1), nq, bq)
+    delta_blocks = _seq_blocks(jnp.moveaxis(pad_axis(delta, 2, nq * bq), 2, 1), nq, bq)
+    k_blocks = _seq_blocks(pad_axis(k, 1, nk * bk), nk, bk)
+    v_blocks = _seq_blocks(pad_axis(v, 1, nk * bk), nk, bk)
     qt = _blocked_tokens(pad_tokens(q_tok, nq * bq), nq, bq)
     kt = _blocked_tokens(pad_tokens(kv_tok, nk * bk), nk, bk)
-    bias_b = _pair_blocks(_pad_to(_pad_to(bias, 2, nq * bq), 3, nk * bk), nq, bq, nk, bk, kv_major=True)
-    mask_b = _pair_blocks(_pad_to(_pad_to(mask, 2, nq * bq, False), 3, nk * bk, False), nq, bq, nk, bk, kv_major=True)
+    bias_b = _pair_blocks(pad_axis(pad_axis(bias, 2, nq * bq), 3, nk * bk), nq, bq, nk, bk, kv_major=True)
+    mask_b = _pair_blocks(pad_axis(pad_axis(mask, 2, nq * bq, False), 3, nk * bk, False), nq, bq, nk, bk, kv_major=True)
 
     def reduce_to_bias(ds):
         if bias is None:

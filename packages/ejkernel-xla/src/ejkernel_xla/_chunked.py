@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from ejkernel.modules.operations._precision import matmul_precision
+from ejkernel.ops.utils.padding import pad_axis
 
 F32 = jnp.float32
 
@@ -76,12 +77,6 @@ def _reverse_permutation(padded: int, cu_seqlens) -> jax.Array:
     inside = tokens < cu[-1]
     sequence = jnp.minimum(sequence, cu.shape[0] - 2)
     return jnp.where(inside, cu[sequence] + cu[sequence + 1] - 1 - tokens, tokens)
-
-
-def _pad_time(x, padded):
-    if x is None or x.shape[1] == padded:
-        return x
-    return jnp.pad(x, [(0, 0), (0, padded - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def _chunks(x, chunk):
@@ -221,8 +216,8 @@ def _chunked_linear_attention(q, k, v, log_decay_k, log_decay_v, initial_state, 
     if log_decay_k is None:
         log_decay_k = jnp.zeros((batch, total, heads, 1), F32)
     scalar_decay = log_decay_k.shape[-1] == 1 and log_decay_v is None
-    arrays = [_pad_time(x, padded) for x in (q, k, v, log_decay_k.astype(F32))]
-    arrays.append(None if log_decay_v is None else _pad_time(log_decay_v.astype(F32), padded))
+    arrays = [pad_axis(x, 1, padded) for x in (q, k, v, log_decay_k.astype(F32))]
+    arrays.append(None if log_decay_v is None else pad_axis(log_decay_v.astype(F32), 1, padded))
     permutation = None
     if reverse:  # padding stays at the end: only real tokens are reordered
         bounds = cu_seqlens if varlen else jnp.asarray([0, total], jnp.int32)

@@ -19,10 +19,10 @@ from jax import lax
 from ejkernel.modules.operations._contract import NoConfig
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttentionCall
 from ejkernel.ops.utils.block_sparse import effective_block_mask
+from ejkernel.ops.utils.padding import pad_axis
 from ejkernel_xla._blockwise import (
     AttentionParams,
     _blocked_tokens,
-    _pad_to,
     _seq_blocks,
     _unblock,
     backward_block,
@@ -46,11 +46,11 @@ def _layout(q, k, q_tok, kv_tok, q_block, kv_block):
 def _forward(params, q_block, kv_block, q, k, v, aux, block_mask, q_tok, kv_tok):
     batch, q_len, num_heads, _ = q.shape
     nq, nk, qt, kt = _layout(q, k, q_tok, kv_tok, q_block, kv_block)
-    q_blocks = _seq_blocks(_pad_to(q, 1, nq * q_block), nq, q_block)
-    k_blocks = _seq_blocks(_pad_to(k, 1, nk * kv_block), nk, kv_block)
-    v_blocks = _seq_blocks(_pad_to(v, 1, nk * kv_block), nk, kv_block)
+    q_blocks = _seq_blocks(pad_axis(q, 1, nq * q_block), nq, q_block)
+    k_blocks = _seq_blocks(pad_axis(k, 1, nk * kv_block), nk, kv_block)
+    v_blocks = _seq_blocks(pad_axis(v, 1, nk * kv_block), nk, kv_block)
     masks = jnp.moveaxis(block_mask, (2, 3), (0, 1))  # [nq, nk, B', H']
-    sinks = _pad_to(sink_lse(aux, batch, num_heads, q_len), 2, nq * q_block, -jnp.inf)
+    sinks = pad_axis(sink_lse(aux, batch, num_heads, q_len), 2, nq * q_block, -jnp.inf)
     init_lse = jnp.moveaxis(sinks.reshape(batch, num_heads, nq, q_block), 2, 0)  # [nq, B, H, bq]
 
     def one_q_block(xs):
@@ -83,12 +83,12 @@ def _backward(params, q_block, kv_block, residuals, d_out):
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
     def rows(x, fill=0.0):  # [B, H, Sq] -> [nq, B, H, bq]
-        return jnp.moveaxis(_pad_to(x, 2, nq * q_block, fill).reshape(batch, num_heads, nq, q_block), 2, 0)
+        return jnp.moveaxis(pad_axis(x, 2, nq * q_block, fill).reshape(batch, num_heads, nq, q_block), 2, 0)
 
-    q_blocks = _seq_blocks(_pad_to(q, 1, nq * q_block), nq, q_block)
-    do_blocks = _seq_blocks(_pad_to(d_out, 1, nq * q_block), nq, q_block)
-    k_blocks = _seq_blocks(_pad_to(k, 1, nk * kv_block), nk, kv_block)
-    v_blocks = _seq_blocks(_pad_to(v, 1, nk * kv_block), nk, kv_block)
+    q_blocks = _seq_blocks(pad_axis(q, 1, nq * q_block), nq, q_block)
+    do_blocks = _seq_blocks(pad_axis(d_out, 1, nq * q_block), nq, q_block)
+    k_blocks = _seq_blocks(pad_axis(k, 1, nk * kv_block), nk, kv_block)
+    v_blocks = _seq_blocks(pad_axis(v, 1, nk * kv_block), nk, kv_block)
     masks = jnp.moveaxis(block_mask, (3, 2), (0, 1))  # [nk, nq, B', H']
 
     def one_kv_block(dq_all, xs):

@@ -22,6 +22,7 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations._ring_schedule import rotate as _rotate
 from ejkernel.modules.operations._ring_schedule import summed_like, varying_like
 from ejkernel.modules.operations.ring_attention import RingAttentionCall, ring_token_positions
+from ejkernel.ops.utils.padding import pad_axis
 from ejkernel_xla._blockwise import (
     AttentionParams,
     BlockSizes,
@@ -51,17 +52,9 @@ def _tokens(layout: str, rank, size: int, length: int, offset, segment):
     return Tokens(index=index, position=(index + offset)[None], valid=jnp.ones((1, length), bool), segment=segment)
 
 
-def _pad(x, length, axis=1, value=0):
-    if x is None or x.shape[axis] == length:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, length - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
-
-
 def _blocks(x, n, block, axis=1):
     """Split ``axis`` (padded to n * block) into a leading block axis."""
-    x = _pad(x, n * block, axis)
+    x = pad_axis(x, axis, n * block)
     x = x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1 :])
     return jnp.moveaxis(x, axis, 0)
 

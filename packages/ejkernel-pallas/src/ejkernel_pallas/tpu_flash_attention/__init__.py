@@ -38,6 +38,7 @@ from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.flash_attention import FlashAttentionCall
 from ejkernel.ops.utils import dropout as dropout_hash
+from ejkernel.ops.utils.padding import pad_axis
 from ejkernel.ops.utils.varlen import packed_keys, packed_queries
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
@@ -50,7 +51,7 @@ from ejkernel_pallas.tpu_flash_attention.blocks import (
     padded_lengths,
     validate_blocks,
 )
-from ejkernel_pallas.tpu_flash_attention.kernels import _backward, _forward, _pad_axis, _Static
+from ejkernel_pallas.tpu_flash_attention.kernels import _backward, _forward, _Static
 from ejkernel_pallas.tpu_flash_attention.ring_block import block_backward, block_forward, block_static
 from ejkernel_pallas.tpu_tiling import sublane_multiple
 
@@ -131,18 +132,18 @@ def _flash(call: FlashAttentionCall, blocks: TpuFlashBlocks, interpret) -> jax.A
     validate_blocks(blocks, sq, skv, q_rows=row_multiple, kv_rows=sublane_multiple(query.dtype), kv_lanes=kv_lanes)
     sq_pad, skv_pad = padded_lengths(blocks, sq, skv)
     arrays = {
-        "q": _pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
-        "k": _pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
-        "v": _pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
+        "q": pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
+        "k": pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
+        "v": pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
     }
     bias_shape = None
     if call.bias is not None:
         bias_shape = (call.bias.shape[0], call.bias.shape[1])
-        arrays["bias"] = _pad_axis(_pad_axis(call.bias, 2, sq_pad), 3, skv_pad)
+        arrays["bias"] = pad_axis(pad_axis(call.bias, 2, sq_pad), 3, skv_pad)
     mask_heads = None
     if call.attention_mask is not None:
         mask_heads = call.attention_mask.shape[1]
-        arrays["mask"] = _pad_axis(_pad_axis(call.attention_mask.astype(jnp.int8), 2, sq_pad), 3, skv_pad)
+        arrays["mask"] = pad_axis(pad_axis(call.attention_mask.astype(jnp.int8), 2, sq_pad), 3, skv_pad)
     if varlen:
         q_seq, q_pos, q_exists = packed_queries(call.cum_seqlens_q, call.cum_seqlens_k, sq_pad)
         kv_seq, kv_pos, kv_exists = packed_keys(call.cum_seqlens_k, skv_pad)
@@ -152,8 +153,8 @@ def _flash(call: FlashAttentionCall, blocks: TpuFlashBlocks, interpret) -> jax.A
         arrays["q_seg"] = jnp.where(q_exists, q_seq, -1)[None, :, None]
         arrays["kv_seg"] = jnp.where(kv_exists, kv_seq, -2)[None, None, :]
     elif call.q_segment_ids is not None:
-        arrays["q_seg"] = _pad_axis(call.q_segment_ids, 1, sq_pad)[:, :, None]
-        arrays["kv_seg"] = _pad_axis(call.kv_segment_ids, 1, skv_pad)[:, None, :]
+        arrays["q_seg"] = pad_axis(call.q_segment_ids, 1, sq_pad)[:, :, None]
+        arrays["kv_seg"] = pad_axis(call.kv_segment_ids, 1, skv_pad)[:, None, :]
     num_sinks = 0
     if call.softmax_aux is not None:
         sinks = call.softmax_aux.reshape(heads, -1)

@@ -3,15 +3,14 @@ the checks Mosaic's tiling rules impose."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import dataclasses
 import math
 
 import jax.numpy as jnp
 
+from ejkernel.ops.utils.padding import round_up
 
-from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, round_up, sublane_multiple
+from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, sublane_multiple
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,8 +4,6 @@ block-sparse (:mod:`ejkernel_pallas.blocksparse_attention`) and ring kernels."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 
@@ -52,15 +50,6 @@ class _Static:
 def _struct(shape, dtype, like):
     """An output ShapeDtypeStruct that varies over the same shard_map axes as ``like`` (check_vma)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
-
-
-def _pad_axis(x, axis: int, length: int, value=0):
-    extra = length - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 # ---------------------------------------------------------------------------------------------------

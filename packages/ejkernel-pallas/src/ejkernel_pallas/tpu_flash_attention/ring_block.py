@@ -3,14 +3,12 @@ as traced starts, outputs in float32 with the block's log-sum-exp, so ring steps
 
 from __future__ import annotations
 
-from __future__ import annotations
-
-
 import jax.numpy as jnp
 
+from ejkernel.ops.utils.padding import pad_axis
 
 from ejkernel_pallas.tpu_flash_attention.blocks import TpuFlashBlocks, _row_multiple, padded_lengths, validate_blocks
-from ejkernel_pallas.tpu_flash_attention.kernels import _backward, _forward, _pad_axis, _Static
+from ejkernel_pallas.tpu_flash_attention.kernels import _backward, _forward, _Static
 
 
 def _block_arrays(query, key, value, q_segment_ids, kv_segment_ids, q_start, kv_start, q_len: int, kv_len: int, blocks):
@@ -20,15 +18,15 @@ def _block_arrays(query, key, value, q_segment_ids, kv_segment_ids, q_start, kv_
     q_pos = q_start + jnp.arange(sq_pad, dtype=jnp.int32) + (kv_len - q_len)
     kv_pos = kv_start + jnp.arange(skv_pad, dtype=jnp.int32)
     arrays = {
-        "q": _pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
-        "k": _pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
-        "v": _pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
+        "q": pad_axis(jnp.swapaxes(query, 1, 2), 2, sq_pad),
+        "k": pad_axis(jnp.swapaxes(key, 1, 2), 2, skv_pad),
+        "v": pad_axis(jnp.swapaxes(value, 1, 2), 2, skv_pad),
         "q_pos": jnp.broadcast_to(q_pos[None, :, None], (batch, sq_pad, 1)),
         "kv_pos": jnp.broadcast_to(kv_pos[None, None, :], (batch, 1, skv_pad)),
     }
     if q_segment_ids is not None:
-        arrays["q_seg"] = _pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_pad)[:, :, None]
-        arrays["kv_seg"] = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, skv_pad)[:, None, :]
+        arrays["q_seg"] = pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_pad)[:, :, None]
+        arrays["kv_seg"] = pad_axis(kv_segment_ids.astype(jnp.int32), 1, skv_pad)[:, None, :]
     return arrays
 
 
@@ -65,8 +63,8 @@ def block_backward(st: _Static, query, key, value, q_segment_ids, kv_segment_ids
     sq, skv = query.shape[1], key.shape[1]
     sq_pad = arrays["q"].shape[2]
     finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing are masked everywhere
-    arrays["do"] = _pad_axis(jnp.swapaxes(d_out, 1, 2), 2, sq_pad)
-    arrays["lse"] = _pad_axis(finite_lse, 2, sq_pad)[..., None]
-    arrays["delta"] = _pad_axis(delta, 2, sq_pad)[..., None]
+    arrays["do"] = pad_axis(jnp.swapaxes(d_out, 1, 2), 2, sq_pad)
+    arrays["lse"] = pad_axis(finite_lse, 2, sq_pad)[..., None]
+    arrays["delta"] = pad_axis(delta, 2, sq_pad)[..., None]
     dq, dk, dv, _ = _backward(st, arrays)
     return jnp.swapaxes(dq[:, :, :sq], 1, 2), jnp.swapaxes(dk[:, :, :skv], 1, 2), jnp.swapaxes(dv[:, :, :skv], 1, 2)
