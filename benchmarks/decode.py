@@ -124,7 +124,7 @@ def ejkernel_impls(sweep_configs=(), sweep_layouts=("paged", "contiguous")) -> l
                 if algorithm == "page_attention":
                     def fn(x, platform=platform, cfg=cfg):
                         return page_attention(x["q"], x["k"], x["v"], x["lens"], x["tables"], platform=platform,
-                                              cfg=cfg)
+                                              cfg=cfg, key_scale=x.get("scale"), value_scale=x.get("scale"))
 
                     impls.append(Impl(f"ejkernel-{platform} paged{suffix}", "paged", fn,
                                       standard_only=platform != "triton", sweep_shapes=frozenset(shapes)))
@@ -451,9 +451,16 @@ def markdown_table(doc, key: str = "gbps") -> str:
     return "\n".join(lines)
 
 
+def cache_note(doc) -> str:
+    """``, float8_e4m3fn cache`` when the run's caches were quantized."""
+    kv_dtype = doc["setup"].get("kv_dtype", doc["setup"]["dtype"])
+    return "" if kv_dtype == doc["setup"]["dtype"] else f", {kv_dtype} cache"
+
+
 def print_report(doc) -> None:
     print(f"## {doc['device']}, {doc['date'][:10]}: decode GB/s (share of copy bandwidth {doc['copy_gbps']:.0f} GB/s); "
-          f"{doc['setup']['heads']}/{doc['setup']['kv_heads']} heads, D={doc['setup']['head_dim']}, {doc['setup']['dtype']}")
+          f"{doc['setup']['heads']}/{doc['setup']['kv_heads']} heads, D={doc['setup']['head_dim']}, {doc['setup']['dtype']}"
+          f"{cache_note(doc)}")
     print(markdown_table(doc))
     layer_keys = sorted({k for r in doc["results"] for k in r if k.startswith("gbps_layers")})
     for key in layer_keys:
@@ -510,7 +517,7 @@ def plot(doc, path: Path) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"decode attention, {doc['setup']['heads']}/{doc['setup']['kv_heads']} heads, D={doc['setup']['head_dim']},"
-                 f" {doc['setup']['dtype']} — {doc['device']}, {doc['date'][:10]} (jax {doc['versions'].get('jax')}, "
+                 f" {doc['setup']['dtype']}{cache_note(doc)} — {doc['device']}, {doc['date'][:10]} (jax {doc['versions'].get('jax')}, "
                  f"triton {doc['versions'].get('triton')})", fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 0.94))
     fig.savefig(path, dpi=110)
@@ -528,6 +535,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-dtype", default="", help="the caches' dtype when quantized (float8_e4m3fn, float8_e5m2, "
+                   "int8): ejkernel's page_attention only, GB/s of the stored bytes")
     p.add_argument("--impls", default="", help="comma-separated name prefixes to keep")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--sweep-layouts", default="paged,contiguous", help="paged (page_attention), contiguous (ragged)")
@@ -577,6 +586,8 @@ def main(argv=None) -> int:
     standard_shape = tuple(int(v) for v in args.standard.split("x"))
     page_sizes = [int(s) for s in args.page_sizes.split(",") if s]
     dtype = jnp.dtype(args.dtype)
+    kv_dtype = jnp.dtype(args.kv_dtype or args.dtype)
+    quantized = kv_dtype != dtype  # a quantized cache: ejkernel's page_attention only (scales per kv head)
     H, Hkv, D = args.heads, args.kv_heads, args.head_dim
     sweep_shapes = [tuple(int(v) for v in t.split("x")) for t in args.sweep_shapes.split(",") if t] or [standard_shape]
     if not args.sweep:
@@ -604,7 +615,7 @@ def main(argv=None) -> int:
         return dict(device=kind, date=now.isoformat(timespec="seconds"), versions=versions(), copy_gbps=copy_gbps,
                     matmul_tflops=tflops,
                     setup=dict(shapes=shapes, standard=standard_shape, page_sizes=page_sizes, heads=H, kv_heads=Hkv, head_dim=D,
-                               dtype=str(dtype), warmup=args.warmup, reps=args.reps, calls=args.calls,
+                               dtype=str(dtype), kv_dtype=str(kv_dtype), warmup=args.warmup, reps=args.reps, calls=args.calls,
                                timing="median of reps; each rep = mean of back-to-back calls ended by block_until_ready",
                                gbps="K+V bytes read (2*B*ctx*Hkv*D*itemsize) / time",
                                copy="x + 1 over 4 GiB float32, read + write"),
@@ -627,11 +638,13 @@ def main(argv=None) -> int:
         standard = (batch, context) == standard_shape
         if sweep_pass and not any((batch, context) in i.sweep_shapes for i in impls):
             continue
-        kv_bytes = 2 * batch * context * Hkv * D * dtype.itemsize
+        kv_bytes = 2 * batch * context * Hkv * D * kv_dtype.itemsize
         layer_counts = [n for n in args.layers if n > 1 and n * kv_bytes <= args.layers_max_bytes]
         sets = max(1, min(16, math.ceil(args.rotate_bytes / kv_bytes)), *layer_counts)
         key, sub = jax.random.split(key)
         logical = [logical_kv(jax.random.fold_in(sub, s), batch, context, Hkv, D, dtype) for s in range(sets)]
+        if quantized:  # the cache as stored (one scale per kv head: the kernels' scale path, values unchanged)
+            logical = [(k.astype(kv_dtype), v.astype(kv_dtype)) for k, v in logical]
         queries = [jax.random.normal(jax.random.fold_in(sub, 100 + s), (batch, H, D), jnp.float32).astype(dtype)
                    for s in range(sets)]
         ref = None
@@ -645,11 +658,14 @@ def main(argv=None) -> int:
             if sweep_pass and ps is not None and args.sweep_page_sizes and ps not in args.sweep_page_sizes:
                 continue
             chosen = [i for i in impls if i.layout == layout and (standard or not i.standard_only)
+                      and (not quantized or (i.name.startswith("ejkernel-") and layout == "paged"))
                       and (((batch, context) in i.sweep_shapes) if sweep_pass else not i.sweep_shapes)]
             if not chosen:
                 continue
             inputs = [dict(q=q, **layout_inputs(layout, k, v, ps, seed=s))
                       for s, (q, (k, v)) in enumerate(zip(queries, logical))]
+            if quantized:
+                inputs = [dict(x, scale=jnp.ones((Hkv,), jnp.float32)) for x in inputs]
             for impl in chosen:
                 row = dict(impl=impl.name, layout=layout, page_size=ps, batch=batch, context=context, sets=sets)
                 try:

@@ -23,7 +23,12 @@ jax.config.update("jax_enable_x64", True)
 
 from ejkernel.modules import page_attention, ragged_decode_attention  # noqa: E402
 from ejkernel.testing.numerics import normal_array, relative_error  # noqa: E402
-from ejkernel.testing.page_attention import random_block_tables, reference_page_attention, sinks_for  # noqa: E402
+from ejkernel.testing.page_attention import (  # noqa: E402
+    quantized_cache,
+    random_block_tables,
+    reference_page_attention,
+    sinks_for,
+)
 from ejkernel.testing.ragged_decode_attention import reference_ragged_decode_attention  # noqa: E402
 from ejkernel_triton.decode import TritonDecodeConfig  # noqa: E402
 from interpreter_support import gradient_outcome, print_row  # noqa: E402
@@ -33,7 +38,10 @@ def _f64(x):
     return x.astype(jnp.float64) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
-def paged_case(seed, *, heads, kv_heads, dim, page_size, max_pages, lengths, dtype, config, vmap=False, **kw):
+def paged_case(seed, *, heads, kv_heads, dim, page_size, max_pages, lengths, dtype, config, vmap=False,
+               quantized=None, **kw):
+    """``quantized``: (cache dtype, scale kind) of :func:`quantized_cache`: the caches quantized, their scales
+    passed to both the kernel and the reference."""
     num_seqs = len(lengths)
     num_pages = num_seqs * max_pages + 3
     lengths = np.asarray(lengths, np.int32)
@@ -45,6 +53,10 @@ def paged_case(seed, *, heads, kv_heads, dim, page_size, max_pages, lengths, dty
         # entries past each sequence's last page are -1 (never read)
         block_tables=jnp.asarray(random_block_tables(seed, num_seqs, max_pages, num_pages, lengths, page_size)),
     )
+    if quantized is not None:
+        shape = inputs["key_cache"].shape
+        inputs["key_cache"], kw["key_scale"] = quantized_cache(seed + 1, shape, *quantized)
+        inputs["value_cache"], kw["value_scale"] = quantized_cache(seed + 2, shape, *quantized)
     ours = lambda **a: page_attention(**a, platform="triton", cfg=config, **kw)  # noqa: E731
     if vmap:  # a stack of query sets over one cache
         queries = jnp.stack([inputs["query"], inputs["query"][::-1] * 0.5])
@@ -95,6 +107,15 @@ CASES = {
                                                         max_pages=8, lengths=[61, 5, 40], dtype=jnp.float16,
                                                         config=SPLITS, attn_scale=0.3, attn_logits_soft_cap=5.0,
                                                         max_context_len=50)),
+    # an int8 cache dequantized per (page, kv head), pages of 12 (per-row lookups of the scales too), splits
+    "paged_int8_page_scales_splits": (paged_case, dict(seed=8, heads=8, kv_heads=2, dim=32, page_size=12,
+                                                       max_pages=6, lengths=[70, 1, 0, 25], dtype=jnp.float32,
+                                                       config=SPLITS, quantized=("int8", "page"))),
+    # an int8 cache with one scale per kv head, pages of 16 (one table entry per step), soft cap
+    "paged_int8_head_scales_softcap": (paged_case, dict(seed=9, heads=4, kv_heads=2, dim=16, page_size=16,
+                                                        max_pages=4, lengths=[64, 17], dtype=jnp.float16,
+                                                        config=ONE_PASS, quantized=("int8", "head"),
+                                                        attn_logits_soft_cap=3.0)),
     "paged_mha_vmap": (paged_case, dict(seed=4, heads=2, kv_heads=2, dim=32, page_size=16, max_pages=3,
                                         lengths=[33, 20], dtype=jnp.float32, config=SPLITS, vmap=True)),
     # window (only its left side hides keys), sinks, soft cap; empty ranges give zeros

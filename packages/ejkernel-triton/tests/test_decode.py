@@ -4,6 +4,7 @@ for the paged loop, and what the implementations and their config accept."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -85,6 +86,30 @@ def test_page_attention_compiles_for_sm90(sm90, page_size, splits, inline):
         PageAttention().validate(q, k, v, lens, tables, attn_logits_soft_cap=30.0, max_context_len=700), cfg),
         call.query, call.key_cache, call.value_cache, call.context_lens, call.block_tables)
     assert text.count("triton_kernel_call") == (1 if splits == 1 or inline else 2)
+
+
+@CUDA_LOWERING
+@pytest.mark.parametrize("cache_dtype,page_size", [(jnp.float8_e4m3fn, 64), (jnp.float8_e5m2, 12), (jnp.int8, 16)])
+def test_quantized_cache_compiles_for_sm90(sm90, cache_dtype, page_size):
+    """A quantized cache (read as stored, multiplied in bf16) with per-(page, kv head) scales, through the
+    one-entry-per-step and the per-row page lookups."""
+    call = _paged_call(num_seqs=4, context=768, page_size=page_size)
+    cache = _spec(call.key_cache.shape, cache_dtype)
+    scales = _spec(call.key_cache.shape[:2], jnp.float32)
+    cfg = TritonDecodeConfig(block_n=64, num_splits=3, inline_combine=True)
+    text = _lower(lambda q, k, v, lens, tables, ks, vs: PAGED(
+        PageAttention().validate(q, k, v, lens, tables, key_scale=ks, value_scale=vs), cfg),
+        call.query, cache, cache, call.context_lens, call.block_tables, scales, scales)
+    assert text.count("triton_kernel_call") == 1
+
+
+def test_float8_caches_are_refused_before_sm89(monkeypatch):
+    """Triton has float8 conversions from sm_89 on: older GPUs fall back to another backend."""
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "80")
+    call = _paged_call(num_seqs=2, context=256)
+    cache = _spec(call.key_cache.shape, jnp.float8_e4m3fn)
+    with pytest.raises(UnsupportedFeature, match="sm_89"):
+        PAGED.supports(dataclasses.replace(call, key_cache=cache, value_cache=cache))
 
 
 @CUDA_LOWERING

@@ -163,6 +163,10 @@ class PallasPageAttention(Implementation[PageAttentionCall, NoConfig]):
         if jax.default_backend() not in ("tpu", "cpu"):
             raise UnsupportedFeature("pallas page_attention is a TPU kernel; on GPUs use platform='xla'")
         tpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
+        if call.key_cache.dtype != call.query.dtype or call.key_scale is not None or call.value_scale is not None:
+            raise UnsupportedFeature(
+                f"pallas page_attention: quantized or scaled KV caches (key_cache {call.key_cache.dtype}, query "
+                f"{call.query.dtype}, key_scale/value_scale) are not implemented; platform='xla' takes them")
 
     def __call__(self, call: PageAttentionCall, config: NoConfig) -> jax.Array:
         return page_attention(call, interpret=tpu_interpret_or_refuse())

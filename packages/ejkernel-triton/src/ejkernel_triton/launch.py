@@ -29,6 +29,7 @@ import zlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jax.extend as jex
 import numpy as np
 from jax._src import dispatch
@@ -39,6 +40,7 @@ _TRITON_TYPES = {
     np.dtype(np.int32): "i32", np.dtype(np.int64): "i64", np.dtype(np.uint32): "u32",
     np.dtype(np.uint64): "u64", np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8",
     np.dtype(np.int16): "i16", np.dtype(np.bool_): "i1",
+    np.dtype(jnp.float8_e4m3fn): "fp8e4nv", np.dtype(jnp.float8_e5m2): "fp8e5",
 }
 
 

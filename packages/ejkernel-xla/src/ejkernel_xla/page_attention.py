@@ -129,11 +129,13 @@ class XlaPageAttention(JittedImplementation[PageAttentionCall, XlaPageAttentionC
         def load_block(i):
             pages = jax.lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)
 
-            def gather(cache):  # [S, P, Hkv, bs, D] -> [S, P * bs, Hkv, D]
+            def gather(cache, scale):  # [S, P, Hkv, bs, D] -> [S, P * bs, Hkv, D], dequantized by scale
                 block = cache[pages].swapaxes(2, 3)
+                if scale is not None:  # [num_blocks, Hkv] -> [S, P, 1, Hkv, 1]
+                    block = block.astype(jnp.float32) * scale[pages][:, :, None, :, None]
                 return block.reshape(num_seqs, step_tokens, num_kv_heads, block.shape[-1])
 
-            return gather(key_cache), gather(value_cache)
+            return gather(key_cache, call.key_scale), gather(value_cache, call.value_scale)
 
         def visible_block(i):
             positions = i * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)

@@ -118,13 +118,33 @@ def _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED: tl.constexpr, 
 
 
 @triton.jit
-def _fold_values(acc, m_i, l_i, s, v_ptrs, key_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _scale_rows(Tables, b, kvh, n0, offs_n, stop, MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Index ``[BLOCK_N]`` of keys ``n0 + offs_n`` (sequence ``b``, kv head ``kvh``) into a paged cache's
+    ``[num_pages, KV_HEADS]`` dequantization scales: the row of each key's page."""
+    if PAGE_SIZE % BLOCK_N == 0:  # the step lies in one page
+        page = tl.load(Tables + b * MAX_PAGES + n0 // PAGE_SIZE) + offs_n * 0
+    else:
+        tokens = n0 + offs_n
+        if MASKED:
+            page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE, mask=tokens < stop, other=0)
+        else:
+            page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE)
+    return tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64) * KV_HEADS + kvh
+
+
+@triton.jit
+def _fold_values(acc, m_i, l_i, s, v_ptrs, key_ok, offs_d, q, v_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SCALED: tl.constexpr):
     """The online-softmax step over logits ``s`` (masked already) and its value tile (keys ``key_ok`` on a
-    ``MASKED`` step): (acc, m_i, l_i)."""
+    ``MASKED`` step): (acc, m_i, l_i). Values of another dtype than the query's (a quantized cache) multiply
+    in the query's; ``V_SCALED``: each key's value is dequantized by ``v_scale`` ``[BLOCK_N]`` (folded into
+    the probabilities, which the denominator does not see)."""
     p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
-    v = load_tile(v_ptrs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED)
-    return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION), m_i, l_i
+    v = load_tile(v_ptrs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED).to(q.dtype)
+    if V_SCALED:
+        p = p * v_scale[None, :]
+    return tl.dot(p.to(q.dtype), v, acc, input_precision=DOT_PRECISION), m_i, l_i
 
 
 @triton.jit
@@ -133,22 +153,34 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
                PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr,
                PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr,
                SEQ_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               V_SHIFT: tl.constexpr, LOWER: tl.constexpr):
+               V_SHIFT: tl.constexpr, LOWER: tl.constexpr, KScale, VScale, K_SCALED: tl.constexpr,
+               V_SCALED: tl.constexpr, KV_HEADS: tl.constexpr):
     """Online softmax over keys ``[start, stop)`` (``MASKED``: the last, partial step; ``LOWER``: keys below
     ``first`` are masked too, for ranges that start inside a step). ``V_SHIFT``: elements from a key to its
-    value when both live in one buffer."""
+    value when both live in one buffer. A quantized cache's keys multiply in the query's dtype;
+    ``K_SCALED``/``V_SCALED`` (paged caches): keys/values are dequantized by ``KScale``/``VScale``
+    ``[num_pages, KV_HEADS]`` (a key's scale multiplies its logit before the soft cap)."""
     for n0 in range(start, stop, BLOCK_N):
         offs = _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, BLOCK_N)
         key_ok = (n0 + offs_n) < stop  # (only masked steps use it)
         if LOWER:
             key_ok = key_ok & ((n0 + offs_n) >= first)
-        k = load_tile(K + offs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED)
-        s = scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
+        k = load_tile(K + offs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED).to(q.dtype)
+        qk_scale = scale
+        v_scale = scale  # (read only when V_SCALED)
+        if K_SCALED or V_SCALED:
+            rows = _scale_rows(Tables, b, kvh, n0, offs_n, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES, KV_HEADS,
+                               BLOCK_N)
+            if K_SCALED:
+                qk_scale = scale * tl.load(KScale + rows)[None, :]
+            if V_SCALED:
+                v_scale = tl.load(VScale + rows)
+        s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         if MASKED:
             s = tl.where(key_ok[None, :], s, float("-inf"))
-        acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, V + V_SHIFT + offs, key_ok, offs_d, D, BLOCK_D, MASKED,
-                                     DOT_PRECISION)
+        acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, V + V_SHIFT + offs, key_ok, offs_d, q, v_scale, D, BLOCK_D,
+                                     MASKED, DOT_PRECISION, V_SCALED)
     return acc, m_i, l_i
 
 
@@ -182,7 +214,7 @@ def _merge_splits(Aux, PartAcc, PartM, PartL, b, heads, row_ok, valid, offs_d, H
 @triton.jit
 def _split_program(
     split, b, head_block,  # the program's place in the grid
-    Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs
+    Q, K, V, Starts, Ends, Tables, Aux, QRows, KScale, VScale, scale, softcap,  # inputs
     Out, PartAcc, PartM, PartL, Counter,  # outputs (Out with one split, the partials with several)
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -190,7 +222,8 @@ def _split_program(
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr,
 ):
     """One split program: keys ``[lo + split * CHUNK, ...)`` of sequence ``b`` for the query heads of head block
     ``head_block`` (kv head ``head_block // HEAD_BLOCKS``). A function so that other kernels (the mixed
@@ -221,17 +254,17 @@ def _split_program(
             acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, s_hi, offs_n, offs_d, scale,
                                        softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                                        PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                       V_SHIFT, True)
+                                       V_SHIFT, True, KScale, VScale, K_SCALED, V_SCALED, H // GROUP)
         else:
             full_hi = s_lo + tl.maximum(s_hi - s_lo, 0) // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, full_hi, offs_n, offs_d, scale,
                                        softcap, lo, False, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                                        PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                       V_SHIFT, False)
+                                       V_SHIFT, False, KScale, VScale, K_SCALED, V_SCALED, H // GROUP)
             acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, full_hi, s_hi, offs_n, offs_d, scale,
                                        softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                                        PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                       V_SHIFT, False)
+                                       V_SHIFT, False, KScale, VScale, K_SCALED, V_SCALED, H // GROUP)
         out_mask = row_ok[:, None] & (offs_d[None, :] < D)
         if NUM_SPLITS == 1:
             # no visible key: the value sum is 0 and so is the output (sinks or not)
@@ -265,7 +298,7 @@ def _split_program(
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs
+    Q, K, V, Starts, Ends, Tables, Aux, QRows, KScale, VScale, scale, softcap,  # inputs
     Out, PartAcc, PartM, PartL, Counter,  # outputs (Out with one split, the partials with several)
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -273,13 +306,14 @@ def _split_kernel(
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr,
 ):
     _split_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, K, V, Starts, Ends, Tables, Aux, QRows,
-                   scale, softcap, Out, PartAcc, PartM, PartL, Counter, H, GROUP, HEAD_BLOCKS, D, BLOCK_D, BLOCK_H,
-                   BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE,
-                   SEQ_STRIDE, HAS_START, WINDOW_LEFT, MAX_LEN, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION,
-                   V_SHIFT, HAS_QROWS, ALIGN_LO, INLINE_COMBINE)
+                   KScale, VScale, scale, softcap, Out, PartAcc, PartM, PartL, Counter, H, GROUP, HEAD_BLOCKS, D,
+                   BLOCK_D, BLOCK_H, BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
+                   HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, HAS_START, WINDOW_LEFT, MAX_LEN, USE_SOFTCAP, NUM_SINKS,
+                   BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO, INLINE_COMBINE, K_SCALED, V_SCALED)
 
 
 @triton.jit
@@ -314,7 +348,8 @@ def _placeholder(dtype):
     return jnp.zeros((1,), dtype)
 
 
-def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=None, run_split=None):
+def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=None, run_split=None, key_scale=None,
+                 value_scale=None):
     """``q`` [B, H, D]; ``k``/``v`` paged ``[num_pages, Hkv, page_size, D]`` (``st.page_size > 0``) or dense
     ``[B, S, Hkv, D]``; ``starts`` (dense only) and ``ends`` int32 [B]; ``tables`` int32 [B, max_pages] (paged
     only); ``aux`` float32 [H, num_sinks] or None. Returns [B, H, D] in q's dtype.
@@ -323,7 +358,8 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
     ``2h + 1`` (``v`` is ignored). ``q_rows`` int32 [B]: ``q`` is a packed ``[tokens, H, D]`` array and sequence
     ``b``'s query is its row ``q_rows[b]`` (the batch is then ``len(ends)``). ``run_split(args, out_shapes,
     grid, num_warps, num_stages, zeroed_outputs, constexprs)``: runs the split programs instead of a launch of
-    ``_split_kernel`` and returns their outputs (the mixed launch of ``ragged_page_attention`` adds its prefill programs)."""
+    ``_split_kernel`` and returns their outputs (the mixed launch of ``ragged_page_attention`` adds its prefill programs).
+    ``key_scale``/``value_scale`` (paged caches): float32 ``[num_pages, Hkv]`` dequantization scales, or None."""
     batch = ends.shape[0]
     num_heads, head_dim = q.shape[1:]
     paged = st.page_size > 0
@@ -382,8 +418,14 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
     constexprs = dict(H=num_heads, GROUP=group, HEAD_BLOCKS=head_blocks, D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
                       CHUNK=chunk, NUM_SPLITS=splits, USE_SOFTCAP=st.softcap > 0, V_SHIFT=v_shift,
                       HAS_QROWS=has_q_rows, DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
-                      INLINE_COMBINE=inline, **strides, **bounds)
-    args = [q, k, v, starts, ends, tables, aux, q_rows, np.float32(st.scale), np.float32(st.softcap)]
+                      INLINE_COMBINE=inline, K_SCALED=key_scale is not None, V_SCALED=value_scale is not None,
+                      **strides, **bounds)
+    if (key_scale is not None or value_scale is not None) and not paged:
+        raise UnsupportedFeature(f"triton {st.operation}: dequantization scales need a paged cache")
+    args = [q, k, v, starts, ends, tables, aux, q_rows,
+            key_scale if key_scale is not None else _placeholder(jnp.float32),
+            value_scale if value_scale is not None else _placeholder(jnp.float32),
+            np.float32(st.scale), np.float32(st.softcap)]
     out_shapes = [out_shape if splits == 1 or inline else f32((1,), q.dtype), *partials, counter]
     zeroed = (4,) if inline else ()
     grid = (splits, batch, kv_heads * head_blocks)
@@ -439,9 +481,13 @@ def forward_only(forward, operation: str):
 
 @functools.lru_cache(maxsize=None)
 def _attend_fn(st: DecodeStatic):
-    return forward_only(functools.partial(split_decode, st=st), st.operation)
+    def attend(q, k, v, starts, ends, tables, aux, key_scale, value_scale):
+        return split_decode(q, k, v, starts, ends, tables, aux, st, key_scale=key_scale, value_scale=value_scale)
+
+    return forward_only(attend, st.operation)
 
 
-def decode_attention(q, k, v, starts, ends, tables, aux, st: DecodeStatic) -> jax.Array:
+def decode_attention(q, k, v, starts, ends, tables, aux, st: DecodeStatic, key_scale=None,
+                     value_scale=None) -> jax.Array:
     """See :func:`split_decode` for the arguments (None for absent ones)."""
-    return _attend_fn(st)(q, k, v, starts, ends, tables, aux)
+    return _attend_fn(st)(q, k, v, starts, ends, tables, aux, key_scale, value_scale)

@@ -2,7 +2,9 @@
 
 Every page size works (pages that hold whole key steps read one block-table entry per step, others look the
 page up per key row), as do ``max_context_len``, the soft cap and the scale; zero-length contexts give zeros.
-Block-table entries that are read are clamped into ``[0, num_blocks)`` (see ``kernels``). Precision: float32
+Block-table entries that are read are clamped into ``[0, num_blocks)`` (see ``kernels``). Quantized caches
+(float8_e4m3fn, float8_e5m2 on sm_89 and later; int8) are read as they are stored (half the bytes of bf16) and
+multiply in the query's dtype, dequantized per (page, kv head) by ``key_scale``/``value_scale``. Precision: float32
 inputs run IEEE float32 dots (never TF32) and 16-bit operands multiply exactly into float32 accumulators, so
 every ``call.precision`` is met and none is refused.
 """
@@ -13,6 +15,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
@@ -39,12 +42,23 @@ class TritonPageAttention(Implementation[PageAttentionCall, TritonDecodeConfig])
         head_dim = call.query.shape[-1]
         if not 8 <= head_dim <= MAX_HEAD_DIM:
             raise UnsupportedFeature(f"triton page_attention: head_dim {head_dim} outside [8, {MAX_HEAD_DIM}]")
+        cache_dtype = jnp.dtype(call.key_cache.dtype)
+        if cache_dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+            from ejkernel_triton.interpret import interpreting
+            from ejkernel_triton.launch import target_compute_capability
+
+            if interpreting():
+                raise UnsupportedFeature(f"triton page_attention: {cache_dtype} caches do not run in Triton's "
+                                         "interpreter (no float8 on the host); platform='xla' takes them")
+            if 0 < target_compute_capability() < 89:
+                raise UnsupportedFeature(f"triton page_attention: {cache_dtype} caches need an sm_89 or later GPU; "
+                                         "platform='xla' takes them")
 
     def heuristic_config(self, call: PageAttentionCall) -> TritonDecodeConfig:
-        return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.query.dtype)
+        return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.key_cache.dtype)
 
     def candidate_configs(self, call: PageAttentionCall) -> Sequence[TritonDecodeConfig]:
-        return tuning.candidate_configs(*_work_and_tokens(call), call.query.shape[-1], call.query.dtype)
+        return tuning.candidate_configs(*_work_and_tokens(call), call.query.shape[-1], call.key_cache.dtype)
 
     def __call__(self, call: PageAttentionCall, config: TritonDecodeConfig) -> jax.Array:
         from ejkernel_triton.decode.kernels import DecodeStatic, decode_attention
@@ -54,7 +68,7 @@ class TritonPageAttention(Implementation[PageAttentionCall, TritonDecodeConfig])
                           page_size=call.key_cache.shape[2], max_len=call.max_context_len, window_left=-1,
                           config=config, interpret=interpreting(), operation="page_attention")
         return decode_attention(call.query, call.key_cache, call.value_cache, None, call.context_lens,
-                                call.block_tables, None, st)
+                                call.block_tables, None, st, key_scale=call.key_scale, value_scale=call.value_scale)
 
 
 IMPLEMENTATION = TritonPageAttention()

@@ -76,8 +76,8 @@ def _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, start, stop, pos, kv_l
             if WINDOW >= 0:
                 visible = visible & (pos[:, None] - keys[None, :] < WINDOW)
             s = tl.where(visible, s, float("-inf"))
-        acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, KV + D + offs, keys < stop, offs_d, D, BLOCK_D, MASKED,
-                                     DOT_PRECISION)
+        acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, KV + D + offs, keys < stop, offs_d, q, scale, D, BLOCK_D,
+                                     MASKED, DOT_PRECISION, False)
     return acc, m_i, l_i
 
 
@@ -152,7 +152,7 @@ def _prefill_kernel(
 
 @triton.jit
 def _mixed_kernel(
-    Tiles, Q, K, V, Starts, Ends, Tables, Aux, QRows, scale, softcap,  # inputs (the split programs' from Q on)
+    Tiles, Q, K, V, Starts, Ends, Tables, Aux, QRows, KScale, VScale, scale, softcap,  # the split programs' from Q on
     Out, DecOut, PartAcc, PartM, PartL, Counter,  # outputs: the prefill rows, then the split programs'
     GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, PREFILL_BLOCK_N: tl.constexpr,
     MAX_TILES: tl.constexpr, KV_HEADS: tl.constexpr, MAX_SEQS: tl.constexpr,
@@ -162,7 +162,8 @@ def _mixed_kernel(
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, INTERLEAVE: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     """One launch for the whole mixed batch: the decode split programs first (memory-bound streams, started
     first), then the prefill tiles (compute-bound), so that SMs run both at once instead of one launch after
@@ -184,11 +185,11 @@ def _mixed_kernel(
     if is_decode:
         pid = idx
         _split_program(pid % NUM_SPLITS, (pid // NUM_SPLITS) % MAX_SEQS, pid // (NUM_SPLITS * MAX_SEQS), Q, K, V,
-                       Starts, Ends, Tables, Aux, QRows, scale, softcap, DecOut, PartAcc, PartM, PartL, Counter, H, GROUP,
-                       HEAD_BLOCKS, D, BLOCK_D, BLOCK_H, BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES,
-                       NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, HAS_START, WINDOW_LEFT, MAX_LEN,
-                       USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO,
-                       INLINE_COMBINE)
+                       Starts, Ends, Tables, Aux, QRows, KScale, VScale, scale, softcap, DecOut, PartAcc, PartM, PartL,
+                       Counter, H, GROUP, HEAD_BLOCKS, D, BLOCK_D, BLOCK_H, BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE,
+                       MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, HAS_START, WINDOW_LEFT,
+                       MAX_LEN, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO,
+                       INLINE_COMBINE, K_SCALED, V_SCALED)
     else:
         t = idx
         _prefill_program(t % MAX_TILES, t // MAX_TILES, Q, K, Tiles, Tables, Aux, scale, softcap, Out, H, GROUP,

@@ -20,6 +20,8 @@ DEFAULT_DROPOUT_SEED = 0
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 INT_DTYPES = (jnp.int32, jnp.int64, jnp.int16, jnp.int8, jnp.uint32)
+QUANTIZED_CACHE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
+"""Dtypes a KV cache may hold instead of the query's (the operations that take ``key_scale``/``value_scale``)."""
 
 
 def describe(x: Any) -> str:
@@ -390,19 +392,41 @@ def check_matching_dims(name: str, x: Any, reference_name: str, reference: Any, 
 
 def check_decode_inputs(
     query: Any, key_name: str, key: Any, value_name: str, value: Any, query_axes: str, kv_axes: tuple[str, ...],
-    kv_heads_axis: int,
+    kv_heads_axis: int, quantized_cache: bool = False,
 ) -> None:
     """The arrays of a decode operation: float ``query`` ``[rows, num_heads, head_dim]`` (``query_axes``
     names them), ``key``/``value`` rank 4 with axes ``kv_axes`` (head_dim last), of one shape and query's
-    dtype; ``key``'s axis ``kv_heads_axis`` holds the KV heads (GQA: they divide the query heads)."""
+    dtype; ``key``'s axis ``kv_heads_axis`` holds the KV heads (GQA: they divide the query heads).
+    ``quantized_cache``: ``key``/``value`` may instead share one of :data:`QUANTIZED_CACHE_DTYPES`."""
     check_array("query", query, rank=3, dtypes=FLOAT_DTYPES, what=query_axes)
     layout = f"[{', '.join(kv_axes)}]"
-    check_array(key_name, key, rank=4, dtypes=FLOAT_DTYPES, what=layout)
-    check_array(value_name, value, rank=4, dtypes=FLOAT_DTYPES, what=layout)
-    check_same_dtype("query", query, **{key_name: key, value_name: value})
+    cache_dtypes = FLOAT_DTYPES + QUANTIZED_CACHE_DTYPES if quantized_cache else FLOAT_DTYPES
+    check_array(key_name, key, rank=4, dtypes=cache_dtypes, what=layout)
+    check_array(value_name, value, rank=4, dtypes=cache_dtypes, what=layout)
+    if quantized_cache and jnp.dtype(key.dtype) in [jnp.dtype(d) for d in QUANTIZED_CACHE_DTYPES]:
+        check_same_dtype(key_name, key, **{value_name: value})
+    else:
+        check_same_dtype("query", query, **{key_name: key, value_name: value})
     check_dim(key_name, key, 3, query.shape[2], "head_dim of query")
     check_matching_dims(value_name, value, key_name, key, kv_axes)
     check_gqa("query", query.shape[1], key_name, key.shape[kv_heads_axis], key)
+
+
+def cache_scale(name: str, scale: Any, num_pages: int, kv_heads: int) -> Any:
+    """A KV cache's dequantization scale as float32 ``[num_pages, kv_heads]`` (None stays None): one per
+    cache (a scalar), per kv head (``[kv_heads]``) or per page and kv head (``[num_pages, kv_heads]``)."""
+    if scale is None:
+        return None
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        scale = jnp.float32(scale)
+    what = f"(), [num_kv_heads={kv_heads}] or [num_blocks={num_pages}, num_kv_heads={kv_heads}]"
+    check_array(name, scale, dtypes=FLOAT_DTYPES, what=what)
+    if scale.shape not in ((), (kv_heads,), (num_pages, kv_heads)):
+        raise ValueError(f"{name} must have shape {what}, got {describe(scale)}")
+    values = concrete(scale)
+    if values is not None and not np.all(np.isfinite(values)):
+        raise ValueError(f"{name} must be finite, got {describe(scale)} with non-finite entries")
+    return jnp.broadcast_to(scale.astype(jnp.float32), (num_pages, kv_heads))
 
 
 def check_page_indices(name: str, block_tables: Any, lengths: Any, page_size: int, num_pages: int) -> None:
