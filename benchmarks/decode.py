@@ -155,7 +155,8 @@ def sweep_configs(batch, context, kv_heads) -> list:
     # the inline combine and 128-key steps won at small batches and short contexts, hence the candidates below
     # (the inline combine only acts when a call has several splits)
     variants = [(64, h, 2, 4, False), (64, h, 2, 4, True), (64, 2 * h, 2, 4, True), (128, h, 1, 4, True),
-                (128, h, 2, 4, True), (128, max(1, h // 2), 1, 4, True), (32, h, 3, 4, True), (32, 2 * h, 3, 4, True)]
+                (128, h, 2, 4, True), (128, max(1, h // 2), 1, 4, True), (32, h, 3, 4, True), (32, 2 * h, 3, 4, True),
+                (256, h, 1, 4, True), (256, h, 1, 8, True)]  # the last two: one-byte (quantized) caches
     out = []
     for n, splits, prefetch, warps, inline in variants:
         cfg = TritonDecodeConfig(block_n=n, num_splits=splits, prefetch=prefetch, num_warps=warps,

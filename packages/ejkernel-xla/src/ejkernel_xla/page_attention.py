@@ -131,8 +131,9 @@ class XlaPageAttention(JittedImplementation[PageAttentionCall, XlaPageAttentionC
 
             def gather(cache, scale):  # [S, P, Hkv, bs, D] -> [S, P * bs, Hkv, D], dequantized by scale
                 block = cache[pages].swapaxes(2, 3)
-                if scale is not None:  # [num_blocks, Hkv] -> [S, P, 1, Hkv, 1]
-                    block = block.astype(jnp.float32) * scale[pages][:, :, None, :, None]
+                if scale is not None:  # per kv head [Hkv], or per page [num_blocks, Hkv] -> [S, P, 1, Hkv, 1]
+                    per_token = scale if scale.ndim == 1 else scale[pages][:, :, None, :]
+                    block = block.astype(jnp.float32) * per_token[..., None]
                 return block.reshape(num_seqs, step_tokens, num_kv_heads, block.shape[-1])
 
             return gather(key_cache, call.key_scale), gather(value_cache, call.value_scale)

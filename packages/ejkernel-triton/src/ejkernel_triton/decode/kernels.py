@@ -138,12 +138,12 @@ def _fold_values(acc, m_i, l_i, s, v_ptrs, key_ok, offs_d, q, v_scale, D: tl.con
                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SCALED: tl.constexpr):
     """The online-softmax step over logits ``s`` (masked already) and its value tile (keys ``key_ok`` on a
     ``MASKED`` step): (acc, m_i, l_i). Values of another dtype than the query's (a quantized cache) multiply
-    in the query's; ``V_SCALED``: each key's value is dequantized by ``v_scale`` ``[BLOCK_N]`` (folded into
-    the probabilities, which the denominator does not see)."""
+    in the query's; ``V_SCALED``: the values are dequantized by ``v_scale`` (a scalar, or ``[1, BLOCK_N]``
+    per key), folded into the probabilities, which the denominator does not see."""
     p, m_i, l_i, acc = softmax_update(s, m_i, l_i, acc)
     v = load_tile(v_ptrs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED).to(q.dtype)
     if V_SCALED:
-        p = p * v_scale[None, :]
+        p = p * v_scale
     return tl.dot(p.to(q.dtype), v, acc, input_precision=DOT_PRECISION), m_i, l_i
 
 
@@ -153,13 +153,14 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
                PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr,
                PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr,
                SEQ_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               V_SHIFT: tl.constexpr, LOWER: tl.constexpr, KScale, VScale, K_SCALED: tl.constexpr,
-               V_SCALED: tl.constexpr, KV_HEADS: tl.constexpr):
+               V_SHIFT: tl.constexpr, LOWER: tl.constexpr, KScale, VScale, K_SCALE: tl.constexpr,
+               V_SCALE: tl.constexpr, KV_HEADS: tl.constexpr):
     """Online softmax over keys ``[start, stop)`` (``MASKED``: the last, partial step; ``LOWER``: keys below
     ``first`` are masked too, for ranges that start inside a step). ``V_SHIFT``: elements from a key to its
-    value when both live in one buffer. A quantized cache's keys multiply in the query's dtype;
-    ``K_SCALED``/``V_SCALED`` (paged caches): keys/values are dequantized by ``KScale``/``VScale``
-    ``[num_pages, KV_HEADS]`` (a key's scale multiplies its logit before the soft cap)."""
+    value when both live in one buffer. A quantized cache's keys multiply in the query's dtype; ``K_SCALE`` /
+    ``V_SCALE`` (paged caches; 0: none, 1: ``KScale``/``VScale`` per kv head ``[KV_HEADS]``, 2: per page and
+    kv head ``[num_pages, KV_HEADS]``) dequantize keys/values (a key's scale multiplies its logit before the
+    soft cap)."""
     for n0 in range(start, stop, BLOCK_N):
         offs = _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, BLOCK_N)
@@ -168,19 +169,23 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
             key_ok = key_ok & ((n0 + offs_n) >= first)
         k = load_tile(K + offs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED).to(q.dtype)
         qk_scale = scale
-        v_scale = scale  # (read only when V_SCALED)
-        if K_SCALED or V_SCALED:
+        v_scale = scale  # (read only when V_SCALE > 0)
+        if K_SCALE == 2 or V_SCALE == 2:
             rows = _scale_rows(Tables, b, kvh, n0, offs_n, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES, KV_HEADS,
                                BLOCK_N)
-            if K_SCALED:
+            if K_SCALE == 2:
                 qk_scale = scale * tl.load(KScale + rows)[None, :]
-            if V_SCALED:
-                v_scale = tl.load(VScale + rows)
+            if V_SCALE == 2:
+                v_scale = tl.load(VScale + rows)[None, :]
+        if K_SCALE == 1:
+            qk_scale = scale * tl.load(KScale + kvh)
+        if V_SCALE == 1:
+            v_scale = tl.load(VScale + kvh)
         s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         if MASKED:
             s = tl.where(key_ok[None, :], s, float("-inf"))
         acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, V + V_SHIFT + offs, key_ok, offs_d, q, v_scale, D, BLOCK_D,
-                                     MASKED, DOT_PRECISION, V_SCALED)
+                                     MASKED, DOT_PRECISION, V_SCALE > 0)
     return acc, m_i, l_i
 
 
@@ -222,8 +227,8 @@ def _split_program(
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALED: tl.constexpr,
-    V_SCALED: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALE: tl.constexpr,
+    V_SCALE: tl.constexpr,
 ):
     """One split program: keys ``[lo + split * CHUNK, ...)`` of sequence ``b`` for the query heads of head block
     ``head_block`` (kv head ``head_block // HEAD_BLOCKS``). A function so that other kernels (the mixed
@@ -254,17 +259,17 @@ def _split_program(
             acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, s_hi, offs_n, offs_d, scale,
                                        softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                                        PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                       V_SHIFT, True, KScale, VScale, K_SCALED, V_SCALED, H // GROUP)
+                                       V_SHIFT, True, KScale, VScale, K_SCALE, V_SCALE, H // GROUP)
         else:
             full_hi = s_lo + tl.maximum(s_hi - s_lo, 0) // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, s_lo, full_hi, offs_n, offs_d, scale,
                                        softcap, lo, False, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                                        PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                       V_SHIFT, False, KScale, VScale, K_SCALED, V_SCALED, H // GROUP)
+                                       V_SHIFT, False, KScale, VScale, K_SCALE, V_SCALE, H // GROUP)
             acc, m_i, l_i = _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, full_hi, s_hi, offs_n, offs_d, scale,
                                        softcap, lo, True, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                                        PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, USE_SOFTCAP, DOT_PRECISION,
-                                       V_SHIFT, False, KScale, VScale, K_SCALED, V_SCALED, H // GROUP)
+                                       V_SHIFT, False, KScale, VScale, K_SCALE, V_SCALE, H // GROUP)
         out_mask = row_ok[:, None] & (offs_d[None, :] < D)
         if NUM_SPLITS == 1:
             # no visible key: the value sum is 0 and so is the output (sinks or not)
@@ -306,14 +311,14 @@ def _split_kernel(
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALED: tl.constexpr,
-    V_SCALED: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALE: tl.constexpr,
+    V_SCALE: tl.constexpr,
 ):
     _split_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, K, V, Starts, Ends, Tables, Aux, QRows,
                    KScale, VScale, scale, softcap, Out, PartAcc, PartM, PartL, Counter, H, GROUP, HEAD_BLOCKS, D,
                    BLOCK_D, BLOCK_H, BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
                    HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, HAS_START, WINDOW_LEFT, MAX_LEN, USE_SOFTCAP, NUM_SINKS,
-                   BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO, INLINE_COMBINE, K_SCALED, V_SCALED)
+                   BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO, INLINE_COMBINE, K_SCALE, V_SCALE)
 
 
 @triton.jit
@@ -348,6 +353,11 @@ def _placeholder(dtype):
     return jnp.zeros((1,), dtype)
 
 
+def _scale_kind(scale) -> int:
+    """The kernels' ``K_SCALE``/``V_SCALE``: 0 without a scale, 1 per kv head ``[Hkv]``, 2 per page ``[pages, Hkv]``."""
+    return 0 if scale is None else scale.ndim
+
+
 def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=None, run_split=None, key_scale=None,
                  value_scale=None):
     """``q`` [B, H, D]; ``k``/``v`` paged ``[num_pages, Hkv, page_size, D]`` (``st.page_size > 0``) or dense
@@ -359,7 +369,8 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
     ``b``'s query is its row ``q_rows[b]`` (the batch is then ``len(ends)``). ``run_split(args, out_shapes,
     grid, num_warps, num_stages, zeroed_outputs, constexprs)``: runs the split programs instead of a launch of
     ``_split_kernel`` and returns their outputs (the mixed launch of ``ragged_page_attention`` adds its prefill programs).
-    ``key_scale``/``value_scale`` (paged caches): float32 ``[num_pages, Hkv]`` dequantization scales, or None."""
+    ``key_scale``/``value_scale`` (paged caches): float32 dequantization scales ``[Hkv]`` or ``[num_pages, Hkv]``,
+    or None."""
     batch = ends.shape[0]
     num_heads, head_dim = q.shape[1:]
     paged = st.page_size > 0
@@ -418,7 +429,7 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
     constexprs = dict(H=num_heads, GROUP=group, HEAD_BLOCKS=head_blocks, D=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
                       CHUNK=chunk, NUM_SPLITS=splits, USE_SOFTCAP=st.softcap > 0, V_SHIFT=v_shift,
                       HAS_QROWS=has_q_rows, DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
-                      INLINE_COMBINE=inline, K_SCALED=key_scale is not None, V_SCALED=value_scale is not None,
+                      INLINE_COMBINE=inline, K_SCALE=_scale_kind(key_scale), V_SCALE=_scale_kind(value_scale),
                       **strides, **bounds)
     if (key_scale is not None or value_scale is not None) and not paged:
         raise UnsupportedFeature(f"triton {st.operation}: dequantization scales need a paged cache")

@@ -162,8 +162,8 @@ def _mixed_kernel(
     HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
     HAS_START: tl.constexpr, WINDOW_LEFT: tl.constexpr, MAX_LEN: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SHIFT: tl.constexpr,
-    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALED: tl.constexpr,
-    V_SCALED: tl.constexpr, INTERLEAVE: tl.constexpr,
+    HAS_QROWS: tl.constexpr, ALIGN_LO: tl.constexpr, INLINE_COMBINE: tl.constexpr, K_SCALE: tl.constexpr,
+    V_SCALE: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     """One launch for the whole mixed batch: the decode split programs first (memory-bound streams, started
     first), then the prefill tiles (compute-bound), so that SMs run both at once instead of one launch after
@@ -189,7 +189,7 @@ def _mixed_kernel(
                        Counter, H, GROUP, HEAD_BLOCKS, D, BLOCK_D, BLOCK_H, BLOCK_N, CHUNK, NUM_SPLITS, PAGE_SIZE,
                        MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, HAS_START, WINDOW_LEFT,
                        MAX_LEN, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION, V_SHIFT, HAS_QROWS, ALIGN_LO,
-                       INLINE_COMBINE, K_SCALED, V_SCALED)
+                       INLINE_COMBINE, K_SCALE, V_SCALE)
     else:
         t = idx
         _prefill_program(t % MAX_TILES, t // MAX_TILES, Q, K, Tiles, Tables, Aux, scale, softcap, Out, H, GROUP,

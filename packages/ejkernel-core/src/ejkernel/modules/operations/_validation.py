@@ -413,8 +413,8 @@ def check_decode_inputs(
 
 
 def cache_scale(name: str, scale: Any, num_pages: int, kv_heads: int) -> Any:
-    """A KV cache's dequantization scale as float32 ``[num_pages, kv_heads]`` (None stays None): one per
-    cache (a scalar), per kv head (``[kv_heads]``) or per page and kv head (``[num_pages, kv_heads]``)."""
+    """A KV cache's dequantization scale as float32: ``[kv_heads]`` when it does not depend on the page (given
+    as a scalar or per kv head), ``[num_pages, kv_heads]`` when given per page and kv head; None stays None."""
     if scale is None:
         return None
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
@@ -426,7 +426,7 @@ def cache_scale(name: str, scale: Any, num_pages: int, kv_heads: int) -> Any:
     values = concrete(scale)
     if values is not None and not np.all(np.isfinite(values)):
         raise ValueError(f"{name} must be finite, got {describe(scale)} with non-finite entries")
-    return jnp.broadcast_to(scale.astype(jnp.float32), (num_pages, kv_heads))
+    return jnp.broadcast_to(scale.astype(jnp.float32), scale.shape if scale.ndim == 2 else (kv_heads,))
 
 
 def check_page_indices(name: str, block_tables: Any, lengths: Any, page_size: int, num_pages: int) -> None:

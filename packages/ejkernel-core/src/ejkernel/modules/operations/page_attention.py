@@ -11,8 +11,8 @@ Core validates the public call into one frozen :class:`PageAttentionCall`, all a
   ``block_tables[s, j // block_size]`` at row ``j % block_size``. Every ``j < L`` is visible.
 - Quantized caches (beyond the original library): the key of token ``j`` in page ``p``, kv head ``h`` is
   ``key_cache[p, h, j % block_size] * key_scale[p, h]`` (values likewise with ``value_scale``); the call holds
-  each scale as float32 ``[num_blocks, num_kv_heads]`` (given as a scalar, per kv head or per page and kv
-  head) or None (1). Scales work on any cache dtype.
+  each scale as float32 ``[num_kv_heads]`` (given as a scalar or per kv head), ``[num_blocks, num_kv_heads]``
+  (given per page and kv head) or None (1). Scales work on any cache dtype.
 - Logits ``attn_scale * <q, k>`` in float32, then ``c * tanh(x / c)`` with a soft cap ``c``; softmax over
   the visible tokens; ``L == 0`` gives zeros. Block-table entries past ``ceil(L / block_size)`` are never
   read semantically (any value allowed). Output in ``query``'s dtype.
@@ -68,9 +68,10 @@ class PageAttentionCall:
     """int32, values >= 0 (checked when concrete)."""
     block_tables: Int[jax.Array, "num_seqs max_blocks"] = array_field()
     """int32; the entries that are read are page indices (checked when concrete)."""
-    key_scale: Float[jax.Array, "num_blocks num_kv_heads"] | None = array_field(default=None)
-    """float32 dequantization scale of each (page, kv head) of ``key_cache``; None: 1."""
-    value_scale: Float[jax.Array, "num_blocks num_kv_heads"] | None = array_field(default=None)
+    key_scale: Float[jax.Array, "*num_blocks num_kv_heads"] | None = array_field(default=None)
+    """float32 dequantization scale of ``key_cache``: per kv head ``[num_kv_heads]`` or per page and kv head
+    ``[num_blocks, num_kv_heads]``; None: 1."""
+    value_scale: Float[jax.Array, "*num_blocks num_kv_heads"] | None = array_field(default=None)
     """As ``key_scale``, for ``value_cache``."""
     attn_scale: float = 1.0
     max_context_len: int = 1
