@@ -25,6 +25,12 @@ from ejkernel_triton.decode.config import MAX_HEAD_DIM, TritonDecodeConfig
 
 __all__ = ["IMPLEMENTATION", "TritonDecodeConfig", "TritonPageAttention"]
 
+QUANTIZED_CACHE_VERIFIED_ON_GPU = False
+"""Quantized and scaled caches (2026-11-27): sm_90 lowering and int8 interpreter numerics on the CPU, float8
+benchmark numerics on an H100 (relative error 2.2e-3 against float32); the GPU conformance run was cut off by
+its time limit. Until it passes, the dispatcher sends these calls to XLA (EJKERNEL_UNVERIFIED_KERNELS=1 lets
+them through: the verifying run)."""
+
 
 def _work_and_tokens(call: PageAttentionCall) -> tuple[int, int]:
     """Programs per split (sequences x kv heads x head blocks) and the longest possible context."""
@@ -39,12 +45,14 @@ class TritonPageAttention(Implementation[PageAttentionCall, TritonDecodeConfig])
     config_type = TritonDecodeConfig
 
     def supports(self, call: PageAttentionCall) -> None:
+        from ejkernel.plugins.checks import unverified_requested
+        from ejkernel_triton.interpret import interpreting
+
         head_dim = call.query.shape[-1]
         if not 8 <= head_dim <= MAX_HEAD_DIM:
             raise UnsupportedFeature(f"triton page_attention: head_dim {head_dim} outside [8, {MAX_HEAD_DIM}]")
         cache_dtype = jnp.dtype(call.key_cache.dtype)
         if cache_dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
-            from ejkernel_triton.interpret import interpreting
             from ejkernel_triton.launch import target_compute_capability
 
             if interpreting():
@@ -53,6 +61,12 @@ class TritonPageAttention(Implementation[PageAttentionCall, TritonDecodeConfig])
             if 0 < target_compute_capability() < 89:
                 raise UnsupportedFeature(f"triton page_attention: {cache_dtype} caches need an sm_89 or later GPU; "
                                          "platform='xla' takes them")
+        quantized = cache_dtype != jnp.dtype(call.query.dtype)
+        if (quantized or call.key_scale is not None or call.value_scale is not None) and not (
+                QUANTIZED_CACHE_VERIFIED_ON_GPU or unverified_requested() or interpreting()):
+            raise UnsupportedFeature(
+                "triton page_attention: quantized or scaled caches have not passed the GPU suite yet "
+                "(scripts/device/gpu_tests.sh, EJKERNEL_UNVERIFIED_KERNELS=1 runs them); platform='xla' takes them")
 
     def heuristic_config(self, call: PageAttentionCall) -> TritonDecodeConfig:
         return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.key_cache.dtype)
