@@ -94,24 +94,33 @@ def _sink_state(Aux, heads, row_ok, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.con
 
 
 @triton.jit
+def _key_pages(Tables, b, n0, offs_n, stop, MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr,
+               NUM_PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page ids (int64, clamped into ``[0, NUM_PAGES)``) of keys ``n0 + offs_n`` of sequence ``b``: one id when
+    the step lies in one page (``PAGE_SIZE % BLOCK_N == 0``), else one per key."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(Tables + b * MAX_PAGES + n0 // PAGE_SIZE)
+    else:
+        tokens = n0 + offs_n
+        if MASKED:
+            page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE, mask=tokens < stop, other=0)
+        else:
+            page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE)
+    return tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+
+
+@triton.jit
 def _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                 MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr,
                 HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr, SEQ_STRIDE: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """Element offsets ``[BLOCK_N, BLOCK_D]`` of keys ``n0 + offs_n`` of sequence ``b``, kv head ``kvh``."""
     if PAGE_SIZE > 0:
-        if PAGE_SIZE % BLOCK_N == 0:  # the step lies in one page: one block-table entry
-            page = tl.load(Tables + b * MAX_PAGES + n0 // PAGE_SIZE)
-            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+        page = _key_pages(Tables, b, n0, offs_n, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES, BLOCK_N)
+        if PAGE_SIZE % BLOCK_N == 0:  # the step lies in one page
             rows = page * PAGE_STRIDE + kvh * HEAD_STRIDE + ((n0 % PAGE_SIZE) + offs_n) * ROW_STRIDE
         else:
-            tokens = n0 + offs_n
-            if MASKED:
-                page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE, mask=tokens < stop, other=0)
-            else:
-                page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE)
-            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
-            rows = page * PAGE_STRIDE + kvh * HEAD_STRIDE + (tokens % PAGE_SIZE) * ROW_STRIDE
+            rows = page * PAGE_STRIDE + kvh * HEAD_STRIDE + ((n0 + offs_n) % PAGE_SIZE) * ROW_STRIDE
     else:
         rows = b.to(tl.int64) * SEQ_STRIDE + kvh * HEAD_STRIDE + (n0 + offs_n).to(tl.int64) * ROW_STRIDE
     return rows[:, None] + offs_d[None, :]
@@ -122,15 +131,8 @@ def _scale_rows(Tables, b, kvh, n0, offs_n, stop, MASKED: tl.constexpr, PAGE_SIZ
                 MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Index ``[BLOCK_N]`` of keys ``n0 + offs_n`` (sequence ``b``, kv head ``kvh``) into a paged cache's
     ``[num_pages, KV_HEADS]`` dequantization scales: the row of each key's page."""
-    if PAGE_SIZE % BLOCK_N == 0:  # the step lies in one page
-        page = tl.load(Tables + b * MAX_PAGES + n0 // PAGE_SIZE) + offs_n * 0
-    else:
-        tokens = n0 + offs_n
-        if MASKED:
-            page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE, mask=tokens < stop, other=0)
-        else:
-            page = tl.load(Tables + b * MAX_PAGES + tokens // PAGE_SIZE)
-    return tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64) * KV_HEADS + kvh
+    page = _key_pages(Tables, b, n0, offs_n, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES, BLOCK_N)
+    return page * KV_HEADS + kvh + offs_n * 0
 
 
 @triton.jit
