@@ -36,6 +36,7 @@ from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttenti
 from ejkernel.ops.utils.block_sparse import BlockSchedule, block_schedule
 from ejkernel.ops.utils.padding import pad_axis
 
+from ejkernel_pallas.call_fields import attention_fields
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_flash_attention import TpuFlashBlocks, sink_gradient
 from ejkernel_pallas.tpu_flash_attention.kernels import (
@@ -404,11 +405,9 @@ def _prepare(call: BlockSparseAttentionCall, interpret, count_visits: bool = Fal
         num_sinks = sinks.shape[1]
         arrays["sinks"] = sinks[:, None, :]
     st = _Static(
-        scale=call.softmax_scale, causal=call.causal, window=call.sliding_window, soft_cap=call.logits_soft_cap,
-        dropout_prob=0.0, sq=sq, skv=skv, q_offset=skv - sq, groups=heads // kv_heads, varlen=False,
+        **attention_fields(call, sq=sq, skv=skv, groups=heads // kv_heads), dropout_prob=0.0, varlen=False,
         has_segments=call.q_segment_ids is not None, bias_shape=None, mask_heads=None, num_sinks=num_sinks,
         blocks=TpuFlashBlocks(bq, bkv, bq, bkv, bq, bkv), interpret=interpret,
-        exact_delta=query.dtype == jnp.float32,
         precision=call.precision if query.dtype == jnp.float32 else None,
     )
     full = dataclasses.replace(st, causal=False, window=None, has_segments=False, skv=skv_pad)

@@ -41,6 +41,7 @@ from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttenti
 from ejkernel.ops.utils.block_sparse import block_schedule
 from ejkernel.ops.utils.padding import pad_axis
 
+from ejkernel_pallas.call_fields import attention_fields
 from ejkernel_pallas import mosaic_attention as mosaic
 from ejkernel_pallas.gpu_flash_attention import GpuFlashTuning, gpu_schedule
 from ejkernel_pallas.gpu_flash_attention.implementation import _float32_precision
@@ -131,10 +132,9 @@ def _run(call: BlockSparseAttentionCall, schedules: tuple, tuning: GpuFlashTunin
         num_sinks = max(16, pl.next_power_of_2(sinks.shape[1]))
         arrays["sinks"] = pad_axis(sinks, 1, num_sinks, value=-jnp.inf)
     st = _Static(
-        scale=call.softmax_scale, causal=call.causal, window=call.sliding_window, soft_cap=call.logits_soft_cap,
-        sq=sq, skv=skv, q_offset=skv - sq, groups=heads // kv_heads, varlen=False,
+        **attention_fields(call, sq=sq, skv=skv, groups=heads // kv_heads), varlen=False,
         has_segments=call.q_segment_ids is not None, num_sinks=num_sinks, tuning=tuning, interpret=interpret,
-        exact_delta=query.dtype == jnp.float32, precision=_float32_precision(call),
+        precision=_float32_precision(call),
         schedule_dims=(mask_batch, mask_heads), schedule_width=width, mask_blocks=(bq, bkv),
         mosaic_stages=tuning.mosaic_stages if tuning.mosaic_forward else 0,
         mosaic_backward=tuning.mosaic_backward,

@@ -17,6 +17,7 @@ from ejkernel.ops.utils.block_sparse import schedule_blocks
 from ejkernel.ops.utils.padding import pad_axis, round_up
 from ejkernel.ops.utils.varlen import packed_keys, packed_queries
 
+from ejkernel_pallas.call_fields import attention_fields
 from ejkernel_pallas import mosaic_attention
 from ejkernel_pallas.gpu_flash_attention.kernels import _Static, gpu_schedule
 from ejkernel_pallas.gpu_flash_attention.launch import _attention
@@ -79,20 +80,12 @@ def _flash(call: FlashAttentionCall, tuning: GpuFlashTuning, interpret: bool) ->
                         mosaic_stages=tuning.mosaic_stages if tuning.mosaic_forward else 0,
                         mosaic_backward=tuning.mosaic_backward)
     st = _Static(
-        scale=call.softmax_scale,
-        causal=call.causal,
-        window=call.sliding_window,
-        soft_cap=call.logits_soft_cap,
-        sq=sq,
-        skv=skv,
-        q_offset=skv - sq,
-        groups=heads // kv_heads,
+        **attention_fields(call, sq=sq, skv=skv, groups=heads // kv_heads),
         varlen=varlen,
         has_segments=varlen or call.q_segment_ids is not None,
         num_sinks=num_sinks,
         tuning=tuning,
         interpret=interpret,
-        exact_delta=query.dtype == jnp.float32,
         dropout_prob=call.dropout_prob,
         precision=_float32_precision(call),
         **schedule,

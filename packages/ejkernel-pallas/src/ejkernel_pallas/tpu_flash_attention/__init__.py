@@ -41,6 +41,7 @@ from ejkernel.ops.utils import dropout as dropout_hash
 from ejkernel.ops.utils.padding import pad_axis
 from ejkernel.ops.utils.varlen import packed_keys, packed_queries
 
+from ejkernel_pallas.call_fields import attention_fields
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_flash_attention.blocks import (
     TpuFlashBlocks,
@@ -164,15 +165,8 @@ def _flash(call: FlashAttentionCall, blocks: TpuFlashBlocks, interpret) -> jax.A
         arrays["seed"] = jax.lax.bitcast_convert_type(dropout_hash.seed_bits(call.dropout_seed), jnp.int32).reshape(1)
 
     st = _Static(
-        scale=call.softmax_scale,
-        causal=call.causal,
-        window=call.sliding_window,
-        soft_cap=call.logits_soft_cap,
+        **attention_fields(call, sq=sq, skv=skv, groups=heads // kv_heads),
         dropout_prob=call.dropout_prob,
-        sq=sq,
-        skv=skv,
-        q_offset=skv - sq,
-        groups=heads // kv_heads,
         varlen=varlen,
         has_segments=varlen or call.q_segment_ids is not None,
         bias_shape=bias_shape,
@@ -180,7 +174,6 @@ def _flash(call: FlashAttentionCall, blocks: TpuFlashBlocks, interpret) -> jax.A
         num_sinks=num_sinks,
         blocks=blocks,
         interpret=interpret,
-        exact_delta=query.dtype == jnp.float32,
         precision=_float32_precision(call),
     )
     out = _attention(st, arrays)
