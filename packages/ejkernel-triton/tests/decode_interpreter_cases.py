@@ -23,12 +23,8 @@ jax.config.update("jax_enable_x64", True)
 
 from ejkernel.modules import page_attention, ragged_decode_attention  # noqa: E402
 from ejkernel.testing.numerics import normal_array, relative_error  # noqa: E402
-from ejkernel.testing.page_attention import (  # noqa: E402
-    quantized_cache,
-    random_block_tables,
-    reference_page_attention,
-    sinks_for,
-)
+from ejkernel.testing.page_attention import random_block_tables, reference_page_attention, sinks_for  # noqa: E402
+from ejkernel.testing.quantized_cache import quantized_cache  # noqa: E402
 from ejkernel.testing.ragged_decode_attention import reference_ragged_decode_attention  # noqa: E402
 from ejkernel_triton.decode import TritonDecodeConfig  # noqa: E402
 from interpreter_support import gradient_outcome, print_row  # noqa: E402
@@ -40,8 +36,8 @@ def _f64(x):
 
 def paged_case(seed, *, heads, kv_heads, dim, page_size, max_pages, lengths, dtype, config, vmap=False,
                quantized=None, **kw):
-    """``quantized``: (cache dtype, scale kind) of :func:`quantized_cache`: the caches quantized, their scales
-    passed to both the kernel and the reference."""
+    """``quantized``: (cache dtype, "head" or "page"): the caches quantized (:func:`quantized_cache`), their
+    scales passed to both the kernel and the reference."""
     num_seqs = len(lengths)
     num_pages = num_seqs * max_pages + 3
     lengths = np.asarray(lengths, np.int32)
@@ -55,8 +51,10 @@ def paged_case(seed, *, heads, kv_heads, dim, page_size, max_pages, lengths, dty
     )
     if quantized is not None:
         shape = inputs["key_cache"].shape
-        inputs["key_cache"], kw["key_scale"] = quantized_cache(seed + 1, shape, *quantized)
-        inputs["value_cache"], kw["value_scale"] = quantized_cache(seed + 2, shape, *quantized)
+        cache_dtype, scale_kind = quantized
+        scale_shape = {"head": shape[1:2], "page": shape[:2]}[scale_kind]
+        inputs["key_cache"], kw["key_scale"] = quantized_cache(seed + 1, shape, cache_dtype, scale_shape)
+        inputs["value_cache"], kw["value_scale"] = quantized_cache(seed + 2, shape, cache_dtype, scale_shape)
     ours = lambda **a: page_attention(**a, platform="triton", cfg=config, **kw)  # noqa: E731
     if vmap:  # a stack of query sets over one cache
         queries = jnp.stack([inputs["query"], inputs["query"][::-1] * 0.5])
@@ -71,7 +69,8 @@ def paged_case(seed, *, heads, kv_heads, dim, page_size, max_pages, lengths, dty
         inputs["query"])
 
 
-def ragged_case(seed, *, heads, kv_heads, dim, seq_len, ranges, dtype, config, num_sinks=None, **kw):
+def ragged_case(seed, *, heads, kv_heads, dim, seq_len, ranges, dtype, config, num_sinks=None, quantized=None, **kw):
+    """``quantized``: the buffers' dtype; they are quantized with one scale per kv head (:func:`quantized_cache`)."""
     batch = len(ranges)
     inputs = dict(
         query=normal_array(seed, (batch, heads, dim), dtype, 2.0),
@@ -81,6 +80,10 @@ def ragged_case(seed, *, heads, kv_heads, dim, seq_len, ranges, dtype, config, n
         sequence_end=jnp.asarray([e for _, e in ranges], jnp.int32),
         softmax_aux=sinks_for(seed + 3, heads, num_sinks),
     )
+    if quantized is not None:
+        shape = inputs["key"].shape
+        inputs["key"], kw["key_scale"] = quantized_cache(seed + 1, shape, quantized, (kv_heads,))
+        inputs["value"], kw["value_scale"] = quantized_cache(seed + 2, shape, quantized, (kv_heads,))
     out = ragged_decode_attention(**inputs, platform="triton", cfg=config, **kw)
     ref = reference_ragged_decode_attention(**{k: _f64(v) for k, v in inputs.items()}, **kw)
     window = kw.get("sliding_window")
@@ -124,6 +127,11 @@ CASES = {
                                                          dtype=jnp.float32, config=SPLITS, num_sinks=2,
                                                          sliding_window=(20, 0), logit_soft_cap=4.0,
                                                          softmax_scale=0.3)),
+    # an int8 buffer with one scale per kv head, window and sinks, splits
+    "ragged_int8_head_scales_window_splits": (ragged_case, dict(seed=10, heads=8, kv_heads=2, dim=32, seq_len=45,
+                                                                ranges=[(0, 45), (3, 20), (30, 30)],
+                                                                dtype=jnp.float32, config=SPLITS, num_sinks=1,
+                                                                sliding_window=(20, 0), quantized="int8")),
     "ragged_mha_odd_dim_fp16_one_pass": (ragged_case, dict(seed=6, heads=3, kv_heads=3, dim=17, seq_len=40,
                                                            ranges=[(0, 1), (5, 40), (25, 25)], dtype=jnp.float16,
                                                            config=ONE_PASS, num_sinks=0)),

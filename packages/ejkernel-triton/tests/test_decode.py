@@ -103,12 +103,25 @@ def test_quantized_cache_compiles_for_sm90(sm90, cache_dtype, page_size):
     assert text.count("triton_kernel_call") == 1
 
 
+@CUDA_LOWERING
+def test_quantized_ragged_buffer_compiles_for_sm90(sm90):
+    """A float8 dense buffer with one scale per kv head (no page lookup for the scales)."""
+    call = _ragged_call(dtype=jnp.bfloat16)
+    buffer = _spec(call.key.shape, jnp.float8_e4m3fn)
+    scales = _spec(call.key.shape[2:3], jnp.float32)
+    text = _lower(lambda q, k, v, s, e, ks, vs: RAGGED(
+        RaggedDecodeAttention().validate(q, k, v, s, e, key_scale=ks, value_scale=vs),
+        TritonDecodeConfig(num_splits=3, inline_combine=True)),
+        call.query, buffer, buffer, call.sequence_start, call.sequence_end, scales, scales)
+    assert text.count("triton_kernel_call") == 1
+
+
 def test_quantized_caches_wait_for_the_gpu_suite(monkeypatch):
     """Until the GPU suite has passed on them, quantized or scaled caches go to another backend on a GPU."""
     from ejkernel.plugins.checks import UNVERIFIED_ENV
-    from ejkernel_triton.decode import page_attention as paged_module
+    from ejkernel_triton.decode import quantized
 
-    if paged_module.QUANTIZED_CACHE_VERIFIED_ON_GPU:
+    if quantized.QUANTIZED_CACHE_VERIFIED_ON_GPU:
         pytest.skip("verified on the GPU")
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
     monkeypatch.setenv(UNVERIFIED_ENV, "0")
@@ -118,6 +131,11 @@ def test_quantized_caches_wait_for_the_gpu_suite(monkeypatch):
         PAGED.supports(dataclasses.replace(call, key_cache=int8, value_cache=int8))
     monkeypatch.setenv(UNVERIFIED_ENV, "1")
     PAGED.supports(dataclasses.replace(call, key_cache=int8, value_cache=int8))
+    monkeypatch.setenv(UNVERIFIED_ENV, "0")
+    ragged = _ragged_call()
+    with pytest.raises(UnsupportedFeature, match="GPU suite"):
+        RAGGED.supports(dataclasses.replace(ragged, key=_spec(ragged.key.shape, jnp.int8),
+                                            value=_spec(ragged.key.shape, jnp.int8)))
 
 
 def test_float8_caches_are_refused_before_sm89(monkeypatch):

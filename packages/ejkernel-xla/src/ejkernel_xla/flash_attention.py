@@ -61,7 +61,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.flash_attention import FlashAttentionCall

@@ -39,10 +39,11 @@ class XlaRaggedDecodeAttention(JittedImplementation[RaggedDecodeAttentionCall, X
         position = sequence_end - 1
 
         def load_block(i):
-            return (
-                jax.lax.dynamic_slice_in_dim(key, i * block, block, axis=1),
-                jax.lax.dynamic_slice_in_dim(value, i * block, block, axis=1),
-            )
+            def dequantized(x, scale):  # [B, block, Hkv, D] times a scale per kv head
+                x = jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=1)
+                return x if scale is None else x.astype(jnp.float32) * scale[:, None]
+
+            return dequantized(key, call.key_scale), dequantized(value, call.value_scale)
 
         def visible_block(i):
             keys = (i * block + jnp.arange(block, dtype=jnp.int32))[None, :]

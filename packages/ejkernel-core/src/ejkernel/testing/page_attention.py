@@ -23,6 +23,7 @@ import pytest
 
 from ejkernel.modules.operations.page_attention import PageAttention
 from ejkernel.testing._attention_reference import masked_softmax_attention, soft_cap
+from ejkernel.testing.quantized_cache import QuantizedCacheChecks, dequantized
 from ejkernel.testing.numerics import (
     DTYPES,
     ConformanceSuite,
@@ -30,7 +31,6 @@ from ejkernel.testing.numerics import (
     assert_finite,
     exact_matmuls,
     forward_and_vjp,
-    jax_float64,
     normal_array,
     run_jitted,
 )
@@ -75,32 +75,6 @@ def gather_pages(cache: jax.Array, tables: jax.Array, token_axis: int) -> jax.Ar
     return pages.reshape(pages.shape[0], -1, *pages.shape[3:])
 
 
-def dequantized(cache: jax.Array, scale, dtype) -> jax.Array:
-    """``cache`` ``[num_blocks, num_kv_heads, ...]`` in ``dtype``, times ``scale`` (a scalar, per kv head or per
-    page and kv head; None: 1)."""
-    cache = cache.astype(dtype)
-    if scale is None:
-        return cache
-    scale = jnp.broadcast_to(jnp.asarray(scale, dtype), cache.shape[:2])
-    return cache * scale.reshape(*scale.shape, *([1] * (cache.ndim - 2)))
-
-
-def quantized_cache(seed: int, shape, dtype: str, scale_kind: str):
-    """A random quantized cache of ``shape`` ``[num_blocks, num_kv_heads, block_size, head_dim]`` and its scale:
-    ``dtype`` float8_e4m3fn / float8_e5m2 / int8 (int8 entries in [-127, 127]); ``scale_kind`` "none" (None),
-    "scalar", "head" (``[num_kv_heads]``) or "page" (``[num_blocks, num_kv_heads]``), values in [0.01, 0.1]."""
-    rng = np.random.default_rng(seed)
-    if dtype == "int8":
-        cache = jnp.asarray(rng.integers(-127, 128, size=shape).astype(np.int8))
-    else:
-        cache = jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 4).astype(dtype)
-    scale_shape = {"none": None, "scalar": (), "head": shape[1:2], "page": shape[:2]}[scale_kind]
-    scale = None if scale_shape is None else jnp.asarray(rng.uniform(0.01, 0.1, size=scale_shape).astype(np.float32))
-    if scale_kind == "none" and dtype == "int8":  # unscaled int8 logits would saturate every softmax
-        cache = cache // 16
-    return cache, scale
-
-
 # ---- the reference ---------------------------------------------------------------------------------
 
 
@@ -121,9 +95,9 @@ def reference_page_attention(
     """Dense: gather every page of every sequence, repeat kv heads, masked softmax. Float64-ready; quantized
     caches are dequantized in the query's dtype (float64 in the suites)."""
     num_seqs, num_heads, head_dim = query.shape
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    key_cache = dequantized(key_cache, key_scale, query.dtype)
-    value_cache = dequantized(value_cache, value_scale, query.dtype)
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    key_cache = dequantized(key_cache, key_scale, query.dtype, kv_heads_axis=1)
+    value_cache = dequantized(value_cache, value_scale, query.dtype, kv_heads_axis=1)
     scale = head_dim**-0.5 if attn_scale is None else attn_scale
     limit = block_tables.shape[1] * block_size if max_context_len is None else max_context_len
     group = num_heads // num_kv_heads
@@ -147,7 +121,7 @@ SHAPES = {
 }
 
 
-class PageAttentionConformance(ConformanceSuite):
+class PageAttentionConformance(ConformanceSuite, QuantizedCacheChecks):
     """Test base: subclass and set ``platform`` (see the module docstring)."""
 
     operation_type: ClassVar[type] = PageAttention
@@ -204,44 +178,15 @@ class PageAttentionConformance(ConformanceSuite):
         expected = run_jitted(jax.vmap(lambda q: reference_page_attention(**{**inputs, "query": q})), queries)
         assert_close(batched, expected, dtype="float32")
 
-    supports_quantized_cache: ClassVar[bool] = True
-    """False: the backend refuses quantized caches and scales (``UnsupportedFeature``), checked instead."""
-    quantized_cache_dtypes: ClassVar[tuple[str, ...]] = ("float8_e4m3fn", "float8_e5m2", "int8")
+    quantized_names = ("key_cache", "value_cache")
+    kv_heads_axis = 1
+    paged = True
 
-    @pytest.mark.parametrize("query_dtype", ["float32", "bfloat16"])
-    @pytest.mark.parametrize("scale_kind", ["none", "scalar", "head", "page"])
-    @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
-    def test_quantized_cache(self, cache_dtype, scale_kind, query_dtype):
-        """A quantized cache with its dequantization scales: the reference dequantizes in float64. Forward only
-        (gradients of a quantized cache are not defined)."""
-        if cache_dtype not in self.quantized_cache_dtypes:
-            pytest.skip(f"{cache_dtype} caches are checked elsewhere for this backend")
-        inputs = self.make_inputs(8, SHAPES["gqa4_odd"], query_dtype)
-        shape = inputs["key_cache"].shape
-        inputs["key_cache"], key_scale = quantized_cache(80, shape, cache_dtype, scale_kind)
-        inputs["value_cache"], value_scale = quantized_cache(81, shape, cache_dtype, scale_kind)
-        static = {} if scale_kind == "none" else dict(key_scale=key_scale, value_scale=value_scale)
-        if not self.supports_quantized_cache:
-            from ejkernel.errors import UnsupportedFeature
+    def quantized_base_inputs(self, query_dtype):
+        return self.make_inputs(8, SHAPES["gqa4_odd"], query_dtype)
 
-            with pytest.raises(UnsupportedFeature):
-                self.call(**inputs, **static)
-            return
-        out = self.call(**inputs, **static)
-        with jax.enable_x64(True):  # the exact cache values, dequantized in float64
-            expected = np.asarray(jax.jit(reference_page_attention)(**jax_float64({**inputs, **static})))
-        assert out.dtype == jnp.dtype(query_dtype)
-        assert_close(out, expected, dtype=query_dtype)
-
-    def test_quantized_cache_scales_only_where_given(self):
-        """Scales on an unquantized cache, and a key scale without a value scale."""
-        if not self.supports_quantized_cache:
-            pytest.skip("refusals are checked by test_quantized_cache")
-        inputs = self.make_inputs(9, SHAPES["mha"], "float32")
-        key_scale = jnp.linspace(0.5, 1.5, inputs["key_cache"].shape[1], dtype=jnp.float32)
-        out = self.call(**inputs, key_scale=key_scale)
-        expected = run_jitted(reference_page_attention, **inputs, key_scale=key_scale)
-        assert_close(out, expected, dtype="float32")
+    def quantized_reference(self):
+        return reference_page_attention
 
     def test_bad_inputs(self):
         inputs = self.make_inputs(7, SHAPES["gqa4_odd"], "float32")
@@ -260,7 +205,6 @@ class PageAttentionConformance(ConformanceSuite):
         self.assert_rejected("attn_scale", **inputs, attn_scale=float("nan"))
         self.assert_rejected("attn_logits_soft_cap", **inputs, attn_logits_soft_cap=-1.0)
         self.assert_rejected("precision", **inputs, precision="fastest")
-        int8 = {k: inputs[k].astype(jnp.int8) for k in ("key_cache", "value_cache")}
-        self.assert_rejected("value_cache", **{**inputs, **int8, "value_cache": inputs["value_cache"]})
+        self.assert_rejected("value_cache", **{**inputs, "key_cache": inputs["key_cache"].astype(jnp.int8)})
         self.assert_rejected("key_scale", **inputs, key_scale=jnp.ones((3,), jnp.float32))
         self.assert_rejected("value_scale", **inputs, value_scale=jnp.full((2,), jnp.nan, jnp.float32))

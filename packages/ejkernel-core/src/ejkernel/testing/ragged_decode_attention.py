@@ -27,6 +27,7 @@ from ejkernel.testing.numerics import (
     run_jitted,
 )
 from ejkernel.testing.page_attention import sinks_for
+from ejkernel.testing.quantized_cache import QuantizedCacheChecks, dequantized
 
 
 @exact_matmuls
@@ -41,9 +42,14 @@ def reference_ragged_decode_attention(
     softmax_scale=None,
     sliding_window=None,
     logit_soft_cap=None,
+    key_scale=None,
+    value_scale=None,
 ):
-    """Dense over the whole buffer with the range/window mask written out. Float64-ready."""
+    """Dense over the whole buffer with the range/window mask written out. Float64-ready; quantized buffers are
+    dequantized in the query's dtype."""
     batch, num_heads, head_dim = query.shape
+    key = dequantized(key, key_scale, query.dtype, kv_heads_axis=2)
+    value = dequantized(value, value_scale, query.dtype, kv_heads_axis=2)
     group = num_heads // key.shape[2]
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     keys = jnp.repeat(key, group, axis=2)
@@ -68,11 +74,19 @@ CASES = {
 }
 
 
-class RaggedDecodeAttentionConformance(ConformanceSuite):
+class RaggedDecodeAttentionConformance(ConformanceSuite, QuantizedCacheChecks):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = RaggedDecodeAttention
     public_name = "ragged_decode_attention"
+    quantized_names = ("key", "value")
+    kv_heads_axis = 2
+
+    def quantized_base_inputs(self, query_dtype):
+        return self.make_inputs(8, CASES["gqa"], query_dtype)
+
+    def quantized_reference(self):
+        return reference_ragged_decode_attention
 
     def make_inputs(self, seed, case, dtype, *, scale=1.0, num_sinks=None):
         batch, heads, kv_heads, head_dim, seq_len, ranges = case
@@ -139,3 +153,5 @@ class RaggedDecodeAttentionConformance(ConformanceSuite):
         self.assert_rejected("softmax_scale", **inputs, softmax_scale=float("inf"))
         self.assert_rejected("logit_soft_cap", **inputs, logit_soft_cap=-2.0)
         self.assert_rejected("precision", **inputs, precision="fastest")
+        call("value", key=inputs["key"].astype(jnp.int8))  # an int8 key needs an int8 value
+        call("key_scale", key_scale=jnp.ones((inputs["key"].shape[0], 2), jnp.float32))  # no pages: per head only

@@ -433,8 +433,9 @@ def split_decode(q, k, v, starts, ends, tables, aux, st: DecodeStatic, q_rows=No
                       HAS_QROWS=has_q_rows, DOT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
                       INLINE_COMBINE=inline, K_SCALE=_scale_kind(key_scale), V_SCALE=_scale_kind(value_scale),
                       **strides, **bounds)
-    if (key_scale is not None or value_scale is not None) and not paged:
-        raise UnsupportedFeature(f"triton {st.operation}: dequantization scales need a paged cache")
+    if _scale_kind(key_scale) == 2 or _scale_kind(value_scale) == 2:
+        if not paged:
+            raise UnsupportedFeature(f"triton {st.operation}: per-page dequantization scales need a paged cache")
     args = [q, k, v, starts, ends, tables, aux, q_rows,
             key_scale if key_scale is not None else _placeholder(jnp.float32),
             value_scale if value_scale is not None else _placeholder(jnp.float32),

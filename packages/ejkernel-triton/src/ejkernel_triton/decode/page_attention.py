@@ -4,7 +4,8 @@ Every page size works (pages that hold whole key steps read one block-table entr
 page up per key row), as do ``max_context_len``, the soft cap and the scale; zero-length contexts give zeros.
 Block-table entries that are read are clamped into ``[0, num_blocks)`` (see ``kernels``). Quantized caches
 (float8_e4m3fn, float8_e5m2 on sm_89 and later; int8) are read as they are stored (half the bytes of bf16) and
-multiply in the query's dtype, dequantized per (page, kv head) by ``key_scale``/``value_scale``. Precision: float32
+multiply in the query's dtype, dequantized per kv head or per (page, kv head) by ``key_scale``/``value_scale``
+(``quantized``). Precision: float32
 inputs run IEEE float32 dots (never TF32) and 16-bit operands multiply exactly into float32 accumulators, so
 every ``call.precision`` is met and none is refused.
 """
@@ -15,22 +16,15 @@ import math
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.page_attention import PageAttentionCall
 from ejkernel_triton.decode import config as tuning
 from ejkernel_triton.decode.config import MAX_HEAD_DIM, TritonDecodeConfig
+from ejkernel_triton.decode.quantized import check_quantized_cache
 
 __all__ = ["IMPLEMENTATION", "TritonDecodeConfig", "TritonPageAttention"]
-
-QUANTIZED_CACHE_VERIFIED_ON_GPU = False
-"""Quantized and scaled caches (2026-11-27): sm_90 lowering and int8 interpreter numerics on the CPU, float8
-benchmark numerics on an H100 (relative error 2.2e-3 against float32); the GPU conformance run was cut off by
-its time limit. Until it passes, the dispatcher sends these calls to XLA (EJKERNEL_UNVERIFIED_KERNELS=1 lets
-them through: the verifying run)."""
-
 
 def _work_and_tokens(call: PageAttentionCall) -> tuple[int, int]:
     """Programs per split (sequences x kv heads x head blocks) and the longest possible context."""
@@ -45,28 +39,11 @@ class TritonPageAttention(Implementation[PageAttentionCall, TritonDecodeConfig])
     config_type = TritonDecodeConfig
 
     def supports(self, call: PageAttentionCall) -> None:
-        from ejkernel.plugins.checks import unverified_requested
-        from ejkernel_triton.interpret import interpreting
-
         head_dim = call.query.shape[-1]
         if not 8 <= head_dim <= MAX_HEAD_DIM:
             raise UnsupportedFeature(f"triton page_attention: head_dim {head_dim} outside [8, {MAX_HEAD_DIM}]")
-        cache_dtype = jnp.dtype(call.key_cache.dtype)
-        if cache_dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
-            from ejkernel_triton.launch import target_compute_capability
-
-            if interpreting():
-                raise UnsupportedFeature(f"triton page_attention: {cache_dtype} caches do not run in Triton's "
-                                         "interpreter (no float8 on the host); platform='xla' takes them")
-            if 0 < target_compute_capability() < 89:
-                raise UnsupportedFeature(f"triton page_attention: {cache_dtype} caches need an sm_89 or later GPU; "
-                                         "platform='xla' takes them")
-        quantized = cache_dtype != jnp.dtype(call.query.dtype)
-        if (quantized or call.key_scale is not None or call.value_scale is not None) and not (
-                QUANTIZED_CACHE_VERIFIED_ON_GPU or unverified_requested() or interpreting()):
-            raise UnsupportedFeature(
-                "triton page_attention: quantized or scaled caches have not passed the GPU suite yet "
-                "(scripts/device/gpu_tests.sh, EJKERNEL_UNVERIFIED_KERNELS=1 runs them); platform='xla' takes them")
+        check_quantized_cache("page_attention", call.key_cache.dtype, call.query.dtype,
+                              call.key_scale is not None or call.value_scale is not None)
 
     def heuristic_config(self, call: PageAttentionCall) -> TritonDecodeConfig:
         return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.key_cache.dtype)

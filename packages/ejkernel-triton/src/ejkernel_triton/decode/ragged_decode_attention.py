@@ -1,7 +1,8 @@
 """``ragged_decode_attention`` on the GPU: the split-K decode kernels (``kernels``) over each sequence's
 slice ``[sequence_start, sequence_end)`` of a dense KV buffer, with the sliding window (only its left side
 can hide keys: the query is the slice's last token), soft cap and attention sinks (added once, where the
-splits merge). Empty ranges give zeros. Precision as for ``page_attention``: float32 inputs run IEEE dots.
+splits merge). Empty ranges give zeros. Quantized buffers and their per-kv-head scales as for ``page_attention``
+(``quantized``). Precision as for ``page_attention``: float32 inputs run IEEE dots.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.ragged_decode_attention import RaggedDecodeAttentionCall
 from ejkernel_triton.decode import config as tuning
 from ejkernel_triton.decode.config import MAX_HEAD_DIM, TritonDecodeConfig
+from ejkernel_triton.decode.quantized import check_quantized_cache
 
 __all__ = ["IMPLEMENTATION", "TritonDecodeConfig", "TritonRaggedDecodeAttention"]
 
@@ -39,12 +41,14 @@ class TritonRaggedDecodeAttention(Implementation[RaggedDecodeAttentionCall, Trit
         if not 8 <= head_dim <= MAX_HEAD_DIM:
             raise UnsupportedFeature(
                 f"triton ragged_decode_attention: head_dim {head_dim} outside [8, {MAX_HEAD_DIM}]")
+        check_quantized_cache("ragged_decode_attention", call.key.dtype, call.query.dtype,
+                              call.key_scale is not None or call.value_scale is not None)
 
     def heuristic_config(self, call: RaggedDecodeAttentionCall) -> TritonDecodeConfig:
-        return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.query.dtype, paged=False)
+        return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.key.dtype, paged=False)
 
     def candidate_configs(self, call: RaggedDecodeAttentionCall) -> Sequence[TritonDecodeConfig]:
-        return tuning.candidate_configs(*_work_and_tokens(call), call.query.shape[-1], call.query.dtype, paged=False)
+        return tuning.candidate_configs(*_work_and_tokens(call), call.query.shape[-1], call.key.dtype, paged=False)
 
     def __call__(self, call: RaggedDecodeAttentionCall, config: TritonDecodeConfig) -> jax.Array:
         from ejkernel_triton.decode.kernels import DecodeStatic, decode_attention
@@ -58,7 +62,7 @@ class TritonRaggedDecodeAttention(Implementation[RaggedDecodeAttentionCall, Trit
                           window_left=-1 if call.sliding_window is None else call.sliding_window[0],
                           config=config, interpret=interpreting(), operation="ragged_decode_attention")
         return decode_attention(call.query, call.key, call.value, call.sequence_start, call.sequence_end, None, aux,
-                                st)
+                                st, key_scale=call.key_scale, value_scale=call.value_scale)
 
 
 IMPLEMENTATION = TritonRaggedDecodeAttention()

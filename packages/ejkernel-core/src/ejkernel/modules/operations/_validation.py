@@ -412,16 +412,19 @@ def check_decode_inputs(
     check_gqa("query", query.shape[1], key_name, key.shape[kv_heads_axis], key)
 
 
-def cache_scale(name: str, scale: Any, num_pages: int, kv_heads: int) -> Any:
+def cache_scale(name: str, scale: Any, kv_heads: int, num_pages: int | None = None) -> Any:
     """A KV cache's dequantization scale as float32: ``[kv_heads]`` when it does not depend on the page (given
-    as a scalar or per kv head), ``[num_pages, kv_heads]`` when given per page and kv head; None stays None."""
+    as a scalar or per kv head), ``[num_pages, kv_heads]`` when given per page and kv head (paged caches:
+    ``num_pages`` given); None stays None."""
     if scale is None:
         return None
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = jnp.float32(scale)
-    what = f"(), [num_kv_heads={kv_heads}] or [num_blocks={num_pages}, num_kv_heads={kv_heads}]"
+    shapes = [(), (kv_heads,)] + ([(num_pages, kv_heads)] if num_pages is not None else [])
+    what = f"(), [num_kv_heads={kv_heads}]" + (
+        f" or [num_blocks={num_pages}, num_kv_heads={kv_heads}]" if num_pages is not None else "")
     check_array(name, scale, dtypes=FLOAT_DTYPES, what=what)
-    if scale.shape not in ((), (kv_heads,), (num_pages, kv_heads)):
+    if scale.shape not in shapes:
         raise ValueError(f"{name} must have shape {what}, got {describe(scale)}")
     values = concrete(scale)
     if values is not None and not np.all(np.isfinite(values)):
