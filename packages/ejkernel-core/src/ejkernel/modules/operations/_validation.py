@@ -421,8 +421,8 @@ def cache_scale(name: str, scale: Any, kv_heads: int, num_pages: int | None = No
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = jnp.float32(scale)
     shapes = [(), (kv_heads,)] + ([(num_pages, kv_heads)] if num_pages is not None else [])
-    what = f"(), [num_kv_heads={kv_heads}]" + (
-        f" or [num_blocks={num_pages}, num_kv_heads={kv_heads}]" if num_pages is not None else "")
+    what = (f"(), [num_kv_heads={kv_heads}] or [num_blocks={num_pages}, num_kv_heads={kv_heads}]"
+            if num_pages is not None else f"() or [num_kv_heads={kv_heads}]")
     check_array(name, scale, dtypes=FLOAT_DTYPES, what=what)
     if scale.shape not in shapes:
         raise ValueError(f"{name} must have shape {what}, got {describe(scale)}")
