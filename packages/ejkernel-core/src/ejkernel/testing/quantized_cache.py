@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ejkernel.modules.operations._validation import QUANTIZED_CACHE_DTYPES
 from ejkernel.testing.numerics import assert_close, jax_float64, run_jitted
 
-QUANTIZED_DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8")
+QUANTIZED_DTYPES = tuple(jnp.dtype(d).name for d in QUANTIZED_CACHE_DTYPES)
+"""The cache dtypes core accepts besides the query's (``_validation.QUANTIZED_CACHE_DTYPES``), by name."""
 SCALE_KINDS = ("none", "scalar", "head", "page")
 """How a cache is scaled: not at all, one scale, one per kv head, one per (page, kv head) (paged caches only)."""
 
