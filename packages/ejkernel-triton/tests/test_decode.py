@@ -116,28 +116,6 @@ def test_quantized_ragged_buffer_compiles_for_sm90(sm90):
     assert text.count("triton_kernel_call") == 1
 
 
-def test_quantized_caches_wait_for_the_gpu_suite(monkeypatch):
-    """Until the GPU suite has passed on them, quantized or scaled caches go to another backend on a GPU."""
-    from ejkernel.plugins.checks import UNVERIFIED_ENV
-    from ejkernel_triton.decode import quantized
-
-    if quantized.QUANTIZED_CACHE_VERIFIED_ON_GPU:
-        pytest.skip("verified on the GPU")
-    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
-    monkeypatch.setenv(UNVERIFIED_ENV, "0")
-    call = _paged_call(num_seqs=2, context=256)
-    int8 = _spec(call.key_cache.shape, jnp.int8)
-    with pytest.raises(UnsupportedFeature, match="GPU suite"):
-        PAGED.supports(dataclasses.replace(call, key_cache=int8, value_cache=int8))
-    monkeypatch.setenv(UNVERIFIED_ENV, "1")
-    PAGED.supports(dataclasses.replace(call, key_cache=int8, value_cache=int8))
-    monkeypatch.setenv(UNVERIFIED_ENV, "0")
-    ragged = _ragged_call()
-    with pytest.raises(UnsupportedFeature, match="GPU suite"):
-        RAGGED.supports(dataclasses.replace(ragged, key=_spec(ragged.key.shape, jnp.int8),
-                                            value=_spec(ragged.key.shape, jnp.int8)))
-
-
 def test_float8_caches_are_refused_before_sm89(monkeypatch):
     """Triton has float8 conversions from sm_89 on: older GPUs fall back to another backend."""
     monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "80")

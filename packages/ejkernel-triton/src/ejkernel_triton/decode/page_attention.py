@@ -42,8 +42,7 @@ class TritonPageAttention(Implementation[PageAttentionCall, TritonDecodeConfig])
         head_dim = call.query.shape[-1]
         if not 8 <= head_dim <= MAX_HEAD_DIM:
             raise UnsupportedFeature(f"triton page_attention: head_dim {head_dim} outside [8, {MAX_HEAD_DIM}]")
-        check_quantized_cache("page_attention", call.key_cache.dtype, call.query.dtype,
-                              call.key_scale is not None or call.value_scale is not None)
+        check_quantized_cache("page_attention", call.key_cache.dtype)
 
     def heuristic_config(self, call: PageAttentionCall) -> TritonDecodeConfig:
         return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.key_cache.dtype)

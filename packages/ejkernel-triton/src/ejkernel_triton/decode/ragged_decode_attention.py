@@ -41,8 +41,7 @@ class TritonRaggedDecodeAttention(Implementation[RaggedDecodeAttentionCall, Trit
         if not 8 <= head_dim <= MAX_HEAD_DIM:
             raise UnsupportedFeature(
                 f"triton ragged_decode_attention: head_dim {head_dim} outside [8, {MAX_HEAD_DIM}]")
-        check_quantized_cache("ragged_decode_attention", call.key.dtype, call.query.dtype,
-                              call.key_scale is not None or call.value_scale is not None)
+        check_quantized_cache("ragged_decode_attention", call.key.dtype)
 
     def heuristic_config(self, call: RaggedDecodeAttentionCall) -> TritonDecodeConfig:
         return tuning.heuristic_config(*_work_and_tokens(call), call.query.shape[-1], call.key.dtype, paged=False)
