@@ -265,12 +265,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
           const float2 lse = lse_pairs[i / 4];
           prob[j] = logits.probability(s[i + j], j ? lse.y : lse.x, slope);
           if constexpr (decltype(masked)::value) {
-            const RowRange range = visible_keys(problem, row0 + col);
+            // one range of key - position (Problem) for every row
             const int key = (i & 2) ? key_b : key_a;
-            if (key < range.lo || key > range.hi || row0 + col >= problem.q_len ||
-                (segmented && shared.q_segment[stage][col] != ((i & 2) ? segment_b : segment_a))) {
-              prob[j] = 0.f;
-            }
+            const int distance = key - (row0 + col + problem.kv_len - problem.q_len);
+            const bool hidden = (distance < problem.lo_distance) | (distance > problem.hi_distance) |
+                                (key >= problem.kv_len) | (row0 + col >= problem.q_len) |
+                                (segmented && shared.q_segment[stage][col] != ((i & 2) ? segment_b : segment_a));
+            prob[j] = hidden ? 0.f : prob[j];
           }
           s[i + j] = prob[j] * slope;  // what dS^T needs of P^T (P^T itself goes to dV packed)
         }

@@ -39,6 +39,9 @@ struct Problem {
   float softcap;        // c of c * tanh(s / c); 0: off
   int causal;
   int window_left, window_right;  // -1: unbounded (clamped to the lengths on the host)
+  // The same rule as one range of key - position for every row (derived on the host, `read_problem`): key j
+  // of query i is visible when j < Sk and lo_distance <= j - p <= hi_distance
+  int lo_distance, hi_distance;
 };
 
 // Optional inputs, read where present: attention sinks (logits that join every row's softmax denominator) and
@@ -57,12 +60,7 @@ struct RowRange {
 
 __device__ __forceinline__ RowRange visible_keys(const Problem& p, int i) {
   const int pos = i + p.kv_len - p.q_len;
-  int hi = p.kv_len - 1;
-  if (p.causal) hi = min(hi, pos);
-  if (p.window_right >= 0) hi = min(hi, pos + p.window_right);
-  int lo = 0;
-  if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
-  return {lo, hi};
+  return {max(0, pos + p.lo_distance), min(p.kv_len - 1, pos + p.hi_distance)};
 }
 
 // Key blocks [first, last) that rows [row_begin, row_end) may see (block_unmasked: whether one needs the mask).

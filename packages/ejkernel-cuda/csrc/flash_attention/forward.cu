@@ -159,13 +159,16 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
     if constexpr (decltype(masked)::value) {
       const RowRange range_a = visible_keys(problem, row_a), range_b = visible_keys(problem, row_b);
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
+      for (int i = 0; i < BN / 2; ++i) {  // branch-free, the segment test apart (a uniform branch)
         const int key = key0 + fragment_col(t, i);
         const RowRange& range = (i & 2) ? range_b : range_a;
-        if (key < range.lo || key > range.hi) {
-          s[i] = -INFINITY;
-        } else if (kv_segments && kv_segments[key] != ((i & 2) ? segment_b : segment_a)) {
-          s[i] = -INFINITY;
+        s[i] = (key < range.lo) | (key > range.hi) ? -INFINITY : s[i];
+      }
+      if (kv_segments) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+          const int key = min(key0 + fragment_col(t, i), problem.kv_len - 1);  // masked above when past the end
+          s[i] = kv_segments[key] != ((i & 2) ? segment_b : segment_a) ? -INFINITY : s[i];
         }
       }
     }

@@ -55,9 +55,12 @@ inline ffi::Error read_problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   }
   const int64_t longest = qd[1] + kd[1];
   auto clamp = [longest](int64_t side) { return side < 0 ? -1 : static_cast<int>(side < longest ? side : longest); };
+  const int left = clamp(window_left), right = clamp(window_right), unbounded = static_cast<int>(longest);
+  int hi_distance = right >= 0 ? right : unbounded;
+  if (causal) hi_distance = std::min(hi_distance, 0);
   *problem = Problem{static_cast<int>(qd[0]), static_cast<int>(qd[1]), static_cast<int>(kd[1]),
                      static_cast<int>(qd[2]), static_cast<int>(kd[2]), softmax_scale, softcap, causal ? 1 : 0,
-                     clamp(window_left), clamp(window_right)};
+                     left, right, left >= 0 ? -left : -unbounded, hi_distance};
   return ffi::Error::Success();
 }
 
