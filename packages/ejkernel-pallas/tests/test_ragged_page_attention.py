@@ -14,6 +14,8 @@ from ejkernel_pallas.ragged_page_attention import TpuRaggedPageBlocks, ragged_pa
 
 class TestPallasRaggedPageAttentionConformance(InterpretedConformance, RaggedPageAttentionConformance):
     supports_gradients = False  # an inference kernel: a gradient raises UnsupportedFeature
+    supports_quantized_cache = False  # refused: platform='xla' takes quantized and scaled caches
+    quantized_cache_dtypes = ("int8",)  # one dtype shows the refusal
 
 
 def test_lowers_for_tpu():

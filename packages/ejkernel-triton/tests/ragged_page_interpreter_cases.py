@@ -30,6 +30,7 @@ from ejkernel.testing.ragged_page_attention import (  # noqa: E402
 )
 from ejkernel_triton.ragged_page_attention import TritonRaggedPageConfig  # noqa: E402
 from ejkernel.testing.numerics import relative_error  # noqa: E402
+from ejkernel.testing.quantized_cache import quantized_cache  # noqa: E402
 from interpreter_support import gradient_outcome, print_row  # noqa: E402
 
 # small tiles: several prefill tiles per sequence and several key steps; decode with three splits
@@ -54,6 +55,12 @@ CASES = {
     # MQA with group 8 (tile rows = 2 tokens x 8 heads), pages of 8 (several per step), fp16, window + splits
     "mqa_group8_pages8_fp16": (dict(shape=(8, 1, 24, 8, [(1, 33), (5, 21), (1, 64)], 1, 0), dtype=jnp.float16,
                                     config=SMALL_FUSED), dict(sliding_window=20)),
+    # int8 pages with per-page scales (keys and values their own), decode rows and prefill chunks in one launch;
+    # and per-kv-head scales through the separate launches (float8 does not run in the interpreter)
+    "int8_page_scales_fused": (dict(shape=(4, 2, 32, 16, [(1, 40), (20, 37), (1, 5)], 1, 2), dtype=jnp.float32,
+                                    config=SMALL_FUSED, quantized=("int8", "page")), {}),
+    "int8_head_scales_window": (dict(shape=(4, 2, 32, 8, [(1, 30), (9, 26)], 0, 1), dtype=jnp.float16,
+                                     config=SMALL, quantized=("int8", "head")), dict(sliding_window=12)),
 }
 
 
@@ -63,10 +70,18 @@ def run(name):
     suite = RaggedPageAttentionConformance()
     inputs = suite.make_inputs(len(name), spec["shape"], spec["dtype"], scale=spec.get("scale", 1.0),
                                num_sinks=spec.get("num_sinks"))
+    if spec.get("quantized"):
+        cache_dtype, kind = spec["quantized"]
+        shape = inputs["kv_pages"].shape
+        scale_shape = {"head": (shape[2] // 2,), "page": (shape[0], shape[2] // 2)}[kind]
+        inputs["kv_pages"], key_scale = quantized_cache(len(name) + 1, shape, cache_dtype, scale_shape)
+        _, value_scale = quantized_cache(len(name) + 2, shape, cache_dtype, scale_shape)
+        static = dict(static, key_scale=key_scale, value_scale=value_scale)
     out = ragged_page_attention(*inputs.values(), platform="triton", cfg=spec["config"], **static)
     f64 = {k: v.astype(jnp.float64) if v is not None and jnp.issubdtype(v.dtype, jnp.floating) else v
            for k, v in inputs.items()}
-    ref = reference_ragged_page_attention(*f64.values(), **static)
+    ref = reference_ragged_page_attention(*f64.values(), **{k: v.astype(jnp.float64) if isinstance(v, jax.Array)
+                                                               else v for k, v in static.items()})
     used = int(inputs["query_start_loc"][int(inputs["num_seqs"][0])])
     row = dict(name=name, dtype=jnp.dtype(spec["dtype"]).name, out=relative_error(out, ref),
                finite=bool(np.all(np.isfinite(np.asarray(out, np.float64)))),

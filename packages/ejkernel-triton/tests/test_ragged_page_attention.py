@@ -4,6 +4,7 @@ accept. The GPU tests are in test_ragged_page_attention_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -104,18 +105,46 @@ def test_compiles_for_sm90(monkeypatch, page_size, window, fused, inline, interl
     assert text.count("triton_kernel_call") == 3 - fused - inline
 
 
+@CUDA_LOWERING
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantized_pages_compile_for_sm90(monkeypatch, fused):
+    """float8 pages with per-page key scales and per-kv-head value scales: the prefill tiles and the decode
+    programs (both launches, or one with the inline combine) read the stored bytes and lower for sm_90."""
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
+    call = _call(tokens=600, max_num_seqs=8, context=1024, page_size=16)
+    pages = _spec(call.kv_pages.shape, jnp.float8_e4m3fn)
+    cfg = TritonRaggedPageConfig(decode_num_splits=4, fused=fused, decode_inline_combine=fused)
+
+    def fn(q, kv, lens, tables, starts, count, key_scale, value_scale):
+        validated = RaggedPageAttention().validate(q, kv, lens, tables, starts, count, key_scale=key_scale,
+                                                   value_scale=value_scale)
+        return IMPLEMENTATION(validated, cfg)
+
+    text = jax.jit(fn).trace(call.queries, pages, call.context_lens, call.block_tables, call.query_start_loc,
+                             call.num_seqs, _spec((pages.shape[0], 8), jnp.float32), _spec((8,), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton_kernel_call") == (1 if fused else 3)
+
+
 def test_plugin_entry():
     assert plugin.IMPLEMENTATIONS["ragged_page_attention"] == "ejkernel_triton.ragged_page_attention:IMPLEMENTATION"
     assert IMPLEMENTATION.config_type is TritonRaggedPageConfig
 
 
-def test_supports():
+def test_supports(monkeypatch):
     for precision in ("default", "highest"):
         IMPLEMENTATION.supports(_call(dtype=jnp.float32, precision=precision, max_num_seqs=4, context=256))
     with pytest.raises(UnsupportedFeature, match="head_dim"):
         IMPLEMENTATION.supports(_call(dim=512, max_num_seqs=4, context=256))
     with pytest.raises(UnsupportedFeature, match="query heads per kv head"):
         IMPLEMENTATION.supports(_call(heads=256, kv_heads=1, dim=64, max_num_seqs=4, context=256))
+    float8 = _call(max_num_seqs=4, context=256)
+    float8 = dataclasses.replace(float8, kv_pages=_spec(float8.kv_pages.shape, jnp.float8_e4m3fn))
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "80")
+    with pytest.raises(UnsupportedFeature, match="sm_89"):
+        IMPLEMENTATION.supports(float8)
+    monkeypatch.setenv(launch.COMPUTE_CAPABILITY_ENV, "90")
+    IMPLEMENTATION.supports(float8)
 
 
 def test_heuristic_and_candidates():

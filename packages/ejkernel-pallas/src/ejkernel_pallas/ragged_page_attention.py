@@ -268,6 +268,10 @@ class TpuRaggedPageAttention(Implementation[RaggedPageAttentionCall, TpuRaggedPa
         if jax.default_backend() not in ("tpu", "cpu"):
             raise UnsupportedFeature("pallas ragged_page_attention is a TPU kernel; on GPUs use platform='xla'")
         interpret = tpu_interpret_or_refuse()  # on a CPU without interpret mode: says what runs instead
+        if call.kv_pages.dtype != call.queries.dtype or call.key_scale is not None or call.value_scale is not None:
+            raise UnsupportedFeature(
+                f"pallas ragged_page_attention: quantized or scaled KV caches (kv_pages {call.kv_pages.dtype}, "
+                f"queries {call.queries.dtype}, key_scale/value_scale) are not implemented; platform='xla' takes them")
         head_dim = call.queries.shape[-1]
         if interpret is False and head_dim % LANES:
             raise UnsupportedFeature(

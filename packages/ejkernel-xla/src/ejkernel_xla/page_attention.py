@@ -29,6 +29,16 @@ LoadBlock = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 VisibleBlock = Callable[[jax.Array], jax.Array]
 
 
+def dequantized_pages(block: jax.Array, scale: jax.Array | None, pages: jax.Array) -> jax.Array:
+    """``block`` ``[R, P, page_size, Hkv, D]`` (pages ``pages`` ``[R, P]`` of a cache) times its dequantization
+    scale, in float32: ``scale`` per kv head ``[Hkv]`` or per page and kv head ``[num_pages, Hkv]``; None: the
+    block as it is (the products convert it)."""
+    if scale is None:
+        return block
+    per_token = scale if scale.ndim == 1 else scale[pages][:, :, None, :]
+    return block.astype(jnp.float32) * per_token[..., None]
+
+
 def attend_over_blocks(
     query: jax.Array,
     num_steps: int,
@@ -130,10 +140,7 @@ class XlaPageAttention(JittedImplementation[PageAttentionCall, XlaPageAttentionC
             pages = jax.lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)
 
             def gather(cache, scale):  # [S, P, Hkv, bs, D] -> [S, P * bs, Hkv, D], dequantized by scale
-                block = cache[pages].swapaxes(2, 3)
-                if scale is not None:  # per kv head [Hkv], or per page [num_blocks, Hkv] -> [S, P, 1, Hkv, 1]
-                    per_token = scale if scale.ndim == 1 else scale[pages][:, :, None, :]
-                    block = block.astype(jnp.float32) * per_token[..., None]
+                block = dequantized_pages(cache[pages].swapaxes(2, 3), scale, pages)
                 return block.reshape(num_seqs, step_tokens, num_kv_heads, block.shape[-1])
 
             return gather(key_cache, call.key_scale), gather(value_cache, call.value_scale)

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
 from ejkernel_xla._jitted import JittedImplementation
-from ejkernel_xla.page_attention import TOKENS_PER_STEP, attend_over_blocks, padded_tables, pages_per_step
+from ejkernel_xla.page_attention import (
+    TOKENS_PER_STEP,
+    attend_over_blocks,
+    dequantized_pages,
+    padded_tables,
+    pages_per_step,
+)
 
 GATHERED_TOKENS_PER_STEP = 32 * TOKENS_PER_STEP
 """Default bound on query rows x cached tokens gathered per step (keeps one step's gather small)."""
@@ -94,8 +100,13 @@ def _ragged_page_attention(call: RaggedPageAttentionCall, config: XlaRaggedPageA
 
         def load_block(i):
             pages = jax.lax.dynamic_slice_in_dim(row_tables, i * step_pages, step_pages, axis=1)
-            kv = kv_pages[pages].reshape(block_rows, step_tokens, combined_heads, head_dim)
-            return kv[:, :, 0::2], kv[:, :, 1::2]
+            kv = kv_pages[pages]  # [rows, P, page_size, 2 * Hkv, D]
+
+            def part(first, scale):  # keys (first = 0) or values (1), dequantized -> [rows, T, Hkv, D]
+                block = dequantized_pages(kv[:, :, :, first::2], scale, pages)
+                return block.reshape(block_rows, step_tokens, num_kv_heads, head_dim)
+
+            return part(0, call.key_scale), part(1, call.value_scale)
 
         def visible_block(i):
             keys = (i * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32))[None, :]

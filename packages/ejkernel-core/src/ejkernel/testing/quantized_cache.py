@@ -1,6 +1,6 @@
-"""Quantized KV caches in the decode suites (``page_attention``, ``ragged_decode_attention``): random quantized
-caches with their dequantization scales, the dequantization the references apply, and the checks both suites
-share (:class:`QuantizedCacheChecks`)."""
+"""Quantized KV caches in the serving suites (``page_attention``, ``ragged_decode_attention``,
+``ragged_page_attention``): random quantized caches with their dequantization scales, the dequantization the
+references apply, and the checks the suites share (:class:`QuantizedCacheChecks`)."""
 
 from __future__ import annotations
 
@@ -52,16 +52,18 @@ def quantized_cache(seed: int, shape, dtype: str, scale_shape) -> tuple[jax.Arra
 
 
 class QuantizedCacheChecks:
-    """Mixin of a decode suite: quantized caches with every scale kind the operation takes, against its reference
-    on the dequantized float64 values. The suite sets ``quantized_names`` (its key and value arguments),
-    ``kv_heads_axis`` and implements :meth:`quantized_base_inputs` and :meth:`quantized_reference` (it comes
+    """Mixin of a serving suite: quantized caches with every scale kind the operation takes, against its reference
+    on the dequantized float64 values. The suite sets ``quantized_names`` (its key and value arguments; one name
+    when keys and values share an array, as ``ragged_page_attention``'s interleaved pages, whose suite overrides
+    :meth:`num_kv_heads`), ``kv_heads_axis`` and implements :meth:`quantized_base_inputs` and
+    :meth:`quantized_reference` (it comes
     after :class:`~ejkernel.testing.numerics.ConformanceSuite` in the bases, whose ``call`` it uses); a backend sets
     ``supports_quantized_cache = False`` when it refuses them (checked instead) or narrows
     ``quantized_cache_dtypes``."""
 
     supports_quantized_cache: ClassVar[bool] = True
     quantized_cache_dtypes: ClassVar[tuple[str, ...]] = QUANTIZED_DTYPES
-    quantized_names: ClassVar[tuple[str, str]]
+    quantized_names: ClassVar[tuple[str, ...]]
     kv_heads_axis: ClassVar[int]
     paged: ClassVar[bool] = False
     """Whether per-page scales exist (a paged cache, pages on axis 0)."""
@@ -72,9 +74,12 @@ class QuantizedCacheChecks:
     def quantized_reference(self) -> Callable[..., jax.Array]:
         raise NotImplementedError
 
+    def num_kv_heads(self, cache_shape) -> int:
+        return cache_shape[self.kv_heads_axis]
+
     def scale_shape(self, cache_shape, kind: str):
         """The shape of a scale of ``kind`` (:data:`SCALE_KINDS`) for a cache of ``cache_shape``; None: no scale."""
-        kv_heads = cache_shape[self.kv_heads_axis]
+        kv_heads = self.num_kv_heads(cache_shape)
         return {"none": None, "scalar": (), "head": (kv_heads,), "page": (cache_shape[0], kv_heads)}[kind]
 
     @pytest.mark.parametrize("query_dtype", ["float32", "bfloat16"])
@@ -87,11 +92,11 @@ class QuantizedCacheChecks:
         if scale_kind == "page" and not self.paged:
             pytest.skip("per-page scales belong to paged caches")
         inputs = self.quantized_base_inputs(query_dtype)
-        key_name, value_name = self.quantized_names
+        key_name, value_name = self.quantized_names[0], self.quantized_names[-1]
         shape = inputs[key_name].shape
         scale_shape = self.scale_shape(shape, scale_kind)
-        inputs[key_name], key_scale = quantized_cache(80, shape, cache_dtype, scale_shape)
         inputs[value_name], value_scale = quantized_cache(81, shape, cache_dtype, scale_shape)
+        inputs[key_name], key_scale = quantized_cache(80, shape, cache_dtype, scale_shape)
         scales = {} if scale_shape is None else dict(key_scale=key_scale, value_scale=value_scale)
         if not self.supports_quantized_cache:
             from ejkernel.errors import UnsupportedFeature
@@ -110,7 +115,7 @@ class QuantizedCacheChecks:
         if not self.supports_quantized_cache:
             pytest.skip("refusals are checked by test_quantized_cache")
         inputs = self.quantized_base_inputs("float32")
-        kv_heads = inputs[self.quantized_names[0]].shape[self.kv_heads_axis]
+        kv_heads = self.num_kv_heads(inputs[self.quantized_names[0]].shape)
         key_scale = jnp.linspace(0.5, 1.5, kv_heads, dtype=jnp.float32)
         out = self.call(**inputs, key_scale=key_scale)
         expected = run_jitted(self.quantized_reference(), **inputs, key_scale=key_scale)

@@ -26,6 +26,7 @@ from ejkernel.testing.numerics import (
     run_jitted,
 )
 from ejkernel.testing.page_attention import gather_pages, random_block_tables, sinks_for
+from ejkernel.testing.quantized_cache import QuantizedCacheChecks, dequantized
 
 
 @exact_matmuls
@@ -41,8 +42,11 @@ def reference_ragged_page_attention(
     softmax_scale=None,
     logits_soft_cap=None,
     sliding_window=None,
+    key_scale=None,
+    value_scale=None,
 ):
-    """Dense: every row gathers its whole sequence's cache; masks written out literally. Float64-ready."""
+    """Dense: every row gathers its whole sequence's cache; masks written out literally. Float64-ready; quantized
+    caches are dequantized in the queries' dtype (float64 in the suites)."""
     total_tokens, num_heads, head_dim = queries.shape
     num_kv_heads = kv_pages.shape[2] // 2
     group = num_heads // num_kv_heads
@@ -57,9 +61,11 @@ def reference_ragged_page_attention(
     position = lengths[sequence] - q_len + rows - starts[sequence]
     live = rows < starts[active_count]
 
-    cache = gather_pages(kv_pages, block_tables, 0)[sequence]  # [T, L, 2 * Hkv, D]
-    keys = jnp.repeat(cache[:, :, 0::2], group, axis=2)  # [T, L, H, D]
-    values = jnp.repeat(cache[:, :, 1::2], group, axis=2)
+    def part(first, scale):  # keys (first = 0) or values (1) of every row's sequence: [T, L, H, D]
+        pages = dequantized(kv_pages[:, :, first::2], scale, queries.dtype, kv_heads_axis=2)
+        return jnp.repeat(gather_pages(pages, block_tables, 0)[sequence], group, axis=2)
+
+    keys, values = part(0, key_scale), part(1, value_scale)
     logits = soft_cap(scale * jnp.einsum("thd,tlhd->thl", queries, keys), logits_soft_cap)[:, :, None, :]
     key_pos = jnp.arange(keys.shape[1])[None, :]
     visible = (key_pos < lengths[sequence][:, None]) & (key_pos <= position[:, None]) & live[:, None]
@@ -79,7 +85,7 @@ CASES = {
 }
 
 
-class RaggedPageAttentionConformance(ConformanceSuite):
+class RaggedPageAttentionConformance(ConformanceSuite, QuantizedCacheChecks):
     """Test base: subclass and set ``platform``."""
 
     operation_type: ClassVar[type] = RaggedPageAttention
@@ -104,6 +110,19 @@ class RaggedPageAttentionConformance(ConformanceSuite):
             num_seqs=jnp.asarray([len(sequences)], jnp.int32),
             softmax_aux=sinks_for(seed * 5 + 2, heads, num_sinks),
         )
+
+    quantized_names = ("kv_pages",)
+    kv_heads_axis = 2
+    paged = True
+
+    def num_kv_heads(self, cache_shape) -> int:
+        return cache_shape[2] // 2  # keys and values interleaved
+
+    def quantized_base_inputs(self, query_dtype):
+        return self.make_inputs(8, CASES["mixed_gqa"], query_dtype)
+
+    def quantized_reference(self):
+        return reference_ragged_page_attention
 
     def check(self, inputs, dtype, **static):
         wrt = ("queries", "kv_pages") + (("softmax_aux",) if inputs["softmax_aux"] is not None else ())

@@ -136,6 +136,30 @@ def _scale_rows(Tables, b, kvh, n0, offs_n, stop, MASKED: tl.constexpr, PAGE_SIZ
 
 
 @triton.jit
+def _step_scales(Tables, b, kvh, n0, offs_n, stop, scale, KScale, VScale, MASKED: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, KV_HEADS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr):
+    """``(qk_scale, v_scale)`` of one step over keys ``n0 + offs_n``: the logit scale times the keys'
+    dequantization scale, and the values' (``K_SCALE`` / ``V_SCALE``, paged caches: 0 none, 1 ``KScale`` /
+    ``VScale`` per kv head ``[KV_HEADS]``, 2 per page and kv head ``[num_pages, KV_HEADS]``: ``[1, BLOCK_N]`` per
+    key; ``v_scale`` is unused without one)."""
+    qk_scale = scale
+    v_scale = scale
+    if K_SCALE == 2 or V_SCALE == 2:
+        rows = _scale_rows(Tables, b, kvh, n0, offs_n, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES, KV_HEADS,
+                           BLOCK_N)
+        if K_SCALE == 2:
+            qk_scale = scale * tl.load(KScale + rows)[None, :]
+        if V_SCALE == 2:
+            v_scale = tl.load(VScale + rows)[None, :]
+    if K_SCALE == 1:
+        qk_scale = scale * tl.load(KScale + kvh)
+    if V_SCALE == 1:
+        v_scale = tl.load(VScale + kvh)
+    return qk_scale, v_scale
+
+
+@triton.jit
 def _fold_values(acc, m_i, l_i, s, v_ptrs, key_ok, offs_d, q, v_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SCALED: tl.constexpr):
     """The online-softmax step over logits ``s`` (masked already) and its value tile (keys ``key_ok`` on a
@@ -170,19 +194,8 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
         if LOWER:
             key_ok = key_ok & ((n0 + offs_n) >= first)
         k = load_tile(K + offs, key_ok[:, None], offs_d, D, BLOCK_D, MASKED).to(q.dtype)
-        qk_scale = scale
-        v_scale = scale  # (read only when V_SCALE > 0)
-        if K_SCALE == 2 or V_SCALE == 2:
-            rows = _scale_rows(Tables, b, kvh, n0, offs_n, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES, KV_HEADS,
-                               BLOCK_N)
-            if K_SCALE == 2:
-                qk_scale = scale * tl.load(KScale + rows)[None, :]
-            if V_SCALE == 2:
-                v_scale = tl.load(VScale + rows)[None, :]
-        if K_SCALE == 1:
-            qk_scale = scale * tl.load(KScale + kvh)
-        if V_SCALE == 1:
-            v_scale = tl.load(VScale + kvh)
+        qk_scale, v_scale = _step_scales(Tables, b, kvh, n0, offs_n, stop, scale, KScale, VScale, MASKED, PAGE_SIZE,
+                                         MAX_PAGES, NUM_PAGES, KV_HEADS, BLOCK_N, K_SCALE, V_SCALE)
         s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         if MASKED:
             s = tl.where(key_ok[None, :], s, float("-inf"))

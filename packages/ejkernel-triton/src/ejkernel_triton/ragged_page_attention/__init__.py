@@ -4,7 +4,8 @@ over a paged cache with K/V interleaved on the head axis.
 Decode rows (``q_len == 1``) run the split-K decode kernels of ``ejkernel_triton.decode``; prefill chunks run
 a flash-style kernel over pages (query tiles x page-walked keys, the kv group's query heads packed into the
 tile's rows); see ``kernels``. Causal within each sequence, sliding window, soft cap, sinks, any page size,
-GQA/MQA, head_dim 8-256. Precision: float32 inputs run IEEE dots, 16-bit inputs multiply exactly into
+GQA/MQA, head_dim 8-256, quantized pages (float8 from sm_89, int8) with per-kv-head or per-page scales as in
+the decode kernels. Precision: float32 inputs run IEEE dots, 16-bit inputs multiply exactly into
 float32 accumulators: every ``call.precision`` is met. Forward-only (a gradient raises
 ``UnsupportedFeature``). Modules: ``config`` (:class:`TritonRaggedPageConfig`), ``kernels``.
 """
@@ -20,6 +21,7 @@ from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
 from ejkernel_triton.decode.config import MAX_HEAD_DIM
+from ejkernel_triton.decode.quantized import check_quantized_cache
 from ejkernel_triton.ragged_page_attention import config as tuning
 from ejkernel_triton.ragged_page_attention.config import MAX_GROUP, TritonRaggedPageConfig
 
@@ -49,6 +51,7 @@ class TritonRaggedPageAttention(Implementation[RaggedPageAttentionCall, TritonRa
         if group > MAX_GROUP:
             raise UnsupportedFeature(f"triton ragged_page_attention: {group} query heads per kv head (at most "
                                      f"{MAX_GROUP})")
+        check_quantized_cache("ragged_page_attention", call.kv_pages.dtype)
 
     def heuristic_config(self, call: RaggedPageAttentionCall) -> TritonRaggedPageConfig:
         return tuning.heuristic_config(*_shape(call))
@@ -67,7 +70,7 @@ class TritonRaggedPageAttention(Implementation[RaggedPageAttentionCall, TritonRa
         st = RaggedPageStatic(scale=call.softmax_scale, softcap=call.logits_soft_cap or 0.0,
                               window=call.sliding_window, config=config, interpret=interpreting())
         return ragged_page_attention(call.queries, call.kv_pages, call.context_lens, call.block_tables,
-                                     call.query_start_loc, call.num_seqs, aux, st)
+                                     call.query_start_loc, call.num_seqs, aux, st, call.key_scale, call.value_scale)
 
 
 IMPLEMENTATION = TritonRaggedPageAttention()

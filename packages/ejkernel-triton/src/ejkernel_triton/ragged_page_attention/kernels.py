@@ -36,7 +36,9 @@ from ejkernel_triton.decode.kernels import (
     _kv_offsets,
     _placeholder,
     _sink_state,
+    _scale_kind,
     _split_program,
+    _step_scales,
     forward_only,
     split_decode,
 )
@@ -60,36 +62,40 @@ class RaggedPageStatic:
 
 @triton.jit
 def _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, start, stop, pos, kv_len, offs_n, offs_d, scale,
-                  softcap, MASKED: tl.constexpr, WINDOW: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr,
+                  softcap, KScale, VScale, MASKED: tl.constexpr, WINDOW: tl.constexpr, D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr,
                   NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr,
-                  ROW_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax of the tile's rows over keys ``[start, stop)``; ``MASKED``: per-row causal/window masks."""
+                  ROW_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  KV_HEADS: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr):
+    """Online softmax of the tile's rows over keys ``[start, stop)``; ``MASKED``: per-row causal/window masks.
+    Quantized pages multiply in the query's dtype, dequantized as in the decode kernels (``_step_scales``)."""
     for n0 in range(start, stop, BLOCK_N):
         offs = _kv_offsets(Tables, seq, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, 0, BLOCK_N)
         keys = n0 + offs_n
-        k = load_tile(KV + offs, (keys < stop)[:, None], offs_d, D, BLOCK_D, MASKED)
-        s = scores(q, k, scale, softcap, USE_SOFTCAP, DOT_PRECISION)
+        k = load_tile(KV + offs, (keys < stop)[:, None], offs_d, D, BLOCK_D, MASKED).to(q.dtype)
+        qk_scale, v_scale = _step_scales(Tables, seq, kvh, n0, offs_n, stop, scale, KScale, VScale, MASKED,
+                                         PAGE_SIZE, MAX_PAGES, NUM_PAGES, KV_HEADS, BLOCK_N, K_SCALE, V_SCALE)
+        s = scores(q, k, qk_scale, softcap, USE_SOFTCAP, DOT_PRECISION)
         if MASKED:
             visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)
             if WINDOW >= 0:
                 visible = visible & (pos[:, None] - keys[None, :] < WINDOW)
             s = tl.where(visible, s, float("-inf"))
-        acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, KV + D + offs, keys < stop, offs_d, q, scale, D, BLOCK_D,
-                                     MASKED, DOT_PRECISION, False)
+        acc, m_i, l_i = _fold_values(acc, m_i, l_i, s, KV + D + offs, keys < stop, offs_d, q, v_scale, D, BLOCK_D,
+                                     MASKED, DOT_PRECISION, V_SCALE > 0)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _prefill_program(
     tile, kvh,  # the program's place in the grid
-    Q, KV, Tiles, Tables, Aux, scale, softcap, Out,
+    Q, KV, Tiles, Tables, Aux, KScale, VScale, scale, softcap, Out,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr,
     NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr,
     WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
 ):
     """One prefill tile (rows of the table's entry ``tile``) for kv head ``kvh``; nothing past the last tile."""
     seq = tl.load(Tiles + tile * 5)
@@ -116,20 +122,20 @@ def _prefill_program(
         if WINDOW >= 0:
             lo = tl.maximum(pos0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, lo, hi, pos, kv_len, offs_n,
-                                          offs_d, scale, softcap, True, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                                          MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
-                                          DOT_PRECISION)
+                                          offs_d, scale, softcap, KScale, VScale, True, WINDOW, D, BLOCK_D, BLOCK_N,
+                                          PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE,
+                                          USE_SOFTCAP, DOT_PRECISION, H // GROUP, K_SCALE, V_SCALE)
         else:
             # keys <= pos0 (and < kv_len) are visible to every row of the tile: no mask
             full_hi = tl.maximum(tl.minimum(pos0 + 1, hi), 0) // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, 0, full_hi, pos, kv_len, offs_n,
-                                          offs_d, scale, softcap, False, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                                          MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
-                                          DOT_PRECISION)
+                                          offs_d, scale, softcap, KScale, VScale, False, WINDOW, D, BLOCK_D,
+                                          BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE,
+                                          ROW_STRIDE, USE_SOFTCAP, DOT_PRECISION, H // GROUP, K_SCALE, V_SCALE)
             acc, m_i, l_i = _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, full_hi, hi, pos, kv_len, offs_n,
-                                          offs_d, scale, softcap, True, WINDOW, D, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                                          MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, USE_SOFTCAP,
-                                          DOT_PRECISION)
+                                          offs_d, scale, softcap, KScale, VScale, True, WINDOW, D, BLOCK_D, BLOCK_N,
+                                          PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE,
+                                          USE_SOFTCAP, DOT_PRECISION, H // GROUP, K_SCALE, V_SCALE)
         # rows without a visible key (padding rows, empty windows) have a value sum of 0: zeros
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(Out + q_rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=io_mask)
@@ -137,17 +143,18 @@ def _prefill_program(
 
 @triton.jit
 def _prefill_kernel(
-    Q, KV, Tiles, Tables, Aux, scale, softcap,  # inputs
+    Q, KV, Tiles, Tables, Aux, KScale, VScale, scale, softcap,  # inputs
     Out,  # output
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr,
     NUM_PAGES: tl.constexpr, PAGE_STRIDE: tl.constexpr, HEAD_STRIDE: tl.constexpr, ROW_STRIDE: tl.constexpr,
     WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SINKS: tl.constexpr, BLOCK_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
 ):
-    _prefill_program(tl.program_id(0), tl.program_id(1), Q, KV, Tiles, Tables, Aux, scale, softcap, Out, H, GROUP,
-                     GROUP_P, BLOCK_M, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
-                     HEAD_STRIDE, ROW_STRIDE, WINDOW, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION)
+    _prefill_program(tl.program_id(0), tl.program_id(1), Q, KV, Tiles, Tables, Aux, KScale, VScale, scale, softcap,
+                     Out, H, GROUP, GROUP_P, BLOCK_M, D, BLOCK_D, BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                     PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, WINDOW, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION,
+                     K_SCALE, V_SCALE)
 
 
 @triton.jit
@@ -192,9 +199,10 @@ def _mixed_kernel(
                        INLINE_COMBINE, K_SCALE, V_SCALE)
     else:
         t = idx
-        _prefill_program(t % MAX_TILES, t // MAX_TILES, Q, K, Tiles, Tables, Aux, scale, softcap, Out, H, GROUP,
-                         GROUP_P, BLOCK_M, D, BLOCK_D, PREFILL_BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES, PAGE_STRIDE,
-                         HEAD_STRIDE, ROW_STRIDE, WINDOW, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS, DOT_PRECISION)
+        _prefill_program(t % MAX_TILES, t // MAX_TILES, Q, K, Tiles, Tables, Aux, KScale, VScale, scale, softcap, Out,
+                         H, GROUP, GROUP_P, BLOCK_M, D, BLOCK_D, PREFILL_BLOCK_N, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
+                         PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, WINDOW, USE_SOFTCAP, NUM_SINKS, BLOCK_SINKS,
+                         DOT_PRECISION, K_SCALE, V_SCALE)
 
 
 # ---- host side ---------------------------------------------------------------------------------------
@@ -234,9 +242,10 @@ def tile_table(query_start_loc, context_lens, num_seqs, total_tokens: int, block
     return tiles, is_decode
 
 
-def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, aux,
-                        st: RaggedPageStatic):
-    """``aux``: sinks float32 [H, num_sinks] or None. Returns [total_tokens, H, D] in queries' dtype."""
+def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, aux, key_scale,
+                        value_scale, st: RaggedPageStatic):
+    """``aux``: sinks float32 [H, num_sinks] or None; ``key_scale``/``value_scale``: float32 ``[Hkv]`` or
+    ``[num_pages, Hkv]`` dequantization scales, or None. Returns [total_tokens, H, D] in queries' dtype."""
     total_tokens, num_heads, head_dim = queries.shape
     num_pages, page_size, combined, _ = kv_pages.shape
     kv_heads = combined // 2
@@ -257,13 +266,15 @@ def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_sta
         (prefill,) = launch(
             _prefill_kernel,
             [queries, kv_pages, tiles, block_tables, aux if aux is not None else _placeholder(jnp.float32),
+             *(x if x is not None else _placeholder(jnp.float32) for x in (key_scale, value_scale)),
              np.float32(st.scale), np.float32(st.softcap)],
             [prefill_shape], (tiles.shape[0], kv_heads),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages(), interpret=st.interpret,
             H=num_heads, GROUP=group, D=head_dim, BLOCK_D=padded_dim(head_dim), BLOCK_N=cfg.block_n,
             USE_SOFTCAP=st.softcap > 0, NUM_SINKS=num_sinks,
             BLOCK_SINKS=max(2, 1 << max(num_sinks - 1, 0).bit_length()),
-            DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32", **prefill_constexprs, **strides)
+            DOT_PRECISION="ieee" if queries.dtype == jnp.float32 else "tf32", K_SCALE=_scale_kind(key_scale),
+            V_SCALE=_scale_kind(value_scale), **prefill_constexprs, **strides)
 
     def run_mixed(args, out_shapes, grid, num_warps, num_stages, zeroed, constexprs):
         """The split programs and the prefill tiles in one launch (``cfg.fused``)."""
@@ -286,7 +297,7 @@ def ragged_page_forward(queries, kv_pages, context_lens, block_tables, query_sta
                        window_left=-1 if st.window is None else st.window - 1, config=cfg.decode_config(),
                        interpret=st.interpret, operation="ragged_page_attention", interleaved=True)
     decoded = split_decode(queries, kv_pages, None, None, ends, block_tables, aux, dst, q_rows=q_rows,
-                           run_split=run_mixed if cfg.fused else None)
+                           run_split=run_mixed if cfg.fused else None, key_scale=key_scale, value_scale=value_scale)
     return prefill.at[jnp.where(is_decode, starts, total_tokens)].set(decoded, mode="drop")
 
 
@@ -296,5 +307,6 @@ def _attend_fn(st: RaggedPageStatic):
 
 
 def ragged_page_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, aux,
-                          st: RaggedPageStatic) -> jax.Array:
-    return _attend_fn(st)(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, aux)
+                          st: RaggedPageStatic, key_scale=None, value_scale=None) -> jax.Array:
+    return _attend_fn(st)(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, aux, key_scale,
+                          value_scale)

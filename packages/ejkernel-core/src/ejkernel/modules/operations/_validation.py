@@ -412,16 +412,17 @@ def check_decode_inputs(
     check_gqa("query", query.shape[1], key_name, key.shape[kv_heads_axis], key)
 
 
-def cache_scale(name: str, scale: Any, kv_heads: int, num_pages: int | None = None) -> Any:
+def cache_scale(name: str, scale: Any, kv_heads: int, num_pages: int | None = None, pages_name: str = "num_blocks"
+                ) -> Any:
     """A KV cache's dequantization scale as float32: ``[kv_heads]`` when it does not depend on the page (given
     as a scalar or per kv head), ``[num_pages, kv_heads]`` when given per page and kv head (paged caches:
-    ``num_pages`` given); None stays None."""
+    ``num_pages`` given, named ``pages_name`` in errors); None stays None."""
     if scale is None:
         return None
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         scale = jnp.float32(scale)
     shapes = [(), (kv_heads,)] + ([(num_pages, kv_heads)] if num_pages is not None else [])
-    what = (f"(), [num_kv_heads={kv_heads}] or [num_blocks={num_pages}, num_kv_heads={kv_heads}]"
+    what = (f"(), [num_kv_heads={kv_heads}] or [{pages_name}={num_pages}, num_kv_heads={kv_heads}]"
             if num_pages is not None else f"() or [num_kv_heads={kv_heads}]")
     check_array(name, scale, dtypes=FLOAT_DTYPES, what=what)
     if scale.shape not in shapes:

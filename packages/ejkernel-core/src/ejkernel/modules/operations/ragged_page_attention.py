@@ -4,13 +4,18 @@ Core validates the public call into one frozen :class:`RaggedPageAttentionCall`,
 
 - ``queries`` ``[total_tokens, num_q_heads, head_dim]``; ``kv_pages``
   ``[num_pages, page_size, 2 * num_kv_heads, head_dim]`` with K and V interleaved on the head axis
-  (``2k``: key of kv head ``k``, ``2k + 1``: its value); ``context_lens`` int32 ``[max_num_seqs]``;
+  (``2k``: key of kv head ``k``, ``2k + 1``: its value), in ``queries``' dtype or quantized (float8_e4m3fn,
+  float8_e5m2, int8); ``context_lens`` int32 ``[max_num_seqs]``;
   ``block_tables`` int32 ``[max_num_seqs, pages_per_seq]``; ``query_start_loc`` int32
   ``[max_num_seqs + 1]``; ``num_seqs`` int32 ``[1]`` (active sequences); ``softmax_aux`` (sinks) float
   ``[num_q_heads]`` or ``[num_q_heads, num_sinks]`` or None.
 - Sequence ``s < num_seqs`` owns rows ``[query_start_loc[s], query_start_loc[s+1])``; its ``q_len`` queries
   are its last ``q_len`` tokens: local query ``i`` sits at ``p = context_lens[s] - q_len + i``. Key ``j``
   is visible when ``j < context_lens[s]``, ``j <= p`` and (window ``w``) ``p - j < w``.
+- Quantized caches (beyond the original library, as ``page_attention``'s): the key of kv head ``h`` in page ``p``
+  is ``kv_pages[p, :, 2h] * key_scale[p, h]``, its value ``kv_pages[p, :, 2h + 1] * value_scale[p, h]``; the
+  call holds each scale as float32 ``[num_kv_heads]`` (given as a scalar or per kv head),
+  ``[num_pages, num_kv_heads]`` (per page and kv head) or None (1). Scales work on any cache dtype.
 - Logits ``softmax_scale * <q, k>`` in float32, soft cap ``c * tanh(x / c)``; sinks join the softmax
   denominator only. Rows past ``query_start_loc[num_seqs]`` give zeros. Output in ``queries``' dtype.
 - Page ids that active sequences read are checked when ``block_tables``, ``context_lens``,
@@ -33,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Shaped
 
 from ejkernel.modules.operations._base import Arguments, RegistryOperation, execute, public_function
 from ejkernel.modules.operations._contract import array_field, canonical_call
@@ -41,6 +46,8 @@ from ejkernel.modules.operations._precision import resolve_precision
 from ejkernel.modules.operations._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
+    QUANTIZED_CACHE_DTYPES,
+    cache_scale,
     check_array,
     check_cum_seqlens,
     check_dim,
@@ -63,7 +70,7 @@ class RaggedPageAttentionCall:
     """A validated ``ragged_page_attention`` call: what every backend receives (see above)."""
 
     queries: Float[jax.Array, "total_tokens num_q_heads head_dim"] = array_field()
-    kv_pages: Float[jax.Array, "num_pages page_size num_combined_kv_heads head_dim"] = array_field()
+    kv_pages: Shaped[jax.Array, "num_pages page_size num_combined_kv_heads head_dim"] = array_field()
     context_lens: Int[jax.Array, "max_num_seqs"] = array_field()
     """int32, values >= 0 and >= each sequence's query count (checked when concrete)."""
     block_tables: Int[jax.Array, "max_num_seqs pages_per_seq"] = array_field()
@@ -73,6 +80,11 @@ class RaggedPageAttentionCall:
     num_seqs: Int[jax.Array, "1"] = array_field()
     """int32 ``[1]``: the active sequences, in ``[0, max_num_seqs]``."""
     softmax_aux: Float[jax.Array, "num_q_heads"] | Float[jax.Array, "num_q_heads num_sinks"] | None = array_field()
+    key_scale: Float[jax.Array, "*num_pages num_kv_heads"] | None = array_field(default=None)
+    """float32 dequantization scale of the keys: per kv head ``[num_kv_heads]`` or per page and kv head
+    ``[num_pages, num_kv_heads]``; None: 1."""
+    value_scale: Float[jax.Array, "*num_pages num_kv_heads"] | None = array_field(default=None)
+    """As ``key_scale``, for the values."""
     softmax_scale: float = 1.0
     logits_soft_cap: float | None = None
     sliding_window: int | None = None
@@ -118,9 +130,11 @@ class RaggedPageAttention(RegistryOperation):
         block_tables, query_start_loc = args.block_tables, args.query_start_loc
         check_array("queries", queries, rank=3, dtypes=FLOAT_DTYPES, what="[total_tokens, num_q_heads, head_dim]")
         check_array(
-            "kv_pages", kv_pages, rank=4, dtypes=FLOAT_DTYPES, what="[num_pages, page_size, 2 * num_kv_heads, head_dim]"
+            "kv_pages", kv_pages, rank=4, dtypes=FLOAT_DTYPES + QUANTIZED_CACHE_DTYPES,
+            what="[num_pages, page_size, 2 * num_kv_heads, head_dim]",
         )
-        check_same_dtype("queries", queries, kv_pages=kv_pages)
+        if jnp.dtype(kv_pages.dtype) not in [jnp.dtype(d) for d in QUANTIZED_CACHE_DTYPES]:
+            check_same_dtype("queries", queries, kv_pages=kv_pages)
         total_tokens, num_heads, head_dim = queries.shape
         num_pages, page_size, combined_heads, _ = kv_pages.shape
         check_dim("kv_pages", kv_pages, 3, head_dim, "head_dim of queries")
@@ -158,6 +172,8 @@ class RaggedPageAttention(RegistryOperation):
             query_start_loc=query_start_loc.astype(jnp.int32),
             num_seqs=num_seqs,
             softmax_aux=softmax_aux,
+            key_scale=cache_scale("key_scale", args.key_scale, combined_heads // 2, num_pages, "num_pages"),
+            value_scale=cache_scale("value_scale", args.value_scale, combined_heads // 2, num_pages, "num_pages"),
             softmax_scale=resolve_softmax_scale(args.softmax_scale, head_dim),
             logits_soft_cap=normalize_soft_cap(args.logits_soft_cap),
             sliding_window=check_window("sliding_window", args.sliding_window),
@@ -168,7 +184,7 @@ class RaggedPageAttention(RegistryOperation):
 @public_function(RaggedPageAttention)
 def ragged_page_attention(
     queries: Float[jax.Array, "total_tokens num_q_heads head_dim"],
-    kv_pages: Float[jax.Array, "num_pages page_size num_combined_kv_heads head_dim"],
+    kv_pages: Shaped[jax.Array, "num_pages page_size num_combined_kv_heads head_dim"],
     context_lens: Int[jax.Array, "max_num_seqs"],
     block_tables: Int[jax.Array, "max_num_seqs pages_per_seq"],
     query_start_loc: Int[jax.Array, "max_num_seqs_plus_one"],
@@ -184,6 +200,8 @@ def ragged_page_attention(
     mask_value: float | None = None,
     vmem_limit_bytes: int | None = None,
     precision: str | jax.lax.Precision | None = None,
+    key_scale: Float[jax.Array, "..."] | float | None = None,
+    value_scale: Float[jax.Array, "..."] | float | None = None,
     platform: str = "auto",
     cfg: Any = None,
 ) -> Float[jax.Array, "total_tokens num_q_heads head_dim"]:
@@ -191,7 +209,9 @@ def ragged_page_attention(
 
     Args:
         queries: ``[total_tokens, num_q_heads, head_dim]``, sequences packed back to back.
-        kv_pages: ``[num_pages, page_size, 2 * num_kv_heads, head_dim]``, K/V interleaved on axis 2.
+        kv_pages: ``[num_pages, page_size, 2 * num_kv_heads, head_dim]``, K/V interleaved on axis 2, in
+            ``queries``' dtype or quantized (float8_e4m3fn, float8_e5m2 or int8; dequantized by
+            ``key_scale``/``value_scale``).
         context_lens: int ``[max_num_seqs]``, kv length of each sequence (its new tokens included).
         block_tables: int ``[max_num_seqs, pages_per_seq]``, physical page of each logical page.
         query_start_loc: int ``[max_num_seqs + 1]``, row offsets of each sequence's queries.
@@ -204,6 +224,9 @@ def ragged_page_attention(
             original library; no effect (tune with ``cfg``).
         precision: matmul precision floor (``None``: ``"highest"`` for float32 inputs, see
             ``docs/precision.md``); ``"default"`` allows TF32 on NVIDIA GPUs.
+        key_scale, value_scale: dequantization scales of the keys and values (beyond the original library): a
+            scalar, ``[num_kv_heads]`` or ``[num_pages, num_kv_heads]``; the cache's entries are multiplied by
+            them (None: 1). A backend that cannot apply them refuses the call.
         platform: ``"auto"`` or a platform name.
         cfg: one implementation's config (e.g.
             ``ejkernel_xla.ragged_page_attention.XlaRaggedPageAttentionConfig``); it selects that
