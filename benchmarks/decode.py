@@ -296,13 +296,16 @@ def mixed_sequences(part: str, prefills, prefill_len, decodes, context):
     return seqs
 
 
-def mixed_inputs(key, sequences, heads, kv_heads, dim, page_size, dtype, seed):
-    """ragged_page_attention's inputs (pages shuffled over the cache) and the logical K/V for the reference."""
+def mixed_inputs(key, sequences, heads, kv_heads, dim, page_size, dtype, seed, kv_dtype=None):
+    """ragged_page_attention's inputs (pages shuffled over the cache) and the logical K/V for the reference
+    (``kv_dtype``: a quantized cache, its values as stored, with scales of 1 per kv head)."""
     q_lens = np.array([q for q, _ in sequences], np.int32)
     kv_lens = np.array([k for _, k in sequences], np.int32)
     slots, context = len(sequences), int(kv_lens.max())
     starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     k, v = logical_kv(key, slots, context, kv_heads, dim, dtype)
+    if kv_dtype is not None and kv_dtype != dtype:
+        k, v = k.astype(kv_dtype), v.astype(kv_dtype)
     q = jax.random.normal(jax.random.fold_in(key, 7), (int(starts[-1]), heads, dim), jnp.float32).astype(dtype)
     pages = context // page_size
     perm = np.random.default_rng(seed).permutation(slots * pages)
@@ -310,6 +313,8 @@ def mixed_inputs(key, sequences, heads, kv_heads, dim, page_size, dtype, seed):
     x = dict(queries=q, kv_pages=kv[jnp.asarray(np.argsort(perm))], context_lens=jnp.asarray(kv_lens),
              block_tables=jnp.asarray(perm.reshape(slots, pages).astype(np.int32)),
              query_start_loc=jnp.asarray(starts), num_seqs=jnp.asarray([slots], jnp.int32))
+    if k.dtype != dtype:
+        x["key_scale"] = x["value_scale"] = jnp.ones((kv_heads,), jnp.float32)
     return x, (q, k, v, starts, kv_lens)
 
 
@@ -335,11 +340,12 @@ def mixed_reference(q, k, v, starts, kv_lens):
     return jnp.concatenate(outs)
 
 
-def mixed_cost(sequences, heads, kv_heads, dim, itemsize) -> tuple[float, float]:
-    """(bytes, FLOPs) of one step: K+V of every sequence once, queries and outputs; 4·H·D per visible pair."""
+def mixed_cost(sequences, heads, kv_heads, dim, itemsize, kv_itemsize=None) -> tuple[float, float]:
+    """(bytes, FLOPs) of one step: K+V of every sequence once (``kv_itemsize`` bytes each: a quantized cache),
+    queries and outputs; 4·H·D per visible pair."""
     pairs = sum(q * kv - q * (q - 1) // 2 for q, kv in sequences)
     tokens = sum(q for q, _ in sequences)
-    kv_bytes = sum(2 * kv * kv_heads * dim * itemsize for _, kv in sequences)
+    kv_bytes = sum(2 * kv * kv_heads * dim * (kv_itemsize or itemsize) for _, kv in sequences)
     return kv_bytes + 2 * tokens * heads * dim * itemsize, 4.0 * heads * dim * pairs
 
 
@@ -378,16 +384,18 @@ config (NOTES.md, "mixed batch")."""
 def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
     from ejkernel.modules import ragged_page_attention
 
+    kv_dtype = jnp.dtype(args.kv_dtype or dtype)
     platforms = [p for p in usable_gpu_platforms("ragged_page_attention")
                  if not args.mixed_platforms or p in args.mixed_platforms.split(",")]
     key = jax.random.key(3)
     page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
     for part in args.mixed_parts.split(","):
         sequences = mixed_sequences(part, **MIXED)
-        nbytes, flops = mixed_cost(sequences, H, Hkv, D, dtype.itemsize)
+        nbytes, flops = mixed_cost(sequences, H, Hkv, D, dtype.itemsize, kv_dtype.itemsize)
         t_bytes, t_flops = nbytes / (copy_gbps * 1e9), flops / (tflops * 1e12)
         for ps in page_sizes if part == "mixed" else page_sizes[:1]:  # the parts alone: the first page size
-            sets = [mixed_inputs(jax.random.fold_in(key, s), sequences, H, Hkv, D, ps, dtype, seed=s) for s in range(2)]
+            sets = [mixed_inputs(jax.random.fold_in(key, s), sequences, H, Hkv, D, ps, dtype, seed=s, kv_dtype=kv_dtype)
+                    for s in range(2)]
             ref = jax.jit(mixed_reference, static_argnums=(3, 4))(*sets[0][1][:3], tuple(sets[0][1][3].tolist()),
                                                                   tuple(sets[0][1][4].tolist()))
             variants = [(f"ejkernel-{platform} ragged-page", platform, None) for platform in platforms]
@@ -401,13 +409,14 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
                     if cfg != default:
                         variants.append((f"ejkernel-triton ragged-page[{cand}]", "triton", cfg))
             for name, platform, cfg in variants:
-                row = dict(impl=name, part=part, page_size=ps, batch=len(sequences),
+                row = dict(impl=name, part=part, page_size=ps, batch=len(sequences), kv_dtype=str(kv_dtype),
                            context=MIXED["context"], bytes=nbytes, flops=flops, bytes_us=t_bytes * 1e6,
                            flops_us=t_flops * 1e6, binds="bandwidth" if t_bytes >= t_flops else "compute")
                 try:
                     names = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
                     step = jax.jit(lambda x, platform=platform, cfg=cfg: ragged_page_attention(
-                        *[x[n] for n in names], platform=platform, cfg=cfg))
+                        *[x[n] for n in names], platform=platform, cfg=cfg, key_scale=x.get("key_scale"),
+                        value_scale=x.get("value_scale")))
                     slow = platform != "triton"
                     secs = time_calls(lambda c: step(sets[c % 2][0]), 1 if slow else args.warmup,
                                       3 if slow else args.reps, 1 if slow else args.calls)
@@ -537,8 +546,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-dtype", default="", help="the caches' dtype when quantized (float8_e4m3fn, float8_e5m2, "
-                   "int8): ejkernel's page_attention only, GB/s of the stored bytes (the Triton kernels need "
-                   "EJKERNEL_UNVERIFIED_KERNELS=1 until their GPU suite has passed: decode/quantized.py)")
+                   "int8): ejkernel's page_attention and the mixed batch (ragged_page_attention) only, GB/s of the "
+                   "stored bytes, scales of 1 per kv head")
     p.add_argument("--impls", default="", help="comma-separated name prefixes to keep")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--sweep-layouts", default="paged,contiguous", help="paged (page_attention), contiguous (ragged)")

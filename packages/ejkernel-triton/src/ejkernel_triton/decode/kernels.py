@@ -136,6 +136,25 @@ def _scale_rows(Tables, b, kvh, n0, offs_n, stop, MASKED: tl.constexpr, PAGE_SIZ
 
 
 @triton.jit
+def _compute_query(q, scale, Cache):
+    """``(q, scale)`` for the products with a cache: as they are, except bfloat16 queries over a one-byte cache
+    (float8 / int8), which multiply in float16. Every float8 and int8 value is exact in float16, and the cache
+    converts to it with one packed instruction per two values (to bfloat16 it takes one more per value, which
+    bound the quantized kernels); the query is converted once, scaled by a power of two that keeps its largest
+    entry below 2**14 (float16 tops out at 65504), and the logit scale takes the power back."""
+    if (Cache.dtype.element_ty.primitive_bitwidth == 8) and (q.dtype == tl.bfloat16):
+        q32 = q.to(tl.float32)
+        top = tl.max(tl.max(tl.abs(q32), 1), 0)
+        shift = tl.maximum(tl.math.ceil(tl.math.log2(tl.maximum(top, 1.0) / 16384.0)), 0.0)
+        q_out = (q32 * tl.math.exp2(-shift)).to(tl.float16)
+        scale_out = scale * tl.math.exp2(shift)
+    else:
+        q_out = q
+        scale_out = scale
+    return q_out, scale_out
+
+
+@triton.jit
 def _step_scales(Tables, b, kvh, n0, offs_n, stop, scale, KScale, VScale, MASKED: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, KV_HEADS: tl.constexpr,
                  BLOCK_N: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr):
@@ -183,7 +202,7 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
                V_SCALE: tl.constexpr, KV_HEADS: tl.constexpr):
     """Online softmax over keys ``[start, stop)`` (``MASKED``: the last, partial step; ``LOWER``: keys below
     ``first`` are masked too, for ranges that start inside a step). ``V_SHIFT``: elements from a key to its
-    value when both live in one buffer. A quantized cache's keys multiply in the query's dtype; ``K_SCALE`` /
+    value when both live in one buffer. A quantized cache's keys multiply in ``q``'s dtype (``_compute_query``); ``K_SCALE`` /
     ``V_SCALE`` (paged caches; 0: none, 1: ``KScale``/``VScale`` per kv head ``[KV_HEADS]``, 2: per page and
     kv head ``[num_pages, KV_HEADS]``) dequantize keys/values (a key's scale multiplies its logit before the
     soft cap)."""
@@ -265,6 +284,7 @@ def _split_program(
         if HAS_QROWS:  # the query of sequence b is row QRows[b] of a packed [tokens, H, D] array
             q_rows = tl.load(QRows + b).to(tl.int64) * H + heads
         q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        q, scale = _compute_query(q, scale, K)
         if NUM_SPLITS == 1:
             m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_H)
         else:  # sinks join once, in the combine pass

@@ -4,10 +4,10 @@ Every page size works (pages that hold whole key steps read one block-table entr
 page up per key row), as do ``max_context_len``, the soft cap and the scale; zero-length contexts give zeros.
 Block-table entries that are read are clamped into ``[0, num_blocks)`` (see ``kernels``). Quantized caches
 (float8_e4m3fn, float8_e5m2 on sm_89 and later; int8) are read as they are stored (half the bytes of bf16) and
-multiply in the query's dtype, dequantized per kv head or per (page, kv head) by ``key_scale``/``value_scale``
-(``quantized``). Precision: float32
-inputs run IEEE float32 dots (never TF32) and 16-bit operands multiply exactly into float32 accumulators, so
-every ``call.precision`` is met and none is refused.
+multiply in the query's dtype (float16 for bfloat16 queries), dequantized per kv head or per (page, kv head) by
+``key_scale``/``value_scale`` (``quantized``). Precision: float32 inputs run IEEE float32 dots (never TF32) and
+16-bit operands multiply exactly into float32 accumulators, so every ``call.precision`` is met and none is
+refused.
 """
 
 from __future__ import annotations

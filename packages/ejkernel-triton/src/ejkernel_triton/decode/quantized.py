@@ -1,8 +1,9 @@
 """Quantized KV caches in the decode kernels: which calls they take (:func:`check_quantized_cache`).
 
-The kernels read a float8 or int8 cache as stored and multiply in the query's dtype; ``key_scale`` /
-``value_scale`` (per kv head, or per page and kv head on paged caches) dequantize in the kernel. float8 needs
-Triton's conversions of sm_89 and later, and does not run in Triton's interpreter (no float8 on the host).
+The kernels read a float8 or int8 cache as stored and multiply in the query's dtype (float16 for bfloat16
+queries: ``kernels._compute_query``); ``key_scale`` / ``value_scale`` (per kv head, or per page and kv head on
+paged caches) dequantize in the kernel. float8 needs Triton's conversions of sm_89 and later, and does not run in
+Triton's interpreter (no float8 on the host).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from ejkernel_triton.decode.kernels import (
     _kv_offsets,
     _placeholder,
     _sink_state,
+    _compute_query,
     _scale_kind,
     _split_program,
     _step_scales,
@@ -68,7 +69,7 @@ def _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, start, stop, pos, kv_l
                   ROW_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   KV_HEADS: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr):
     """Online softmax of the tile's rows over keys ``[start, stop)``; ``MASKED``: per-row causal/window masks.
-    Quantized pages multiply in the query's dtype, dequantized as in the decode kernels (``_step_scales``)."""
+    Quantized pages multiply in ``q``'s dtype (float16 for bf16 queries: ``_compute_query``), dequantized as in the decode kernels (``_step_scales``)."""
     for n0 in range(start, stop, BLOCK_N):
         offs = _kv_offsets(Tables, seq, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, 0, BLOCK_N)
@@ -115,6 +116,7 @@ def _prefill_program(
         q_rows = row.to(tl.int64) * H + heads
         io_mask = row_ok[:, None] & (offs_d[None, :] < D)
         q = tl.load(Q + q_rows[:, None] * D + offs_d[None, :], mask=io_mask, other=0.0)
+        q, scale = _compute_query(q, scale, KV)
         pos = pos0 + token
         m_i, l_i = _sink_state(Aux, heads, row_ok, NUM_SINKS, BLOCK_SINKS, BLOCK_M)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
