@@ -202,10 +202,10 @@ def _fold_keys(acc, m_i, l_i, q, K, V, Tables, b, kvh, start, stop, offs_n, offs
                V_SCALE: tl.constexpr, KV_HEADS: tl.constexpr):
     """Online softmax over keys ``[start, stop)`` (``MASKED``: the last, partial step; ``LOWER``: keys below
     ``first`` are masked too, for ranges that start inside a step). ``V_SHIFT``: elements from a key to its
-    value when both live in one buffer. A quantized cache's keys multiply in ``q``'s dtype (``_compute_query``); ``K_SCALE`` /
-    ``V_SCALE`` (paged caches; 0: none, 1: ``KScale``/``VScale`` per kv head ``[KV_HEADS]``, 2: per page and
-    kv head ``[num_pages, KV_HEADS]``) dequantize keys/values (a key's scale multiplies its logit before the
-    soft cap)."""
+    value when both live in one buffer. A quantized cache's keys multiply in ``q``'s dtype (``_compute_query``);
+    ``K_SCALE`` / ``V_SCALE`` (paged caches; 0: none, 1: ``KScale``/``VScale`` per kv head ``[KV_HEADS]``, 2: per
+    page and kv head ``[num_pages, KV_HEADS]``) dequantize keys/values (a key's scale multiplies its logit before
+    the soft cap)."""
     for n0 in range(start, stop, BLOCK_N):
         offs = _kv_offsets(Tables, b, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, SEQ_STRIDE, BLOCK_N)

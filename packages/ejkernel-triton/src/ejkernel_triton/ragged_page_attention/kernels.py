@@ -69,7 +69,8 @@ def _prefill_fold(acc, m_i, l_i, q, KV, Tables, seq, kvh, start, stop, pos, kv_l
                   ROW_STRIDE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   KV_HEADS: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr):
     """Online softmax of the tile's rows over keys ``[start, stop)``; ``MASKED``: per-row causal/window masks.
-    Quantized pages multiply in ``q``'s dtype (float16 for bf16 queries: ``_compute_query``), dequantized as in the decode kernels (``_step_scales``)."""
+    Quantized pages multiply in ``q``'s dtype (float16 for bf16 queries: ``_compute_query``), dequantized as in
+    the decode kernels (``_step_scales``)."""
     for n0 in range(start, stop, BLOCK_N):
         offs = _kv_offsets(Tables, seq, kvh, n0, offs_n, offs_d, stop, MASKED, PAGE_SIZE, MAX_PAGES, NUM_PAGES,
                            PAGE_STRIDE, HEAD_STRIDE, ROW_STRIDE, 0, BLOCK_N)
