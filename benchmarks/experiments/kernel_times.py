@@ -11,7 +11,9 @@ can be cut per variant (mean time of each kernel, and their sum per call: what t
 benchmark adds on top is launch gaps and host time). Cases: `blocksparse` (S=16k, 16 heads, D=128, bf16,
 128-blocks, 10 % per-head random mask, non-causal: `benchmarks/blocksparse.py`'s shape; Triton default and
 candidates, Pallas, dense flash), `gla`, `lightning`, `recurrent` (`benchmarks/linear_attention.py`'s shape, B=4
-H=8 K=V=128 bf16, Triton forward and forward+backward at T=4k and 16k; ``--only fwd-16384`` keeps one of them).
+H=8 K=V=128 bf16, Triton forward and forward+backward at T=4k and 16k; ``--only fwd-16384`` keeps one of them),
+`flash` (forward+backward of the native CUDA kernels and flash-attn3-jax at the standard shapes: 16k tokens,
+16 heads, D=128, bf16; S=2k causal and S=8k).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ CASES = {
     "gla": ("fwd-4096", "fwd+bwd-4096", "fwd-16384", "fwd+bwd-16384"),
 }
 CASES["lightning"] = CASES["recurrent"] = CASES["gla"]
+CASES["flash"] = ("native-2048-causal", "fa3-2048-causal", "native-8192", "fa3-8192")
 
 
 def blocksparse_steps():
@@ -58,6 +61,34 @@ def linear_steps(op):
             yield name, lambda inputs=inputs: fwd_bwd(*inputs)
 
 
+def flash_steps():
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from attention import _flash_attn3
+    from ejkernel_cuda import native_flash
+
+    fa3 = _flash_attn3()
+    for name in CASES["flash"]:
+        impl, seq, *causal = name.split("-")
+        seq, causal = int(seq), bool(causal)
+        keys = jax.random.split(jax.random.key(seq), 4)
+        q, k, v, d_out = (jax.random.normal(kk, (16384 // seq, seq, 16, 128), jnp.float32).astype(jnp.bfloat16)
+                          for kk in keys)
+        if impl == "native":
+            def attend(q, k, v, causal=causal):
+                return native_flash.attention(q, k, v, 1 / math.sqrt(128), causal, None, None)
+        elif fa3 is not None:
+            def attend(q, k, v, causal=causal):
+                return fa3(q, k, v, causal)
+        else:
+            continue
+        step = jax.jit(lambda q, k, v, d_out, attend=attend: jax.vjp(attend, q, k, v)[1](d_out))
+        yield name, lambda step=step, x=(q, k, v, d_out): step(*x)
+
+
 def run(case: str, calls: int, only: str | None) -> None:
     import jax
     import jax.numpy as jnp
@@ -72,7 +103,8 @@ def run(case: str, calls: int, only: str | None) -> None:
 
     marker = jax.jit(lambda x: jt.triton_call(x, kernel=variant_marker, out_shape=x, grid=(1,)))
 
-    steps = list(blocksparse_steps() if case == "blocksparse" else linear_steps(case))
+    steps = list(blocksparse_steps() if case == "blocksparse" else flash_steps() if case == "flash"
+                 else linear_steps(case))
     if only:
         steps = [(name, step) for name, step in steps if name == only]
     for _, step in steps:  # compile every variant first: only the marked calls follow the markers
