@@ -7,7 +7,8 @@ computes exactly as ejkernel defines them: bfloat16/float16, equal head dims, no
 causal window) over equal lengths, GQA. The native kernels (sm_90a only) take more of ejkernel's features
 (causal masks and windows over unequal lengths, windows reaching right, soft cap, attention sinks, segment
 ids, packed varlen self-attention) at head dims 64 and 128.
-The heuristic takes cuDNN wherever it takes the call, the native kernels elsewhere; a call neither takes is
+The heuristic takes the native kernels for causal head_dim-128 calls (measured faster than cuDNN there:
+:func:`native_preferred`) and for the calls only they take, cuDNN for the rest; a call neither takes is
 refused with ``UnsupportedFeature`` (both reasons) before anything compiles, and the dispatcher takes
 Pallas, Triton or XLA.
 """
@@ -34,6 +35,15 @@ KERNELS = ("cudnn", "native")
 # 11 of the 12 cells, 1.4 % behind in the 12th (S=2k causal forward+backward). Calls cuDNN takes keep the
 # backend's 20.
 NATIVE_PRIORITY = 18
+
+
+def native_preferred(call: FlashAttentionCall) -> bool:
+    """Whether the native kernels run a call cuDNN takes too: causal calls at head_dim 128, where they measured
+    faster (H100, 2026-11-27 09:18 UTC, bf16, 16k tokens, `results/nvidia-h100-2026-11-27e-cuda-native.json`:
+    native / cuDNN forward 1.02-1.10, forward+backward 1.03-1.06 at S = 2k, 8k, 16k). Elsewhere cuDNN: non-causal
+    forward 0.95-1.07 there (behind from 8k), and at head_dim 64 the native forward is 0.72-0.90 of cuDNN's
+    (`...-cuda-native-d64.json`)."""
+    return bool(call.causal) and call.query.shape[-1] == 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +92,10 @@ class CudaFlashAttention(Implementation[FlashAttentionCall, CudaFlashConfig]):
         return NATIVE_PRIORITY if reasons["cudnn"] and not reasons["native"] else None
 
     def heuristic_config(self, call: FlashAttentionCall) -> CudaFlashConfig:
-        return CudaFlashConfig(kernel="cudnn" if cudnn_refusal(call) is None else "native")
+        reasons = refusals(call)
+        if reasons["cudnn"] is None and (reasons["native"] is not None or not native_preferred(call)):
+            return CudaFlashConfig("cudnn")
+        return CudaFlashConfig("native")
 
     def candidate_configs(self, call: FlashAttentionCall) -> list[CudaFlashConfig]:
         return [CudaFlashConfig(kernel) for kernel, reason in refusals(call).items() if reason is None]

@@ -14,9 +14,10 @@ from ejkernel.plugins.checks import first_reason, no_device
 from ejkernel.plugins.declare import DeclaredBackend
 
 # algorithm -> "module:IMPLEMENTATION". Priority 20 puts these above Triton (15), Pallas (10) and XLA (0):
-# cuDNN's flash attention is the fastest we measure on Hopper for the calls it takes; flash attention ranks
-# the calls only the native kernels take lower (flash_attention.NATIVE_PRIORITY); the others are refused
-# (UnsupportedFeature) and the dispatcher goes down the list.
+# cuDNN's flash attention and our native kernels are the fastest we measure on Hopper (the config picks one of
+# them per call: flash_attention.native_preferred); flash attention ranks the calls only the native kernels
+# take lower (flash_attention.NATIVE_PRIORITY); the others are refused (UnsupportedFeature) and the dispatcher
+# goes down the list.
 IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
     "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION",
