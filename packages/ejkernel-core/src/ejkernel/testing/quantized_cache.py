@@ -56,10 +56,9 @@ class QuantizedCacheChecks:
     on the dequantized float64 values. The suite sets ``quantized_names`` (its key and value arguments; one name
     when keys and values share an array, as ``ragged_page_attention``'s interleaved pages, whose suite overrides
     :meth:`num_kv_heads`), ``kv_heads_axis`` and implements :meth:`quantized_base_inputs` and
-    :meth:`quantized_reference` (it comes
-    after :class:`~ejkernel.testing.numerics.ConformanceSuite` in the bases, whose ``call`` it uses); a backend sets
-    ``supports_quantized_cache = False`` when it refuses them (checked instead) or narrows
-    ``quantized_cache_dtypes``."""
+    :meth:`quantized_reference` (it comes after :class:`~ejkernel.testing.numerics.ConformanceSuite` in the bases,
+    whose ``call`` it uses); a backend sets ``supports_quantized_cache = False`` when it refuses them (checked
+    instead) or narrows ``quantized_cache_dtypes``."""
 
     supports_quantized_cache: ClassVar[bool] = True
     quantized_cache_dtypes: ClassVar[tuple[str, ...]] = QUANTIZED_DTYPES
@@ -95,6 +94,7 @@ class QuantizedCacheChecks:
         key_name, value_name = self.quantized_names[0], self.quantized_names[-1]
         shape = inputs[key_name].shape
         scale_shape = self.scale_shape(shape, scale_kind)
+        # the key's cache last: with one shared array (one name) it holds the key's random values
         inputs[value_name], value_scale = quantized_cache(81, shape, cache_dtype, scale_shape)
         inputs[key_name], key_scale = quantized_cache(80, shape, cache_dtype, scale_shape)
         scales = {} if scale_shape is None else dict(key_scale=key_scale, value_scale=value_scale)

@@ -140,7 +140,7 @@ def _compute_query(q, scale, Cache):
     """``(q, scale)`` for the products with a cache: as they are, except bfloat16 queries over a one-byte cache
     (float8 / int8), which multiply in float16. Every float8 and int8 value is exact in float16, and the cache
     converts to it with one packed instruction per two values (to bfloat16 it takes one more per value, which
-    bound the quantized kernels); the query is converted once, scaled by a power of two that keeps its largest
+    bound the compute-bound prefill tiles of ragged_page_attention); the query is converted once, scaled by a power of two that keeps its largest
     entry below 2**14 (float16 tops out at 65504), and the logit scale takes the power back."""
     if (Cache.dtype.element_ty.primitive_bitwidth == 8) and (q.dtype == tl.bfloat16):
         q32 = q.to(tl.float32)
