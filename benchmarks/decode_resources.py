@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--mixed", action="append", default=[],
                    help="TritonRaggedPageConfig fields replaced in the heuristic's config of the mixed batch")
     p.add_argument("--page-sizes", default="16,64")
+    p.add_argument("--kv-dtype", default="", help="the decode caches' dtype when quantized (e.g. float8_e4m3fn)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(TESTS))
     from test_decode import _paged_call, _ragged_call  # noqa: PLC0415
@@ -113,6 +114,12 @@ def main(argv=None) -> int:
         cfg = TritonDecodeConfig(**parse(text))
         calls = [(f"paged p{ps}", PAGED, _paged_call(num_seqs=2, context=4096, page_size=ps)) for ps in page_sizes]
         calls.append(("dense", RAGGED, _ragged_call(batch=2, heads=32, kv_heads=8, dim=128, seq_len=4096)))
+        if args.kv_dtype:
+            def quantized(call, names):
+                return dataclasses.replace(call, **{n: jax.ShapeDtypeStruct(getattr(call, n).shape, args.kv_dtype)
+                                                    for n in names})
+            calls = [(name, impl, quantized(call, ("key_cache", "value_cache") if impl is PAGED else ("key", "value")))
+                     for name, impl, call in calls]
         for name, impl, call in calls:
             run = lambda impl=impl, call=call: jax.eval_shape(lambda x: impl(x, cfg), call)  # noqa: E731
             for kernel, a, c, w, s in recorded_launches([kernels], run)[:1]:

@@ -29,9 +29,10 @@ from attention import time_calls  # noqa: E402
 H, HKV, D = 32, 8, 128
 
 
-def inputs(batch, context, page_size, layers, seed=0):
+def inputs(batch, context, page_size, layers, seed=0, kv_dtype=jnp.bfloat16):
     """Per layer: the query, one logical cache in both paged layouts (ours [pages, Hkv, page, D], FA3's
-    [pages, page, Hkv, D], pages shuffled) and contiguous ([B, S, Hkv, D]) for ragged decode."""
+    [pages, page, Hkv, D], pages shuffled) and contiguous ([B, S, Hkv, D]) for ragged decode; ``kv_dtype``: the
+    caches' (a quantized one has no scales: the kernels' conversions, not their scale loads)."""
     rng = np.random.default_rng(seed)
     pages = batch * context // page_size
     layer_bytes = 2 * pages * page_size * HKV * D * 2
@@ -42,15 +43,15 @@ def inputs(batch, context, page_size, layers, seed=0):
         v = rng.standard_normal((pages, page_size, HKV, D), np.float32)
         tables = rng.permutation(pages).reshape(batch, context // page_size).astype(np.int32)
         q = rng.standard_normal((batch, H, D), np.float32)
-        bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-        out.append(dict(q=bf16(q), lens=jnp.full((batch,), context, jnp.int32), tables=jnp.asarray(tables),
-                        k_fa3=bf16(k), v_fa3=bf16(v), k=bf16(k.transpose(0, 2, 1, 3)), v=bf16(v.transpose(0, 2, 1, 3)),
-                        k_dense=bf16(k[tables].reshape(batch, context, HKV, D)),
-                        v_dense=bf16(v[tables].reshape(batch, context, HKV, D))))
+        cache = lambda x: jnp.asarray(x, jnp.bfloat16).astype(kv_dtype)  # noqa: E731
+        out.append(dict(q=jnp.asarray(q, jnp.bfloat16), lens=jnp.full((batch,), context, jnp.int32),
+                        tables=jnp.asarray(tables), k_fa3=cache(k), v_fa3=cache(v), k=cache(k.transpose(0, 2, 1, 3)),
+                        v=cache(v.transpose(0, 2, 1, 3)), k_dense=cache(k[tables].reshape(batch, context, HKV, D)),
+                        v_dense=cache(v[tables].reshape(batch, context, HKV, D))))
     return [out[i % distinct] for i in range(layers)]
 
 
-def impls(split_counts=(4, 8, 32), both_combines=True):
+def impls(split_counts=(4, 8, 32), both_combines=True, configs=()):
     from ejkernel.modules import page_attention, ragged_decode_attention
     from ejkernel_triton.decode import TritonDecodeConfig
 
@@ -76,6 +77,11 @@ def impls(split_counts=(4, 8, 32), both_combines=True):
                 softmax_scale=D ** -0.5, num_splits=s)[:, 0]
     except ImportError as error:
         print(f"# no flash-attn3-jax: {error}", file=sys.stderr)
+    for text in configs:  # "block_n=32,prefetch=3,num_splits=2": paged and ragged rows of that config
+        cfg = TritonDecodeConfig(**{k: (v == "True") if v in ("True", "False") else int(v)
+                                    for k, v in (item.split("=") for item in text.split(","))})
+        table[f"ours[{text}]"] = ours(cfg)
+        table[f"ragged[{text}]"] = ragged(cfg)
     return table
 
 
@@ -86,16 +92,19 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--page-sizes", default="16,64")
     parser.add_argument("--only", default="", help="comma-separated implementation names")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="the caches' dtype (float8_e4m3fn, int8: quantized)")
     parser.add_argument("--contexts", default="4096")
     parser.add_argument("--splits", default="4,8,32", help="split counts of the config rows (with the heuristic's)")
     parser.add_argument("--inline-only", action="store_true", help="config rows with the inline combine only")
+    parser.add_argument("--config", action="append", default=[], help="a TritonDecodeConfig row, e.g. "
+                        "block_n=32,prefetch=3,num_splits=2 (repeatable)")
     args = parser.parse_args()
     only = [n for n in args.only.split(",") if n]
-    table = impls(tuple(map(int, args.splits.split(","))), not args.inline_only)
+    table = impls(tuple(int(x) for x in args.splits.split(",") if x), not args.inline_only, args.config)
     shapes = itertools.product(*(map(int, text.split(",")) for text in (args.contexts, args.batches, args.page_sizes)))
     for context, batch, page_size in shapes:
         layers = 2 if args.profile else 16
-        xs = inputs(batch, context, page_size, layers * (1 if args.profile else 2))
+        xs = inputs(batch, context, page_size, layers * (1 if args.profile else 2), kv_dtype=jnp.dtype(args.kv_dtype))
         for name, fn in table.items():
             if name.startswith("ragged") and page_size != int(args.page_sizes.split(",")[0]):
                 continue  # the contiguous cache does not depend on the page size
@@ -113,7 +122,7 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001
                 print(f"# {name}: {type(error).__name__}: {str(error)[:200]}")
                 continue
-            nbytes = 2 * batch * context * HKV * D * 2
+            nbytes = 2 * batch * context * HKV * D * jnp.dtype(args.kv_dtype).itemsize
             print(json.dumps(dict(impl=name, batch=batch, context=context, page_size=page_size,
                                   us_per_layer=seconds * 1e6,
                                   gbps=nbytes / seconds / 1e9)), flush=True)
