@@ -44,7 +44,7 @@ def detect_platform(algorithm: str, platform: PlatformName | None = "auto", mayb
     ``"auto"`` it is the best-ranked registered platform for the current hardware whose backend plugin is
     installed and usable on this machine. ``maybe_pallas`` prefers Pallas over Triton on GPUs.
     """
-    from ejkernel.plugins import usable_reason
+    from ejkernel.modules.operations._dispatch import _candidates, _unusable_reason
 
     requested = _as_platform(platform)
     if requested is not None:
@@ -54,11 +54,8 @@ def detect_platform(algorithm: str, platform: PlatformName | None = "auto", mayb
                 f"platform {requested.value!r} is not available for {algorithm!r}; registered: {registered or 'none'}"
             )
         return requested
-    usable = [
-        spec
-        for spec in kernel_registry.find(algorithm, None, current_backend())
-        if usable_reason(spec.plugin) is None
-    ]
+    # the dispatcher's candidates and usability; without a call, their registered priorities rank them
+    usable = [spec for spec in _candidates(algorithm, None, current_backend()) if _unusable_reason(spec) is None]
     if not usable:
         raise KernelNotFoundError(
             f"no usable implementation of {algorithm!r} for {current_backend().value}; "
