@@ -106,6 +106,10 @@ def pages_per_step(page_size: int, pages_needed: int, requested: int | None) -> 
     return max(1, min(chosen, pages_needed))
 
 
+def _pages_needed(call: PageAttentionCall) -> int:
+    return max(1, math.ceil(call.max_context_len / call.key_cache.shape[2]))
+
+
 def padded_tables(block_tables: jax.Array, num_pages: int, width: int) -> jax.Array:
     """``block_tables`` cut/padded to ``width`` columns and clamped into ``[0, num_pages)``: entries that
     are never read semantically may hold anything, and the gather must not fault on them."""
@@ -125,11 +129,16 @@ class XlaPageAttentionConfig:
 class XlaPageAttention(JittedImplementation[PageAttentionCall, XlaPageAttentionConfig]):
     config_type = XlaPageAttentionConfig
 
+    def heuristic_config(self, call: PageAttentionCall) -> XlaPageAttentionConfig:
+        """The step ``compute`` takes for a config left at None, spelled out (the config stored is the one run)."""
+        block_size = call.key_cache.shape[2]
+        return XlaPageAttentionConfig(pages_per_step(block_size, _pages_needed(call), None))
+
     def compute(self, call: PageAttentionCall, config: XlaPageAttentionConfig) -> jax.Array:
         query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
         num_seqs, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-        pages_needed = max(1, math.ceil(call.max_context_len / block_size))
+        pages_needed = _pages_needed(call)
         step_pages = pages_per_step(block_size, pages_needed, config.block_pages)
         num_steps = math.ceil(pages_needed / step_pages)
         tables = padded_tables(call.block_tables, num_blocks, num_steps * step_pages)

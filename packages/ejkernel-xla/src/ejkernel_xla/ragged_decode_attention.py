@@ -15,6 +15,10 @@ from ejkernel_xla._jitted import JittedImplementation
 from ejkernel_xla.page_attention import TOKENS_PER_STEP, attend_over_blocks
 
 
+def _keys_per_step(call: RaggedDecodeAttentionCall, requested: int | None) -> int:
+    return max(1, min(call.key.shape[1], requested or TOKENS_PER_STEP))
+
+
 @dataclasses.dataclass(frozen=True)
 class XlaRaggedDecodeAttentionConfig:
     """Keys folded in per scan step (None: ``TOKENS_PER_STEP``); the result does not depend on it."""
@@ -25,12 +29,16 @@ class XlaRaggedDecodeAttentionConfig:
 class XlaRaggedDecodeAttention(JittedImplementation[RaggedDecodeAttentionCall, XlaRaggedDecodeAttentionConfig]):
     config_type = XlaRaggedDecodeAttentionConfig
 
+    def heuristic_config(self, call: RaggedDecodeAttentionCall) -> XlaRaggedDecodeAttentionConfig:
+        """The step ``compute`` takes for a config left at None, spelled out (the config stored is the one run)."""
+        return XlaRaggedDecodeAttentionConfig(_keys_per_step(call, None))
+
     def compute(self, call: RaggedDecodeAttentionCall, config: XlaRaggedDecodeAttentionConfig) -> jax.Array:
         query, key, value = call.query, call.key, call.value
         sequence_start, sequence_end, sliding_window = call.sequence_start, call.sequence_end, call.sliding_window
         batch, num_heads, head_dim = query.shape
         seq_len, num_kv_heads = key.shape[1], key.shape[2]
-        block = max(1, min(seq_len, config.block_keys or TOKENS_PER_STEP))
+        block = _keys_per_step(call, config.block_keys)
         num_steps = math.ceil(seq_len / block)
         padded = num_steps * block
         if padded != seq_len:

@@ -58,8 +58,22 @@ class XlaRaggedPageAttentionConfig:
 class XlaRaggedPageAttention(JittedImplementation[RaggedPageAttentionCall, XlaRaggedPageAttentionConfig]):
     config_type = XlaRaggedPageAttentionConfig
 
+    def heuristic_config(self, call: RaggedPageAttentionCall) -> XlaRaggedPageAttentionConfig:
+        """The loop sizes ``compute`` takes for a config left at None, spelled out (the config stored is the one
+        run)."""
+        return XlaRaggedPageAttentionConfig(*_loop_sizes(call, XlaRaggedPageAttentionConfig()))
+
     def compute(self, call: RaggedPageAttentionCall, config: XlaRaggedPageAttentionConfig) -> jax.Array:
         return _ragged_page_attention(call, config)
+
+
+def _loop_sizes(call: RaggedPageAttentionCall, config: XlaRaggedPageAttentionConfig) -> tuple[int, int]:
+    """(pages per scan step, query rows per block) of ``config``, its None fields resolved."""
+    total_tokens = call.queries.shape[0]
+    page_size = call.kv_pages.shape[1]
+    step_pages = pages_per_step(page_size, call.block_tables.shape[1], config.block_pages)
+    rows = max(1, min(total_tokens, config.block_rows or GATHERED_TOKENS_PER_STEP // (step_pages * page_size)))
+    return step_pages, rows
 
 
 def _ragged_page_attention(call: RaggedPageAttentionCall, config: XlaRaggedPageAttentionConfig) -> jax.Array:
@@ -71,12 +85,11 @@ def _ragged_page_attention(call: RaggedPageAttentionCall, config: XlaRaggedPageA
     group = num_heads // num_kv_heads
     pages_per_seq = block_tables.shape[1]
 
-    step_pages = pages_per_step(page_size, pages_per_seq, config.block_pages)
+    step_pages, block_rows = _loop_sizes(call, config)
     num_steps = math.ceil(pages_per_seq / step_pages)
     step_tokens = step_pages * page_size
     tables = padded_tables(block_tables, num_pages, num_steps * step_pages)
 
-    block_rows = max(1, min(total_tokens, config.block_rows or GATHERED_TOKENS_PER_STEP // step_tokens))
     num_row_blocks = math.ceil(total_tokens / block_rows)
     padded_rows = num_row_blocks * block_rows
 
