@@ -58,3 +58,15 @@ def test_config_selects_the_implementation_and_checks_its_chunk_size():
             XlaLinearAttentionConfig(chunk_size=bad)
     with pytest.raises(TypeError, match="XlaLinearAttentionConfig"):
         recurrent_attention(q, k, v, platform="xla", cfg=object())
+
+
+def test_heuristic_config_is_the_chunk_that_runs():
+    """The heuristic spells out the chunk a config left at None takes: 64, or 16 with a value-dimension gate."""
+    from ejkernel.modules.operations.recurrent import RecurrentAttention
+    from ejkernel_xla.recurrent import IMPLEMENTATION, MATMUL_CHUNK, PAIRWISE_CHUNK
+
+    q, k, v = (normal_array(i, (1, 9, 2, 8)) for i in range(3))
+    gv = log_sigmoid_gate(3, (1, 9, 2, 8))
+    assert IMPLEMENTATION.heuristic_config(RecurrentAttention().validate(q, k, v)).chunk_size == MATMUL_CHUNK
+    with_gv = RecurrentAttention().validate(q, k, v, gv=gv)
+    assert IMPLEMENTATION.heuristic_config(with_gv).chunk_size == PAIRWISE_CHUNK

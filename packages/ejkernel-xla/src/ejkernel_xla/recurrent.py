@@ -33,6 +33,12 @@ class XlaLinearAttentionConfig:
             raise ValueError(f"XlaLinearAttentionConfig.chunk_size must be a positive int or None, got {size!r}")
 
 
+def _chunk_size(call: LinearAttentionCall, requested: int | None) -> int:
+    if requested is not None:
+        return requested
+    return MATMUL_CHUNK if call.gv is None else PAIRWISE_CHUNK
+
+
 def key_log_decay(call: LinearAttentionCall) -> jax.Array | None:
     """``g + gk + g_gamma`` as float32 [B, T, H, K or 1] (None when no key-dimension gate is given)."""
     gamma = None if call.g_gamma is None else call.g_gamma[:, None, :, None]
@@ -49,15 +55,17 @@ def key_log_decay(call: LinearAttentionCall) -> jax.Array | None:
 class XlaLinearAttention(Implementation[LinearAttentionCall, XlaLinearAttentionConfig]):
     config_type = XlaLinearAttentionConfig
 
+    def heuristic_config(self, call: LinearAttentionCall) -> XlaLinearAttentionConfig:
+        """The chunk a config left at None takes, spelled out (the config stored is the one run)."""
+        return XlaLinearAttentionConfig(_chunk_size(call, None))
+
     def __call__(self, call: LinearAttentionCall, config: XlaLinearAttentionConfig) -> tuple[jax.Array, jax.Array]:
         query, key, value = call.query, call.key, call.value
         group = query.shape[2] // key.shape[2]
         if group > 1:
             key = jnp.repeat(key, group, axis=2)
             value = jnp.repeat(value, group, axis=2)
-        chunk = config.chunk_size
-        if chunk is None:
-            chunk = MATMUL_CHUNK if call.gv is None else PAIRWISE_CHUNK
+        chunk = _chunk_size(call, config.chunk_size)
         out, final = chunked_linear_attention(
             query, key, value, key_log_decay(call), call.gv, call.initial_state, call.cu_seqlens,
             scale=call.softmax_scale, reverse=call.reverse, chunk_size=chunk, precision=call.precision,
