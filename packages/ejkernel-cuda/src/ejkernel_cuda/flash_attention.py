@@ -41,7 +41,7 @@ def native_preferred(call: FlashAttentionCall) -> bool:
     """Whether the native kernels run a call cuDNN takes too: causal calls at head_dim 128, where they measured
     faster (H100, 2026-11-27 09:18 UTC, bf16, 16k tokens, `results/nvidia-h100-2026-11-27e-cuda-native.json`:
     native / cuDNN forward 1.02-1.10, forward+backward 1.03-1.06 at S = 2k, 8k, 16k). Elsewhere cuDNN: non-causal
-    forward 0.95-1.07 there (behind from 8k), and at head_dim 64 the native forward is 0.72-0.90 of cuDNN's
+    forward 0.95-1.07 there (behind from 8k), and at head_dim 64 the native forward is 0.72-0.91 of cuDNN's
     (`...-cuda-native-d64.json`)."""
     return bool(call.causal) and call.query.shape[-1] == 128
 
