@@ -6,7 +6,8 @@ One command (on a GPU; through the device tool: `bash scripts/device/run.sh pyth
     python benchmarks/attention.py --seqs 2048,8192 --head-dims 128 --quick
     python benchmarks/attention.py --impls cudnn --cfg triton:fwd_block_q=64,fwd_num_warps=4  # explicit config
     python benchmarks/attention.py --impls cudnn,ejkernel-cuda-native   # the CUDA backend's own sm_90a kernels
-    (the same as --cfg cuda:kernel=native; ejkernel-cuda is what its heuristic picks: cuDNN where cuDNN takes it)
+    (the same as --cfg cuda:kernel=native; ejkernel-cuda is what its heuristic picks: native for causal D=128,
+    else cuDNN where cuDNN takes it)
 
 Sweep: S in {1k, 2k, 4k, 8k, 16k}, causal and not, head_dim 64 and 128, forward and forward+backward, bf16,
 a fixed token budget (batch = tokens / S) and hidden size (heads = hidden / head_dim). Timing: jit, warm-up,
@@ -127,7 +128,8 @@ def _ejkernel_impls() -> list[Impl]:
 
 def _cuda_native_impl() -> Impl | None:
     """``ejkernel-cuda-native``: the CUDA backend's own sm_90a kernels, forced by their config (the
-    ``ejkernel-cuda`` column runs what the heuristic picks: cuDNN wherever cuDNN takes the call)."""
+    ``ejkernel-cuda`` column runs what the heuristic picks: the native kernels for causal head_dim-128 calls,
+    cuDNN for the rest cuDNN takes)."""
     from ejkernel.modules.operations.flash_attention import flash_attention
     from ejkernel_cuda.flash_attention import CudaFlashConfig
     from ejkernel_cuda.native_flash import usable_here
