@@ -41,3 +41,17 @@ class TestXlaMultiHeadLatentAttention(MultiHeadLatentAttentionConformance):
 
         precisions = matmul_precisions(jax.grad(loss, argnums=range(len(wrt))), *(inputs[n] for n in wrt))
         assert precisions and set(precisions) == {expected}, precisions
+
+
+def test_heuristic_config_spells_out_the_form():
+    """The form a config left at None takes (whichever costs fewer FLOPs) is what the heuristic returns."""
+    from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttention
+    from ejkernel_xla.multi_head_latent_attention import IMPLEMENTATION, absorb_is_cheaper
+
+    suite = TestXlaMultiHeadLatentAttention()
+    for case in CASES.values():
+        inputs = suite.make_inputs(3, case, "float32")
+        call = MultiHeadLatentAttention().validate(**inputs)
+        rank, _, v_head_dim = call.w_vc.shape
+        assert IMPLEMENTATION.heuristic_config(call) == XlaMlaConfig(
+            absorb=absorb_is_cheaper(rank, call.query.shape[-1], v_head_dim))

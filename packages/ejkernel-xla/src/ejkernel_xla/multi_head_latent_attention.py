@@ -90,5 +90,10 @@ class XlaMultiHeadLatentAttention(JittedImplementation[MultiHeadLatentAttentionC
     config_type = XlaMlaConfig
     compute = staticmethod(_mla)
 
+    def heuristic_config(self, call: MultiHeadLatentAttentionCall) -> XlaMlaConfig:
+        """The form a config left at None takes, spelled out (the block sizes stay the kernel's defaults)."""
+        rank, _, v_head_dim = call.w_vc.shape
+        return XlaMlaConfig(absorb=absorb_is_cheaper(rank, call.query.shape[-1], v_head_dim))
+
 
 IMPLEMENTATION = XlaMultiHeadLatentAttention()
