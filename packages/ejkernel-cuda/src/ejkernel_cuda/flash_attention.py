@@ -92,10 +92,11 @@ class CudaFlashAttention(Implementation[FlashAttentionCall, CudaFlashConfig]):
         return NATIVE_PRIORITY if reasons["cudnn"] and not reasons["native"] else None
 
     def heuristic_config(self, call: FlashAttentionCall) -> CudaFlashConfig:
-        reasons = refusals(call)
-        if reasons["cudnn"] is None and (reasons["native"] is not None or not native_preferred(call)):
-            return CudaFlashConfig("cudnn")
-        return CudaFlashConfig("native")
+        if cudnn_refusal(call) is not None:
+            return CudaFlashConfig("native")
+        # the native kernels' own checks only where they would be preferred
+        preferred = native_preferred(call) and native_flash.refusal(call) is None
+        return CudaFlashConfig("native" if preferred else "cudnn")
 
     def candidate_configs(self, call: FlashAttentionCall) -> list[CudaFlashConfig]:
         return [CudaFlashConfig(kernel) for kernel, reason in refusals(call).items() if reason is None]
