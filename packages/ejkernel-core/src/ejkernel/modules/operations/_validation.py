@@ -24,6 +24,11 @@ QUANTIZED_CACHE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
 """Dtypes a KV cache may hold instead of the query's (the operations that take ``key_scale``/``value_scale``)."""
 
 
+def is_quantized_cache(x: Any) -> bool:
+    """Whether ``x`` (an array) holds one of :data:`QUANTIZED_CACHE_DTYPES`."""
+    return jnp.dtype(x.dtype) in [jnp.dtype(d) for d in QUANTIZED_CACHE_DTYPES]
+
+
 def describe(x: Any) -> str:
     """``bfloat16[2, 128, 8, 64]`` for arrays (and abstract arrays), ``repr`` otherwise."""
     shape = getattr(x, "shape", None)
@@ -403,7 +408,7 @@ def check_decode_inputs(
     cache_dtypes = FLOAT_DTYPES + QUANTIZED_CACHE_DTYPES if quantized_cache else FLOAT_DTYPES
     check_array(key_name, key, rank=4, dtypes=cache_dtypes, what=layout)
     check_array(value_name, value, rank=4, dtypes=cache_dtypes, what=layout)
-    if quantized_cache and jnp.dtype(key.dtype) in [jnp.dtype(d) for d in QUANTIZED_CACHE_DTYPES]:
+    if quantized_cache and is_quantized_cache(key):
         check_same_dtype(key_name, key, **{value_name: value})
     else:
         check_same_dtype("query", query, **{key_name: key, value_name: value})

@@ -60,6 +60,7 @@ from ejkernel.modules.operations._validation import (
     concrete,
     describe,
     is_array,
+    is_quantized_cache,
     normalize_soft_cap,
     resolve_softmax_scale,
 )
@@ -133,7 +134,7 @@ class RaggedPageAttention(RegistryOperation):
             "kv_pages", kv_pages, rank=4, dtypes=FLOAT_DTYPES + QUANTIZED_CACHE_DTYPES,
             what="[num_pages, page_size, 2 * num_kv_heads, head_dim]",
         )
-        if jnp.dtype(kv_pages.dtype) not in [jnp.dtype(d) for d in QUANTIZED_CACHE_DTYPES]:
+        if not is_quantized_cache(kv_pages):
             check_same_dtype("queries", queries, kv_pages=kv_pages)
         total_tokens, num_heads, head_dim = queries.shape
         num_pages, page_size, combined_heads, _ = kv_pages.shape
