@@ -5,8 +5,8 @@ Decode reads every cached key and value once and does little arithmetic on it, s
 bandwidth. The heuristic's model (measured on the H200, packages/ejkernel-triton/NOTES.md "decode heuristic"):
 equal-length programs start and end together, so the grid should be ONE wave: every program resident at once,
 as many of the SM's slots busy as the work allows. A program's slots per SM follow from its shared memory
-(:func:`resident_programs`): 64-key steps with two in flight take 72 KB (3 per SM), 32-key steps with three in
-flight 55 KB (4 per SM). With few (sequence, kv head) pairs, ``num_splits`` cuts each sequence's keys into
+(:func:`resident_programs`) and registers: 64-key steps with two in flight take 72 KB (3 per SM), 32-key steps
+with three in flight 55 KB (4 per SM); over float8 caches the 64-key program's registers allow 3. With few (sequence, kv head) pairs, ``num_splits`` cuts each sequence's keys into
 chunks (flash-decoding) until the wave is full; with more pairs than one wave of the 64-key program holds, paged
 caches take the 32-key program when its wave is fuller (batch 64 x 8 kv heads: 512 programs = one wave of 528
 slots instead of 1.3 waves of 396, where the last 0.3 wave streamed alone: 70 % of the copy bandwidth measured).
@@ -102,20 +102,39 @@ SHARED_MEMORY_EXTRA = 8 * 1024
 """A program's shared memory besides its K/V buffers (the query tile, the probabilities, the page ids): 72192 B
 in all at 64-key steps with two in flight, bf16, D=128 (sm_90 compile, ptxas)."""
 MAX_RESIDENT = 4
-"""Programs per SM the registers allow at 4 warps (<= 128 registers per thread: 128 at 64-key steps with per-row
-page lookups, 104 at 32-key steps with three in flight; ptxas, sm_90)."""
+"""Programs per SM at most (4 warps each): what 128 registers per thread allow."""
+REGISTERS_PER_SM = 65536
+PROGRAM_REGISTERS = {
+    ("16-bit", 64, 2): 96, ("16-bit", 128, 1): 168, ("16-bit", 32, 3): 70,
+    ("float8", 64, 2): 149, ("float8", 128, 1): 206, ("float8", 32, 3): 102,
+    ("int8", 64, 2): 128, ("int8", 128, 1): 205, ("int8", 32, 3): 94,
+}
+"""Registers per thread of the paged decode program by (cache kind, block_n, prefetch): ptxas -v for sm_90, 4
+warps, D=128, pages of 64, one scale per kv head (``benchmarks/decode_resources.py [--kv-dtype ...]``,
+2026-11-27). One-byte caches need more than bf16 ones (the conversions' registers): float8's 64-key program
+takes 149, so 3 fit on an SM where its 39 KB of shared memory would allow 5. Configs not listed are assumed to
+fit :data:`MAX_RESIDENT`."""
 MIN_CHUNK = 256
 """Fewest keys the heuristic gives one split."""
 NARROW_PREFETCH = 3
 """K/V steps in flight of the half-width (32-key) program the heuristic uses to fit 4 programs on an SM."""
 
 
+def cache_kind(dtype) -> str:
+    """The key of :data:`PROGRAM_REGISTERS` for a cache dtype."""
+    name = np.dtype(dtype).name
+    return "float8" if name.startswith("float8") else "int8" if name == "int8" else "16-bit"
+
+
 def resident_programs(block_n: int, prefetch: int, head_dim: int, dtype) -> int:
-    """Decode programs one SM holds at once (4 warps): the K/V buffers (``prefetch`` steps of ``block_n``
-    keys, K and V) and :data:`SHARED_MEMORY_EXTRA` per program, at most :data:`MAX_RESIDENT`."""
+    """Decode programs one SM holds at once (4 warps): by shared memory, the K/V buffers (``prefetch`` steps of
+    ``block_n`` keys, K and V) and :data:`SHARED_MEMORY_EXTRA` per program; by registers,
+    :data:`PROGRAM_REGISTERS` (allocated in units of 8 per thread); at most :data:`MAX_RESIDENT`."""
     row_bytes = max(16, 1 << (head_dim - 1).bit_length()) * np.dtype(dtype).itemsize
     per_program = 2 * prefetch * block_n * row_bytes + SHARED_MEMORY_EXTRA + 1024
-    return max(1, min(MAX_RESIDENT, SHARED_MEMORY_PER_SM // per_program))
+    registers = PROGRAM_REGISTERS.get((cache_kind(dtype), block_n, prefetch), 128)
+    by_registers = REGISTERS_PER_SM // (-(-registers // 8) * 8 * 128)
+    return max(1, min(MAX_RESIDENT, SHARED_MEMORY_PER_SM // per_program, by_registers))
 
 
 def wave_fill(programs: int, slots: int) -> float:
@@ -155,8 +174,10 @@ def heuristic_config(work: int, max_tokens: int, head_dim: int, dtype, sms: int 
     sms = sms or sm_count()
     block_n = default_block_n(head_dim, dtype)
     wide = TritonDecodeConfig(block_n=block_n, num_splits=1, num_warps=4, prefetch=2)
+    # One-byte caches keep the wide program: their long-step one needs 206 registers (2 per SM) and measured
+    # 0.85 x the wide one at 32 x 4096 (H100, NOTES.md "float8 decode configs").
     long_steps = TritonDecodeConfig(block_n=2 * block_n, num_splits=1, num_warps=4, prefetch=1) \
-        if 2 * block_n <= 128 else wide
+        if 2 * block_n <= 128 and np.dtype(dtype).itemsize > 1 else wide
     wide_slots = sms * resident_programs(block_n, wide.prefetch, head_dim, dtype)
     if work <= wide_slots:
         splits = heuristic_splits(work, max_tokens, sms, wide_slots // sms)
