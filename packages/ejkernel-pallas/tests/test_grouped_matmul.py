@@ -95,3 +95,29 @@ def test_tpu_faithful_interpreter_finds_no_races():
     out = grouped_matmul(lhs, rhs, sizes, cfg=cfg, interpret=pltpu.InterpretParams(detect_races=True))
     assert rel_err(out, reference_grouped_matmul(lhs, rhs, sizes)) < 1e-6
     assert tpu_interpret.races is not None and not tpu_interpret.races.races_found
+
+
+def test_heuristic_config_is_every_tile_that_runs():
+    """The heuristic and candidate configs leave no tile to the call (rows: up to 512 in the dtype's sublane
+    multiple; k and n: the whole padded dim up to 512, else 512); a partial user config resolves to the same
+    tiles, the given ones kept."""
+    import dataclasses
+
+    from ejkernel_pallas.grouped_matmul import IMPLEMENTATION
+
+    def call(m, k, n, dtype=jnp.float32, groups=3, **keywords):
+        lhs = jax.ShapeDtypeStruct((m, k), dtype)
+        rhs = jax.ShapeDtypeStruct((groups, k, n), dtype)
+        return GroupedMatmul().validate(lhs, rhs, jnp.zeros((groups,), jnp.int32), **keywords)
+
+    cases = {(45, 24, 20, jnp.float32): (48, 24, 24), (45, 24, 20, jnp.bfloat16): (48, 24, 24),
+             (2048, 1024, 700, jnp.bfloat16): (512, 512, 512), (300, 512, 130, jnp.float32): (304, 512, 136)}
+    for (m, k, n, dtype), tiles in cases.items():
+        c = call(m, k, n, dtype)
+        config = IMPLEMENTATION.heuristic_config(c)
+        assert config == PallasGroupedMatmulConfig(*tiles), (m, k, n, dtype)
+        assert all(getattr(config, f.name) is not None for f in dataclasses.fields(config))
+        assert config.resolved(c) == config == PallasGroupedMatmulConfig().resolved(c)
+        for candidate in IMPLEMENTATION.candidate_configs(c):
+            assert candidate.resolved(c) == candidate
+        assert PallasGroupedMatmulConfig(block_m=16).resolved(c) == dataclasses.replace(config, block_m=16)

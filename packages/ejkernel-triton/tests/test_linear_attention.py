@@ -90,10 +90,10 @@ def test_config_validation():
                                 intra_kernel=True)
     for bad in (dict(block_k=48), dict(block_v=8), dict(output_block_v=96), dict(num_warps=0), dict(num_stages=True),
                 dict(state_num_warps=-1), dict(backward_num_warps=0), dict(state_block_k=24), dict(state_block_v=8),
-                dict(decayed_keys=1), dict(intra_kernel="yes"), dict(carried_state=0), dict(segments=0),
+                dict(decayed_keys=1), dict(intra_kernel="yes"), dict(carried_state=0), dict(segments=-1),
                 dict(carried_block_v=48), dict(carried_num_warps=0), dict(carried_num_stages=-2),
                 dict(cumsum_block_k=8), dict(cumsum_num_warps=0), dict(carried_varlen="no"),
-                dict(carried_varlen_run=0)):
+                dict(carried_varlen_run=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TritonLinearAttentionConfig(**bad)
     # the benchmark's --configs specs
@@ -135,6 +135,54 @@ def test_carried_segments_heuristic():
     assert carried_varlen_run(on, chunks=264, heads=8, value_tiles=1, dk=256, usable=True) == 0
     assert carried_varlen_run(dataclasses.replace(on, carried_varlen_run=2), chunks=264, heads=8, value_tiles=1,
                               dk=128, usable=True) == 2
+
+
+def _unresolved(config):
+    return [f.name for f in dataclasses.fields(config) if getattr(config, f.name) is None]
+
+
+def test_heuristic_config_is_what_runs():
+    """The heuristic config leaves nothing to the call: every tile, launch shape and the carried forward's
+    segments (0 where it does not run) for per-dimension, scalar and no gates, K > 128, GQA and varlen; the
+    candidates are resolved too, and a partial user config resolves to the same values (given ones kept)."""
+    f32 = jnp.float32
+    vector = _call(batch=2, total=256, g=jnp.zeros((2, 256, 4, 64), f32))
+    expected = TritonLinearAttentionConfig(
+        block_k=64, block_v=64, output_block_v=64, state_num_stages=2, state_block_k=64, state_block_v=64,
+        intra_inside_num_warps=4, segments=1, carried_block_v=64, carried_num_warps=8, carried_num_stages=2,
+        carried_varlen_run=0)
+    assert IMPLEMENTATION.heuristic_config(vector) == expected
+    # scalar gates: no decayed-keys or intra kernel runs; the carried kernel's smaller tile and 4 warps
+    scalar = _call(batch=1, total=4096, heads=8, kv_heads=2, dk=128, dv=128, g=jnp.zeros((1, 4096, 8), f32))
+    assert IMPLEMENTATION.heuristic_config(scalar) == dataclasses.replace(
+        expected, block_k=64, block_v=64, output_block_v=128, decayed_keys=False, intra_kernel=False,
+        segments=8, carried_block_v=64, carried_num_warps=4)  # 256 programs / (8 heads * 2 value tiles): 16 > 64/8
+    wide = _call(dk=256, dv=32)  # K > 128: no carried forward
+    assert IMPLEMENTATION.heuristic_config(wide) == dataclasses.replace(
+        expected, block_v=32, output_block_v=32, state_block_v=32, decayed_keys=False, intra_kernel=False,
+        segments=0, carried_block_v=32, carried_num_warps=4)
+    cu = jnp.asarray([0, 100, 256], jnp.int32)
+    varlen = _call(batch=1, cu_seqlens=cu)
+    assert IMPLEMENTATION.heuristic_config(varlen).segments == 0
+    opted = TritonLinearAttentionConfig(carried_varlen=True).resolved(varlen)
+    assert (opted.segments, opted.carried_varlen_run) == (0, 8)  # at least 8 chunks per run
+    calls = (vector, scalar, wide, varlen, _call(g=jnp.zeros((2, 256, 4, 64), f32), reverse=True),
+             _call(total=200, dk=16, dv=16))
+    for call in calls:
+        config = IMPLEMENTATION.heuristic_config(call)
+        assert _unresolved(config) == [], (call.query.shape, config)
+        assert config.resolved(call) == config
+        candidates = IMPLEMENTATION.candidate_configs(call)
+        assert candidates[0] == config and len(set(candidates)) == len(candidates)
+        for candidate in candidates:
+            assert _unresolved(candidate) == [] and candidate.resolved(call) == candidate
+    # partial user configs: the rules fill the rest (state tiles follow the given block_k), the given ones stay
+    partial = TritonLinearAttentionConfig(block_k=32, num_stages=3, segments=40)
+    assert partial.resolved(scalar) == dataclasses.replace(
+        IMPLEMENTATION.heuristic_config(scalar), block_k=32, num_stages=3, state_block_k=32, state_num_stages=3,
+        carried_num_stages=3, segments=40)
+    assert TritonLinearAttentionConfig(carried_state=False).resolved(vector) == dataclasses.replace(
+        expected, carried_state=False, segments=0)
 
 
 def test_varlen_segments_cut_each_sequence_into_runs():

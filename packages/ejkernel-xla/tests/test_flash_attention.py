@@ -183,8 +183,13 @@ def _abstract_call(batch, seq, heads=16, head_dim=128, dtype=jnp.bfloat16):
 
 
 def _budget(monkeypatch, budget):
-    """Pretend the device lets the dense path's S² buffers take ``budget`` bytes (None: a CPU)."""
+    """Pretend the device lets the dense path's S² buffers take ``budget`` bytes (None: a CPU), with a fresh
+    default executor (rebuilt lazily, the previous one restored after the test): the heuristic config,
+    resolved by the rule, is kept per call by the executor, so one made under another budget must not serve."""
+    from ejkernel.ops.execution import executor
+
     monkeypatch.setattr(xla_flash, "dense_budget_bytes", lambda platform=None: budget)
+    monkeypatch.setattr(executor, "_default", None)
 
 
 def test_rule_on_the_logits_bytes():
@@ -253,9 +258,69 @@ def test_forward_only_rule(monkeypatch):
 def test_candidate_configs_offer_both_paths_where_dense_fits(monkeypatch):
     call = _abstract_call(1, 1024)
     _budget(monkeypatch, 1 << 40)
-    assert xla_flash.IMPLEMENTATION.candidate_configs(call) == [XlaFlashConfig(dense=True), XlaFlashConfig(dense=False)]
+    assert xla_flash.IMPLEMENTATION.candidate_configs(call) == [
+        XlaFlashConfig(dense=True, forward_dense=True),
+        XlaFlashConfig(block_q=512, block_kv=512, bwd_block_q=512, bwd_block_kv=512, dense=False, forward_dense=False),
+    ]
     _budget(monkeypatch, None)
     assert xla_flash.IMPLEMENTATION.candidate_configs(call) == []
+
+
+def _unresolved(config) -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(config) if getattr(config, f.name) is None]
+
+
+def test_heuristic_config_is_the_path_and_blocks_that_run(monkeypatch):
+    """The heuristic config says what runs: the rule's path (differentiated and not) and, where a blockwise
+    loop runs, every block size (a dense config runs none); a partial user config resolves the same way."""
+    blockwise = dict(block_q=512, block_kv=512, bwd_block_q=512, bwd_block_kv=512)
+    wide = _abstract_call(1, 1000, heads=2, head_dim=192, dtype=jnp.float32)  # 256-blocks for head_dim > 128
+    short = _abstract_call(1, 72, heads=2, head_dim=16, dtype=jnp.float32)
+    heuristic = xla_flash.IMPLEMENTATION.heuristic_config
+    _budget(monkeypatch, None)  # a CPU: blockwise throughout
+    assert heuristic(_abstract_call(1, 1024)) == XlaFlashConfig(**blockwise, dense=False, forward_dense=False)
+    assert heuristic(wide) == XlaFlashConfig(256, 256, 256, 256, dense=False, forward_dense=False)
+    assert heuristic(short) == XlaFlashConfig(72, 72, 72, 72, dense=False, forward_dense=False)
+    _budget(monkeypatch, 1 << 40)  # dense fits: dense throughout, no blocks run
+    assert heuristic(short) == XlaFlashConfig(dense=True, forward_dense=True)
+    _budget(monkeypatch, xla_flash.dense_forward_peak_bytes(short))  # only the forward fits
+    assert heuristic(short) == XlaFlashConfig(72, 72, 72, 72, dense=False, forward_dense=True)
+    for budget in (None, 1 << 40, xla_flash.dense_forward_peak_bytes(short)):
+        _budget(monkeypatch, budget)
+        for call in (short, wide, _abstract_call(2, 4096)):
+            config = heuristic(call)
+            assert _unresolved(config) == ([] if not config.dense else list(blockwise)), config
+            assert config.resolved(call) == config  # resolved configs are their own
+            for candidate in xla_flash.IMPLEMENTATION.candidate_configs(call):
+                assert candidate.resolved(call) == candidate
+                assert _unresolved(candidate) == ([] if not candidate.dense else list(blockwise))
+    # partial user configs: the missing fields as the heuristic's, the given ones kept
+    _budget(monkeypatch, None)
+    assert XlaFlashConfig(block_q=16).resolved(wide) == XlaFlashConfig(16, 256, 16, 256, False, False)
+    assert XlaFlashConfig(dense=False).resolved(wide) == heuristic(wide)
+    assert XlaFlashConfig(dense=False, forward_dense=True).resolved(short) == XlaFlashConfig(
+        72, 72, 72, 72, dense=False, forward_dense=True)
+    _budget(monkeypatch, 1 << 40)
+    assert XlaFlashConfig().resolved(short) == heuristic(short)
+    assert XlaFlashConfig(block_kv=24).resolved(short) == XlaFlashConfig(72, 24, 72, 24, False, False)
+    with pytest.raises(ValueError, match="pass dense too"):
+        XlaFlashConfig(forward_dense=True)
+    with pytest.raises(ValueError, match="drop forward_dense=False"):
+        XlaFlashConfig(dense=True, forward_dense=False)
+
+
+def test_executor_stores_the_resolved_config(monkeypatch):
+    """What the executor keeps for a call is the resolved config it ran (here: blockwise, CPU's rule)."""
+    from ejkernel.modules.operations.flash_attention import FlashAttention
+    from ejkernel.ops import get_default_executor
+
+    _budget(monkeypatch, None)
+    q = jnp.ones((1, 40, 2, 16), jnp.float32)
+    flash_attention(q, q, q, causal=True, platform="xla")
+    chosen = get_default_executor().choose(FlashAttention(), q, q, q, causal=True, platform="xla")
+    assert chosen == XlaFlashConfig(40, 40, 40, 40, dense=False, forward_dense=False)
 
 
 def test_config_rejects_blocks_with_dense():

@@ -44,7 +44,11 @@ class TestXlaMultiHeadLatentAttention(MultiHeadLatentAttentionConformance):
 
 
 def test_heuristic_config_spells_out_the_form():
-    """The form a config left at None takes (whichever costs fewer FLOPs) is what the heuristic returns."""
+    """The form a config left at None takes (whichever costs fewer FLOPs) and the block sizes of the loop
+    that runs (the defaults, capped at the sequence) are what the heuristic returns: no field left at None;
+    a partial user config resolves to the same values, the given ones kept."""
+    import dataclasses
+
     from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttention
     from ejkernel_xla.multi_head_latent_attention import IMPLEMENTATION, absorb_is_cheaper
 
@@ -53,5 +57,10 @@ def test_heuristic_config_spells_out_the_form():
         inputs = suite.make_inputs(3, case, "float32")
         call = MultiHeadLatentAttention().validate(**inputs)
         rank, _, v_head_dim = call.w_vc.shape
-        assert IMPLEMENTATION.heuristic_config(call) == XlaMlaConfig(
-            absorb=absorb_is_cheaper(rank, call.query.shape[-1], v_head_dim))
+        seq = call.query.shape[1]
+        config = IMPLEMENTATION.heuristic_config(call)
+        absorb = absorb_is_cheaper(rank, call.query.shape[-1], v_head_dim)
+        assert config == XlaMlaConfig(seq, seq, seq, seq, absorb=absorb)
+        assert all(getattr(config, f.name) is not None for f in dataclasses.fields(config))
+        assert XlaMlaConfig().resolved(call) == config and config.resolved(call) == config
+        assert XlaMlaConfig(block_kv=2).resolved(call) == dataclasses.replace(config, block_kv=2, bwd_block_kv=2)

@@ -44,11 +44,20 @@ class PallasGroupedMatmulConfig:
     ``block_m`` rows of lhs per tile (a group boundary may fall inside it), a multiple of the dtype's
     sublanes (8 for float32, 16 for 16-bit); ``block_k`` / ``block_n`` multiples of 128, or the whole
     (padded) dim. A tile the TPU cannot take is refused (``TpuTilingError``) naming the field.
+
+    A user's config may leave tiles at None; :meth:`resolved` fills them in (and checks the given ones),
+    once, where the call runs (:func:`run_grouped_matmul`). The heuristic and candidate configs the executor
+    stores are resolved: every tile the forward runs. (The backward's ``block_k``/``block_n`` are the
+    heuristic's for its own dims, whatever the config: it keeps ``block_m`` only.)
     """
 
     block_m: int | None = None
     block_k: int | None = None
     block_n: int | None = None
+
+    def resolved(self, call: GroupedMatmulCall) -> PallasGroupedMatmulConfig:
+        """Every tile for ``call``: this config's, else the heuristic's (:func:`choose_tiles`)."""
+        return choose_tiles(self, *_dims(call))
 
 
 def _lane_block(size: int, want: int | None, cap: int) -> int:
@@ -315,9 +324,8 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 def run_grouped_matmul(call: GroupedMatmulCall, config: PallasGroupedMatmulConfig, *, interpret):
     """The kernels on ``call`` with ``config``'s tiles; ``interpret`` as in ``pallas_call`` (tests pass
     their own; the implementation reads it from the machine and ``EJKERNEL_PALLAS_INTERPRET``)."""
-    m, k, n, dtype = _dims(call)
-    tiles = choose_tiles(config, m, k, n, dtype)
-    num_tiles = round_up(m, tiles.block_m) // tiles.block_m
+    tiles = config.resolved(call)  # a user's config may leave tiles at None; the executor's are resolved
+    num_tiles = round_up(call.lhs.shape[0], tiles.block_m) // tiles.block_m
     meta = _visits(call.group_sizes, call.group_offset, call.rhs.shape[0], tiles.block_m, num_tiles)
     st = _Static(tiles=tiles, transpose_rhs=call.transpose_rhs, out_dtype=call.preferred_element_type,
                  precision=call.precision, interpret=interpret)
@@ -335,7 +343,7 @@ class PallasGroupedMatmul(Implementation[GroupedMatmulCall, PallasGroupedMatmulC
         tpu_interpret_or_refuse()
 
     def heuristic_config(self, call: GroupedMatmulCall) -> PallasGroupedMatmulConfig:
-        return choose_tiles(PallasGroupedMatmulConfig(), *_dims(call))
+        return PallasGroupedMatmulConfig().resolved(call)
 
     def candidate_configs(self, call: GroupedMatmulCall) -> list[PallasGroupedMatmulConfig]:
         """Pruned autotuning candidates: the heuristic, then smaller 128-multiple tiles (at most 8)."""

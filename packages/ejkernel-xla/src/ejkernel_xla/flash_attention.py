@@ -9,7 +9,8 @@
   causal or a sliding window, block pairs that no rule lets meet are skipped.
 
 Where the switch happens: ``XlaFlashConfig.dense`` (True/False force a path; None, the default, is this
-rule, evaluated per call at trace time). Dense when the call runs on a GPU or TPU, no block size is
+rule, decided once per call by ``XlaFlashConfig.resolved``: the heuristic config the executor stores is the
+resolved one, so it says which path ran). Dense when the call runs on a GPU or TPU, no block size is
 configured, and the dense path's S² buffers fit in half of the memory JAX may allocate on the device::
 
     B*H*Sq*Skv * (4 + 4 + 2*itemsize)  <=  DENSE_MEMORY_SHARE * bytes_limit(device)    (H = query heads)
@@ -31,7 +32,8 @@ A forward that is not differentiated has its own rule, the same with its own pea
 largest chunk's, for chunked calls). Where only this one holds the call runs through
 a custom VJP whose primal -- what runs when nobody differentiates -- is the dense forward, and whose
 forward and backward rules are the blockwise path's (the residuals come from the blockwise forward, so
-the backward always matches the forward it belongs to). ``dense=True/False`` forces both.
+the backward always matches the forward it belongs to): ``XlaFlashConfig(dense=False, forward_dense=True)``.
+``dense=True/False`` alone forces both.
 
 The dense forward is ``jax.nn``'s formula and no more where nothing is masked: float32 logits from the
 matmul with keys as the minor axis (no S² transpose), row max, ``exp``, row sum, divide, cast, matmul;
@@ -84,9 +86,12 @@ S² buffers may take."""
 
 @dataclasses.dataclass(frozen=True)
 class XlaBlockConfig:
-    """Block sizes of the blockwise loops (None: 512, or 256 for head_dim > 128; capped at the lengths).
+    """Block sizes of the blockwise loops, forward and backward.
 
-    The config of every XLA implementation built on the blockwise kernel alone (ring, MLA extends it)."""
+    The config of every XLA implementation built on the blockwise kernel alone (ring, MLA extends it). A
+    user's config may leave sizes at None (512, or 256 for head_dim > 128; the backward's as the forward's;
+    capped at the lengths): :meth:`with_blocks` fills them in, once per call, and the heuristic configs
+    the executor stores are filled in the same way (every size the one that runs)."""
 
     block_q: int | None = None
     block_kv: int | None = None
@@ -107,26 +112,65 @@ class XlaBlockConfig:
             bwd_kv=self.bwd_block_kv,
         )
 
+    def with_blocks(self, q_len: int, kv_len: int, head_dim: int):
+        """This config with every block size the loops over ``q_len`` x ``kv_len`` (heads of ``head_dim``)
+        run: the given ones capped at the lengths, the rest the defaults (the class docstring)."""
+        blocks = self.blocks(q_len, kv_len, head_dim)
+        return dataclasses.replace(
+            self, block_q=blocks.q, block_kv=blocks.kv, bwd_block_q=blocks.bwd_q, bwd_block_kv=blocks.bwd_kv
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class XlaFlashConfig(XlaBlockConfig):
     """Which path runs (module docstring) and the blockwise path's block sizes.
 
     ``dense``: True = the dense path, False = the blockwise path, None = the rule of the module docstring.
-    Setting a block size selects the blockwise path under the rule, and together with ``dense=True`` is an
-    error.
+    ``forward_dense`` (with ``dense=False``): True runs a forward nobody differentiates on the dense path
+    (its gradient stays the blockwise path's), False keeps it blockwise; None = as ``dense``. Setting a
+    block size selects the blockwise path under the rule, and together with ``dense=True`` is an error.
+
+    A user's config may leave any of these at None; :meth:`resolved` decides them for the call, once, where
+    the call runs. The heuristic and candidate configs are resolved ones: ``dense`` and ``forward_dense``
+    are bools and, where a blockwise loop runs (``dense=False``), every block size is the one it runs; a
+    ``dense=True`` config runs no blocks and keeps none (its block sizes stay None).
     """
 
     dense: bool | None = None
+    forward_dense: bool | None = None
 
     def __post_init__(self):
-        if self.dense not in (None, True, False):
-            raise ValueError(f"XlaFlashConfig: dense must be True, False or None (the rule), got {self.dense!r}")
+        for name in ("dense", "forward_dense"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(
+                    f"XlaFlashConfig: {name} must be True, False or None (the rule), got {getattr(self, name)!r}"
+                )
         if self.dense and self.has_blocks:
             raise ValueError(
                 f"XlaFlashConfig: dense=True runs no blocks, but block sizes were given ({self.block_fields()}); "
                 "drop them or pass dense=False/None"
             )
+        if self.forward_dense is not None and self.dense is None:
+            raise ValueError("XlaFlashConfig: forward_dense chooses the forward beside dense=False; pass dense too")
+        if self.dense and self.forward_dense is False:
+            raise ValueError("XlaFlashConfig: dense=True runs the dense forward too; drop forward_dense=False")
+
+    def resolved(self, call: FlashAttentionCall) -> XlaFlashConfig:
+        """This config with everything left at None decided for ``call`` (module docstring's rule, the
+        block sizes as :meth:`XlaBlockConfig.with_blocks`): what runs. A resolved config is its own."""
+        dense = self.dense
+        if dense is None:
+            dense = not self.has_blocks and dense_fits(call, dense_budget_bytes())
+        if dense:
+            return XlaFlashConfig(dense=True, forward_dense=True)
+        forward_dense = self.forward_dense
+        if forward_dense is None:
+            forward_dense = (
+                self.dense is None and not self.has_blocks
+                and dense_fits(call, dense_budget_bytes(), differentiated=False)
+            )
+        q_len, kv_len, head_dim = call.query.shape[1], call.key.shape[1], call.query.shape[3]
+        return dataclasses.replace(self, dense=False, forward_dense=forward_dense).with_blocks(q_len, kv_len, head_dim)
 
 
 # ---- the switch --------------------------------------------------------------------------------------
@@ -187,9 +231,8 @@ def dense_fits(call: FlashAttentionCall, budget: int | None, *, differentiated: 
 def takes_dense_path(call: FlashAttentionCall, config: XlaFlashConfig, *, differentiated: bool = True) -> bool:
     """Whether ``config`` runs ``call`` on the dense path (forced, or by the rule): under differentiation
     (the default), or a forward that is not differentiated (``differentiated=False``)."""
-    if config.dense is not None:
-        return config.dense
-    return not config.has_blocks and dense_fits(call, dense_budget_bytes(), differentiated=differentiated)
+    resolved = config.resolved(call)
+    return resolved.dense if differentiated else resolved.forward_dense
 
 
 # ---- the implementation ------------------------------------------------------------------------------
@@ -237,21 +280,24 @@ def _flash_jit(
 class XlaFlashAttention(Implementation[FlashAttentionCall, XlaFlashConfig]):
     config_type = XlaFlashConfig
 
+    def heuristic_config(self, call: FlashAttentionCall) -> XlaFlashConfig:
+        """The rule's path and the default block sizes, decided (``XlaFlashConfig().resolved(call)``)."""
+        return XlaFlashConfig().resolved(call)
+
     def candidate_configs(self, call: FlashAttentionCall) -> list[XlaFlashConfig]:
         """Both paths where the dense one fits the device (autotuning times them), else nothing to tune."""
         if not dense_fits(call, dense_budget_bytes()):
             return []
-        return [XlaFlashConfig(dense=True), XlaFlashConfig(dense=False)]
+        return [XlaFlashConfig(dense=True).resolved(call), XlaFlashConfig(dense=False).resolved(call)]
 
     def __call__(self, call: FlashAttentionCall, config: XlaFlashConfig) -> jax.Array:
-        q_len, kv_len, head_dim = call.query.shape[1], call.key.shape[1], call.query.shape[3]
-        blocks = None if takes_dense_path(call, config) else config.blocks(q_len, kv_len, head_dim)
+        config = config.resolved(call)  # a user's config may leave fields to the rule; the executor's are resolved
+        blocks = None if config.dense else config.blocks(call.query.shape[1], call.key.shape[1], call.query.shape[3])
         return _flash_jit(
             call.query, call.key, call.value, call.bias, call.attention_mask, call.q_segment_ids,
             call.kv_segment_ids, call.cum_seqlens_q, call.cum_seqlens_k, call.softmax_aux,
             None if call.dropout_seed is None else seed_bits(call.dropout_seed),  # any int: its low 32 bits
-            params=AttentionParams.of(call), blocks=blocks,
-            forward_dense=blocks is None or takes_dense_path(call, config, differentiated=False),
+            params=AttentionParams.of(call), blocks=blocks, forward_dense=config.forward_dense,
         )
 
 

@@ -29,9 +29,22 @@ from ejkernel_xla.flash_attention import XlaBlockConfig
 class XlaMlaConfig(XlaBlockConfig):
     """The blockwise loop's block sizes (as in ``XlaBlockConfig``) and the form: ``absorb=True`` attends in
     the latent space (one shared kv head of width ``kv_lora_rank``), ``False`` on expanded per-head
-    keys/values, ``None`` whichever costs fewer FLOPs."""
+    keys/values, ``None`` whichever costs fewer FLOPs. A user's config may leave any field at None:
+    :meth:`resolved` decides them for the call where it runs; the heuristic config is a resolved one (the
+    form and every block size of the loop that runs)."""
 
     absorb: bool | None = None
+
+    def resolved(self, call: MultiHeadLatentAttentionCall) -> XlaMlaConfig:
+        """This config with the form (``absorb``, None: the cheaper one) and the block sizes
+        (``XlaBlockConfig``'s defaults for the attended width: ``kv_lora_rank``, or the head dim, plus the
+        rope dim) decided for ``call``. A resolved config is its own."""
+        rank, _, v_head_dim = call.w_vc.shape
+        head_dim = call.query.shape[-1]
+        absorb = self.absorb if self.absorb is not None else absorb_is_cheaper(rank, head_dim, v_head_dim)
+        width = (rank if absorb else head_dim) + (0 if call.b_q is None else call.b_q.shape[-1])
+        seq_len = call.query.shape[1]
+        return dataclasses.replace(self, absorb=absorb).with_blocks(seq_len, seq_len, width)
 
 
 def absorb_is_cheaper(kv_lora_rank: int, head_dim: int, v_head_dim: int) -> bool:
@@ -44,7 +57,8 @@ def _mla(call: MultiHeadLatentAttentionCall, config: XlaMlaConfig) -> jax.Array:
     batch, seq_len, num_heads, head_dim = query.shape
     rank, num_kv_heads, v_head_dim = w_vc.shape
     group = num_heads // num_kv_heads
-    absorb = config.absorb if config.absorb is not None else absorb_is_cheaper(rank, head_dim, v_head_dim)
+    config = config.resolved(call)  # a user's config may leave fields at None; the heuristic's are resolved
+    absorb = config.absorb
     f32 = jnp.float32
 
     if b_q is not None and b_q.ndim == 3:
@@ -91,9 +105,8 @@ class XlaMultiHeadLatentAttention(JittedImplementation[MultiHeadLatentAttentionC
     compute = staticmethod(_mla)
 
     def heuristic_config(self, call: MultiHeadLatentAttentionCall) -> XlaMlaConfig:
-        """The form a config left at None takes, spelled out (the block sizes stay the kernel's defaults)."""
-        rank, _, v_head_dim = call.w_vc.shape
-        return XlaMlaConfig(absorb=absorb_is_cheaper(rank, call.query.shape[-1], v_head_dim))
+        """The form and block sizes a config left at None takes, spelled out (the config stored is the one run)."""
+        return XlaMlaConfig().resolved(call)
 
 
 IMPLEMENTATION = XlaMultiHeadLatentAttention()

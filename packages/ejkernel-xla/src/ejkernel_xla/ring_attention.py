@@ -211,7 +211,12 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 class XlaRingAttention(Implementation[RingAttentionCall, XlaBlockConfig]):
     config_type = XlaBlockConfig
 
+    def heuristic_config(self, call: RingAttentionCall) -> XlaBlockConfig:
+        """The default blocks of a ring step over this device's shard (the call's shapes), spelled out."""
+        return XlaBlockConfig().with_blocks(call.query.shape[1], call.key.shape[1], call.query.shape[3])
+
     def __call__(self, call: RingAttentionCall, config: XlaBlockConfig) -> jax.Array:
+        # a user's config may leave sizes at None: ``blocks`` fills them in as ``with_blocks`` does
         blocks = config.blocks(call.query.shape[1], call.key.shape[1], call.query.shape[3])
         return _ring(
             AttentionParams.of(call), blocks, call.axis_name, call.sequence_layout, call.query, call.key, call.value,

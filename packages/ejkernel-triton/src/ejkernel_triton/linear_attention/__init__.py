@@ -31,7 +31,7 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.recurrent import LinearAttentionCall
 from ejkernel_triton.interpret import interpreting
 from ejkernel_triton.linear_attention.forward import CHUNK
-from ejkernel_triton.linear_attention.vjp import StaticParams, chunk_table, linear_attention
+from ejkernel_triton.linear_attention.vjp import StaticParams, chunk_table, linear_attention, table_chunks
 
 __all__ = ["IMPLEMENTATION", "TritonLinearAttention", "TritonLinearAttentionConfig"]
 
@@ -80,7 +80,14 @@ class TritonLinearAttentionConfig:
     ``carried_varlen``: varlen calls through the carried forward too (runs of ``carried_varlen_run`` chunks
     inside each packed sequence; None: at least 8, ~256 programs; the backward keeps the stored-state passes).
     Off by default: it passes the GPU suite but was slower than the stored-state forward (H100, 8 sequences in
-    16k tokens, forward: gla 0.722 vs 0.676 ms, lightning 0.598 vs 0.286, recurrent 0.410 vs 0.274)."""
+    16k tokens, forward: gla 0.722 vs 0.676 ms, lightning 0.598 vs 0.286, recurrent 0.410 vs 0.274).
+
+    Resolution: a user's config may leave the fields above at None ("the rule"); :meth:`resolved` decides
+    them for the call, once, where the call runs (``TritonLinearAttention.__call__``), and the heuristic and
+    candidate configs the executor stores are resolved ones: every field the value the kernels run with.
+    There ``decayed_keys``/``intra_kernel`` are False for scalar gates (their kernels then do not run),
+    ``segments`` is the carried forward's segment count (0: it does not run: varlen, K > 128, or off) and
+    ``carried_varlen_run`` its chunks per run for varlen calls (0: it does not run)."""
 
     block_k: int | None = None
     block_v: int | None = None
@@ -122,11 +129,46 @@ class TritonLinearAttentionConfig:
             if value is None and name in ("intra_inside_num_warps", "state_num_stages", "segments", "carried_num_warps",
                                           "carried_num_stages", "carried_varlen_run"):
                 continue
+            if name in ("segments", "carried_varlen_run"):  # 0: the carried forward does not run (resolved)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"TritonLinearAttentionConfig.{name} must be an int >= 0, got {value!r}")
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a positive int, got {value!r}")
         for name in ("decayed_keys", "intra_kernel", "intra_split", "carried_state", "carried_varlen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TritonLinearAttentionConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def resolved(self, call: LinearAttentionCall) -> TritonLinearAttentionConfig:
+        """This config with every field the kernels read decided for ``call`` (the class docstring): None
+        fields by the rules given there, ``segments``/``carried_varlen_run`` to what runs (0: the carried
+        forward does not), ``decayed_keys``/``intra_kernel`` off for scalar gates. A resolved config is its own."""
+        batch, total, heads, dk = call.query.shape
+        dv = call.value.shape[-1]
+        scalar_gate = has_scalar_gates(call)
+        varlen = call.cu_seqlens is not None
+        intra_kernel = self.intra_kernel and not scalar_gate
+        carried_block_v = _block(dv, self.carried_block_v, 64 if scalar_gate else 128)
+        value_tiles = -(-dv // carried_block_v)
+        usable = scalar_gate or intra_kernel
+        segments = carried_segments(self, batch, heads, -(-total // CHUNK), value_tiles, dk,
+                                    usable=not varlen and usable)
+        varlen_run = 0
+        if varlen:
+            varlen_run = carried_varlen_run(self, table_chunks(total, call.cu_seqlens.shape[0] - 1), heads,
+                                            value_tiles, dk, usable=usable)
+        return dataclasses.replace(
+            self, block_k=_block(dk, self.block_k), block_v=_block(dv, self.block_v),
+            output_block_v=_block(dv, self.output_block_v, 128),
+            state_num_stages=self.state_num_stages or self.num_stages,
+            state_block_k=_block(dk, self.state_block_k or self.block_k),
+            state_block_v=_block(dv, self.state_block_v or self.block_v),
+            decayed_keys=self.decayed_keys and not scalar_gate, intra_kernel=intra_kernel,
+            intra_inside_num_warps=self.intra_inside_num_warps or self.intra_num_warps,
+            segments=segments, carried_block_v=carried_block_v,
+            carried_num_warps=self.carried_num_warps or (4 if scalar_gate else 8),
+            carried_num_stages=self.carried_num_stages or self.num_stages, carried_varlen_run=varlen_run,
+        )
 
     @classmethod
     def parse(cls, spec: str) -> TritonLinearAttentionConfig:
@@ -230,22 +272,26 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
             raise UnsupportedFeature(f"triton linear attention: head dims {dk}/{dv} above {MAX_HEAD_DIM}")
 
     def heuristic_config(self, call: LinearAttentionCall) -> TritonLinearAttentionConfig:
-        return TritonLinearAttentionConfig()
+        """The default config resolved for ``call``: every tile, launch shape and segment count that runs."""
+        return TritonLinearAttentionConfig().resolved(call)
 
     def candidate_configs(self, call: LinearAttentionCall) -> Sequence[TritonLinearAttentionConfig]:
         # the default (decayed keys + intra kernel + carried states, measured fastest), then the single levers,
-        # smaller state tiles and the stored-state forward
-        return (TritonLinearAttentionConfig(),
-                TritonLinearAttentionConfig(carried_state=False),
-                TritonLinearAttentionConfig(decayed_keys=False, intra_kernel=False),
-                TritonLinearAttentionConfig(decayed_keys=False),
-                TritonLinearAttentionConfig(intra_kernel=False),
-                TritonLinearAttentionConfig(state_block_k=32, state_block_v=32))
+        # smaller state tiles and the stored-state forward; resolved, without repeats (scalar gates run no
+        # decayed-keys or intra kernel, so those levers change nothing there)
+        levers = (TritonLinearAttentionConfig(),
+                  TritonLinearAttentionConfig(carried_state=False),
+                  TritonLinearAttentionConfig(decayed_keys=False, intra_kernel=False),
+                  TritonLinearAttentionConfig(decayed_keys=False),
+                  TritonLinearAttentionConfig(intra_kernel=False),
+                  TritonLinearAttentionConfig(state_block_k=32, state_block_v=32))
+        return tuple(dict.fromkeys(config.resolved(call) for config in levers))
 
     def __call__(self, call: LinearAttentionCall, config: TritonLinearAttentionConfig) -> tuple[jax.Array, jax.Array]:
+        config = config.resolved(call)  # a user's config may leave fields to the rules; the executor's are resolved
         q, k, v = call.query, call.key, call.value
-        batch, total, heads, dk = q.shape
-        group = heads // k.shape[2]
+        total = q.shape[1]
+        group = q.shape[2] // k.shape[2]
         if group > 1:
             k = jnp.repeat(k, group, axis=2)
             v = jnp.repeat(v, group, axis=2)
@@ -267,30 +313,18 @@ class TritonLinearAttention(Implementation[LinearAttentionCall, TritonLinearAtte
             padded = -(-total // CHUNK) * CHUNK
             if padded != total:  # neutral tokens at the end: zero keys and gates leave the state as it is
                 arrays = [jnp.pad(x, [(0, 0), (0, padded - total), (0, 0), (0, 0)]) for x in arrays]
-        intra_kernel = config.intra_kernel and not scalar_gate
-        carried_block_v = _block(v.shape[-1], config.carried_block_v, 64 if scalar_gate else 128)
-        value_tiles = -(-v.shape[-1] // carried_block_v)
-        segments = carried_segments(config, batch, heads, -(-total // CHUNK), value_tiles, dk,
-                                    usable=not varlen and (scalar_gate or intra_kernel))
-        varlen_run_chunks = 0
-        if varlen:
-            varlen_run_chunks = carried_varlen_run(config, tables[0].shape[0], heads, value_tiles, dk,
-                                                   usable=scalar_gate or intra_kernel)
-        st = StaticParams(scale=float(call.softmax_scale), block_k=_block(dk, config.block_k),
-                          block_v=_block(v.shape[-1], config.block_v),
-                          output_block_v=_block(v.shape[-1], config.output_block_v, 128), num_warps=config.num_warps,
+        st = StaticParams(scale=float(call.softmax_scale), block_k=config.block_k, block_v=config.block_v,
+                          output_block_v=config.output_block_v, num_warps=config.num_warps,
                           num_stages=config.num_stages, state_num_warps=config.state_num_warps,
-                          state_num_stages=config.state_num_stages or config.num_stages,
+                          state_num_stages=config.state_num_stages,
                           interpret=interpreting(), varlen=varlen, backward_num_warps=config.backward_num_warps,
-                          state_block_k=_block(dk, config.state_block_k or config.block_k),
-                          state_block_v=_block(v.shape[-1], config.state_block_v or config.block_v),
-                          decayed_keys=config.decayed_keys and not scalar_gate,
-                          intra_kernel=intra_kernel, scalar_gate=scalar_gate,
+                          state_block_k=config.state_block_k, state_block_v=config.state_block_v,
+                          decayed_keys=config.decayed_keys, intra_kernel=config.intra_kernel, scalar_gate=scalar_gate,
                           intra_num_warps=config.intra_num_warps, intra_split=config.intra_split,
-                          intra_inside_num_warps=config.intra_inside_num_warps or config.intra_num_warps,
-                          segments=segments, varlen_run_chunks=varlen_run_chunks, carried_block_v=carried_block_v,
-                          carried_num_warps=config.carried_num_warps or (4 if scalar_gate else 8),
-                          carried_num_stages=config.carried_num_stages or config.num_stages,
+                          intra_inside_num_warps=config.intra_inside_num_warps,
+                          segments=config.segments, varlen_run_chunks=config.carried_varlen_run,
+                          carried_block_v=config.carried_block_v, carried_num_warps=config.carried_num_warps,
+                          carried_num_stages=config.carried_num_stages,
                           cumsum_block_k=config.cumsum_block_k, cumsum_num_warps=config.cumsum_num_warps)
         o, final = linear_attention(*arrays, call.initial_state, tables, st)
         o = o[:, :total]

@@ -66,6 +66,11 @@ def _placeholder(dtype=jnp.float32):
     return jnp.zeros((1,), dtype)
 
 
+def table_chunks(total: int, num_seqs: int) -> int:
+    """Entries of :func:`chunk_table` for ``num_seqs`` sequences packed in ``total`` tokens."""
+    return -(-total // CHUNK) + num_seqs
+
+
 def chunk_table(cu_seqlens, total: int):
     """Varlen chunk table: ``(chunk_start, chunk_len, seq_first)`` int32, over at most ``total / 64 + N``
     chunks (each sequence cut into chunks of 64 from its own start; entries past the last have length 0),
@@ -74,7 +79,7 @@ def chunk_table(cu_seqlens, total: int):
     lengths = cu[1:] - cu[:-1]
     per_seq = (lengths + CHUNK - 1) // CHUNK
     seq_first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_seq).astype(jnp.int32)])
-    max_chunks = -(-total // CHUNK) + cu.shape[0] - 1
+    max_chunks = table_chunks(total, cu.shape[0] - 1)
     ids = jnp.arange(max_chunks, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(seq_first[1:], ids, side="right"), 0, cu.shape[0] - 2).astype(jnp.int32)
     start = cu[seq] + (ids - seq_first[seq]) * CHUNK
