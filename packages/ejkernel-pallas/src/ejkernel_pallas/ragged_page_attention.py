@@ -34,7 +34,7 @@ from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentio
 from ejkernel.ops.utils.padding import round_up
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
-from ejkernel_pallas.tpu_flash_attention.kernels import init_softmax_state
+from ejkernel_pallas.tpu_flash_attention.kernels import init_softmax_state, online_softmax_step
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, sublane_multiple
 
 
@@ -116,13 +116,7 @@ def _kernel(seq_ref, tile_ref, valid_ref, starts_ref, lens_ref, tables_ref, *ref
         if st.soft_cap is not None:
             s = st.soft_cap * jnp.tanh(s / st.soft_cap)
         s = jnp.where(mask, s, -jnp.inf)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
-        m_ref[...] = m_new
+        p, alpha = online_softmax_step(s, m_ref, l_ref)
         v = v_ref[...]
         acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=st.precision, preferred_element_type=jnp.float32
