@@ -36,6 +36,7 @@ from ejkernel.ops.utils.padding import round_up
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_flash_attention.kernels import init_softmax_state, online_softmax_step
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, sublane_multiple
+from ejkernel_pallas.visits import segment_tile_visits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +70,7 @@ def _visits(query_start_loc, num_seqs, block_q: int, num_tiles: int, max_num_seq
     seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
     active = seq_ids < num_seqs.reshape(()).astype(jnp.int32)
     begin, end = starts[:-1], starts[1:]
-    nonempty = active & (end > begin)
-    first = begin // block_q
-    last = jnp.maximum(end - 1, 0) // block_q
-    count = jnp.where(nonempty, last - first + 1, 0)
-    cum = jnp.cumsum(count)
-    total = cum[-1]
-    max_visits = num_tiles + max_num_seqs - 1
-    v = jnp.minimum(jnp.arange(max_visits, dtype=jnp.int32), jnp.maximum(total - 1, 0))
-    seq = jnp.minimum(jnp.searchsorted(cum, v, side="right").astype(jnp.int32), max_num_seqs - 1)
-    tile = jnp.clip(first[seq] + v - (cum[seq] - count[seq]), 0, num_tiles - 1)
-    valid = (jnp.arange(max_visits) < total).astype(jnp.int32)
-    return seq, tile, valid
+    return segment_tile_visits(begin, end, active & (end > begin), block_q, num_tiles)
 
 
 def _kernel(seq_ref, tile_ref, valid_ref, starts_ref, lens_ref, tables_ref, *refs, st: _Static):
