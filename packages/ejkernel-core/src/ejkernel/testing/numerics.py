@@ -415,6 +415,17 @@ class ConformanceSuite(BadInputChecks):
         """``names`` where the backend takes gradients, else nothing."""
         return names if self.supports_gradients else ()
 
+    def assert_rows_are_zero(self, inputs: Mapping[str, Any], rows: Any, wrt: Sequence[str]) -> jax.Array:
+        """The call's output, and its finite gradients w.r.t. ``wrt`` (where the backend takes gradients), are 0
+        on ``rows`` (an index into axis 0: rows that attend to nothing); returns the output."""
+        wrt = self.gradients_of(*wrt)
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5, self.compiler_options)
+        np.testing.assert_array_equal(np.asarray(out[rows]), 0.0)
+        for name, grad in grads.items():
+            assert_finite(grad, f"d {name}")
+            np.testing.assert_array_equal(np.asarray(grad[rows]), 0.0)
+        return out
+
     def assert_matmul_precision(self, inputs: Mapping[str, Any], wrt: str, precision: Any, expected: Any) -> None:
         """Every matmul of the call with ``precision=precision``, and of its gradient w.r.t. ``wrt``, runs at
         ``expected``."""
