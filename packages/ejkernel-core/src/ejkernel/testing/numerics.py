@@ -426,6 +426,15 @@ class ConformanceSuite(BadInputChecks):
             np.testing.assert_array_equal(np.asarray(grad[rows]), 0.0)
         return out
 
+    def heuristic_config_that_runs(self, implementation: Any, inputs: Mapping[str, Any], unset_config: Any) -> Any:
+        """``implementation``'s heuristic config for the call on ``inputs``, checked to run bit for bit as
+        ``unset_config`` (its fields left at None, resolved by the implementation): the heuristic spells out
+        what runs, which the executor stores."""
+        cfg = implementation.heuristic_config(self.operation_type().validate(**inputs))
+        run = jax.jit(lambda c, **kw: self.call(**kw, cfg=c), static_argnums=0)
+        assert (run(cfg, **inputs) == run(unset_config, **inputs)).all()
+        return cfg
+
     def assert_matmul_precision(self, inputs: Mapping[str, Any], wrt: str, precision: Any, expected: Any) -> None:
         """Every matmul of the call with ``precision=precision``, and of its gradient w.r.t. ``wrt``, runs at
         ``expected``."""
