@@ -21,11 +21,9 @@ from ejkernel.testing.blocksparse_attention import (
 )
 from ejkernel.testing.numerics import assert_close, normal_array
 from ejkernel_triton.blocksparse_attention import TritonBlockSparseConfig
+from gpu_support import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 
 class TestTritonBlockSparseConformance(BlockSparseAttentionConformance):
