@@ -33,6 +33,7 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
 from ejkernel.ops.utils.padding import round_up
 
+from ejkernel_pallas.forward_only import forward_only
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_flash_attention.kernels import init_softmax_state, online_softmax_step
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, sublane_multiple
@@ -172,22 +173,7 @@ def _forward(st: _Static, queries, kv_pages, context_lens, block_tables, query_s
     return jnp.where(live[:, None, None], out, jnp.zeros_like(out))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st, *args):
-    return _forward(st, *args)
-
-
-def _attend_fwd(st, *args):
-    return _forward(st, *args), None
-
-
-def _attend_bwd(st, residuals, d_out):
-    raise UnsupportedFeature(
-        "pallas ragged_page_attention is forward-only (an inference kernel); for gradients use platform='xla'"
-    )
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = forward_only(_forward, "ragged_page_attention")
 
 
 def heuristic_blocks(total: int, dtype) -> TpuRaggedPageBlocks:
