@@ -217,7 +217,7 @@ def _fwd_kernel(*refs, st: _Static, names):
         p, alpha = online_softmax_step(s, m_ref, l_ref)
         if st.dropout_prob > 0.0:
             keep = _dropout_keep(st, r, b, h, rows, cols)
-            p = jnp.where(keep, p * (1.0 / (1.0 - st.dropout_prob)), 0.0)
+            p = dropout_hash.inverted_dropout(p, keep, st.dropout_prob)
         v = r["v"][...]
         pv = _dot(st, p.astype(v.dtype), v, 1, 0)
         acc_ref[...] = alpha * acc_ref[...] + pv
@@ -283,9 +283,8 @@ def _probabilities_and_dlogits(st: _Static, r, b, h, qi, ki, block_q, block_kv):
     p_dropped = p
     if st.dropout_prob > 0.0:
         keep = _dropout_keep(st, r, b, h, rows, cols)
-        inv_keep = 1.0 / (1.0 - st.dropout_prob)
-        p_dropped = jnp.where(keep, p * inv_keep, 0.0)
-        dp = jnp.where(keep, dp * inv_keep, 0.0)
+        p_dropped = dropout_hash.inverted_dropout(p, keep, st.dropout_prob)
+        dp = dropout_hash.inverted_dropout(dp, keep, st.dropout_prob)
     if st.exact_delta:
         products = _dot(st, do, r["o"][...], 1, 1)
         diagonal = jax.lax.broadcasted_iota(jnp.int32, products.shape, 0) == jax.lax.broadcasted_iota(
