@@ -18,18 +18,12 @@ from ejkernel.modules.operations.blocksparse_attention import (
     local_block_mask,
 )
 from ejkernel.ops.utils.block_sparse import block_schedule, effective_block_mask
+from ejkernel.testing.flash_attention import reference_visibility
 
 
 def token_rules(q_len, kv_len, causal, window):
-    """bool [q_len, kv_len]: causal / window visibility, brute force (end-aligned queries)."""
-    p = np.arange(q_len)[:, None] + kv_len - q_len
-    j = np.arange(kv_len)[None, :]
-    visible = np.ones((q_len, kv_len), bool)
-    if causal:
-        visible &= j <= p
-    if window is not None:
-        visible &= (j >= p - window[0]) & (j <= p + window[1])
-    return visible
+    """bool [q_len, kv_len]: causal / window visibility, brute force (the flash-attention reference's)."""
+    return reference_visibility(1, 1, q_len, kv_len, causal=causal, sliding_window=window)[0, 0]
 
 
 def blocks_of(token_mask, q_block, kv_block, reduce):

@@ -19,6 +19,7 @@ from pallas_test_helpers import InterpretedConformance, full_conformance
 
 from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
 from ejkernel.testing.blocksparse_attention import BlockSparseAttentionConformance, mask_form, random_block_mask
+from ejkernel.testing.flash_attention import reference_visibility
 from ejkernel_pallas import blocksparse_attention as tpu_blocksparse
 
 
@@ -46,13 +47,7 @@ class TestPallasTpuBlockSparseAttention(InterpretedConformance, BlockSparseAtten
 def non_empty_blocks(block_mask, q_len, kv_len, q_block, kv_block, *, causal, window):
     """bool ``[B', H', q_blocks, kv_blocks]``: blocks whose token mask (block mask expanded, AND causal /
     window, end-aligned) has a visible pair, brute force."""
-    p = np.arange(q_len)[:, None] + kv_len - q_len
-    j = np.arange(kv_len)[None, :]
-    rules = np.ones((q_len, kv_len), bool)
-    if causal:
-        rules &= j <= p
-    if window is not None:
-        rules &= (j >= p - window[0]) & (j <= p + window[1])
+    rules = reference_visibility(1, 1, q_len, kv_len, causal=causal, sliding_window=window)[0, 0]
     tokens = np.asarray(block_mask).repeat(q_block, 2).repeat(kv_block, 3)[:, :, :q_len, :kv_len] & rules
     nq, nk = math.ceil(q_len / q_block), math.ceil(kv_len / kv_block)
     padded = np.zeros((*tokens.shape[:2], nq * q_block, nk * kv_block), bool)

@@ -21,11 +21,9 @@ from ejkernel.testing.blocksparse_attention import (
 )
 from ejkernel.testing.numerics import assert_close, normal_array
 from ejkernel_triton.blocksparse_attention import TritonBlockSparseConfig
+from gpu_support import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 
 class TestTritonBlockSparseConformance(BlockSparseAttentionConformance):
@@ -45,20 +43,30 @@ def _grads(fn, q, k, v, aux, do):
     return (out, *pullback(do))
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_bf16_serving_shape_against_float32_reference(causal):
-    b, s, h, hkv, d = 2, 1024, 8, 2, 128
+def _serving_problem(seq_len, mask_seed):
+    """bf16 q, k, v, d_out ``[2, seq_len, 8 (2 kv) heads, 128]``, float32 sinks, 128-blocks at 25 % density."""
+    b, s, h, hkv, d = 2, seq_len, 8, 2, 128
     q, k, v, do = (normal_array(i, shape, "bfloat16") for i, shape in
                    enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]))
     aux = normal_array(9, (h,))
-    mask = random_block_mask(3, b, h, s, s, 128, 128, density=0.25)
-    kw = dict(block_mask=mask, block_size=128, causal=causal)
+    mask = random_block_mask(mask_seed, b, h, s, s, 128, 128, density=0.25)
+    return q, k, v, do, aux, mask
+
+
+def _assert_matches_float32_reference(q, k, v, do, aux, cfg=None, **kw):
+    """The Triton output and gradients (q, k, v, sinks) against the reference on the float32 inputs."""
     got = jax.jit(lambda *a: _grads(lambda q, k, v, x: blocksparse_attention(
-        q, k, v, softmax_aux=x, platform="triton", **kw), *a))(q, k, v, aux, do)
+        q, k, v, softmax_aux=x, platform="triton", cfg=cfg, **kw), *a))(q, k, v, aux, do)
     ref = jax.jit(lambda *a: _grads(lambda q, k, v, x: reference_blocksparse_attention(
         q, k, v, softmax_aux=x, **kw), *a))(*(x.astype(jnp.float32) for x in (q, k, v)), aux, do.astype(jnp.float32))
     for name, g, r in zip(("out", "dq", "dk", "dv", "d_aux"), got, ref):
         assert_close(g, r, dtype="bfloat16", gradient=name != "out", name=name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_serving_shape_against_float32_reference(causal):
+    q, k, v, do, aux, mask = _serving_problem(1024, mask_seed=3)
+    _assert_matches_float32_reference(q, k, v, do, aux, block_mask=mask, block_size=128, causal=causal)
 
 
 def test_full_mask_matches_flash_attention():
@@ -77,22 +85,13 @@ def test_tma_forward_against_float32_reference():
     from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, tma_forward_applies
     from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
 
-    b, s, h, hkv, d = 2, 1024, 8, 2, 128
-    q, k, v, do = (normal_array(i, shape, "bfloat16") for i, shape in
-                   enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]))
-    aux = normal_array(9, (h,))
-    mask = random_block_mask(4, b, h, s, s, 128, 128, density=0.25)
+    q, k, v, do, aux, mask = _serving_problem(1024, mask_seed=4)
     kw = dict(block_mask=mask, block_size=128, causal=False, logits_soft_cap=30.0)
     call = BlockSparseAttention().validate(q, k, v, softmax_aux=aux, **kw)
     cfg = dataclasses.replace(IMPLEMENTATION.heuristic_config(call), fwd_block_q=128, fwd_block_kv=128,
                               fwd_num_warps=4, fwd_num_stages=2, tma_forward=True)
     assert tma_forward_applies(call, cfg)
-    got = jax.jit(lambda *a: _grads(lambda q, k, v, x: blocksparse_attention(
-        q, k, v, softmax_aux=x, platform="triton", cfg=cfg, **kw), *a))(q, k, v, aux, do)
-    ref = jax.jit(lambda *a: _grads(lambda q, k, v, x: reference_blocksparse_attention(
-        q, k, v, softmax_aux=x, **kw), *a))(*(x.astype(jnp.float32) for x in (q, k, v)), aux, do.astype(jnp.float32))
-    for name, g, r in zip(("out", "dq", "dk", "dv", "d_aux"), got, ref):
-        assert_close(g, r, dtype="bfloat16", gradient=name != "out", name=name)
+    _assert_matches_float32_reference(q, k, v, do, aux, cfg, **kw)
 
 
 @pytest.mark.parametrize("tma,causal", [(True, False), (False, True)],
@@ -105,18 +104,9 @@ def test_persistent_forward_against_float32_reference(tma, causal):
     from ejkernel_triton.blocksparse_attention import IMPLEMENTATION, tma_forward_applies
     from ejkernel.modules.operations.blocksparse_attention import BlockSparseAttention
 
-    b, s, h, hkv, d = 2, 2048, 8, 2, 128  # 2 x 8 x 16 items over 132 programs: some programs take two
-    q, k, v, do = (normal_array(i, shape, "bfloat16") for i, shape in
-                   enumerate([(b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)]))
-    aux = normal_array(9, (h,))
-    mask = random_block_mask(5, b, h, s, s, 128, 128, density=0.25)
+    q, k, v, do, aux, mask = _serving_problem(2048, mask_seed=5)  # 2 x 8 x 16 items over 132 programs: some take two
     kw = dict(block_mask=mask, block_size=128, causal=causal, logits_soft_cap=30.0)
     call = BlockSparseAttention().validate(q, k, v, softmax_aux=aux, **kw)
     cfg = dataclasses.replace(IMPLEMENTATION.heuristic_config(call), persistent_forward=1)
     assert tma_forward_applies(call, cfg) is tma
-    got = jax.jit(lambda *a: _grads(lambda q, k, v, x: blocksparse_attention(
-        q, k, v, softmax_aux=x, platform="triton", cfg=cfg, **kw), *a))(q, k, v, aux, do)
-    ref = jax.jit(lambda *a: _grads(lambda q, k, v, x: reference_blocksparse_attention(
-        q, k, v, softmax_aux=x, **kw), *a))(*(x.astype(jnp.float32) for x in (q, k, v)), aux, do.astype(jnp.float32))
-    for name, g, r in zip(("out", "dq", "dk", "dv", "d_aux"), got, ref):
-        assert_close(g, r, dtype="bfloat16", gradient=name != "out", name=name)
+    _assert_matches_float32_reference(q, k, v, do, aux, cfg, **kw)

@@ -21,11 +21,9 @@ from ejkernel.testing.ragged_decode_attention import (
 )
 from ejkernel_triton.decode import TritonDecodeConfig
 from ejkernel.testing.numerics import relative_error
+from gpu_support import GPU_ONLY, float32_reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 SPLITS = TritonDecodeConfig(block_n=16, num_splits=4, prefetch=2)
 
@@ -64,12 +62,6 @@ def _normal(key, shape):
     return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
 
 
-def _float32(fn, **inputs):
-    with jax.default_matmul_precision("highest"):
-        return jax.jit(lambda **kw: fn(**{k: v.astype(jnp.float32) if v is not None and v.dtype == jnp.bfloat16
-                                          else v for k, v in kw.items()}))(**inputs)
-
-
 @pytest.mark.parametrize(
     "page_size,heads,kv_heads,dim,lengths,max_pages,cfg",
     [
@@ -99,7 +91,7 @@ def test_bf16_paged_serving_shapes(page_size, heads, kv_heads, dim, lengths, max
         block_tables=jnp.asarray(random_block_tables(page_size, num_seqs, max_pages, num_pages, lengths, page_size)),
     )
     out = jax.jit(lambda **kw: page_attention(**kw, platform="triton", cfg=cfg))(**inputs)
-    ref = _float32(reference_page_attention, **inputs)
+    ref = float32_reference(reference_page_attention, **inputs)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(np.asarray(out)[lengths == 0], 0)
     assert relative_error(out, ref) < 1e-2, relative_error(out, ref)
@@ -123,7 +115,7 @@ def test_bf16_ragged_serving_shape(cfg):
     )
     for extra in (dict(), dict(sliding_window=(1500, 0), logit_soft_cap=30.0)):
         out = jax.jit(lambda **kw: ragged_decode_attention(**kw, platform="triton", cfg=cfg, **extra))(**inputs)
-        ref = _float32(lambda **kw: reference_ragged_decode_attention(**kw, **extra), **inputs)
+        ref = float32_reference(lambda **kw: reference_ragged_decode_attention(**kw, **extra), **inputs)
         assert np.all(np.isfinite(np.asarray(out, np.float32)))
         np.testing.assert_array_equal(np.asarray(out)[0], 0)
         assert relative_error(out, ref) < 1e-2, (extra, relative_error(out, ref))

@@ -19,11 +19,9 @@ from ejkernel.testing.gla import GLAConformance
 from ejkernel.testing.lightning_attention import LightningAttentionConformance
 from ejkernel.testing.recurrent import RecurrentConformance, log_sigmoid_gate
 from ejkernel.testing.numerics import relative_error
+from gpu_support import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 REFUSED = ("gv",)
 

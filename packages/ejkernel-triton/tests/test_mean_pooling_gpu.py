@@ -12,11 +12,9 @@ import pytest
 from ejkernel.modules import mean_pooling
 from ejkernel.testing.mean_pooling import MeanPoolingConformance
 from ejkernel.testing.numerics import assert_close, normal_array
+from gpu_support import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 
 class TestTritonMeanPoolingConformance(MeanPoolingConformance):

@@ -10,11 +10,9 @@ import pytest
 from ejkernel.modules import native_sparse_attention
 from ejkernel.testing.native_sparse_attention import NativeSparseAttentionConformance, random_block_indices
 from ejkernel.testing.numerics import assert_close, normal_array
+from gpu_support import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 
 class TestTritonNativeSparseAttentionConformance(NativeSparseAttentionConformance):

@@ -22,11 +22,9 @@ from ejkernel.testing.page_attention import random_block_tables
 from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformance, reference_ragged_page_attention
 from ejkernel_triton.ragged_page_attention import TritonRaggedPageConfig
 from ejkernel.testing.numerics import relative_error
+from gpu_support import GPU_ONLY, float32_reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 SMALL = TritonRaggedPageConfig(block_m=16, block_n=16, num_warps=4, prefetch=1, decode_block_n=16,
                                decode_num_splits=4, decode_prefetch=2)
@@ -49,12 +47,6 @@ class TestTritonRaggedPageAttentionOneLaunchConformance(RaggedPageAttentionConfo
     platform = "triton"
     supports_gradients = False
     cfg = dataclasses.replace(SMALL, fused=True, decode_inline_combine=True)
-
-
-def _float32(fn, **inputs):
-    with jax.default_matmul_precision("highest"):
-        return jax.jit(lambda **kw: fn(**{k: v.astype(jnp.float32) if v is not None and v.dtype in (jnp.bfloat16, jnp.float16)
-                                          else v for k, v in kw.items()}))(**inputs)
 
 
 def _positional(inputs):
@@ -110,7 +102,7 @@ def test_bf16_mixed_serving_batches(page_size, heads, kv_heads, dim, sequences, 
     inputs = mixed_batch(page_size + len(sequences), sequences, heads, kv_heads, dim, page_size, max_pages,
                          padding=5, inactive=2, sinks=2 if static else None)
     out = jax.jit(lambda **kw: ragged_page_attention(*_positional(kw), platform="triton", cfg=cfg, **static))(**inputs)
-    ref = _float32(lambda **kw: reference_ragged_page_attention(**kw, **static), **inputs)
+    ref = float32_reference(lambda **kw: reference_ragged_page_attention(**kw, **static), **inputs)
     used = int(inputs["query_start_loc"][len(sequences)])
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(np.asarray(out)[used:], 0)

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import jax
-import pytest
-
 from ejkernel.testing.scaled_dot_product_attention import ScaledDotProductAttentionConformance
+from gpu_support import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 
 class TestTritonScaledDotProductAttentionConformance(ScaledDotProductAttentionConformance):

@@ -14,11 +14,9 @@ import pytest
 from ejkernel.modules.operations.flash_attention import flash_attention
 from ejkernel.testing.flash_attention import FlashAttentionConformance, reference_flash_attention
 from ejkernel.testing.numerics import relative_error
+from gpu_support import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
-]
+pytestmark = GPU_ONLY
 
 
 class TestTritonFlashAttentionConformance(FlashAttentionConformance):

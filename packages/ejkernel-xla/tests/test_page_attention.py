@@ -27,14 +27,12 @@ def test_every_block_pages_agrees():
 
 def test_heuristic_config_is_the_config_that_runs():
     """The heuristic spells out the step a config left at None takes (the executor stores what runs)."""
-    from ejkernel.modules.operations.page_attention import PageAttention
     from ejkernel_xla.page_attention import IMPLEMENTATION
 
-    inputs = PageAttentionConformance().make_inputs(11, SHAPES["long"], "float32")
-    cfg = IMPLEMENTATION.heuristic_config(PageAttention().validate(**inputs))
+    suite = TestXlaPageAttention()
+    inputs = suite.make_inputs(11, SHAPES["long"], "float32")
+    cfg = suite.heuristic_config_that_runs(IMPLEMENTATION, inputs, XlaPageAttentionConfig())
     assert isinstance(cfg.block_pages, int)
-    run = jax.jit(lambda c, **kw: page_attention(**kw, cfg=c), static_argnums=0)
-    assert (run(cfg, **inputs) == run(XlaPageAttentionConfig(), **inputs)).all()
 
 
 @pytest.mark.parametrize("precision", [None, "default", "highest"])

@@ -48,6 +48,7 @@ from ejkernel_pallas.tpu_flash_attention.kernels import (
     _Static,
     _struct,
     init_softmax_state,
+    online_softmax_step,
 )
 from ejkernel_pallas.tpu_tiling import LANES, sublane_multiple
 
@@ -133,13 +134,7 @@ def _fwd_kernel(*refs, layout: _Layout, sched: _Schedule, names):
         s, _, mask, _, _ = _logits_and_mask(st if masked else layout.full, r, b, h, qi, ki, bq, bkv)
         if masked:
             s = jnp.where(mask, s, -jnp.inf)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
-        m_ref[...] = m_new
+        p, alpha = online_softmax_step(s, m_ref, l_ref)
         v = r["v"][...]
         acc_ref[...] = alpha * acc_ref[...] + _dot(st, p.astype(v.dtype), v, 1, 0)
         if layout.count_visits:

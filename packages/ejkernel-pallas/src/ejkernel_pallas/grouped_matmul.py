@@ -32,6 +32,7 @@ from ejkernel.ops.utils.padding import round_up
 
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, sublane_multiple
+from ejkernel_pallas.visits import segment_tile_visits
 
 # ---------------------------------------------------------------------------------------------------
 # Tuning
@@ -112,18 +113,7 @@ def _visits(group_sizes, group_offset, num_groups: int, block_m: int, num_tiles:
     local = offset + jnp.arange(num_groups, dtype=jnp.int32)
     end = ends_all[local]
     start = end - sizes[local]
-    nonempty = end > start
-    first_tile = start // block_m
-    last_tile = jnp.maximum(end - 1, 0) // block_m
-    count = jnp.where(nonempty, last_tile - first_tile + 1, 0)
-    cum = jnp.cumsum(count)
-    total = cum[-1]
-    max_visits = num_tiles + num_groups - 1
-    v = jnp.minimum(jnp.arange(max_visits, dtype=jnp.int32), jnp.maximum(total - 1, 0))
-    group = jnp.minimum(jnp.searchsorted(cum, v, side="right").astype(jnp.int32), num_groups - 1)
-    tile = first_tile[group] + v - (cum[group] - count[group])
-    valid = (jnp.arange(max_visits) < total).astype(jnp.int32)
-    tile = jnp.clip(tile, 0, num_tiles - 1)
+    group, tile, valid = segment_tile_visits(start, end, end > start, block_m, num_tiles)
     return group, tile, valid, start, end
 
 

@@ -29,6 +29,7 @@ from ejkernel.errors import UnsupportedFeature
 from ejkernel.modules.operations._contract import Implementation, NoConfig
 from ejkernel.modules.operations.page_attention import PageAttentionCall
 
+from ejkernel_pallas.forward_only import forward_only
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
 from ejkernel_pallas.tpu_tiling import check_block
 
@@ -118,22 +119,7 @@ def _forward(st: _Static, query, key_cache, value_cache, lengths, block_tables):
     return out.reshape(num_seqs, heads, dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st, query, key_cache, value_cache, lengths, block_tables):
-    return _forward(st, query, key_cache, value_cache, lengths, block_tables)
-
-
-def _attend_fwd(st, *args):
-    return _forward(st, *args), None
-
-
-def _attend_bwd(st, residuals, d_out):
-    raise UnsupportedFeature(
-        "pallas page_attention is forward-only (an inference kernel); for gradients use platform='xla'"
-    )
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = forward_only(_forward, "page_attention")
 
 
 def page_attention(call: PageAttentionCall, *, interpret=False) -> jax.Array:

@@ -33,9 +33,11 @@ from ejkernel.modules.operations._contract import Implementation
 from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
 from ejkernel.ops.utils.padding import round_up
 
+from ejkernel_pallas.forward_only import forward_only
 from ejkernel_pallas.interpret import tpu_interpret_or_refuse
-from ejkernel_pallas.tpu_flash_attention.kernels import init_softmax_state
+from ejkernel_pallas.tpu_flash_attention.kernels import init_softmax_state, online_softmax_step
 from ejkernel_pallas.tpu_tiling import LANES, TpuTilingError, check_block, sublane_multiple
+from ejkernel_pallas.visits import segment_tile_visits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +71,7 @@ def _visits(query_start_loc, num_seqs, block_q: int, num_tiles: int, max_num_seq
     seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
     active = seq_ids < num_seqs.reshape(()).astype(jnp.int32)
     begin, end = starts[:-1], starts[1:]
-    nonempty = active & (end > begin)
-    first = begin // block_q
-    last = jnp.maximum(end - 1, 0) // block_q
-    count = jnp.where(nonempty, last - first + 1, 0)
-    cum = jnp.cumsum(count)
-    total = cum[-1]
-    max_visits = num_tiles + max_num_seqs - 1
-    v = jnp.minimum(jnp.arange(max_visits, dtype=jnp.int32), jnp.maximum(total - 1, 0))
-    seq = jnp.minimum(jnp.searchsorted(cum, v, side="right").astype(jnp.int32), max_num_seqs - 1)
-    tile = jnp.clip(first[seq] + v - (cum[seq] - count[seq]), 0, num_tiles - 1)
-    valid = (jnp.arange(max_visits) < total).astype(jnp.int32)
-    return seq, tile, valid
+    return segment_tile_visits(begin, end, active & (end > begin), block_q, num_tiles)
 
 
 def _kernel(seq_ref, tile_ref, valid_ref, starts_ref, lens_ref, tables_ref, *refs, st: _Static):
@@ -116,13 +107,7 @@ def _kernel(seq_ref, tile_ref, valid_ref, starts_ref, lens_ref, tables_ref, *ref
         if st.soft_cap is not None:
             s = st.soft_cap * jnp.tanh(s / st.soft_cap)
         s = jnp.where(mask, s, -jnp.inf)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
-        m_ref[...] = m_new
+        p, alpha = online_softmax_step(s, m_ref, l_ref)
         v = v_ref[...]
         acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=st.precision, preferred_element_type=jnp.float32
@@ -188,22 +173,7 @@ def _forward(st: _Static, queries, kv_pages, context_lens, block_tables, query_s
     return jnp.where(live[:, None, None], out, jnp.zeros_like(out))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st, *args):
-    return _forward(st, *args)
-
-
-def _attend_fwd(st, *args):
-    return _forward(st, *args), None
-
-
-def _attend_bwd(st, residuals, d_out):
-    raise UnsupportedFeature(
-        "pallas ragged_page_attention is forward-only (an inference kernel); for gradients use platform='xla'"
-    )
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = forward_only(_forward, "ragged_page_attention")
 
 
 def heuristic_blocks(total: int, dtype) -> TpuRaggedPageBlocks:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejkernel.modules.operations._precision import matmul_precision
-from ejkernel.ops.utils.dropout import keep_mask, seed_bits
+from ejkernel.ops.utils.dropout import inverted_dropout, keep_mask, seed_bits
 from ejkernel.ops.utils.padding import pad_axis
 
 # ---- token descriptions ---------------------------------------------------------------------------
@@ -344,9 +344,8 @@ def backward_block(
     p_dropped = p
     if params.dropout_prob > 0.0:
         keep = _grouped(_dropout_keep(q_tokens, kv_tokens, dropout_seed, batch, num_heads, params), num_kv_heads)
-        scale = 1.0 / (1.0 - params.dropout_prob)
-        p_dropped = jnp.where(keep, p * scale, 0.0)
-        dp = jnp.where(keep, dp * scale, 0.0)
+        p_dropped = inverted_dropout(p, keep, params.dropout_prob)
+        dp = inverted_dropout(dp, keep, params.dropout_prob)
     dv = jnp.einsum("bkgqs,bqkgd->bskd", p_dropped.astype(d_out.dtype), dog, preferred_element_type=jnp.float32)
     ds = p * (dp - _grouped(delta, num_kv_heads)[..., None])
     ds_raw = ds if capped is None else ds * (1.0 - capped * capped)

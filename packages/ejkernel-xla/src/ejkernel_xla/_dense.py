@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ejkernel.ops.utils.dropout import seed_bits
+from ejkernel.ops.utils.dropout import inverted_dropout, seed_bits
 from ejkernel_xla._blockwise import (
     AttentionParams,
     Tokens,
@@ -128,7 +128,7 @@ def _forward(params: AttentionParams, guard: str, q, k, v, bias, aux, mask, q_to
     if params.dropout_prob > 0.0:
         keep = _grouped(_dropout_keep(q_tok, kv_tok, seed, batch, num_heads, params), num_kv_heads)
         # from the saved P, as the backward does: both passes use the same rounded probabilities
-        p_used = jnp.where(keep, p_saved.astype(jnp.float32) * (1.0 / (1.0 - params.dropout_prob)), 0.0).astype(v.dtype)
+        p_used = inverted_dropout(p_saved.astype(jnp.float32), keep, params.dropout_prob).astype(v.dtype)
     out = weighted_values(p_used, v).reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)
     return out, p_saved, lse
 
@@ -148,9 +148,8 @@ def _backward(params: AttentionParams, res, d_out):
     p_used = p
     if params.dropout_prob > 0.0:
         keep = _grouped(_dropout_keep(q_tok, kv_tok, seed, batch, num_heads, params), num_kv_heads)
-        scale = 1.0 / (1.0 - params.dropout_prob)
-        p_used = jnp.where(keep, p.astype(jnp.float32) * scale, 0.0).astype(p.dtype)
-        dp = jnp.where(keep, dp * scale, 0.0)
+        p_used = inverted_dropout(p.astype(jnp.float32), keep, params.dropout_prob).astype(p.dtype)
+        dp = inverted_dropout(dp, keep, params.dropout_prob)
     dv = jnp.einsum("bkgqs,bqkgd->bskd", p_used.astype(d_out.dtype), dog, preferred_element_type=jnp.float32)
     ds = p.astype(jnp.float32) * (dp - _grouped(delta, num_kv_heads)[..., None])  # = d(logits after soft cap)
     ds_raw = ds

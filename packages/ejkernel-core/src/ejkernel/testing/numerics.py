@@ -415,6 +415,26 @@ class ConformanceSuite(BadInputChecks):
         """``names`` where the backend takes gradients, else nothing."""
         return names if self.supports_gradients else ()
 
+    def assert_rows_are_zero(self, inputs: Mapping[str, Any], rows: Any, wrt: Sequence[str]) -> jax.Array:
+        """The call's output, and its finite gradients w.r.t. ``wrt`` (where the backend takes gradients), are 0
+        on ``rows`` (an index into axis 0: rows that attend to nothing); returns the output."""
+        wrt = self.gradients_of(*wrt)
+        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5, self.compiler_options)
+        np.testing.assert_array_equal(np.asarray(out[rows]), 0.0)
+        for name, grad in grads.items():
+            assert_finite(grad, f"d {name}")
+            np.testing.assert_array_equal(np.asarray(grad[rows]), 0.0)
+        return out
+
+    def heuristic_config_that_runs(self, implementation: Any, inputs: Mapping[str, Any], unset_config: Any) -> Any:
+        """``implementation``'s heuristic config for the call on ``inputs``, checked to run bit for bit as
+        ``unset_config`` (its fields left at None, resolved by the implementation): the heuristic spells out
+        what runs, which the executor stores."""
+        cfg = implementation.heuristic_config(self.operation_type().validate(**inputs))
+        run = jax.jit(lambda c, **kw: self.call(**kw, cfg=c), static_argnums=0)
+        assert (run(cfg, **inputs) == run(unset_config, **inputs)).all()
+        return cfg
+
     def assert_matmul_precision(self, inputs: Mapping[str, Any], wrt: str, precision: Any, expected: Any) -> None:
         """Every matmul of the call with ``precision=precision``, and of its gradient w.r.t. ``wrt``, runs at
         ``expected``."""

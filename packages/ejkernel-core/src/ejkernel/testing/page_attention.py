@@ -28,9 +28,7 @@ from ejkernel.testing.numerics import (
     DTYPES,
     ConformanceSuite,
     assert_close,
-    assert_finite,
     exact_matmuls,
-    forward_and_vjp,
     normal_array,
     run_jitted,
 )
@@ -160,13 +158,8 @@ class PageAttentionConformance(ConformanceSuite, QuantizedCacheChecks):
     def test_empty_sequences_give_zeros(self):
         inputs = self.make_inputs(5, SHAPES["mha"], "float32")
         inputs["context_lens"] = inputs["context_lens"].at[1:].set(0)
-        wrt = self.gradients_of("query")
-        out, grads, _ = forward_and_vjp(lambda **kw: self.call(**kw), inputs, wrt, 5, self.compiler_options)
-        np.testing.assert_array_equal(np.asarray(out[1:]), 0.0)
+        out = self.assert_rows_are_zero(inputs, slice(1, None), wrt=("query",))
         assert np.abs(np.asarray(out[0])).sum() > 0
-        for name, grad in grads.items():
-            assert_finite(grad, f"d {name}")
-            np.testing.assert_array_equal(np.asarray(grad[1:]), 0.0)
 
     def test_jit_and_vmap(self):
         inputs = self.make_inputs(6, SHAPES["gqa4_odd"], "float32")

@@ -270,7 +270,7 @@ def _fwd_kernel(*refs, st: _Static, names):
         if st.dropout_prob > 0.0:
             kv_cols = kj * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
             keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
-            p = jnp.where(keep, p * (1.0 / (1.0 - st.dropout_prob)), 0.0)
+            p = dropout_hash.inverted_dropout(p, keep, st.dropout_prob)
         acc = acc * alpha[:, None] + _dot(st, p.astype(v.dtype), v, 1, 0)
         return m_new, l_new, acc
 
@@ -324,9 +324,8 @@ def _dkv_kernel(*refs, st: _Static, names):
         p_dropped = p
         if st.dropout_prob > 0.0:
             keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
-            scale = 1.0 / (1.0 - st.dropout_prob)
-            p_dropped = jnp.where(keep, p * scale, 0.0)
-            dp = jnp.where(keep, dp * scale, 0.0)
+            p_dropped = dropout_hash.inverted_dropout(p, keep, st.dropout_prob)
+            dp = dropout_hash.inverted_dropout(dp, keep, st.dropout_prob)
         dv = dv + _dot(st, p_dropped.astype(do.dtype), do, 0, 0)
         delta = _row_dot(st, do, r["o"][rows, :]) if st.exact_delta else r["delta"][rows]
         ds = p * (dp - delta[:, None])
@@ -362,7 +361,7 @@ def _dq_kernel(*refs, st: _Static, names):
         dp = _dot(st, do, v, 1, 1)
         if st.dropout_prob > 0.0:
             keep = _dropout_keep(st, r, batch, head, q_rows, kv_cols)
-            dp = jnp.where(keep, dp * (1.0 / (1.0 - st.dropout_prob)), 0.0)
+            dp = dropout_hash.inverted_dropout(dp, keep, st.dropout_prob)
         ds = p * (dp - delta[:, None])
         if cap_grad is not None:
             ds = ds * cap_grad

@@ -187,6 +187,19 @@ def init_softmax_state(sinks, m_ref, l_ref, acc_ref):
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
+def online_softmax_step(s, m_ref, l_ref):
+    """Fold a tile of logits ``s`` (-inf where masked) into the running max / sum refs; returns ``(p, alpha)``:
+    the tile's probabilities against the new max, and the factor that rescales what was accumulated before."""
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+    p = jnp.exp(s - m_safe)
+    alpha = jnp.exp(m_prev - m_safe)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
+    m_ref[...] = m_new
+    return p, alpha
+
+
 def _fwd_kernel(*refs, st: _Static, names):
     r = dict(zip(names, refs))
     block_q, block_kv = st.blocks.fwd_q, st.blocks.fwd_kv
@@ -201,16 +214,10 @@ def _fwd_kernel(*refs, st: _Static, names):
     def _step():
         s, _, mask, rows, cols = _logits_and_mask(st, r, b, h, qi, ki, block_q, block_kv)
         s = jnp.where(mask, s, -jnp.inf)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1, keepdims=True)
-        m_ref[...] = m_new
+        p, alpha = online_softmax_step(s, m_ref, l_ref)
         if st.dropout_prob > 0.0:
             keep = _dropout_keep(st, r, b, h, rows, cols)
-            p = jnp.where(keep, p * (1.0 / (1.0 - st.dropout_prob)), 0.0)
+            p = dropout_hash.inverted_dropout(p, keep, st.dropout_prob)
         v = r["v"][...]
         pv = _dot(st, p.astype(v.dtype), v, 1, 0)
         acc_ref[...] = alpha * acc_ref[...] + pv
@@ -276,9 +283,8 @@ def _probabilities_and_dlogits(st: _Static, r, b, h, qi, ki, block_q, block_kv):
     p_dropped = p
     if st.dropout_prob > 0.0:
         keep = _dropout_keep(st, r, b, h, rows, cols)
-        inv_keep = 1.0 / (1.0 - st.dropout_prob)
-        p_dropped = jnp.where(keep, p * inv_keep, 0.0)
-        dp = jnp.where(keep, dp * inv_keep, 0.0)
+        p_dropped = dropout_hash.inverted_dropout(p, keep, st.dropout_prob)
+        dp = dropout_hash.inverted_dropout(dp, keep, st.dropout_prob)
     if st.exact_delta:
         products = _dot(st, do, r["o"][...], 1, 1)
         diagonal = jax.lax.broadcasted_iota(jnp.int32, products.shape, 0) == jax.lax.broadcasted_iota(

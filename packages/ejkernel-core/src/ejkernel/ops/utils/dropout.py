@@ -61,3 +61,9 @@ def keep_mask(seed, batch, head, row, col, dropout_prob: float):
     rows = row_hash(seed, batch, head, row)
     elem = fmix32(rows ^ (jnp.asarray(col).astype(jnp.uint32) * jnp.uint32(COL_MULTIPLIER)))
     return elem >= jnp.uint32(threshold(dropout_prob))
+
+
+def inverted_dropout(x, keep, dropout_prob: float):
+    """``x`` where ``keep``, times ``1 / (1 - dropout_prob)`` (the kept entries carry the dropped ones'
+    expectation), 0 where dropped."""
+    return jnp.where(keep, x * (1.0 / (1.0 - dropout_prob)), 0.0)
