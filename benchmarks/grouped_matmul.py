@@ -27,26 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import relative_error, time_calls, versions  # noqa: E402
+from _harness import relative_error, time_calls, usable_platforms, versions  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STANDARD = [(16384, 2048, 2048, 8), (16384, 2048, 2048, 64)]
 QUICK = [(96, 32, 48, 4)]
-
-
-def usable_platforms(algorithm: str) -> list[str]:
-    """Platforms registering ``algorithm`` for this machine's device whose backend is usable, best first."""
-    from ejkernel.kernels._registry import kernel_registry
-    from ejkernel.plugins import usable_reason
-
-    platforms: list[str] = []
-    for spec in kernel_registry.find(algorithm, None, jax.default_backend()):
-        reason = usable_reason(spec.plugin)
-        if reason:
-            print(f"# skipping ejkernel {algorithm} platform={spec.platform.value}: {reason}", file=sys.stderr)
-        elif spec.platform.value not in platforms:
-            platforms.append(spec.platform.value)
-    return platforms
 
 
 def inputs(seed: int, m: int, k: int, n: int, groups: int, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
