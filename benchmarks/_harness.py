@@ -9,7 +9,9 @@ platforms usable here, and a result document written after every row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
+import functools
 import json
 import platform as host_platform
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -167,3 +170,102 @@ def timed_row(rec: Recorder, row: dict, make_step: Callable[[], Callable], sets:
     shown = row.get("error") or f"{row['ms']:9.3f} ms {row[unit]:8.1f} {'TFLOP/s' if unit == 'tflops' else 'GB/s'}"
     print(f"{label} {row.get('mode', ''):7s} {row['impl']:28s} {shown}", flush=True)
     return row
+
+
+# ---- attention-like sweeps (dense_attention.py, mla.py): S x causal x implementation x mode ---------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One implementation: ``fn(*inputs, causal=...)`` -> out, or (out, aux) when ``has_aux`` (aux, e.g.
+    the attention weights, is returned by the step but not differentiated)."""
+
+    name: str
+    fn: Callable
+    has_aux: bool = False
+
+
+def add_sweep_args(parser: argparse.ArgumentParser, *, seqs: str, errors: str) -> None:
+    parser.add_argument("--seqs", default=seqs, help="sequence lengths (batch = tokens / S)")
+    parser.add_argument("--causal", default="no,yes")
+    parser.add_argument("--modes", default="fwd,fwd+bwd")
+    parser.add_argument("--impls", default="", help="comma-separated subset of the column names")
+    parser.add_argument("--tokens", type=int, default=16384, help="batch * seq")
+    parser.add_argument("--errors", default=errors, help="seq lengths at which to measure numerics ('' for none)")
+
+
+@functools.lru_cache(maxsize=None)
+def make_step(column: Column, causal: bool | None, mode: str) -> Callable:
+    """The jitted forward ``(*inputs)``, or forward+backward ``(*inputs, cotangent)`` -> (out, [aux,] grads of
+    every input) through ``jax.vjp`` (one per column, causal and mode: numerics and timing share its
+    compilations); ``causal=None``: ``column.fn`` takes no ``causal``."""
+    attend = column.fn if causal is None else functools.partial(column.fn, causal=causal)
+    if mode == "fwd":
+        return jax.jit(attend)
+
+    def fwd_bwd(*inputs):
+        *primals, cotangent = inputs
+        if column.has_aux:
+            out, pullback, aux = jax.vjp(attend, *primals, has_aux=True)
+            return out, aux, pullback(cotangent)
+        out, pullback = jax.vjp(attend, *primals)
+        return out, pullback(cotangent)
+
+    return jax.jit(fwd_bwd)
+
+
+def gradient_errors(column: Column, reference: Callable, inputs: tuple, causal: bool | None,
+                    names: Sequence[str]) -> dict[str, float]:
+    """Relative L2 error of the output and every input's gradient (``names``: out, then one per input)
+    against ``reference`` run in float32 on the same inputs (the last one the output's cotangent)."""
+    got = make_step(column, causal, "fwd+bwd")(*inputs)
+    want = make_step(Column("reference", reference), causal, "fwd+bwd")(*(x.astype(jnp.float32) for x in inputs))
+    got = (got[0], *got[-1])
+    want = (want[0], *want[-1])
+    return {name: relative_error(g, w) for name, g, w in zip(names, got, want)}
+
+
+def sweep(rec: Recorder, args: argparse.Namespace, dims: dict, inputs: Callable[[int, int, int], list[tuple]],
+          columns: Sequence[Column], flops: Callable[[dict, bool, str], float], reference: Callable,
+          names: Sequence[str], title: str) -> None:
+    """Time every column at every ``--seqs`` length S (batch ``--tokens`` / S; ``inputs(seed, batch, seq)``
+    gives the input sets, each one's last entry the output's cotangent), ``--causal`` and ``--modes``, as rows
+    ``impl, **dims, seq, batch, causal, mode, ms, tflops`` (``attention.py``'s: its ``plot`` draws the PNG
+    and ``markdown_table`` the printed table; ``dims`` must hold ``head_dim``); numerics
+    (:func:`gradient_errors` against ``reference``, one name per output and input) at the ``--errors``
+    lengths into ``doc["numerics"]``."""
+    from attention import markdown_table, plot
+
+    wanted = {s for s in args.impls.split(",") if s}
+    columns = [c for c in columns if not wanted or c.name in wanted]
+    error_seqs = {int(s) for s in args.errors.split(",") if s}
+    numerics = rec.doc.setdefault("numerics", [])
+    for seed, seq in enumerate(int(s) for s in args.seqs.split(",")):
+        batch = max(1, args.tokens // seq)
+        shape, sets = dict(**dims, seq=seq, batch=batch), inputs(seed, batch, seq)
+        for causal in (c == "yes" for c in args.causal.split(",")):
+            label = f"S={seq:5d} B={batch:2d} {'causal' if causal else 'full  '}"
+            for column in columns:
+                if seq in error_seqs:
+                    entry = dict(impl=column.name, **shape, causal=causal)
+                    try:
+                        entry.update(gradient_errors(column, reference, sets[0], causal, names))
+                    except Exception as error:  # noqa: BLE001
+                        entry["error"] = failure(error)
+                    numerics.append(entry)
+                for mode in args.modes.split(","):
+                    row = dict(impl=column.name, **shape, causal=causal, mode=mode)
+                    mode_sets = [s if mode == "fwd+bwd" else s[:-1] for s in sets]
+                    timed_row(rec, row, lambda: make_step(column, causal, mode), mode_sets, args,
+                              flops(shape, causal, mode), label=label)
+        del sets
+    impls = [c.name for c in columns]
+    rec.finish(lambda doc, path: plot(doc["rows"], impls, path, f"{title}, {args.dtype}, {args.tokens} tokens "
+                                      f"— {doc['device']}, {doc['date'][:10]}"))
+    print(f"\n## {rec.device}, TFLOP/s (D = head_dim)")
+    print(markdown_table(rec.doc["rows"], impls))
+    if numerics:
+        print(f"\n## relative L2 error vs the float32 reference ({' / '.join(names)})")
+    for n in numerics:
+        values = n.get("error") or " ".join(f"{n[name]:.2e}" for name in names)
+        print(f"S={n['seq']} causal={n['causal']} {n['impl']:28s} {values}")
