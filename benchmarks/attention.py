@@ -29,19 +29,16 @@ import datetime as dt
 import functools
 import json
 import math
-import platform as host_platform
 import sys
-import time
 import traceback
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import RESULTS_DIR, relative_error, time_calls, usable_platforms, versions  # noqa: E402,F401 (re-exported)
 
 
 # ---- implementations ---------------------------------------------------------------------------------
@@ -90,20 +87,7 @@ def _flash_attn3() -> Callable | None:
 def usable_gpu_platforms(algorithm: str) -> list[str]:
     """The platforms that register ``algorithm`` for the GPU and can run here, best first (each one passed
     over is named on stderr with its reason)."""
-    from ejkernel.kernels._registry import kernel_registry
-    from ejkernel.plugins import usable_reason
-
-    platforms = []
-    for spec in kernel_registry.find(algorithm, None, "gpu"):
-        platform = spec.platform.value
-        if platform in platforms:
-            continue
-        reason = usable_reason(spec.plugin)
-        if reason:
-            print(f"# skipping ejkernel {algorithm} platform={platform}: {reason}", file=sys.stderr)
-            continue
-        platforms.append(platform)
-    return platforms
+    return usable_platforms(algorithm, "gpu")
 
 
 def _ejkernel_impls() -> list[Impl]:
@@ -224,22 +208,6 @@ def random_inputs(key, batch, seq, heads, head_dim, dtype, sets):
     return out
 
 
-def time_calls(run: Callable[[int], Any], warmup: int, reps: int, calls: int) -> float:
-    """Median over `reps` samples of the mean time of `calls` back-to-back calls ``run(i)`` (seconds); ``run``
-    picks its inputs from the call number ``i`` (rotating input sets beat the L2 cache)."""
-    for i in range(warmup):
-        jax.block_until_ready(run(i))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        last = None
-        for c in range(calls):
-            last = run(c)
-        jax.block_until_ready(last)
-        samples.append((time.perf_counter() - t0) / calls)
-    return float(np.median(samples))
-
-
 def time_step(step, inputs, mode, warmup, reps, calls) -> float:
     """:func:`time_calls` of an attention step over rotating (q, k, v[, do]) input sets."""
     args = [x if mode == "fwd+bwd" else x[:3] for x in inputs]
@@ -247,14 +215,6 @@ def time_step(step, inputs, mode, warmup, reps, calls) -> float:
 
 
 # ---- numerics ----------------------------------------------------------------------------------------
-
-
-def relative_error(a, b) -> float:
-    """Relative L2 error of ``a`` against ``b`` in float64 (inf when ``a`` is not finite)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def errors(impl: Impl, q, k, v, do, causal) -> dict[str, float]:
@@ -284,19 +244,6 @@ def give_fla_a_triton_cache() -> None:
         os.environ["TRITON_CACHE_DIR"] = (os.environ.get("FLA_TRITON_CACHE_DIR")
                                           or tempfile.mkdtemp(prefix="fla-triton-cache-"))
         os.makedirs(os.environ["TRITON_CACHE_DIR"], exist_ok=True)
-
-
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": host_platform.python_version(), "jax": jax.__version__}
-    for dist in ("jaxlib", "triton", "jax-triton", "ejkernel-core", "ejkernel-triton", "ejkernel-pallas", "ejkernel-xla",
-                 "ejkernel-cuda"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def markdown_table(rows: list[dict], impls: list[str]) -> str:

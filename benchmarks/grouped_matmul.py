@@ -16,8 +16,6 @@ relative L2 error against float32 ``ragged_dot`` on the same inputs. Writes ``<d
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,26 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import relative_error, time_calls, versions  # noqa: E402
+import _harness as h  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STANDARD = [(16384, 2048, 2048, 8), (16384, 2048, 2048, 64)]
 QUICK = [(96, 32, 48, 4)]
-
-
-def usable_platforms(algorithm: str) -> list[str]:
-    """Platforms registering ``algorithm`` for this machine's device whose backend is usable, best first."""
-    from ejkernel.kernels._registry import kernel_registry
-    from ejkernel.plugins import usable_reason
-
-    platforms: list[str] = []
-    for spec in kernel_registry.find(algorithm, None, jax.default_backend()):
-        reason = usable_reason(spec.plugin)
-        if reason:
-            print(f"# skipping ejkernel {algorithm} platform={spec.platform.value}: {reason}", file=sys.stderr)
-        elif spec.platform.value not in platforms:
-            platforms.append(spec.platform.value)
-    return platforms
 
 
 def inputs(seed: int, m: int, k: int, n: int, groups: int, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -63,7 +45,7 @@ def implementations() -> dict[str, Callable]:
 
     impls: dict[str, Callable] = {
         f"ejkernel-{p}": (lambda lhs, rhs, sizes, p=p: grouped_matmul(lhs, rhs, sizes, platform=p))
-        for p in usable_platforms("grouped_matmul")
+        for p in h.usable_platforms("grouped_matmul")
     }
     impls["jax-ragged-dot"] = lambda lhs, rhs, sizes: jax.lax.ragged_dot(
         lhs, rhs, sizes, preferred_element_type=jnp.float32)
@@ -72,24 +54,10 @@ def implementations() -> dict[str, Callable]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run on any machine)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--sets", type=int, default=3, help="fresh input sets rotated through")
-    p.add_argument("--out", default=str(RESULTS_DIR))
-    p.add_argument("--name", default="")
-    args = p.parse_args(argv)
+    h.add_common_args(p, reps=7, calls=10, warmup=3, sets=3)
+    args = h.parse(p, argv)
     dtype = jnp.dtype(args.dtype)
-    device = jax.devices()[0]
-    kind = str(getattr(device, "device_kind", device.platform))
-    now = dt.datetime.now(dt.timezone.utc)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"{'-'.join(kind.lower().split()[:2])}-{now:%Y-%m-%d}-grouped-matmul"
-    doc = dict(device=kind, date=now.isoformat(timespec="seconds"), versions=versions(), dtype=dtype.name,
-               flops="fwd 2*m*k*n, fwd+bwd 3x", rows=[])
+    rec = h.Recorder(args, "grouped-matmul", flops="fwd 2*m*k*n, fwd+bwd 3x")
     shapes = QUICK if args.quick else STANDARD
     for m, k, n, groups in shapes:
         sets = [inputs(s, m, k, n, groups, dtype) for s in range(args.sets)]
@@ -103,21 +71,20 @@ def main(argv=None) -> int:
                 forward = jax.jit(fn)
                 both = jax.jit(lambda lhs, rhs, sizes, fn=fn: jax.grad(
                     lambda a, b: fn(a, b, sizes).astype(jnp.float32).sum(), (0, 1))(lhs, rhs))
-                row["rel_err"] = relative_error(forward(lhs, rhs, sizes), reference)
+                row["rel_err"] = h.relative_error(forward(lhs, rhs, sizes), reference)
                 for mode, step, factor in (("fwd", forward, 1.0), ("fwd+bwd", both, 3.0)):
-                    secs = time_calls(lambda c, step=step: step(*sets[c % len(sets)]), args.warmup, args.reps,
-                                      args.calls)
+                    secs = h.time_calls(lambda c, step=step: step(*sets[c % len(sets)]), args.warmup, args.reps,
+                                        args.calls)
                     row[f"{mode}_ms"] = secs * 1e3
                     row[f"{mode}_tflops"] = factor * flops / secs / 1e12
             except Exception as error:  # noqa: BLE001 - one column failing leaves the others
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-            doc["rows"].append(row)
-            (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+                row["error"] = h.failure(error)
+            rec.add(row)
             shown = row.get("error") or (f"fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflops']:6.1f} TFLOP/s   "
                                          f"fwd+bwd {row['fwd+bwd_ms']:8.3f} ms {row['fwd+bwd_tflops']:6.1f} TFLOP/s   "
                                          f"err {row['rel_err']:.1e}")
             print(f"m={m} k={k} n={n} groups={groups:3d} {name:18s} {shown}", flush=True)
-    plot(doc, out_dir / f"{stem}.png")
+    rec.finish(plot)
     return 0
 
 
@@ -144,7 +111,7 @@ def plot(doc, path: Path) -> None:
         ax.set_title(f"grouped_matmul {mode}", fontsize=9)
         ax.legend(fontsize=7)
     m, k, n, _ = shapes[0]
-    fig.suptitle(f"{doc['device']}, {doc['date']}, m={m} k={k} n={n}, {doc['dtype']}", fontsize=9)
+    fig.suptitle(f"{doc['device']}, {doc['date']}, m={m} k={k} n={n}, {doc['setup']['dtype']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
