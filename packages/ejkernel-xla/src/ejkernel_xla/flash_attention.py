@@ -181,8 +181,11 @@ def dense_peak_bytes(call: FlashAttentionCall) -> int:
     for the backward (``itemsize`` per logit computed) plus one chunk's transients at a time (float32
     logits and probability gradient, the logit gradient in the inputs' dtype: ``8 + itemsize`` per logit
     of the largest chunk). One call (no query chunks): ``B*H*Sq*Skv * (8 + 2*itemsize)``."""
-    total, largest = _logits_counts(call)
-    itemsize = call.query.dtype.itemsize
+    return dense_peak_bytes_of(*_logits_counts(call), call.query.dtype.itemsize)
+
+
+def dense_peak_bytes_of(total: int, largest: int, itemsize: int) -> int:
+    """:func:`dense_peak_bytes` from the logit counts (all chunks, the largest chunk) and the inputs' itemsize."""
     return total * itemsize + largest * (8 + itemsize)
 
 
@@ -197,9 +200,14 @@ def _logits_counts(call: FlashAttentionCall) -> tuple[int, int]:
     """``(all chunks, the largest chunk)`` logits the dense path computes (``B*H*Sq*Skv`` twice for one call;
     causal query chunks compute only the key ranges their queries see; other chunks split the rows)."""
     batch, q_len, num_heads, _ = call.query.shape
-    kv_len = call.key.shape[1]
-    params = AttentionParams.of(call)
-    chunks = query_chunk_count(params, q_len, kv_len, call.bias, call.attention_mask, call.cum_seqlens_q is not None)
+    return logits_counts(AttentionParams.of(call), batch, num_heads, q_len, call.key.shape[1], call.bias,
+                         call.attention_mask, call.cum_seqlens_q is not None)
+
+
+def logits_counts(params: AttentionParams, batch: int, num_heads: int, q_len: int, kv_len: int, bias=None,
+                  attention_mask=None, varlen: bool = False) -> tuple[int, int]:
+    """:func:`_logits_counts` of an attention of these shapes (for operations built on this one)."""
+    chunks = query_chunk_count(params, q_len, kv_len, bias, attention_mask, varlen)
     sizes = [(stop - start) * (last - first) for start, stop, first, last in
              query_chunk_spans(params, q_len, kv_len, chunks)]
     return batch * num_heads * sum(sizes), batch * num_heads * max(sizes)

@@ -1,5 +1,7 @@
-"""XLA ``multi_head_latent_attention``: the flash-attention blockwise kernel (``_blockwise``, custom VJP,
-memory O(S)) on one of two equivalent forms, whichever costs fewer FLOPs per (query, key) pair:
+"""XLA ``multi_head_latent_attention``: the attention of XLA's ``flash_attention`` -- the dense path where its
+S² buffers fit the device (``flash_attention``'s rule: GPU/TPU, forward+backward within
+``DENSE_MEMORY_SHARE`` of the device's memory), else the blockwise kernel (``_blockwise``, custom VJP, memory
+O(S)) -- on one of two equivalent forms, whichever costs fewer FLOPs per (query, key) pair:
 
 - expanded: up-project the latent to per-kv-head keys/values (``key_value @ w_kc``, ``@ w_vc``), append
   the RoPE parts to queries/keys, GQA attention with head width ``head_dim + rope_dim``;
@@ -21,30 +23,50 @@ import jax.numpy as jnp
 
 from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttentionCall
 from ejkernel_xla._blockwise import AttentionParams, flash_attention_blockwise, key_tokens, query_tokens
+from ejkernel_xla._dense import flash_attention_dense
 from ejkernel_xla._jitted import JittedImplementation
-from ejkernel_xla.flash_attention import XlaBlockConfig
+from ejkernel_xla.flash_attention import XlaBlockConfig, dense_budget_bytes, dense_peak_bytes_of, logits_counts
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaMlaConfig(XlaBlockConfig):
-    """The blockwise loop's block sizes (as in ``XlaBlockConfig``) and the form: ``absorb=True`` attends in
-    the latent space (one shared kv head of width ``kv_lora_rank``), ``False`` on expanded per-head
-    keys/values, ``None`` whichever costs fewer FLOPs. A user's config may leave any field at None:
-    :meth:`resolved` decides them for the call where it runs; the heuristic config is a resolved one (the
-    form and every block size of the loop that runs)."""
+    """The form, the path and the blockwise loop's block sizes (as in ``XlaBlockConfig``). ``absorb=True``
+    attends in the latent space (one shared kv head of width ``kv_lora_rank``), ``False`` on expanded
+    per-head keys/values, ``None`` whichever costs fewer FLOPs. ``dense=True`` runs the dense attention (no
+    blocks), ``False`` the blockwise loop, ``None`` ``flash_attention``'s rule (dense where its
+    forward+backward buffers fit; a block size given selects the blockwise loop). A user's config may leave
+    any field at None: :meth:`resolved` decides them for the call where it runs; the heuristic config is a
+    resolved one (the form, the path and, on the blockwise path, every block size of the loop that runs)."""
 
     absorb: bool | None = None
+    dense: bool | None = None
+
+    def __post_init__(self):
+        if self.dense not in (None, True, False):
+            raise ValueError(f"XlaMlaConfig: dense must be True, False or None (the rule), got {self.dense!r}")
+        if self.dense and self.has_blocks:
+            raise ValueError(
+                f"XlaMlaConfig: dense=True runs no blocks, but block sizes were given ({self.block_fields()})"
+            )
 
     def resolved(self, call: MultiHeadLatentAttentionCall) -> XlaMlaConfig:
-        """This config with the form (``absorb``, None: the cheaper one) and the block sizes
-        (``XlaBlockConfig``'s defaults for the attended width: ``kv_lora_rank``, or the head dim, plus the
-        rope dim) decided for ``call``. A resolved config is its own."""
+        """This config with the form (``absorb``, None: the cheaper one), the path (``dense``, None:
+        the rule) and the block sizes (``XlaBlockConfig``'s defaults for the attended width: ``kv_lora_rank``,
+        or the head dim, plus the rope dim) decided for ``call``. A resolved config is its own."""
         rank, _, v_head_dim = call.w_vc.shape
-        head_dim = call.query.shape[-1]
+        batch, seq_len, num_heads, head_dim = call.query.shape
         absorb = self.absorb if self.absorb is not None else absorb_is_cheaper(rank, head_dim, v_head_dim)
+        dense = self.dense
+        if dense is None:
+            budget = dense_budget_bytes()
+            params = AttentionParams(softmax_scale=call.softmax_scale, causal=call.causal, precision=call.precision)
+            counts = logits_counts(params, batch, num_heads, seq_len, seq_len, varlen=call.cu_seqlens is not None)
+            dense = (not self.has_blocks and budget is not None
+                     and dense_peak_bytes_of(*counts, call.query.dtype.itemsize) <= budget)
+        if dense:
+            return dataclasses.replace(self, absorb=absorb, dense=True)
         width = (rank if absorb else head_dim) + (0 if call.b_q is None else call.b_q.shape[-1])
-        seq_len = call.query.shape[1]
-        return dataclasses.replace(self, absorb=absorb).with_blocks(seq_len, seq_len, width)
+        return dataclasses.replace(self, absorb=absorb, dense=False).with_blocks(seq_len, seq_len, width)
 
 
 def absorb_is_cheaper(kv_lora_rank: int, head_dim: int, v_head_dim: int) -> bool:
@@ -82,15 +104,15 @@ def _mla(call: MultiHeadLatentAttentionCall, config: XlaMlaConfig) -> jax.Array:
             rope_k = jnp.broadcast_to(b_k[:, :, None, :], (batch, seq_len, num_kv_heads, b_k.shape[-1]))
             k = jnp.concatenate([k, rope_k], axis=-1)
 
-    out = flash_attention_blockwise(
-        q,
-        k,
-        v,
+    attention = dict(
         params=AttentionParams(softmax_scale=call.softmax_scale, causal=call.causal, precision=call.precision),
-        blocks=config.blocks(seq_len, seq_len, q.shape[-1]),
         q_tokens=query_tokens(batch, seq_len, seq_len, cum_seqlens_q=call.cu_seqlens, cum_seqlens_k=call.cu_seqlens),
         kv_tokens=key_tokens(batch, seq_len, cum_seqlens_k=call.cu_seqlens),
     )
+    if config.dense:
+        out = flash_attention_dense(q, k, v, **attention)
+    else:
+        out = flash_attention_blockwise(q, k, v, blocks=config.blocks(seq_len, seq_len, q.shape[-1]), **attention)
     if absorb:
         grouped_out = out.reshape(batch, seq_len, num_kv_heads, group, rank)
         out = jnp.einsum("bskgr,rkd->bskgd", grouped_out, w_vc, preferred_element_type=f32)
