@@ -58,14 +58,18 @@ class TestXlaMultiHeadLatentAttention(MultiHeadLatentAttentionConformance):
         assert precisions and set(precisions) == {expected}, precisions
 
 
-def test_heuristic_config_spells_out_the_form():
-    """The form a config left at None takes (whichever costs fewer FLOPs) and the block sizes of the loop
-    that runs (the defaults, capped at the sequence) are what the heuristic returns: no field left at None;
-    a partial user config resolves to the same values, the given ones kept."""
+def test_heuristic_config_spells_out_the_form(monkeypatch):
+    """The form a config left at None takes (whichever costs fewer FLOPs) and, on the blockwise path (no
+    room for the dense one: a CPU, here on any device), the block sizes of the loop that runs (the defaults,
+    capped at the sequence) are what the heuristic returns: no field left at None; a partial user config
+    resolves to the same values, the given ones kept."""
     import dataclasses
 
     from ejkernel.modules.operations.multi_head_latent_attention import MultiHeadLatentAttention
+    from ejkernel_xla import multi_head_latent_attention as mla
     from ejkernel_xla.multi_head_latent_attention import IMPLEMENTATION, absorb_is_cheaper
+
+    monkeypatch.setattr(mla, "dense_budget_bytes", lambda: None)
 
     suite = TestXlaMultiHeadLatentAttention()
     for case in CASES.values():
@@ -75,7 +79,7 @@ def test_heuristic_config_spells_out_the_form():
         seq = call.query.shape[1]
         config = IMPLEMENTATION.heuristic_config(call)
         absorb = absorb_is_cheaper(rank, call.query.shape[-1], v_head_dim)
-        assert config == XlaMlaConfig(seq, seq, seq, seq, absorb=absorb, dense=False)  # CPU: never dense
+        assert config == XlaMlaConfig(seq, seq, seq, seq, absorb=absorb, dense=False)
         assert all(getattr(config, f.name) is not None for f in dataclasses.fields(config))
         assert XlaMlaConfig().resolved(call) == config and config.resolved(call) == config
         assert XlaMlaConfig(block_kv=2).resolved(call) == dataclasses.replace(config, block_kv=2, bwd_block_kv=2)
