@@ -121,9 +121,11 @@ NARROW_PREFETCH = 3
 
 
 def cache_kind(dtype) -> str:
-    """The key of :data:`PROGRAM_REGISTERS` for a cache dtype."""
-    name = np.dtype(dtype).name
-    return "float8" if name.startswith("float8") else "int8" if name == "int8" else "16-bit"
+    """The key of :data:`PROGRAM_REGISTERS` for a cache dtype ("float8", "int8", "16-bit" or the dtype's name)."""
+    dtype = np.dtype(dtype)
+    if dtype.name.startswith("float8"):
+        return "float8"
+    return "16-bit" if dtype.itemsize == 2 else dtype.name
 
 
 def resident_programs(block_n: int, prefetch: int, head_dim: int, dtype) -> int:
