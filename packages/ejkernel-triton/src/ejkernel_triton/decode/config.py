@@ -6,8 +6,9 @@ bandwidth. The heuristic's model (measured on the H200, packages/ejkernel-triton
 equal-length programs start and end together, so the grid should be ONE wave: every program resident at once,
 as many of the SM's slots busy as the work allows. A program's slots per SM follow from its shared memory
 (:func:`resident_programs`) and registers: 64-key steps with two in flight take 72 KB (3 per SM), 32-key steps
-with three in flight 55 KB (4 per SM); over float8 caches the 64-key program's registers allow 3. With few (sequence, kv head) pairs, ``num_splits`` cuts each sequence's keys into
-chunks (flash-decoding) until the wave is full; with more pairs than one wave of the 64-key program holds, paged
+with three in flight 55 KB (4 per SM); over float8 caches the 64-key program's registers allow 3. With few
+(sequence, kv head) pairs, ``num_splits`` cuts each sequence's keys into chunks (flash-decoding) until the wave
+is full; with more pairs than one wave of the 64-key program holds, paged
 caches take the 32-key program when its wave is fuller (batch 64 x 8 kv heads: 512 programs = one wave of 528
 slots instead of 1.3 waves of 396, where the last 0.3 wave streamed alone: 70 % of the copy bandwidth measured).
 """
