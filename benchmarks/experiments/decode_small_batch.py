@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--config", action="append", default=[], help="a TritonDecodeConfig row, e.g. "
                         "block_n=32,prefetch=3,num_splits=2 (repeatable)")
     args = parser.parse_args()
-    only = [n for n in args.only.split(",") if n]
+    only = [n for n in re.split(r",(?![^\[]*\])", args.only) if n]  # commas inside "ours[...]" names stay
     table = impls(tuple(int(x) for x in args.splits.split(",") if x), not args.inline_only, args.config)
     shapes = itertools.product(*(map(int, text.split(",")) for text in (args.contexts, args.batches, args.page_sizes)))
     for context, batch, page_size in shapes:
