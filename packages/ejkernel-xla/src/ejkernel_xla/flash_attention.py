@@ -112,6 +112,19 @@ class XlaBlockConfig:
             bwd_kv=self.bwd_block_kv,
         )
 
+    def check_path_fields(self, *names: str) -> None:
+        """``ValueError`` naming the field unless each of ``names`` is True, False or None (the rule), and
+        unless a ``dense=True`` config leaves the block sizes out (the dense path runs none)."""
+        owner = type(self).__name__
+        for name in names:
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{owner}: {name} must be True, False or None (the rule), got {getattr(self, name)!r}")
+        if getattr(self, "dense", None) and self.has_blocks:
+            raise ValueError(
+                f"{owner}: dense=True runs no blocks, but block sizes were given ({self.block_fields()}); "
+                "drop them or pass dense=False/None"
+            )
+
     def with_blocks(self, q_len: int, kv_len: int, head_dim: int):
         """This config with every block size the loops over ``q_len`` x ``kv_len`` (heads of ``head_dim``)
         run: the given ones capped at the lengths, the rest the defaults (the class docstring)."""
@@ -140,16 +153,7 @@ class XlaFlashConfig(XlaBlockConfig):
     forward_dense: bool | None = None
 
     def __post_init__(self):
-        for name in ("dense", "forward_dense"):
-            if getattr(self, name) not in (None, True, False):
-                raise ValueError(
-                    f"XlaFlashConfig: {name} must be True, False or None (the rule), got {getattr(self, name)!r}"
-                )
-        if self.dense and self.has_blocks:
-            raise ValueError(
-                f"XlaFlashConfig: dense=True runs no blocks, but block sizes were given ({self.block_fields()}); "
-                "drop them or pass dense=False/None"
-            )
+        self.check_path_fields("dense", "forward_dense")
         if self.forward_dense is not None and self.dense is None:
             raise ValueError("XlaFlashConfig: forward_dense chooses the forward beside dense=False; pass dense too")
         if self.dense and self.forward_dense is False:

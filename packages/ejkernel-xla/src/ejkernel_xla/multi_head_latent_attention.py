@@ -42,12 +42,7 @@ class XlaMlaConfig(XlaBlockConfig):
     dense: bool | None = None
 
     def __post_init__(self):
-        if self.dense not in (None, True, False):
-            raise ValueError(f"XlaMlaConfig: dense must be True, False or None (the rule), got {self.dense!r}")
-        if self.dense and self.has_blocks:
-            raise ValueError(
-                f"XlaMlaConfig: dense=True runs no blocks, but block sizes were given ({self.block_fields()})"
-            )
+        self.check_path_fields("absorb", "dense")
 
     def resolved(self, call: MultiHeadLatentAttentionCall) -> XlaMlaConfig:
         """This config with the form (``absorb``, None: the cheaper one), the path (``dense``, None:
