@@ -14,10 +14,8 @@ import ctypes
 import dataclasses
 import os
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,25 +30,9 @@ from ejkernel.testing.numerics import assert_close, normal_array
 from ejkernel_cuda import _native, native_flash, plugin
 from ejkernel_cuda.flash_attention import IMPLEMENTATION as FLASH
 from ejkernel_cuda.flash_attention import NATIVE_PRIORITY, CudaFlashConfig
+from native_tools import cuobjdump, mnemonics, needs_nvcc
 
 ON_GPU = jax.default_backend() == "gpu"
-
-
-def _nvidia_tool(name: str) -> str | None:
-    """``name`` from PATH, else from the nvidia-cuda-* wheels of the dev group (nvidia/cu*/bin)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    import nvidia  # namespace package of the NVIDIA wheels
-
-    for root in nvidia.__path__:
-        for candidate in sorted(Path(root).glob(f"*/bin/{name}")):
-            return str(candidate)
-    return None
-
-
-NVCC = _nvidia_tool("nvcc") or shutil.which("nvcc", path=os.path.join(os.environ.get("CUDA_HOME", "/none"), "bin"))
-needs_nvcc = pytest.mark.skipif(not NVCC, reason="no nvcc on this machine: the native library cannot be built here")
 
 
 def _call(dtype=jnp.bfloat16, q_len=128, kv_len=128, head_dim=64, v_head_dim=None, heads=4, kv_heads=2, **kw):
@@ -68,24 +50,15 @@ def test_workspace_install_built_the_library_with_wgmma_and_tma():
     """`uv sync` (scripts/setup.sh) compiles csrc/ with nvcc where nvcc is found: a missing library here is a
     build failure, not a skip. Its sm_90a SASS holds warpgroup MMAs (HGMMA) and TMA loads (UTMALDG)."""
     assert _native.library_missing() is None, _native.library_missing()
-    cuobjdump = _nvidia_tool("cuobjdump")
-    if cuobjdump is None:
-        pytest.skip("no cuobjdump (the dev group's nvidia-cuda-cuobjdump) to read the SASS with")
-    nvdisasm = _nvidia_tool("nvdisasm")  # cuobjdump -sass runs it
-    env = dict(os.environ, PATH=os.pathsep.join(filter(None, [nvdisasm and str(Path(nvdisasm).parent),
-                                                               os.environ.get("PATH")])))
-    result = subprocess.run([cuobjdump, "-sass", str(_native.LIBRARY_PATH)], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    mnemonics = set(re.findall(r"\b([A-Z][A-Z0-9]+)(?=[.\s])", result.stdout))
-    assert {"HGMMA", "UTMALDG"} <= mnemonics, sorted(mnemonics)[:80]
-    assert "sm_90a" in subprocess.run([cuobjdump, "-lelf", str(_native.LIBRARY_PATH)], capture_output=True,
-                                      text=True, env=env).stdout
+    found = mnemonics(cuobjdump("-sass", str(_native.LIBRARY_PATH)))
+    assert {"HGMMA", "UTMALDG"} <= found, sorted(found)[:80]
+    assert "sm_90a" in cuobjdump("-lelf", str(_native.LIBRARY_PATH))
 
 
 @needs_nvcc
-def test_library_loads_and_exports_both_ffi_handlers():
+def test_library_loads_and_exports_the_ffi_handlers():
     library = ctypes.CDLL(str(_native.LIBRARY_PATH))
-    for name in ("EjkFlashForward", "EjkFlashBackward"):
+    for name in ("EjkFlashForward", "EjkFlashBackward", "EjkPagedForward"):
         assert hasattr(library, name), name
     # with no GPU, the CUDA plugin's handler table takes the registration (or keeps it waiting): no error
     assert _native.registration_failed() is None

@@ -1,34 +1,13 @@
 // Flash-attention forward for Hopper (sm_90a).
 //
-// One CTA per (128-query tile, query head, batch): three warpgroups. Warpgroup 0 is the producer: one thread
-// streams Q once and the tile's key/value blocks through a 2-stage TMA ring. Warpgroups 1 and 2 each own 64
-// query rows and run, per key block, S = Q K^T (wgmma, both operands in shared memory), the online softmax
-// in registers and O += P V (wgmma, P from registers). Two overlaps are meant to keep the tensor cores busy:
-// - inside a warpgroup, S of block n is issued before P V of block n - 1, so that the softmax of block n
-//   could run under that P V (ptxas places the wait for P V before the exponentials, so this one is partial:
-//   NOTES.md);
-// - between the two warpgroups, named barriers make them take turns issuing their products, so one's
-//   softmax runs while the other's matrix products occupy the tensor cores.
-// The output leaves through the warpgroup's rows of the Q tile and TMA stores.
-// Key blocks are visited from the last one down (the masked diagonal blocks of causal tiles first), query
-// tiles from the last one down (the longest causal rows start first).
+// One CTA per (128-query tile, query head, batch): the pipeline of forward_pipeline.cuh (a TMA producer
+// warpgroup, two wgmma consumer warpgroups taking turns) over K/V blocks of [B, S, H, D] tensors. The output
+// leaves through the warpgroup's rows of the Q tile and TMA stores. Query tiles are visited from the last one
+// down (the longest causal rows start first).
+#include "flash_attention/forward_pipeline.cuh"
 #include "flash_attention/launch.cuh"
 
 namespace ejk {
-
-constexpr int kForwardRows = 128;  // query rows per CTA (two consumer warpgroups of 64)
-constexpr int kForwardStages = 2;
-constexpr int kForwardThreads = 384;
-
-template <class T, int D, int BN>
-struct ForwardShared {
-  T q[kForwardRows * D];
-  T k[kForwardStages][BN * D];
-  T v[kForwardStages][BN * D];
-  Barrier q_full;
-  Barrier k_full[kForwardStages], k_empty[kForwardStages];
-  Barrier v_full[kForwardStages], v_empty[kForwardStages];
-};
 
 struct ForwardParams {
   CUtensorMap q_map, k_map, v_map;
@@ -52,38 +31,24 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   const int row_begin = m_block * kForwardRows;
   const int row_end = min(row_begin + kForwardRows, problem.q_len);
   const KeyBlocks blocks = key_blocks(problem, row_begin, row_end, BN);
-  const int num_blocks = blocks.last - blocks.first;
   const int warpgroup = warpgroup_index();
   const int t = threadIdx.x % 128;
 
-  if (threadIdx.x == 0) {
-    barrier_init(&shared.q_full, 1);
-#pragma unroll
-    for (int s = 0; s < kForwardStages; ++s) {
-      barrier_init(&shared.k_full[s], 1);
-      barrier_init(&shared.v_full[s], 1);
-      barrier_init(&shared.k_empty[s], 2);  // one arrival per consumer warpgroup
-      barrier_init(&shared.v_empty[s], 2);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) init_forward_barriers(shared);
   __syncthreads();
 
   if (warpgroup == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (threadIdx.x == 0 && num_blocks > 0) {
-      barrier_expect(&shared.q_full, kForwardRows * D * sizeof(T));
-      load_tile<D>(&params.q_map, &shared.q_full, shared.q, kForwardRows, row_begin, head, batch);
-      for (int it = 0; it < num_blocks; ++it) {
-        const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
-        const int key0 = (blocks.last - 1 - it) * BN;
-        barrier_wait(&shared.k_empty[stage], phase ^ 1);
-        barrier_expect(&shared.k_full[stage], BN * D * sizeof(T));
-        load_tile<D>(&params.k_map, &shared.k_full[stage], shared.k[stage], BN, key0, kv_head, batch);
-        barrier_wait(&shared.v_empty[stage], phase ^ 1);
-        barrier_expect(&shared.v_full[stage], BN * D * sizeof(T));
-        load_tile<D>(&params.v_map, &shared.v_full[stage], shared.v[stage], BN, key0, kv_head, batch);
-      }
+    if (threadIdx.x == 0 && blocks.last > blocks.first) {
+      produce_key_blocks<T, D, BN>(
+          shared, blocks,
+          [&](Barrier* bar, T* tile) {
+            load_tile<D>(&params.q_map, bar, tile, kForwardRows, row_begin, head, batch);
+          },
+          [](int key0) { return key0; },
+          [&](Barrier* bar, T* tile, int key0, bool value) {
+            load_tile<D>(value ? &params.v_map : &params.k_map, bar, tile, BN, key0, kv_head, batch);
+          });
     }
     return;
   }
@@ -91,199 +56,13 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   // consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of the tile
-  const int other = 1 - group;
-  const int row_a = row_begin + 64 * group + fragment_row(t);
-  const int row_b = row_a + 8;
-  const float log2e = 1.4426950408889634f;
-  // Scores stay raw dot products (or, soft-capped, capped logits in log2 units) and the running maxima are
-  // kept in the same units: the exponent is then one FMA, exp2(s * unit - max * unit).
-  const float tanh_scale = problem.softmax_scale / problem.softcap;
-  const float cap_log2 = problem.softcap * log2e;
-  const float unit = Capped ? 1.f : problem.softmax_scale * log2e;
+  ConsumerRows<D> rows;
+  consume_key_blocks<T, D, BN, Capped>(shared, problem, params.extras, row_begin, row_end, blocks, head, batch,
+                                       group, t, rows);
 
-  float o[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;  // rescaled (by 0) before the first P V overwrites it
-  float s[BN / 2];
-  uint32_t p[BN / 4];
-  float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
-  const Extras& extras = params.extras;
-  if (extras.num_sinks > 0) {
-    // the sinks start every row's softmax state: their maximum (in score units) and their sum against it,
-    // counted once per row (the quad's partial sums are added at the end)
-    const float* sinks = extras.sinks + (static_cast<size_t>(batch) * problem.q_heads + head) * extras.num_sinks;
-    float top = -INFINITY, total = 0.f;
-    for (int j = 0; j < extras.num_sinks; ++j) top = fmaxf(top, sinks[j]);
-    for (int j = 0; j < extras.num_sinks; ++j) total += fast_exp2((sinks[j] - top) * log2e);
-    max_a = max_b = top * log2e / unit;
-    sum_a = sum_b = t % 4 == 0 ? total : 0.f;
-  }
-  // segment ids of this thread's two rows (rows past the length: none of the keys')
-  const int* kv_segments = extras.kv_segments ? extras.kv_segments + static_cast<size_t>(batch) * problem.kv_len
-                                              : nullptr;
-  int segment_a = -1, segment_b = -1;
-  if (kv_segments) {
-    const int* q_segments = extras.q_segments + static_cast<size_t>(batch) * problem.q_len;
-    if (row_a < problem.q_len) segment_a = q_segments[row_a];
-    if (row_b < problem.q_len) segment_b = q_segments[row_b];
-  }
-
-  const uint32_t q_tile = smem_address(shared.q);
-  auto k_tile = [&](int stage) { return smem_address(shared.k[stage]); };
-  auto v_tile = [&](int stage) { return smem_address(shared.v[stage]); };
-
-  auto issue_scores = [&](int stage) {
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      gmma_ss<T, BN, Major::K, Major::K>(k_major(q_tile, kForwardRows, 64 * group, k),
-                                         k_major(k_tile(stage), BN, 0, k), s, k > 0);
-    }
-    cute::warpgroup_commit_batch();
-  };
-  auto issue_values = [&](const uint32_t* p, int stage, bool accumulate) {
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < BN / 16; ++k) {
-      gmma_rs<T, D, Major::MN>(p + 4 * k, mn_major(v_tile(stage), BN, k), o, accumulate || k > 0);
-    }
-    cute::warpgroup_commit_batch();
-  };
-  // Scores of key block `key0` -> probabilities (in s) against the updated running maxima; returns the
-  // factors the previous output rows are rescaled by.
-  auto softmax = [&](int key0, auto masked, float& rescale_a, float& rescale_b) {
-    if constexpr (Capped) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) s[i] = cap_log2 * fast_tanh(s[i] * tanh_scale);
-    }
-    if constexpr (decltype(masked)::value) {
-      const RowRange range_a = visible_keys(problem, row_a), range_b = visible_keys(problem, row_b);
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {  // branch-free, the segment test apart (a uniform branch)
-        const int key = key0 + fragment_col(t, i);
-        const RowRange& range = (i & 2) ? range_b : range_a;
-        s[i] = (key < range.lo) | (key > range.hi) ? -INFINITY : s[i];
-      }
-      if (kv_segments) {
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-          const int key = min(key0 + fragment_col(t, i), problem.kv_len - 1);  // masked above when past the end
-          s[i] = kv_segments[key] != ((i & 2) ? segment_b : segment_a) ? -INFINITY : s[i];
-        }
-      }
-    }
-    float block_a = -INFINITY, block_b = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      if (i & 2) block_b = fmaxf(block_b, s[i]);
-      else block_a = fmaxf(block_a, s[i]);
-    }
-    const float new_a = fmaxf(max_a, quad_max(block_a)), new_b = fmaxf(max_b, quad_max(block_b));
-    // rows that have seen no key yet keep a max of -inf: subtract 0 instead (their probabilities are 0)
-    const float base_a = new_a == -INFINITY ? 0.f : new_a * unit, base_b = new_b == -INFINITY ? 0.f : new_b * unit;
-    rescale_a = fast_exp2(max_a * unit - base_a);
-    rescale_b = fast_exp2(max_b * unit - base_b);
-    max_a = new_a;
-    max_b = new_b;
-    float row_sum_a = 0.f, row_sum_b = 0.f;
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      s[i] = fast_exp2(fmaf(s[i], unit, -((i & 2) ? base_b : base_a)));
-      if (i & 2) row_sum_b += s[i];
-      else row_sum_a += s[i];
-    }
-    // pin the exponentials here: left alone, the compiler sinks them below the wait for P V and the
-    // softmax no longer overlaps the tensor cores
-    fence_operands<BN / 2>(s);
-    sum_a = sum_a * rescale_a + row_sum_a;  // per-thread partial sums; the quad is summed at the end
-    sum_b = sum_b * rescale_b + row_sum_b;
-  };
-  auto take_turn = [&]() { named_sync(1 + group, 256); };
-  auto pass_turn = [&]() { named_arrive(1 + other, 256); };
-
-  if (num_blocks > 0) {
-    if (group == 1) pass_turn();  // warpgroup 1 issues first
-    barrier_wait(&shared.q_full, 0);
-
-    barrier_wait(&shared.k_full[0], 0);
-    take_turn();
-    issue_scores(0);
-    pass_turn();
-    cute::warpgroup_wait<0>();
-    fence_operands<BN / 2>(s);
-    if (t == 0) barrier_arrive(&shared.k_empty[0]);
-    // Factors the output rows still owe the latest maxima: applied just before the next P V is issued,
-    // while the scores of the next block are computed, not after the wait for the last P V.
-    float rescale_a, rescale_b;
-    auto needs_mask = [&](int key0) {
-      return kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN);
-    };
-    const int first_key = (blocks.last - 1) * BN;
-    if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
-    else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
-    to_operand<T, BN>(s, p);
-    auto rescale_output = [&]() {
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
-    };
-
-    // One step: S of block `it`, P V of block it - 1, softmax of block it (masked: a compile-time flag, so
-    // that the step is one branch-free block). ptxas still places the wait for P V before the softmax's
-    // exponentials (it packs P into the registers that product reads, interleaved with them, to keep the
-    // register count down: a second P register set does not fit at D = 128); the softmax then overlaps
-    // the other warpgroup's products only.
-    auto step = [&](int it, auto masked) {
-      const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
-      const int previous = (it - 1) % kForwardStages, previous_phase = ((it - 1) / kForwardStages) & 1;
-      barrier_wait(&shared.k_full[stage], phase);
-      barrier_wait(&shared.v_full[previous], previous_phase);
-      take_turn();
-      issue_scores(stage);
-      rescale_output();
-      issue_values(p, previous, it > 1);
-      pass_turn();
-      cute::warpgroup_wait<1>();  // the scores are in
-      fence_operands<BN / 2>(s);
-      if (t == 0) barrier_arrive(&shared.k_empty[stage]);
-      softmax((blocks.last - 1 - it) * BN, masked, rescale_a, rescale_b);
-      cute::warpgroup_wait<0>();  // P V of the previous block is in
-      fence_operands<D / 2>(o);
-      fence_operands<BN / 4>(p);
-      if (t == 0) barrier_arrive(&shared.v_empty[previous]);
-      to_operand<T, BN>(s, p);
-    };
-    for (int it = 1; it < num_blocks; ++it) {
-      if (needs_mask((blocks.last - 1 - it) * BN)) step(it, std::true_type{});
-      else step(it, std::false_type{});
-    }
-
-    const int last = num_blocks - 1;
-    const int stage = last % kForwardStages, phase = (last / kForwardStages) & 1;
-    barrier_wait(&shared.v_full[stage], phase);
-    take_turn();
-    rescale_output();
-    issue_values(p, stage, num_blocks > 1);
-    if (group == 0) pass_turn();  // warpgroup 1 gave the first turn: it takes no last one back
-    cute::warpgroup_wait<0>();
-    fence_operands<D / 2>(o);
-    if (t == 0) barrier_arrive(&shared.v_empty[stage]);
-  }
-
-  // epilogue: normalize; the output goes through this warpgroup's rows of the Q tile (its own products
-  // that read them are complete; the other warpgroup reads only its rows) to TMA stores, which clip rows
-  // past the query length; log-sum-exp in natural log
-  sum_a = quad_sum(sum_a);
-  sum_b = quad_sum(sum_b);
-  const float inverse_a = sum_a > 0.f ? 1.f / sum_a : 0.f, inverse_b = sum_b > 0.f ? 1.f / sum_b : 0.f;
-  char* q_bytes = reinterpret_cast<char*>(shared.q);
-#pragma unroll
-  for (int i = 0; i < D / 2; i += 2) {
-    const int row = 64 * group + fragment_row(t) + ((i & 2) ? 8 : 0);  // within the tile
-    const int col = fragment_col(t, i);
-    const float inverse = (i & 2) ? inverse_b : inverse_a;
-    *reinterpret_cast<uint32_t*>(q_bytes + (col / 64) * kForwardRows * 128 + swizzled_offset(row, col % 64)) =
-        Element<T>::pack(o[i] * inverse, o[i + 1] * inverse);
-  }
+  // epilogue: normalize into the Q tile, then TMA stores, which clip rows past the query length; log-sum-exp
+  // in natural log
+  stage_output<T, D>(shared.q, group, t, rows);
   fence_async_shared();
   named_sync(3 + group, 128);
   if (t == 0) {
@@ -292,9 +71,15 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   }
   if (t % 4 == 0) {
     const float ln2 = 0.6931471805599453f;
+    const float unit = Capped ? 1.f : problem.softmax_scale * 1.4426950408889634f;
+    const int row_a = row_begin + 64 * group + fragment_row(t), row_b = row_a + 8;
     float* lse = params.lse + (static_cast<size_t>(batch) * problem.q_heads + head) * problem.q_len;
-    if (row_a < problem.q_len) lse[row_a] = sum_a > 0.f ? (max_a * unit + __log2f(sum_a)) * ln2 : INFINITY;
-    if (row_b < problem.q_len) lse[row_b] = sum_b > 0.f ? (max_b * unit + __log2f(sum_b)) * ln2 : INFINITY;
+    if (row_a < problem.q_len) {
+      lse[row_a] = rows.sum_a > 0.f ? (rows.max_a * unit + __log2f(rows.sum_a)) * ln2 : INFINITY;
+    }
+    if (row_b < problem.q_len) {
+      lse[row_b] = rows.sum_b > 0.f ? (rows.max_b * unit + __log2f(rows.sum_b)) * ln2 : INFINITY;
+    }
   }
 }
 

@@ -20,7 +20,8 @@ from pathlib import Path
 LIBRARY_PATH = Path(__file__).parent / "_lib" / "libejkernel_cuda.so"
 FORWARD_TARGET = "EjkFlashForward"
 BACKWARD_TARGET = "EjkFlashBackward"
-TARGETS = (FORWARD_TARGET, BACKWARD_TARGET)
+PAGED_TARGET = "EjkPagedForward"  # ragged_page_attention (ragged_page_attention.py)
+TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET)
 BUILD_HINT = ("build it with nvcc: `uv sync` in the ejkernel workspace (CUDA toolkit 12.8+ or 13 on PATH, or "
               "CUDA_HOME, or the nvidia-cuda-nvcc wheel), or install an ejkernel-cuda wheel built that way "
               "(packages/ejkernel-cuda/README.md)")
@@ -71,7 +72,7 @@ def _registration() -> str | None:
 
 
 def registration_failed() -> str | None:
-    """Register both FFI targets for the CUDA platform (once per process); why that failed, or None."""
+    """Register the FFI targets for the CUDA platform (once per process); why that failed, or None."""
     return _registration()
 
 

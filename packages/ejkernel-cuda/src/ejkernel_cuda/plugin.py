@@ -27,7 +27,10 @@ IMPLEMENTATIONS: dict[str, str] = {
 
 # Not yet run on a GPU: registered only with EJKERNEL_UNVERIFIED_KERNELS=1 (the device run that verifies
 # them; then they move up into IMPLEMENTATIONS).
-UNVERIFIED: dict[str, str] = {}
+UNVERIFIED: dict[str, str] = {
+    # the paged forward (csrc/flash_attention/paged_forward.cu): compiled for sm_90a, never run on a GPU yet
+    "ragged_page_attention": "ejkernel_cuda.ragged_page_attention:IMPLEMENTATION",
+}
 
 
 def _cudnn_missing() -> str | None:

@@ -1,0 +1,293 @@
+// The forward pipeline shared by the dense forward (forward.cu) and the paged one (paged_forward.cu): a CTA of
+// 128 query rows and three warpgroups. Warpgroup 0 is the producer: one thread streams Q once and the tile's
+// key/value blocks through a 2-stage TMA ring (`produce_key_blocks`; where a block comes from is the caller's:
+// a [B, S, H, D] tensor map, or pages). Warpgroups 1 and 2 each own 64 query rows and run, per key block,
+// S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers and O += P V (wgmma, P
+// from registers) (`consume_key_blocks`). Two overlaps are meant to keep the tensor cores busy:
+// - inside a warpgroup, S of block n is issued before P V of block n - 1, so that the softmax of block n
+//   could run under that P V (ptxas places the wait for P V before the exponentials, so this one is partial:
+//   NOTES.md);
+// - between the two warpgroups, named barriers make them take turns issuing their products, so one's
+//   softmax runs while the other's matrix products occupy the tensor cores.
+// Key blocks are visited from the last one down (the masked diagonal blocks of causal tiles first). The
+// output is normalized into the warpgroup's rows of the Q tile (`stage_output`); the caller stores it.
+#pragma once
+
+#include "flash_attention/common.cuh"
+
+namespace ejk {
+
+constexpr int kForwardRows = 128;  // query rows per CTA (two consumer warpgroups of 64)
+constexpr int kForwardStages = 2;
+constexpr int kForwardThreads = 384;
+
+template <class T, int D, int BN>
+struct ForwardShared {
+  T q[kForwardRows * D];
+  T k[kForwardStages][BN * D];
+  T v[kForwardStages][BN * D];
+  Barrier q_full;
+  Barrier k_full[kForwardStages], k_empty[kForwardStages];
+  Barrier v_full[kForwardStages], v_empty[kForwardStages];
+};
+
+// By thread 0, before the __syncthreads that precedes the warpgroups' roles.
+template <class Shared>
+__device__ __forceinline__ void init_forward_barriers(Shared& shared) {
+  barrier_init(&shared.q_full, 1);
+#pragma unroll
+  for (int s = 0; s < kForwardStages; ++s) {
+    barrier_init(&shared.k_full[s], 1);
+    barrier_init(&shared.v_full[s], 1);
+    barrier_init(&shared.k_empty[s], 2);  // one arrival per consumer warpgroup
+    barrier_init(&shared.v_empty[s], 2);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
+// The producer thread's loop. load_q(bar, tile) loads the CTA's Q tile; locate(key0) says where key block key0
+// lives (anything the loads take: it is called one block ahead of the loads, so that page-table reads are in
+// flight while the producer waits for a free stage); load_kv(bar, tile, where, value) loads its keys (value =
+// false) or values into a tile of BN rows. Each load must complete exactly the bytes of its tile (rows out of
+// bounds arrive as zeros and count).
+template <class T, int D, int BN, class Shared, class LoadQ, class Locate, class LoadKV>
+__device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBlocks& blocks, LoadQ&& load_q,
+                                                   Locate&& locate, LoadKV&& load_kv) {
+  const int num_blocks = blocks.last - blocks.first;
+  barrier_expect(&shared.q_full, kForwardRows * D * sizeof(T));
+  load_q(&shared.q_full, shared.q);
+  auto where = locate((blocks.last - 1) * BN);
+  for (int it = 0; it < num_blocks; ++it) {
+    const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
+    const auto here = where;
+    if (it + 1 < num_blocks) where = locate((blocks.last - 2 - it) * BN);
+    barrier_wait(&shared.k_empty[stage], phase ^ 1);
+    barrier_expect(&shared.k_full[stage], BN * D * sizeof(T));
+    load_kv(&shared.k_full[stage], shared.k[stage], here, false);
+    barrier_wait(&shared.v_empty[stage], phase ^ 1);
+    barrier_expect(&shared.v_full[stage], BN * D * sizeof(T));
+    load_kv(&shared.v_full[stage], shared.v[stage], here, true);
+  }
+}
+
+// What a consumer thread holds after the key blocks: its part of the output rows (unnormalized) and the
+// softmax state of its two rows (row a, row b = a + 8; the sums per thread, the quad's not yet added).
+template <int D>
+struct ConsumerRows {
+  float o[D / 2];
+  float max_a, max_b, sum_a, sum_b;
+};
+
+// One consumer warpgroup's loop over the key blocks of rows [row_begin, row_end) of `problem` (the CTA's
+// rows; this warpgroup's are [row_begin + 64 * group, + 64)). `head` and `batch` index the extras (sinks,
+// segment ids). Capped: a soft cap is applied (a template parameter, like whether a key block needs the mask:
+// the main loop must be one branch-free block for the compiler to keep the softmax between the waits for the
+// products in flight). Returns with every product complete and every stage released.
+template <class T, int D, int BN, bool Capped, class Shared>
+__device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem& problem, const Extras& extras,
+                                                   int row_begin, int row_end, const KeyBlocks& blocks, int head,
+                                                   int batch, int group, int t, ConsumerRows<D>& rows) {
+  const int num_blocks = blocks.last - blocks.first;
+  const int other = 1 - group;
+  const int row_a = row_begin + 64 * group + fragment_row(t);
+  const int row_b = row_a + 8;
+  const float log2e = 1.4426950408889634f;
+  // Scores stay raw dot products (or, soft-capped, capped logits in log2 units) and the running maxima are
+  // kept in the same units: the exponent is then one FMA, exp2(s * unit - max * unit).
+  const float tanh_scale = problem.softmax_scale / problem.softcap;
+  const float cap_log2 = problem.softcap * log2e;
+  const float unit = Capped ? 1.f : problem.softmax_scale * log2e;
+
+  float* o = rows.o;
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;  // rescaled (by 0) before the first P V overwrites it
+  float s[BN / 2];
+  uint32_t p[BN / 4];
+  float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+  if (extras.num_sinks > 0) {
+    // the sinks start every row's softmax state: their maximum (in score units) and their sum against it,
+    // counted once per row (the quad's partial sums are added at the end)
+    const float* sinks = extras.sinks + (static_cast<size_t>(batch) * problem.q_heads + head) * extras.num_sinks;
+    float top = -INFINITY, total = 0.f;
+    for (int j = 0; j < extras.num_sinks; ++j) top = fmaxf(top, sinks[j]);
+    for (int j = 0; j < extras.num_sinks; ++j) total += fast_exp2((sinks[j] - top) * log2e);
+    max_a = max_b = top * log2e / unit;
+    sum_a = sum_b = t % 4 == 0 ? total : 0.f;
+  }
+  // segment ids of this thread's two rows (rows past the length: none of the keys')
+  const int* kv_segments = extras.kv_segments ? extras.kv_segments + static_cast<size_t>(batch) * problem.kv_len
+                                              : nullptr;
+  int segment_a = -1, segment_b = -1;
+  if (kv_segments) {
+    const int* q_segments = extras.q_segments + static_cast<size_t>(batch) * problem.q_len;
+    if (row_a < problem.q_len) segment_a = q_segments[row_a];
+    if (row_b < problem.q_len) segment_b = q_segments[row_b];
+  }
+
+  const uint32_t q_tile = smem_address(shared.q);
+  auto k_tile = [&](int stage) { return smem_address(shared.k[stage]); };
+  auto v_tile = [&](int stage) { return smem_address(shared.v[stage]); };
+
+  auto issue_scores = [&](int stage) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      gmma_ss<T, BN, Major::K, Major::K>(k_major(q_tile, kForwardRows, 64 * group, k),
+                                         k_major(k_tile(stage), BN, 0, k), s, k > 0);
+    }
+    cute::warpgroup_commit_batch();
+  };
+  auto issue_values = [&](const uint32_t* p, int stage, bool accumulate) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < BN / 16; ++k) {
+      gmma_rs<T, D, Major::MN>(p + 4 * k, mn_major(v_tile(stage), BN, k), o, accumulate || k > 0);
+    }
+    cute::warpgroup_commit_batch();
+  };
+  // Scores of key block `key0` -> probabilities (in s) against the updated running maxima; returns the
+  // factors the previous output rows are rescaled by.
+  auto softmax = [&](int key0, auto masked, float& rescale_a, float& rescale_b) {
+    if constexpr (Capped) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) s[i] = cap_log2 * fast_tanh(s[i] * tanh_scale);
+    }
+    if constexpr (decltype(masked)::value) {
+      const RowRange range_a = visible_keys(problem, row_a), range_b = visible_keys(problem, row_b);
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {  // branch-free, the segment test apart (a uniform branch)
+        const int key = key0 + fragment_col(t, i);
+        const RowRange& range = (i & 2) ? range_b : range_a;
+        s[i] = (key < range.lo) | (key > range.hi) ? -INFINITY : s[i];
+      }
+      if (kv_segments) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+          const int key = min(key0 + fragment_col(t, i), problem.kv_len - 1);  // masked above when past the end
+          s[i] = kv_segments[key] != ((i & 2) ? segment_b : segment_a) ? -INFINITY : s[i];
+        }
+      }
+    }
+    float block_a = -INFINITY, block_b = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      if (i & 2) block_b = fmaxf(block_b, s[i]);
+      else block_a = fmaxf(block_a, s[i]);
+    }
+    const float new_a = fmaxf(max_a, quad_max(block_a)), new_b = fmaxf(max_b, quad_max(block_b));
+    // rows that have seen no key yet keep a max of -inf: subtract 0 instead (their probabilities are 0)
+    const float base_a = new_a == -INFINITY ? 0.f : new_a * unit, base_b = new_b == -INFINITY ? 0.f : new_b * unit;
+    rescale_a = fast_exp2(max_a * unit - base_a);
+    rescale_b = fast_exp2(max_b * unit - base_b);
+    max_a = new_a;
+    max_b = new_b;
+    float row_sum_a = 0.f, row_sum_b = 0.f;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      s[i] = fast_exp2(fmaf(s[i], unit, -((i & 2) ? base_b : base_a)));
+      if (i & 2) row_sum_b += s[i];
+      else row_sum_a += s[i];
+    }
+    // pin the exponentials here: left alone, the compiler sinks them below the wait for P V and the
+    // softmax no longer overlaps the tensor cores
+    fence_operands<BN / 2>(s);
+    sum_a = sum_a * rescale_a + row_sum_a;  // per-thread partial sums; the quad is summed at the end
+    sum_b = sum_b * rescale_b + row_sum_b;
+  };
+  auto take_turn = [&]() { named_sync(1 + group, 256); };
+  auto pass_turn = [&]() { named_arrive(1 + other, 256); };
+
+  if (num_blocks > 0) {
+    if (group == 1) pass_turn();  // warpgroup 1 issues first
+    barrier_wait(&shared.q_full, 0);
+
+    barrier_wait(&shared.k_full[0], 0);
+    take_turn();
+    issue_scores(0);
+    pass_turn();
+    cute::warpgroup_wait<0>();
+    fence_operands<BN / 2>(s);
+    if (t == 0) barrier_arrive(&shared.k_empty[0]);
+    // Factors the output rows still owe the latest maxima: applied just before the next P V is issued,
+    // while the scores of the next block are computed, not after the wait for the last P V.
+    float rescale_a, rescale_b;
+    auto needs_mask = [&](int key0) {
+      return kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN);
+    };
+    const int first_key = (blocks.last - 1) * BN;
+    if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
+    else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
+    to_operand<T, BN>(s, p);
+    auto rescale_output = [&]() {
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+    };
+
+    // One step: S of block `it`, P V of block it - 1, softmax of block it (masked: a compile-time flag, so
+    // that the step is one branch-free block). ptxas still places the wait for P V before the softmax's
+    // exponentials (it packs P into the registers that product reads, interleaved with them, to keep the
+    // register count down: a second P register set does not fit at D = 128); the softmax then overlaps
+    // the other warpgroup's products only.
+    auto step = [&](int it, auto masked) {
+      const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
+      const int previous = (it - 1) % kForwardStages, previous_phase = ((it - 1) / kForwardStages) & 1;
+      barrier_wait(&shared.k_full[stage], phase);
+      barrier_wait(&shared.v_full[previous], previous_phase);
+      take_turn();
+      issue_scores(stage);
+      rescale_output();
+      issue_values(p, previous, it > 1);
+      pass_turn();
+      cute::warpgroup_wait<1>();  // the scores are in
+      fence_operands<BN / 2>(s);
+      if (t == 0) barrier_arrive(&shared.k_empty[stage]);
+      softmax((blocks.last - 1 - it) * BN, masked, rescale_a, rescale_b);
+      cute::warpgroup_wait<0>();  // P V of the previous block is in
+      fence_operands<D / 2>(o);
+      fence_operands<BN / 4>(p);
+      if (t == 0) barrier_arrive(&shared.v_empty[previous]);
+      to_operand<T, BN>(s, p);
+    };
+    for (int it = 1; it < num_blocks; ++it) {
+      if (needs_mask((blocks.last - 1 - it) * BN)) step(it, std::true_type{});
+      else step(it, std::false_type{});
+    }
+
+    const int last = num_blocks - 1;
+    const int stage = last % kForwardStages, phase = (last / kForwardStages) & 1;
+    barrier_wait(&shared.v_full[stage], phase);
+    take_turn();
+    rescale_output();
+    issue_values(p, stage, num_blocks > 1);
+    if (group == 0) pass_turn();  // warpgroup 1 gave the first turn: it takes no last one back
+    cute::warpgroup_wait<0>();
+    fence_operands<D / 2>(o);
+    if (t == 0) barrier_arrive(&shared.v_empty[stage]);
+  }
+  rows.max_a = max_a;
+  rows.max_b = max_b;
+  rows.sum_a = sum_a;
+  rows.sum_b = sum_b;
+}
+
+// Epilogue, first half: sums the quads' partial sums (in `rows`) and writes this warpgroup's normalized output
+// rows (16-bit) into its rows of the Q tile (its own products that read them are complete; the other
+// warpgroup reads only its rows), in the tile's swizzled layout. Rows that saw no key get zeros.
+template <class T, int D>
+__device__ __forceinline__ void stage_output(T* q, int group, int t, ConsumerRows<D>& rows) {
+  rows.sum_a = quad_sum(rows.sum_a);
+  rows.sum_b = quad_sum(rows.sum_b);
+  const float inverse_a = rows.sum_a > 0.f ? 1.f / rows.sum_a : 0.f;
+  const float inverse_b = rows.sum_b > 0.f ? 1.f / rows.sum_b : 0.f;
+  char* q_bytes = reinterpret_cast<char*>(q);
+#pragma unroll
+  for (int i = 0; i < D / 2; i += 2) {
+    const int row = 64 * group + fragment_row(t) + ((i & 2) ? 8 : 0);  // within the tile
+    const int col = fragment_col(t, i);
+    const float inverse = (i & 2) ? inverse_b : inverse_a;
+    *reinterpret_cast<uint32_t*>(q_bytes + (col / 64) * kForwardRows * 128 + swizzled_offset(row, col % 64)) =
+        Element<T>::pack(rows.o[i] * inverse, rows.o[i + 1] * inverse);
+  }
+}
+
+}  // namespace ejk

@@ -1,0 +1,152 @@
+"""``ragged_page_attention`` on our own Hopper paged flash-attention forward (``csrc/flash_attention/
+paged_forward.cu``, sm_90a), bound through the XLA FFI as ``EjkPagedForward``.
+
+The FFI contract: ``EjkPagedForward(queries [T, Hq, 128], kv_pages [P, page_size, 2 * Hkv, 128] (queries'
+dtype, K/V interleaved on axis 2), context_lens int32 [S], block_tables int32 [S, pages_per_seq],
+query_start_loc int32 [S + 1], num_seqs int32 [1]) -> out [T, Hq, 128]``, attribute ``softmax_scale`` (f32).
+Causal within each sequence (the operation's definition); rows past ``query_start_loc[num_seqs]`` are zeros.
+
+Taken: bfloat16/float16, head_dim 128, page sizes that are multiples of 64, GQA/MQA, any ``softmax_scale > 0``,
+on a GPU of compute capability 9.0 with the native library built. Refused (``UnsupportedFeature``, before
+anything compiles): soft cap, sliding window, attention sinks (``softmax_aux``), quantized pages or scales,
+other dtypes, head dims and page sizes, no such GPU, the library missing. Forward-only (a gradient raises
+``UnsupportedFeature``); ``jax.vmap`` runs one launch per element of the mapped axis (``ffi_call``'s
+``vmap_method="sequential"``).
+
+Every sequence runs in 128-row query tiles, decode rows (``q_len == 1``) too: correct, but a decode row
+occupies a whole tile and each query head reads its kv head's pages on its own, so decode-heavy batches are
+the Triton path's (its split-K decode programs). Hence :data:`PRIORITY`, below Triton's, until timed.
+Not yet run on a GPU: registered through ``plugin.UNVERIFIED`` only (``EJKERNEL_UNVERIFIED_KERNELS=1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejkernel.errors import UnsupportedFeature
+from ejkernel.modules.operations._contract import Implementation
+from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttentionCall
+from ejkernel_cuda import _native, native_flash
+
+NAME = "cuda paged flash attention"
+DTYPES = (jnp.bfloat16, jnp.float16)
+HEAD_DIM = 128
+PAGE_MULTIPLE = 64
+BLOCK_Q = 128
+"""Query rows per CTA (two consumer warpgroups of 64): compiled in."""
+BLOCK_KV = 128
+"""Keys per step (two 64-row TMA chunks of pages): compiled in."""
+PRIORITY = 12
+"""Rank under ``platform="auto"``: below Triton (15), whose decode programs serve the decode rows; above XLA."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaPagedConfig:
+    """The kernel's tiles, spelled out: ``block_q`` query rows per CTA, ``block_kv`` keys per step. Only the
+    compiled sizes are taken (there is nothing to tune yet); a config records what ran."""
+
+    block_q: int = BLOCK_Q
+    block_kv: int = BLOCK_KV
+
+    def __post_init__(self):
+        for name, compiled in (("block_q", BLOCK_Q), ("block_kv", BLOCK_KV)):
+            value = getattr(self, name)
+            if value != compiled:
+                raise ValueError(f"CudaPagedConfig.{name} must be {compiled} (the compiled tile), got {value!r}")
+
+
+def refusal(call: RaggedPageAttentionCall, *, check_device: bool = True) -> str | None:
+    """Why the paged kernel cannot take ``call`` here, or None: the call's features first (named on any
+    machine), then the GPU and the library (``check_device=False``: the call alone)."""
+    queries, kv_pages = call.queries, call.kv_pages
+    for given, feature in (
+        (call.logits_soft_cap is not None, "logits_soft_cap"),
+        (call.sliding_window is not None, "sliding_window"),
+        (call.softmax_aux is not None, "softmax_aux (attention sinks)"),
+        (call.key_scale is not None or call.value_scale is not None, "key_scale/value_scale (quantized pages)"),
+    ):
+        if given:
+            return f"{feature} is not supported"
+    if kv_pages.dtype != queries.dtype:
+        return f"kv_pages dtype {kv_pages.dtype} (quantized pages) is not supported (the queries' dtype)"
+    if queries.dtype not in DTYPES:
+        return f"dtype {queries.dtype} is not supported (bfloat16 or float16)"
+    if queries.shape[-1] != HEAD_DIM:
+        return f"head_dim {queries.shape[-1]} is not supported (only {HEAD_DIM})"
+    page_size = kv_pages.shape[1]
+    if page_size % PAGE_MULTIPLE:
+        return f"page_size {page_size} is not supported (a multiple of {PAGE_MULTIPLE}: whole TMA boxes of keys)"
+    if not call.softmax_scale > 0:
+        return f"softmax_scale={call.softmax_scale} (the kernel needs a positive scale)"
+    if kv_pages.shape[0] * page_size >= 2**31:
+        return f"{kv_pages.shape[0]} pages of {page_size} keys: more rows than 32-bit TMA coordinates hold"
+    if not check_device:
+        return None
+    return native_flash.usable_here()
+
+
+def check_supported(call: RaggedPageAttentionCall, *, check_device: bool = True) -> None:
+    """Raise ``UnsupportedFeature`` naming :func:`refusal`'s reason."""
+    reason = refusal(call, check_device=check_device)
+    if reason is not None:
+        raise UnsupportedFeature(f"{NAME}: {reason}")
+
+
+@functools.lru_cache(maxsize=None)
+def _paged_call(scale: float):
+    """The FFI call for one softmax scale: forward-only, vmapped by one launch per element."""
+
+    def forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs):
+        result = jax.ShapeDtypeStruct(queries.shape, queries.dtype)
+        return jax.ffi.ffi_call(_native.PAGED_TARGET, result, vmap_method="sequential")(
+            queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_scale=np.float32(scale))
+
+    @jax.custom_vjp
+    def attend(*arrays):
+        return forward(*arrays)
+
+    def attend_bwd(_, d_out):
+        raise UnsupportedFeature(f"{NAME} is forward-only (an inference kernel); for gradients use platform='xla'")
+
+    attend.defvjp(lambda *arrays: (forward(*arrays), None), attend_bwd)
+    return attend
+
+
+def paged_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, *, scale: float):
+    """The kernel on the FFI contract's arrays (module docstring); the targets registered first."""
+    _native.ensure_registered()
+    if queries.shape[0] == 0:
+        return queries
+    return _paged_call(float(scale))(queries, kv_pages, context_lens.astype(jnp.int32),
+                                     block_tables.astype(jnp.int32), query_start_loc.astype(jnp.int32),
+                                     jnp.reshape(num_seqs, (1,)).astype(jnp.int32))
+
+
+class CudaRaggedPageAttention(Implementation[RaggedPageAttentionCall, CudaPagedConfig]):
+    config_type = CudaPagedConfig
+
+    def supports(self, call: RaggedPageAttentionCall) -> None:
+        check_supported(call)
+
+    def priority_for(self, call: RaggedPageAttentionCall) -> int | None:
+        return PRIORITY
+
+    def heuristic_config(self, call: RaggedPageAttentionCall) -> CudaPagedConfig:
+        return CudaPagedConfig()
+
+    def candidate_configs(self, call: RaggedPageAttentionCall) -> Sequence[CudaPagedConfig]:
+        return ()
+
+    def __call__(self, call: RaggedPageAttentionCall, config: CudaPagedConfig) -> jax.Array:
+        check_supported(call)
+        return paged_attention(call.queries, call.kv_pages, call.context_lens, call.block_tables,
+                               call.query_start_loc, call.num_seqs, scale=call.softmax_scale)
+
+
+IMPLEMENTATION = CudaRaggedPageAttention()
