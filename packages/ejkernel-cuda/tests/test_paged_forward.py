@@ -260,6 +260,24 @@ def test_matches_the_reference(dtype, sequences, heads, kv_heads, page_size, ina
 
 @gpu
 @pytest.mark.usefixtures("paged_gpu")
+def test_nan_in_page_storage_past_the_contexts_does_not_reach_the_output():
+    """Contexts ending inside a 64-row load (odd lengths, pages of 128): every page row no context covers holds
+    NaN, unused pages too; the output is the reference's on the finite cache."""
+    sequences = [(70, 130), (1, 65), (129, 200), (1, 1)]
+    inputs = batch(sequences, page_size=128, seed=5)
+    tables, lens = np.asarray(inputs["block_tables"]), np.asarray(inputs["context_lens"])
+    live = np.zeros(inputs["kv_pages"].shape[:2], bool)
+    for seq, length in enumerate(lens):
+        for key in range(int(length)):
+            live[tables[seq, key // 128], key % 128] = True
+    poisoned = jnp.where(jnp.asarray(live)[:, :, None, None], inputs["kv_pages"], jnp.nan)
+    out = run_cuda({**inputs, "kv_pages": poisoned})
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert_close(out, reference(inputs), dtype="bfloat16")
+
+
+@gpu
+@pytest.mark.usefixtures("paged_gpu")
 def test_traced_num_seqs_stale_rows_and_vmap():
     """num_seqs traced (rows of the inactive sequences become zeros, whatever they held); vmap over queries."""
     inputs = batch([(200, 700), (1, 100), (90, 90)], seed=3)

@@ -78,12 +78,29 @@ struct ConsumerRows {
   float max_a, max_b, sum_a, sum_b;
 };
 
+// Zeroes rows [from, BN) of a value tile of BN rows in D / 64 panels (the TMA layout, 128-byte swizzle: a row's
+// 128 bytes of a panel stay that row's). Called by all 128 threads of a warpgroup before it issues P V on the tile.
+template <class T, int D, int BN>
+__device__ __forceinline__ void clear_value_rows(T* tile, int from, int group, int t) {
+  char* bytes = reinterpret_cast<char*>(tile);
+  const int chunks_per_panel = (BN - from) * 8;  // 16-byte chunks
+  for (int i = t; i < chunks_per_panel * (D / 64); i += 128) {
+    const int panel = i / chunks_per_panel, row = from + (i % chunks_per_panel) / 8, chunk = i % 8;
+    *reinterpret_cast<uint4*>(bytes + panel * BN * 128 + row * 128 + chunk * 16) = make_uint4(0, 0, 0, 0);
+  }
+  fence_async_shared();  // the generic-proxy stores before the tensor cores' (async-proxy) reads
+  named_sync(3 + group, 128);
+}
+
 // One consumer warpgroup's loop over the key blocks of rows [row_begin, row_end) of `problem` (the CTA's
 // rows; this warpgroup's are [row_begin + 64 * group, + 64)). `head` and `batch` index the extras (sinks,
 // segment ids). Capped: a soft cap is applied (a template parameter, like whether a key block needs the mask:
 // the main loop must be one branch-free block for the compiler to keep the softmax between the waits for the
-// products in flight). Returns with every product complete and every stage released.
-template <class T, int D, int BN, bool Capped, class Shared>
+// products in flight). ClearValueTail: the value rows of keys past problem.kv_len in the first block visited
+// (the only one that can hold any) are zeroed before P V reads them; their probabilities are 0, but where a
+// load brings in whole rows of storage past the context (pages), a NaN there would still give 0 * NaN = NaN.
+// Returns with every product complete and every stage released.
+template <class T, int D, int BN, bool Capped, class Shared, bool ClearValueTail = false>
 __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem& problem, const Extras& extras,
                                                    int row_begin, int row_end, const KeyBlocks& blocks, int head,
                                                    int batch, int group, int t, ConsumerRows<D>& rows) {
@@ -218,6 +235,13 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
     else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
     to_operand<T, BN>(s, p);
+    if constexpr (ClearValueTail) {
+      const int from = problem.kv_len - first_key;  // >= 1: the first block holds key kv_len - 1
+      if (from < BN) {
+        barrier_wait(&shared.v_full[0], 0);
+        clear_value_rows<T, D, BN>(shared.v[0], from, group, t);
+      }
+    }
     auto rescale_output = [&]() {
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;

@@ -17,7 +17,9 @@
 //   k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
 //   page ids from global memory one block ahead of its loads. A chunk wholly past context_lens[s] is loaded
 //   from row P * page_size, out of the map's bounds: TMA fills it with zeros (no other sequence's page is
-//   read, and no NaN of an unused page reaches P V). Ids are clamped into [0, P).
+//   read). Ids are clamped into [0, P). The last chunk of a context may end inside a page: its rows past the
+//   context are the page's storage (anything, NaN included), masked out of the scores by the causal bound and
+//   zeroed in the value tile before P V (consume_key_blocks' ClearValueTail).
 // The output: masked 16-byte stores from the staged tile in shared memory, rows past the sequence's end not
 // written. A TMA store would clip at the map's bounds only, i.e. at T, and overwrite the next sequence's
 // first rows; a map per sequence would have to be built on the device (tensormap.replace) per tile: the
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
   const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of the tile
   ConsumerRows<D> rows;
   const Extras none{nullptr, 0, nullptr, nullptr};
-  consume_key_blocks<T, D, BN, false>(shared, problem, none, row_begin, row_end, blocks, head, 0, group, t, rows);
+  consume_key_blocks<T, D, BN, false, Shared, true>(shared, problem, none, row_begin, row_end, blocks, head, 0, group, t, rows);
 
   // epilogue: normalize into the Q tile, then masked 16-byte copies of this warpgroup's 64 rows (rows past the
   // sequence's end stay untouched: they belong to the next sequence)
