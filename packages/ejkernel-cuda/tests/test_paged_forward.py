@@ -58,8 +58,16 @@ def batch(sequences, heads=8, kv_heads=2, dim=128, page_size=64, dtype=jnp.bfloa
     )
 
 
+ARGUMENTS = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
+
+
+def positional(inputs):
+    """The operation's positional arguments in order (a dict through jit comes back with its keys sorted)."""
+    return [inputs[name] for name in ARGUMENTS] + ([inputs["softmax_aux"]] if "softmax_aux" in inputs else [])
+
+
 def validated(inputs, **kw):
-    return RaggedPageAttention().validate(*inputs.values(), **kw)
+    return RaggedPageAttention().validate(*positional(inputs), **kw)
 
 
 # ---- the kernel in the library and in ptxas's report --------------------------------------------------
@@ -193,7 +201,7 @@ def _lowered(fn, *args):
 def test_lowers_to_the_custom_call_and_vmaps_one_call_per_element(monkeypatch):
     monkeypatch.setattr(_native, "ensure_registered", lambda: None)
     inputs = batch([(300, 1000), (1, 64)], padding=3)
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs.values()]
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in positional(inputs)]
     text = _lowered(lambda *a: paged.paged_attention(*a, scale=0.125), *shapes)
     assert "custom_call @EjkPagedForward" in text and "softmax_scale = 1.250000e-01 : f32" in text
     stacked = jax.ShapeDtypeStruct((2, *inputs["queries"].shape), inputs["queries"].dtype)
@@ -205,7 +213,7 @@ def test_lowers_to_the_custom_call_and_vmaps_one_call_per_element(monkeypatch):
 def test_gradient_is_refused(monkeypatch):
     monkeypatch.setattr(_native, "ensure_registered", lambda: None)
     inputs = batch([(3, 70)])
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs.values()]
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in positional(inputs)]
 
     def loss(q, *rest):
         return paged.paged_attention(q, *rest, scale=0.1).astype(jnp.float32).sum()
@@ -228,13 +236,13 @@ def paged_gpu():
 
 
 def run_cuda(inputs, **kw):
-    return jax.jit(lambda x: ragged_page_attention(*x.values(), platform="cuda", cfg=CudaPagedConfig(), **kw))(inputs)
+    return jax.jit(lambda x: ragged_page_attention(*positional(x), platform="cuda", cfg=CudaPagedConfig(), **kw))(inputs)
 
 
 def reference(inputs, **kw):
     widened = {k: v.astype(jnp.float32) if v.dtype in (jnp.bfloat16, jnp.float16) else v for k, v in inputs.items()}
     with jax.default_matmul_precision("highest"):
-        return jax.jit(lambda x: reference_ragged_page_attention(*x.values(), **kw))(widened)
+        return jax.jit(lambda x: reference_ragged_page_attention(*positional(x), **kw))(widened)
 
 
 @gpu
@@ -281,14 +289,13 @@ def test_nan_in_page_storage_past_the_contexts_does_not_reach_the_output():
 def test_traced_num_seqs_stale_rows_and_vmap():
     """num_seqs traced (rows of the inactive sequences become zeros, whatever they held); vmap over queries."""
     inputs = batch([(200, 700), (1, 100), (90, 90)], seed=3)
-    fn = jax.jit(lambda x, n: ragged_page_attention(*{**x, "num_seqs": n}.values(), platform="cuda"))
+    fn = jax.jit(lambda x, n: ragged_page_attention(*positional({**x, "num_seqs": n}), platform="cuda"))
     out = fn(inputs, jnp.asarray([2], jnp.int32))
     expected = reference({**inputs, "num_seqs": jnp.asarray([2], jnp.int32)})
     assert_close(out, expected, dtype="bfloat16")
     np.testing.assert_array_equal(np.asarray(out[201:], np.float32), 0.0)
     stacked = jnp.stack([inputs["queries"], -inputs["queries"]])
-    rest = {k: v for k, v in inputs.items() if k != "queries"}
-    batched = jax.jit(jax.vmap(lambda q: ragged_page_attention(q, *rest.values(), platform="cuda")))(stacked)
+    batched = jax.jit(jax.vmap(lambda q: ragged_page_attention(q, *positional(inputs)[1:], platform="cuda")))(stacked)
     assert_close(batched[1], reference({**inputs, "queries": stacked[1]}), dtype="bfloat16")
 
 
