@@ -45,16 +45,18 @@ __device__ __forceinline__ void init_forward_barriers(Shared& shared) {
   cutlass::arch::fence_barrier_init();
 }
 
-// The producer thread's loop. load_q(bar, tile) loads the CTA's Q tile; locate(key0) says where key block key0
+// The producer thread's loop. load_q(bar, tile) loads the CTA's Q tile (q_bytes of it; 0: the consumers fill
+// it themselves and load_q does nothing); locate(key0) says where key block key0
 // lives (anything the loads take: it is called one block ahead of the loads, so that page-table reads are in
 // flight while the producer waits for a free stage); load_kv(bar, tile, where, value) loads its keys (value =
 // false) or values into a tile of BN rows. Each load must complete exactly the bytes of its tile (rows out of
 // bounds arrive as zeros and count).
 template <class T, int D, int BN, class Shared, class LoadQ, class Locate, class LoadKV>
 __device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBlocks& blocks, LoadQ&& load_q,
-                                                   Locate&& locate, LoadKV&& load_kv) {
+                                                   Locate&& locate, LoadKV&& load_kv,
+                                                   uint32_t q_bytes = kForwardRows * D * sizeof(T)) {
   const int num_blocks = blocks.last - blocks.first;
-  barrier_expect(&shared.q_full, kForwardRows * D * sizeof(T));
+  barrier_expect(&shared.q_full, q_bytes);
   load_q(&shared.q_full, shared.q);
   auto where = locate((blocks.last - 1) * BN);
   for (int it = 0; it < num_blocks; ++it) {
@@ -96,18 +98,22 @@ __device__ __forceinline__ void clear_value_rows(T* tile, int from, int group, i
 // rows; this warpgroup's are [row_begin + 64 * group, + 64)). `head` and `batch` index the extras (sinks,
 // segment ids). Capped: a soft cap is applied (a template parameter, like whether a key block needs the mask:
 // the main loop must be one branch-free block for the compiler to keep the softmax between the waits for the
-// products in flight). ClearValueTail: the value rows of keys past problem.kv_len in the first block visited
+// products in flight). ClearValueTail (the paged kernel's): the value rows of keys past problem.kv_len in the first block visited
 // (the only one that can hold any) are zeroed before P V reads them; their probabilities are 0, but where a
 // load brings in whole rows of storage past the context (pages), a NaN there would still give 0 * NaN = NaN.
+// Solo: this warpgroup is the only consumer of the tile (no turns taken; the other one runs drain_key_blocks),
+// and its 64 tile rows hold rows_per_query rows per query (query row_begin + tile row / rows_per_query: the
+// query heads of one kv head packed into one tile).
 // Returns with every product complete and every stage released.
-template <class T, int D, int BN, bool Capped, class Shared, bool ClearValueTail = false>
+template <class T, int D, int BN, bool Capped, class Shared, bool ClearValueTail = false, bool Solo = false>
 __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem& problem, const Extras& extras,
                                                    int row_begin, int row_end, const KeyBlocks& blocks, int head,
-                                                   int batch, int group, int t, ConsumerRows<D>& rows) {
+                                                   int batch, int group, int t, ConsumerRows<D>& rows,
+                                                   int rows_per_query = 1) {
   const int num_blocks = blocks.last - blocks.first;
   const int other = 1 - group;
-  const int row_a = row_begin + 64 * group + fragment_row(t);
-  const int row_b = row_a + 8;
+  const int row_a = row_begin + (64 * group + fragment_row(t)) / rows_per_query;
+  const int row_b = row_begin + (64 * group + fragment_row(t) + 8) / rows_per_query;
   const float log2e = 1.4426950408889634f;
   // Scores stay raw dot products (or, soft-capped, capped logits in log2 units) and the running maxima are
   // kept in the same units: the exponent is then one FMA, exp2(s * unit - max * unit).
@@ -211,8 +217,12 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     sum_a = sum_a * rescale_a + row_sum_a;  // per-thread partial sums; the quad is summed at the end
     sum_b = sum_b * rescale_b + row_sum_b;
   };
-  auto take_turn = [&]() { named_sync(1 + group, 256); };
-  auto pass_turn = [&]() { named_arrive(1 + other, 256); };
+  auto take_turn = [&]() {
+    if constexpr (!Solo) named_sync(1 + group, 256);
+  };
+  auto pass_turn = [&]() {
+    if constexpr (!Solo) named_arrive(1 + other, 256);
+  };
 
   if (num_blocks > 0) {
     if (group == 1) pass_turn();  // warpgroup 1 issues first
@@ -292,6 +302,19 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
   rows.max_b = max_b;
   rows.sum_a = sum_a;
   rows.sum_b = sum_b;
+}
+
+// The idle consumer warpgroup of a Solo tile (one thread calls it): releases each stage as it fills, so that
+// the producer's two arrivals per stage come.
+template <class Shared>
+__device__ __forceinline__ void drain_key_blocks(Shared& shared, const KeyBlocks& blocks) {
+  for (int it = 0; it < blocks.last - blocks.first; ++it) {
+    const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
+    barrier_wait(&shared.k_full[stage], phase);
+    barrier_arrive(&shared.k_empty[stage]);
+    barrier_wait(&shared.v_full[stage], phase);
+    barrier_arrive(&shared.v_empty[stage]);
+  }
 }
 
 // Epilogue, first half: sums the quads' partial sums (in `rows`) and writes this warpgroup's normalized output

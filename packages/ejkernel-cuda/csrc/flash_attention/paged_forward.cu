@@ -1,29 +1,38 @@
-// Paged flash-attention forward for Hopper (sm_90a): ragged_page_attention's prefill (and any other) rows.
+// Paged flash-attention forward for Hopper (sm_90a): ragged_page_attention's mixed batch of prefill chunks and
+// decode rows, in one launch.
 //
 // queries [T, Hq, D] packed by query_start_loc; kv_pages [P, page_size, 2 Hkv, D], the key of kv head h at
 // axis-2 index 2h, its value at 2h + 1; sequence s (< num_seqs) owns rows [query_start_loc[s],
 // query_start_loc[s + 1]), whose query i sits at position context_lens[s] - q_len + i and sees the keys
 // <= that position (causal within the sequence, always: the operation's definition).
 //
-// The pipeline of forward_pipeline.cuh (TMA producer warpgroup, two ping-ponging wgmma consumer warpgroups)
-// with two sources of its own:
-// - work: the grid is a static upper bound of query tiles (ceil(T / 128) + max_num_seqs + 1) x Hq. Warp 0 of
-//   each CTA finds its tile by a warp-wide scan over the sequences' tile counts (32 sequences per step) and
-//   puts it in shared memory; tiles of 128 rows never cross sequences (a sequence's last tile is partial), the
-//   heaviest tile of a sequence comes first. The rows past query_start_loc[num_seqs] form one more "sequence"
-//   with no keys: its tiles write the zeros the contract gives them. CTAs past the last tile exit.
-// - keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
-//   [1, P * page_size, 2 Hkv, D]: chunk key k lives at row block_tables[s][k / page_size] * page_size +
-//   k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
-//   page ids from global memory one block ahead of its loads. A chunk wholly past context_lens[s] is loaded
-//   from row P * page_size, out of the map's bounds: TMA fills it with zeros (no other sequence's page is
-//   read). Ids are clamped into [0, P). The last chunk of a context may end inside a page: its rows past the
-//   context are the page's storage (anything, NaN included), masked out of the scores by the causal bound and
-//   zeroed in the value tile before P V (consume_key_blocks' ClearValueTail).
+// The pipeline of forward_pipeline.cuh (TMA producer warpgroup, two wgmma consumer warpgroups) on two kinds
+// of work item:
+// - a query tile: 128 rows of one query head of one sequence (tiles never cross sequences; a sequence's last
+//   tile is partial), both consumer warpgroups ping-ponging, as in the dense forward. Compute-bound.
+// - a packed tile, for sequences of at most 64 / G rows (G = Hq / Hkv: decode rows, short speculative
+//   chunks): all G query heads of one kv head in the 64 rows of ONE consumer warpgroup (row r = query r / G,
+//   head r % G), so the kv head's pages are read once for its G heads; the other consumer warpgroup only
+//   releases the stages. Bandwidth-bound: its tensor work is half a query tile's per key block.
+// Scheduling: persistent CTAs (one per SM) take items from a counter in global memory (zeroed before the
+// launch). Each CTA first builds, in shared memory, the prefix counts of both kinds of item over the
+// sequences (all threads, one pass over query_start_loc), then alternates the two kinds in the order it hands
+// out (query tile, packed tile, query tile, ...; the rest of the longer list after), so that at any time some
+// SMs stream pages for decode rows while others run the matrix products of prefill tiles: the two halves of
+// a mixed batch bind on different units and overlap instead of adding up. A sequence's query tiles come
+// heaviest first (causal), its heads next to each other (they read the same pages, mostly from L2). The rows
+// past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles write zeros.
+// Keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
+// [1, P * page_size, 2 Hkv, D]: chunk key k lives at row block_tables[s][k / page_size] * page_size +
+// k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
+// page ids one block ahead of its loads. A chunk wholly past context_lens[s] is loaded from row P * page_size,
+// out of the map's bounds: TMA fills it with zeros (no other sequence's page is read). Ids are clamped into
+// [0, P). The last chunk of a context may end inside a page: its rows past the context are the page's storage
+// (anything, NaN included), masked out of the scores by the causal bound and zeroed in the value tile before
+// P V (consume_key_blocks' ClearValueTail).
 // The output: masked 16-byte stores from the staged tile in shared memory, rows past the sequence's end not
 // written. A TMA store would clip at the map's bounds only, i.e. at T, and overwrite the next sequence's
-// first rows; a map per sequence would have to be built on the device (tensormap.replace) per tile: the
-// masked copy of 2 x 16 KB per CTA costs less than that and keeps the host side one map per operand.
+// first rows.
 #include "flash_attention/forward_pipeline.cuh"
 #include "flash_attention/launch.cuh"
 
@@ -31,158 +40,315 @@ namespace ejk {
 
 constexpr int kPagedBlockKeys = 128;  // keys per block (the dense forward's BN)
 constexpr int kPagedChunk = 64;       // rows per TMA box of kv_pages (page_size is a multiple)
+constexpr int kPackedRows = 64;       // rows of a packed tile: one consumer warpgroup's
+constexpr int kMaxPagedSeqs = 4096;   // the work table's entries live in shared memory (8 bytes each)
 
 struct PagedParams {
   CUtensorMap q_map;   // queries as [1, T, Hq, D], boxes of 128 rows
   CUtensorMap kv_map;  // kv_pages as [1, P * page_size, 2 Hkv, D], boxes of 64 rows
-  void* out;           // [T, Hq, D]
+  const void* queries;  // [T, Hq, D] (packed tiles gather their rows themselves)
+  void* out;            // [T, Hq, D]
   const int* context_lens;     // [max_num_seqs]
   const int* block_tables;     // [max_num_seqs, pages_per_seq]
   const int* query_start_loc;  // [max_num_seqs + 1]
   const int* num_seqs;         // [1]
+  int* next_item;              // [1], zero at launch
   int total_tokens, q_heads, kv_heads, page_size, num_pages, pages_per_seq, max_num_seqs;
   float softmax_scale;
 };
 
-// The CTA's work: rows [row_begin, row_end) of a sequence whose queries start at packed row q_start (seq < 0:
-// the padding rows past the last sequence, no keys).
-struct PagedTile {
-  int seq, q_start, q_len, kv_len, row_begin;
+// One work item: rows [row_begin, row_begin + 128) of query head `head` (a query tile), or all rows of the
+// sequence for the query heads of kv head `head` (packed). seq -1: the padding rows past the last sequence (no
+// keys); seq -2: nothing left.
+struct PagedItem {
+  int seq, packed, head, q_start, q_len, kv_len, row_begin;
 };
 
-// Tile `index` of the launch (all 32 lanes of a warp call it; every lane gets the answer): seq = -2 past the end.
-__device__ __forceinline__ PagedTile find_paged_tile(const PagedParams& params, int index) {
-  const int lane = threadIdx.x % 32;
-  const int count = min(max(*params.num_seqs, 0), params.max_num_seqs);
-  const int* starts = params.query_start_loc;
-  int before = 0;  // tiles of the sequences already scanned
-  for (int first = 0; first < count; first += 32) {
-    const int s = first + lane;
-    const int begin = s < count ? starts[s] : 0, end = s < count ? starts[s + 1] : 0;
-    const int tiles = max(end - begin, 0) / kForwardRows + ((max(end - begin, 0) % kForwardRows) != 0);
-    int inclusive = tiles;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int other = __shfl_up_sync(0xffffffff, inclusive, d);
-      if (lane >= d) inclusive += other;
-    }
-    const bool mine = before + inclusive - tiles <= index && index < before + inclusive;
-    const unsigned owners = __ballot_sync(0xffffffff, mine);
-    if (owners) {
-      const int owner = __ffs(owners) - 1;
-      const int local = index - before - __shfl_sync(0xffffffff, inclusive - tiles, owner);
-      const int owner_tiles = __shfl_sync(0xffffffff, tiles, owner);
-      const int seq = first + owner;
-      const int q_start = __shfl_sync(0xffffffff, begin, owner), q_end = __shfl_sync(0xffffffff, end, owner);
-      // the sequence's last (heaviest, causal) tile first
-      return {seq, q_start, q_end - q_start, params.context_lens[seq], (owner_tiles - 1 - local) * kForwardRows};
-    }
-    before += __shfl_sync(0xffffffff, inclusive, 31);
+// The work table: entry e <= count (count = num_seqs clamped; entry count is the padding rows) holds the
+// number of query-tile items and of packed items of entries [0, e], in shared memory after the pipeline's.
+struct PagedTable {
+  int* tile_end;
+  int* packed_end;
+  int entries;  // max_num_seqs + 1
+  int count;
+  int tail_start;
+};
+
+__device__ __forceinline__ int paged_group(const PagedParams& params) { return params.q_heads / params.kv_heads; }
+
+// Rows of entry e (a sequence, or the padding rows) and how many items of each kind it makes.
+__device__ __forceinline__ void entry_items(const PagedParams& params, const PagedTable& table, int e, int& tiles,
+                                            int& packed) {
+  tiles = packed = 0;
+  if (e < table.count) {
+    const int q_len = max(params.query_start_loc[e + 1] - params.query_start_loc[e], 0);
+    if (q_len == 0) return;
+    if (q_len * paged_group(params) <= kPackedRows) packed = params.kv_heads;
+    else tiles = (q_len + kForwardRows - 1) / kForwardRows * params.q_heads;
+  } else if (e == table.count) {
+    const int tail = max(params.total_tokens - table.tail_start, 0);
+    tiles = (tail + kForwardRows - 1) / kForwardRows * params.q_heads;
   }
-  const int tail_start = count > 0 ? starts[count] : 0;
-  const int tail = max(params.total_tokens - tail_start, 0);
-  const int local = index - before;
-  if (local * kForwardRows < tail) return {-1, tail_start, tail, 0, local * kForwardRows};
-  return {-2, 0, 0, 0, 0};
 }
 
-template <class T, int D>
-__global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const __grid_constant__ PagedParams params) {
-  constexpr int BN = kPagedBlockKeys;
-  using Shared = ForwardShared<T, D, BN>;
-  Shared& shared = aligned_shared<Shared>();
-  __shared__ PagedTile found;
-  const int head = blockIdx.y;
-  const int warpgroup = warpgroup_index();
-  const int t = threadIdx.x % 128;
-
-  if (threadIdx.x < 32) {
-    const PagedTile tile = find_paged_tile(params, blockIdx.x);
-    if (threadIdx.x == 0) {
-      found = tile;
-      if (tile.seq != -2) init_forward_barriers(shared);
-    }
+// All threads of the CTA: the table's prefix counts (a block-wide scan of per-thread runs of entries).
+__device__ __forceinline__ void build_paged_table(const PagedParams& params, const PagedTable& table) {
+  __shared__ int warp_sums[2][kForwardThreads / 32];
+  const int per_thread = (table.entries + kForwardThreads - 1) / kForwardThreads;
+  const int first = threadIdx.x * per_thread, last = min(first + per_thread, table.entries);
+  int tiles_sum = 0, packed_sum = 0;
+  for (int e = first; e < last; ++e) {
+    int tiles, packed;
+    entry_items(params, table, e, tiles, packed);
+    tiles_sum += tiles;
+    packed_sum += packed;
+    table.tile_end[e] = tiles_sum;  // within the thread's run; offsets added below
+    table.packed_end[e] = packed_sum;
   }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int tiles_incl = tiles_sum, packed_incl = packed_sum;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int a = __shfl_up_sync(0xffffffff, tiles_incl, d), b = __shfl_up_sync(0xffffffff, packed_incl, d);
+    if (lane >= d) tiles_incl += a, packed_incl += b;
+  }
+  if (lane == 31) warp_sums[0][warp] = tiles_incl, warp_sums[1][warp] = packed_incl;
   __syncthreads();
-  const PagedTile tile = found;
-  if (tile.seq == -2) return;
+  int tiles_offset = tiles_incl - tiles_sum, packed_offset = packed_incl - packed_sum;
+  for (int w = 0; w < warp; ++w) tiles_offset += warp_sums[0][w], packed_offset += warp_sums[1][w];
+  for (int e = first; e < last; ++e) table.tile_end[e] += tiles_offset, table.packed_end[e] += packed_offset;
+  __syncthreads();
+}
 
-  // the sequence as a causal Problem of one batch entry (rows and keys local to it)
-  const int longest = tile.q_len + tile.kv_len + 1;
-  const Problem problem{1, tile.q_len, tile.kv_len, params.q_heads, params.kv_heads, params.softmax_scale, 0.f, 1,
-                        -1, -1, -longest, 0};
-  const int row_begin = tile.row_begin;
-  const int row_end = min(row_begin + kForwardRows, tile.q_len);
-  const KeyBlocks blocks = tile.seq >= 0 ? key_blocks(problem, row_begin, row_end, BN) : KeyBlocks{0, 0};
-
-  if (warpgroup == 0) {  // producer
-    cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (threadIdx.x == 0 && blocks.last > blocks.first) {
-      const int kv_head = head / (params.q_heads / params.kv_heads);
-      const int* table = params.block_tables + static_cast<size_t>(tile.seq) * params.pages_per_seq;
-      const int past_end = params.num_pages * params.page_size;  // a row out of the map: zeros
-      // rows of kv_pages (as one [P * page_size] axis) of the block's 64-key chunks
-      auto locate = [&](int key0) {
-        int rows[BN / kPagedChunk];
-#pragma unroll
-        for (int c = 0; c < BN / kPagedChunk; ++c) {
-          const int key = key0 + c * kPagedChunk;
-          const int logical = key / params.page_size;
-          const int page = key < tile.kv_len && logical < params.pages_per_seq
-                               ? min(max(table[logical], 0), params.num_pages - 1)
-                               : -1;
-          rows[c] = page < 0 ? past_end : page * params.page_size + key % params.page_size;
-        }
-        struct Rows {
-          int row[BN / kPagedChunk];
-        } where;
-#pragma unroll
-        for (int c = 0; c < BN / kPagedChunk; ++c) where.row[c] = rows[c];
-        return where;
-      };
-      produce_key_blocks<T, D, BN>(
-          shared, blocks,
-          [&](Barrier* bar, T* tile_q) {
-            load_tile<D>(&params.q_map, bar, tile_q, kForwardRows, tile.q_start + row_begin, head, 0);
-          },
-          locate,
-          [&](Barrier* bar, T* tile_kv, const auto& where, bool value) {
-#pragma unroll
-            for (int c = 0; c < BN / kPagedChunk; ++c) {
-              // chunk c: rows [64 c, 64 c + 64) of each of the tile's D / 64 panels of BN rows
-              load_tile<D>(&params.kv_map, bar, tile_kv + c * kPagedChunk * 64, BN, where.row[c],
-                           2 * kv_head + (value ? 1 : 0), 0);
-            }
-          });
-    }
-    return;
+// First entry whose prefix count exceeds j.
+__device__ __forceinline__ int find_entry(const int* end, int entries, int j) {
+  int lo = 0, hi = entries - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (end[mid] > j) hi = mid;
+    else lo = mid + 1;
   }
+  return lo;
+}
 
-  // consumers
-  cutlass::arch::warpgroup_reg_alloc<240>();
-  const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of the tile
-  ConsumerRows<D> rows;
-  const Extras none{nullptr, 0, nullptr, nullptr};
-  consume_key_blocks<T, D, BN, false, Shared, true>(shared, problem, none, row_begin, row_end, blocks, head, 0, group, t, rows);
+// Item `ticket` of the hand-out order (query tiles and packed tiles alternating, then the rest of the longer
+// list).
+__device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const PagedTable& table, int ticket) {
+  const int tiles = table.tile_end[table.entries - 1], packed = table.packed_end[table.entries - 1];
+  if (ticket >= tiles + packed) return {-2, 0, 0, 0, 0, 0, 0};
+  const int both = min(tiles, packed);
+  bool is_packed;
+  int j;
+  if (ticket < 2 * both) is_packed = ticket & 1, j = ticket / 2;
+  else is_packed = packed > tiles, j = ticket - both;
+  const int* end = is_packed ? table.packed_end : table.tile_end;
+  const int e = find_entry(end, table.entries, j);
+  const int local = j - (e > 0 ? end[e - 1] : 0);
+  PagedItem item;
+  item.packed = is_packed;
+  if (e < table.count) {
+    item.seq = e;
+    item.q_start = params.query_start_loc[e];
+    item.q_len = params.query_start_loc[e + 1] - item.q_start;
+    item.kv_len = params.context_lens[e];
+  } else {
+    item.seq = -1;
+    item.q_start = table.tail_start;
+    item.q_len = params.total_tokens - table.tail_start;
+    item.kv_len = 0;
+  }
+  if (is_packed) {
+    item.head = local;
+    item.row_begin = 0;
+  } else {  // the heaviest (last) tile of the sequence first; its heads next to each other
+    const int count = (item.q_len + kForwardRows - 1) / kForwardRows;
+    item.head = local % params.q_heads;
+    item.row_begin = (count - 1 - local / params.q_heads) * kForwardRows;
+  }
+  return item;
+}
 
-  // epilogue: normalize into the Q tile, then masked 16-byte copies of this warpgroup's 64 rows (rows past the
-  // sequence's end stay untouched: they belong to the next sequence)
-  stage_output<T, D>(shared.q, group, t, rows);
-  named_sync(3 + group, 128);
-  const char* staged = reinterpret_cast<const char*>(shared.q);
+// An item as a causal Problem of one batch entry (rows and keys local to its sequence), the rows it covers
+// (query tile: [row_begin, row_end); packed: every query) and their key blocks.
+struct ItemKeys {
+  Problem problem;
+  int row_end;
+  KeyBlocks blocks;
+};
+
+__device__ __forceinline__ ItemKeys item_keys(const PagedParams& params, const PagedItem& item) {
+  ItemKeys keys;
+  const int longest = item.q_len + item.kv_len + 1;
+  keys.problem = Problem{1, item.q_len, item.kv_len, params.q_heads, params.kv_heads, params.softmax_scale, 0.f, 1,
+                         -1, -1, -longest, 0};
+  keys.row_end = item.packed ? item.q_len : min(item.row_begin + kForwardRows, item.q_len);
+  keys.blocks = item.seq >= 0 ? key_blocks(keys.problem, item.row_begin, keys.row_end, kPagedBlockKeys)
+                              : KeyBlocks{0, 0};
+  return keys;
+}
+
+// The producer thread's part of an item with key blocks: Q (query tiles), then the key blocks from the pages.
+template <class T, int D, class Shared>
+__device__ __forceinline__ void produce_paged_item(const PagedParams& params, Shared& shared, const PagedItem& item,
+                                                   const KeyBlocks& blocks) {
+  constexpr int BN = kPagedBlockKeys;
+  const int kv_head = item.packed ? item.head : item.head / paged_group(params);
+  const int* table = params.block_tables + static_cast<size_t>(item.seq) * params.pages_per_seq;
+  const int past_end = params.num_pages * params.page_size;  // a row out of the map: zeros
+  // rows of kv_pages (as one [P * page_size] axis) of the block's 64-key chunks
+  auto locate = [&](int key0) {
+    struct Rows {
+      int row[BN / kPagedChunk];
+    } where;
+#pragma unroll
+    for (int c = 0; c < BN / kPagedChunk; ++c) {
+      const int key = key0 + c * kPagedChunk;
+      const int logical = key / params.page_size;
+      const int page = key < item.kv_len && logical < params.pages_per_seq
+                           ? min(max(table[logical], 0), params.num_pages - 1)
+                           : -1;
+      where.row[c] = page < 0 ? past_end : page * params.page_size + key % params.page_size;
+    }
+    return where;
+  };
+  auto load_kv = [&](Barrier* bar, T* tile_kv, const auto& where, bool value) {
+#pragma unroll
+    for (int c = 0; c < BN / kPagedChunk; ++c) {
+      // chunk c: rows [64 c, 64 c + 64) of each of the tile's D / 64 panels of BN rows
+      load_tile<D>(&params.kv_map, bar, tile_kv + c * kPagedChunk * 64, BN, where.row[c], 2 * kv_head + (value ? 1 : 0),
+                   0);
+    }
+  };
+  if (item.packed) {  // the consumer warpgroup gathers the packed rows itself
+    produce_key_blocks<T, D, BN>(shared, blocks, [](Barrier*, T*) {}, locate, load_kv, 0);
+  } else {
+    produce_key_blocks<T, D, BN>(
+        shared, blocks,
+        [&](Barrier* bar, T* tile_q) {
+          load_tile<D>(&params.q_map, bar, tile_q, kForwardRows, item.q_start + item.row_begin, item.head, 0);
+        },
+        locate, load_kv);
+  }
+}
+
+// A packed tile's query rows into the first 64 rows of the Q tile (swizzled as TMA would put them), zeros
+// past the item's rows; by the 128 threads of consumer warpgroup 0, before its first product.
+template <class T, int D>
+__device__ __forceinline__ void gather_packed_rows(const PagedParams& params, T* q_tile, const PagedItem& item,
+                                                   int t) {
+  const int group = paged_group(params), rows = item.q_len * group;
+  constexpr int kChunksPerRow = D / 8;  // 16 bytes each
+  char* tile = reinterpret_cast<char*>(q_tile);
+#pragma unroll
+  for (int j = 0; j < kPackedRows * kChunksPerRow / 128; ++j) {
+    const int chunk = t + 128 * j;
+    const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (row < rows) {
+      const T* source = static_cast<const T*>(params.queries) +
+                        (static_cast<size_t>(item.q_start + row / group) * params.q_heads + item.head * group +
+                         row % group) * D + col;
+      value = *reinterpret_cast<const uint4*>(source);
+    }
+    *reinterpret_cast<uint4*>(tile + (col / 64) * kForwardRows * 128 + swizzled_offset(row, col % 64)) = value;
+  }
+  fence_async_shared();  // before the tensor cores read them
+  named_sync(3, 128);
+}
+
+// Consumer warpgroup `group`'s rows of the staged output tile (normalized, in the Q tile) to `out`: tile row r
+// is query row_begin + r / rows_per_query of head first_head + r % rows_per_query; rows past the item's
+// queries are not written (they belong to the next sequence).
+template <class T, int D>
+__device__ __forceinline__ void store_paged_rows(const PagedParams& params, const T* q_tile, const PagedItem& item,
+                                                 int group, int t, int first_head, int rows_per_query) {
+  const char* staged = reinterpret_cast<const char*>(q_tile);
   constexpr int kChunksPerRow = D / 8;  // 16 bytes each
 #pragma unroll
   for (int j = 0; j < 64 * kChunksPerRow / 128; ++j) {
     const int chunk = t + 128 * j;
     const int row = 64 * group + chunk / kChunksPerRow;  // within the tile
     const int col = (chunk % kChunksPerRow) * 8;
-    const int local = row_begin + row;
-    if (local < tile.q_len) {
+    const int query = item.row_begin + row / rows_per_query;
+    if (query < item.q_len) {
       const uint4 value = *reinterpret_cast<const uint4*>(staged + (col / 64) * kForwardRows * 128 +
                                                           swizzled_offset(row, col % 64));
       T* out = static_cast<T*>(params.out) +
-               (static_cast<size_t>(tile.q_start + local) * params.q_heads + head) * D + col;
+               (static_cast<size_t>(item.q_start + query) * params.q_heads + first_head + row % rows_per_query) * D +
+               col;
       *reinterpret_cast<uint4*>(out) = value;
+    }
+  }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const __grid_constant__ PagedParams params) {
+  constexpr int BN = kPagedBlockKeys;
+  using Shared = ForwardShared<T, D, BN>;
+  Shared& pipeline = aligned_shared<Shared>();
+  __shared__ PagedItem current;
+  const int warpgroup = warpgroup_index();
+
+  // The work table (its shape in shared memory too: the loop keeps no registers for it across the items).
+  __shared__ PagedTable table;
+  if (threadIdx.x == 0) {
+    table.tile_end = reinterpret_cast<int*>(&pipeline + 1);
+    table.entries = params.max_num_seqs + 1;
+    table.packed_end = table.tile_end + table.entries;
+    table.count = min(max(*params.num_seqs, 0), params.max_num_seqs);
+    table.tail_start = table.count > 0 ? params.query_start_loc[table.count] : 0;
+  }
+  __syncthreads();
+  build_paged_table(params, table);
+
+  // The roles split once (each on its register budget: ptxas keeps a warpgroup's code after setmaxnreg
+  // within it, so no code runs under both budgets); both loops meet at the same two CTA barriers per item.
+  // The item's bookkeeping is done by the first consumer thread (the producer runs on 32 registers).
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<32>();
+    for (;;) {
+      __syncthreads();  // the dealer has published the item
+      if (current.seq == -2) break;
+      if (threadIdx.x == 0) {
+        const PagedItem item = current;
+        const ItemKeys keys = item_keys(params, item);
+        if (keys.blocks.last > keys.blocks.first) produce_paged_item<T, D>(params, pipeline, item, keys.blocks);
+      }
+      __syncthreads();  // the item's shared memory and barriers are free again
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<240>();
+    const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of a query tile
+    const int t = threadIdx.x % 128;
+    const Extras none{nullptr, 0, nullptr, nullptr};
+    for (;;) {
+      if (threadIdx.x == kForwardThreads / 3) {  // the dealer
+        init_forward_barriers(pipeline);  // fresh phases: every stage of the last item was consumed
+        current = paged_item(params, table, atomicAdd(params.next_item, 1));
+      }
+      __syncthreads();
+      const PagedItem item = current;
+      if (item.seq == -2) break;
+      const ItemKeys keys = item_keys(params, item);
+      ConsumerRows<D> rows;
+      if (!item.packed) {
+        consume_key_blocks<T, D, BN, false, Shared, true>(pipeline, keys.problem, none, item.row_begin, keys.row_end,
+                                                          keys.blocks, item.head, 0, group, t, rows);
+        stage_output<T, D>(pipeline.q, group, t, rows);
+        named_sync(3 + group, 128);
+        store_paged_rows<T, D>(params, pipeline.q, item, group, t, item.head, 1);
+      } else if (group == 0) {
+        const int heads = paged_group(params);
+        gather_packed_rows<T, D>(params, pipeline.q, item, t);
+        consume_key_blocks<T, D, BN, false, Shared, true, true>(pipeline, keys.problem, none, 0, keys.row_end,
+                                                                keys.blocks, 0, 0, 0, t, rows, heads);
+        stage_output<T, D>(pipeline.q, 0, t, rows);
+        named_sync(3, 128);
+        store_paged_rows<T, D>(params, pipeline.q, item, 0, t, item.head * heads, heads);
+      } else if (t == 0) {
+        drain_key_blocks(pipeline, keys.blocks);
+      }
+      __syncthreads();  // the item's shared memory and barriers are free again
     }
   }
 }
@@ -198,12 +364,18 @@ cudaError_t launch_paged_forward(cudaStream_t stream, PagedParams params, const 
                                2 * params.kv_heads, D, kPagedChunk)) != cudaSuccess) {
     return error;
   }
+  params.queries = queries;
   auto kernel = paged_forward_kernel<T, D>;
-  const size_t shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys>) + 1024;
+  const size_t shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys>) + 1024 +
+                              2 * sizeof(int) * static_cast<size_t>(params.max_num_seqs + 1);
   if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
-  const int tiles = (params.total_tokens + kForwardRows - 1) / kForwardRows + params.max_num_seqs + 1;
-  const dim3 grid(tiles, params.q_heads);
-  kernel<<<grid, kForwardThreads, shared_bytes, stream>>>(params);
+  int device = 0, sms = 0;
+  if ((error = cudaGetDevice(&device)) != cudaSuccess ||
+      (error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
+      (error = cudaMemsetAsync(params.next_item, 0, sizeof(int), stream)) != cudaSuccess) {
+    return error;
+  }
+  kernel<<<sms, kForwardThreads, shared_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 
@@ -216,7 +388,8 @@ ffi::Error invalid(const std::string& what) {
 ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ffi::AnyBuffer kv_pages,
                                  ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> block_tables,
                                  ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
-                                 float softmax_scale, ffi::Result<ffi::AnyBuffer> out) {
+                                 float softmax_scale, ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> next_item) {
   auto qd = queries.dimensions(), kd = kv_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4) {
     return invalid("queries must be [tokens, heads, dim] and kv_pages [pages, page_size, 2 * kv_heads, dim]; got " +
@@ -236,6 +409,10 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
       num_seqs.element_count() != 1) {
     return invalid("context_lens [S], block_tables [S, pages], query_start_loc [S + 1], num_seqs [1] expected");
   }
+  if (sd[0] > kMaxPagedSeqs || next_item->element_count() != 1) {
+    return invalid("at most " + std::to_string(kMaxPagedSeqs) + " sequences (the work table lives in shared memory), got " +
+                   std::to_string(sd[0]) + "; and one int32 counter");
+  }
   if (kd[0] * kd[1] >= (int64_t{1} << 31) || qd[0] >= (int64_t{1} << 31) - 128 * (sd[0] + 2)) {
     return invalid("kv_pages or queries too large for 32-bit row coordinates");
   }
@@ -246,6 +423,7 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
   params.block_tables = block_tables.typed_data();
   params.query_start_loc = query_start_loc.typed_data();
   params.num_seqs = num_seqs.typed_data();
+  params.next_item = next_item->typed_data();
   params.total_tokens = static_cast<int>(qd[0]);
   params.q_heads = static_cast<int>(qd[1]);
   params.kv_heads = static_cast<int>(kd[2] / 2);
@@ -276,4 +454,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkPagedForward, ejk::paged_forward_handler,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // query_start_loc
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // num_seqs
                                   .Attr<float>("softmax_scale")
-                                  .Ret<xla::ffi::AnyBuffer>());                  // out
+                                  .Ret<xla::ffi::AnyBuffer>()                    // out
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());      // next_item: scratch [1]

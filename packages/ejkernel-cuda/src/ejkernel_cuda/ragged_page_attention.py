@@ -13,10 +13,11 @@ other dtypes, head dims and page sizes, no such GPU, the library missing. Forwar
 ``UnsupportedFeature``); ``jax.vmap`` runs one launch per element of the mapped axis (``ffi_call``'s
 ``vmap_method="sequential"``).
 
-Every sequence runs in 128-row query tiles, decode rows (``q_len == 1``) too: correct, but a decode row
-occupies a whole tile and each query head reads its kv head's pages on its own, so decode-heavy batches are
-the Triton path's (its split-K decode programs). Hence :data:`PRIORITY`, below Triton's, until timed.
-Not yet run on a GPU: registered through ``plugin.UNVERIFIED`` only (``EJKERNEL_UNVERIFIED_KERNELS=1``).
+Work items (the kernel's comment has the details): 128-row query tiles of one query head (prefill chunks), and
+packed tiles for sequences of at most ``64 / G`` rows (G = query heads per kv head; decode rows, short
+speculative chunks): the G heads of one kv head in one tile, so each page is read once per kv head. Persistent
+CTAs take both kinds alternately from one counter, so that page streaming (decode rows) and matrix products
+(prefill tiles) run on different SMs at the same time. ``max_num_seqs`` up to :data:`MAX_SEQS`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ BLOCK_Q = 128
 """Query rows per CTA (two consumer warpgroups of 64): compiled in."""
 BLOCK_KV = 128
 """Keys per step (two 64-row TMA chunks of pages): compiled in."""
+MAX_SEQS = 4096
+"""Sequence slots (``max_num_seqs``) the kernel takes: its work table (8 bytes a slot) lives in shared memory."""
 PRIORITY = 12
 """Rank under ``platform="auto"``: below Triton (15), whose decode programs serve the decode rows; above XLA."""
 
@@ -84,6 +87,9 @@ def refusal(call: RaggedPageAttentionCall, *, check_device: bool = True) -> str 
         return f"page_size {page_size} is not supported (a multiple of {PAGE_MULTIPLE}: whole TMA boxes of keys)"
     if not call.softmax_scale > 0:
         return f"softmax_scale={call.softmax_scale} (the kernel needs a positive scale)"
+    if call.context_lens.shape[0] > MAX_SEQS:
+        return (f"max_num_seqs {call.context_lens.shape[0]} is not supported (at most {MAX_SEQS}: the kernel's work "
+                "table lives in shared memory)")
     if kv_pages.shape[0] * page_size >= 2**31:
         return f"{kv_pages.shape[0]} pages of {page_size} keys: more rows than 32-bit TMA coordinates hold"
     if not check_device:
@@ -103,9 +109,11 @@ def _paged_call(scale: float):
     """The FFI call for one softmax scale: forward-only, vmapped by one launch per element."""
 
     def forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs):
-        result = jax.ShapeDtypeStruct(queries.shape, queries.dtype)
-        return jax.ffi.ffi_call(_native.PAGED_TARGET, result, vmap_method="sequential")(
+        # the second result is the kernel's work counter (scratch, zeroed by the handler before the launch)
+        results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype), jax.ShapeDtypeStruct((1,), jnp.int32))
+        out, _ = jax.ffi.ffi_call(_native.PAGED_TARGET, results, vmap_method="sequential")(
             queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_scale=np.float32(scale))
+        return out
 
     @jax.custom_vjp
     def attend(*arrays):
