@@ -114,7 +114,7 @@ def _build_flags() -> list[str]:
 @needs_nvcc
 def test_ptxas_reports_no_spills_for_the_paged_kernel(tmp_path):
     """``ptxas -v`` of paged_forward.cu alone: both instantiations at the pipeline's 168 registers (384 threads,
-    one CTA per SM; the producer's setmaxnreg.dec to 32 and the consumers' inc to 240 fill the register file), no
+    one CTA per SM; the producer's setmaxnreg.dec to 40 and the consumers' inc to 232 fit that pool), no
     stack, no spill, and no "Potential Performance Loss" (ptxas ignoring setmaxnreg because a role's code needs
     more registers than its budget, or serializing wgmma for want of registers: both happened to the persistent
     loop's first draft)."""

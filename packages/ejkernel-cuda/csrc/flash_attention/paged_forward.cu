@@ -42,6 +42,14 @@ constexpr int kPagedBlockKeys = 128;  // keys per block (the dense forward's BN)
 constexpr int kPagedChunk = 64;       // rows per TMA box of kv_pages (page_size is a multiple)
 constexpr int kPackedRows = 64;       // rows of a packed tile: one consumer warpgroup's
 constexpr int kMaxPagedSeqs = 4096;   // the work table's entries live in shared memory (8 bytes each)
+// Registers per thread of the two roles after setmaxnreg. The CTA's pool is what the launch gave it (168 per
+// thread: 384 threads, one CTA per SM): the consumers' increase waits for registers the producer released, so
+// a budget above the pool hangs the kernel. The dense forward's 24 / 240 leave the producer too few for the
+// item loop (ptxas then ignores setmaxnreg and serializes the wgmma); 40 / 232 fit both roles without spills.
+constexpr int kPagedProducerRegisters = 40;
+constexpr int kPagedConsumerRegisters = 232;
+static_assert(128 * kPagedProducerRegisters + 256 * kPagedConsumerRegisters <= 168 * kForwardThreads,
+              "the roles' registers must fit the CTA's allocation");
 
 struct PagedParams {
   CUtensorMap q_map;   // queries as [1, T, Hq, D], boxes of 128 rows
@@ -303,9 +311,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
 
   // The roles split once (each on its register budget: ptxas keeps a warpgroup's code after setmaxnreg
   // within it, so no code runs under both budgets); both loops meet at the same two CTA barriers per item.
-  // The item's bookkeeping is done by the first consumer thread (the producer runs on 32 registers).
+  // The item's bookkeeping is done by the first consumer thread (the producer runs on few registers).
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<32>();
+    cutlass::arch::warpgroup_reg_dealloc<kPagedProducerRegisters>();
     for (;;) {
       __syncthreads();  // the dealer has published the item
       if (current.seq == -2) break;
@@ -317,7 +325,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
       __syncthreads();  // the item's shared memory and barriers are free again
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<240>();
+    cutlass::arch::warpgroup_reg_alloc<kPagedConsumerRegisters>();
     const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of a query tile
     const int t = threadIdx.x % 128;
     const Extras none{nullptr, 0, nullptr, nullptr};
