@@ -183,13 +183,17 @@ def test_without_a_gpu_it_is_refused_with_the_reason():
 
 def test_config_is_frozen_spelled_out_and_takes_the_compiled_tiles_only():
     config = IMPLEMENTATION.heuristic_config(validated(batch([(5, 70)])))
-    assert config == CudaPagedConfig(128, 128)
+    assert config == CudaPagedConfig(128, 128, paged.PACKED_SHARE)
     assert all(getattr(config, f.name) is not None for f in dataclasses.fields(config))
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.block_q = 64
     with pytest.raises(ValueError, match=r"CudaPagedConfig.block_kv must be 128 \(the compiled tile\), got 64"):
         CudaPagedConfig(block_kv=64)
-    assert IMPLEMENTATION.candidate_configs(validated(batch([(5, 70)]))) == ()
+    for share in (-1, 9, 2.0):
+        with pytest.raises(ValueError, match=r"CudaPagedConfig.packed_share must be an int in \[0, 8\]"):
+            CudaPagedConfig(packed_share=share)
+    candidates = IMPLEMENTATION.candidate_configs(validated(batch([(5, 70)])))
+    assert [c.packed_share for c in candidates] == [3, 4, 5, 6]
     assert IMPLEMENTATION.priority_for(validated(batch([(5, 70)]))) < 15  # below Triton's until timed
 
 
@@ -212,6 +216,7 @@ def test_lowers_to_the_custom_call_and_vmaps_one_call_per_element(monkeypatch):
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in positional(inputs)]
     text = _lowered(lambda *a: paged.paged_attention(*a, scale=0.125), *shapes)
     assert "custom_call @EjkPagedForward" in text and "softmax_scale = 1.250000e-01 : f32" in text
+    assert f"packed_share = {paged.PACKED_SHARE} : i32" in text
     stacked = jax.ShapeDtypeStruct((2, *inputs["queries"].shape), inputs["queries"].dtype)
     vmapped = jax.vmap(lambda q, *rest: paged.paged_attention(q, *rest, scale=0.125), in_axes=(0,) + (None,) * 5)
     text = _lowered(vmapped, stacked, *shapes[1:])

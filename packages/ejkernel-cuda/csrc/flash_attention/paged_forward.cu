@@ -16,10 +16,11 @@
 //   releases the stages. Bandwidth-bound: its tensor work is half a query tile's per key block.
 // Scheduling: persistent CTAs (one per SM) take items from a counter in global memory (zeroed before the
 // launch). Each CTA first builds, in shared memory, the prefix counts of both kinds of item over the
-// sequences (all threads, one pass over query_start_loc), then alternates the two kinds in the order it hands
-// out (query tile, packed tile, query tile, ...; the rest of the longer list after), so that at any time some
+// sequences (all threads, one pass over query_start_loc), then mixes the two kinds in the order it hands out
+// (rounds of 8 tickets, packed_share of them packed: a config field; the rest after), so that at any time some
 // SMs stream pages for decode rows while others run the matrix products of prefill tiles: the two halves of
-// a mixed batch bind on different units and overlap instead of adding up. A sequence's query tiles come
+// a mixed batch bind on different units and overlap instead of adding up. A packed tile is shorter than a
+// query tile, so an even count leaves fewer SMs streaming than the bandwidth needs: the share sets that. A sequence's query tiles come
 // heaviest first (causal), its heads next to each other (they read the same pages, mostly from L2). The rows
 // past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles write zeros.
 // Keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
@@ -41,6 +42,7 @@ namespace ejk {
 constexpr int kPagedBlockKeys = 128;  // keys per block (the dense forward's BN)
 constexpr int kPagedChunk = 64;       // rows per TMA box of kv_pages (page_size is a multiple)
 constexpr int kPackedRows = 64;       // rows of a packed tile: one consumer warpgroup's
+constexpr int kDealRound = 8;         // tickets per round of the hand-out order (packed_share of them packed)
 constexpr int kMaxPagedSeqs = 4096;   // the work table's entries live in shared memory (8 bytes each)
 // Registers per thread of the two roles after setmaxnreg. The CTA's pool is what the launch gave it (168 per
 // thread: 384 threads, one CTA per SM): the consumers' increase waits for registers the producer released, so
@@ -62,6 +64,7 @@ struct PagedParams {
   const int* num_seqs;         // [1]
   int* next_item;              // [1], zero at launch
   int total_tokens, q_heads, kv_heads, page_size, num_pages, pages_per_seq, max_num_seqs;
+  int packed_share;  // packed tiles per kDealRound tickets while both kinds last
   float softmax_scale;
 };
 
@@ -139,16 +142,27 @@ __device__ __forceinline__ int find_entry(const int* end, int entries, int j) {
   return lo;
 }
 
-// Item `ticket` of the hand-out order (query tiles and packed tiles alternating, then the rest of the longer
-// list).
+// Item `ticket` of the hand-out order: rounds of kDealRound tickets, packed_share packed tiles then the rest
+// query tiles, while both kinds last; then what is left of the two, alternating, then of the longer one.
 __device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const PagedTable& table, int ticket) {
   const int tiles = table.tile_end[table.entries - 1], packed = table.packed_end[table.entries - 1];
   if (ticket >= tiles + packed) return {-2, 0, 0, 0, 0, 0, 0};
-  const int both = min(tiles, packed);
+  const int share = params.packed_share, rest = kDealRound - share;
+  const int rounds = min(share ? packed / share : tiles, rest ? tiles / rest : packed);
   bool is_packed;
   int j;
-  if (ticket < 2 * both) is_packed = ticket & 1, j = ticket / 2;
-  else is_packed = packed > tiles, j = ticket - both;
+  if (ticket < rounds * kDealRound) {
+    const int round = ticket / kDealRound, place = ticket % kDealRound;
+    is_packed = place < share;
+    j = is_packed ? round * share + place : round * rest + place - share;
+  } else {
+    const int left = ticket - rounds * kDealRound;
+    const int packed_left = packed - rounds * share, tiles_left = tiles - rounds * rest;
+    const int both = min(packed_left, tiles_left);
+    if (left < 2 * both) is_packed = left & 1, j = left / 2;
+    else is_packed = packed_left > tiles_left, j = left - both;
+    j += is_packed ? rounds * share : rounds * rest;
+  }
   const int* end = is_packed ? table.packed_end : table.tile_end;
   const int e = find_entry(end, table.entries, j);
   const int local = j - (e > 0 ? end[e - 1] : 0);
@@ -396,7 +410,7 @@ ffi::Error invalid(const std::string& what) {
 ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ffi::AnyBuffer kv_pages,
                                  ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> block_tables,
                                  ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
-                                 float softmax_scale, ffi::Result<ffi::AnyBuffer> out,
+                                 float softmax_scale, int32_t packed_share, ffi::Result<ffi::AnyBuffer> out,
                                  ffi::Result<ffi::Buffer<ffi::S32>> next_item) {
   auto qd = queries.dimensions(), kd = kv_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4) {
@@ -424,8 +438,13 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
   if (kd[0] * kd[1] >= (int64_t{1} << 31) || qd[0] >= (int64_t{1} << 31) - 128 * (sd[0] + 2)) {
     return invalid("kv_pages or queries too large for 32-bit row coordinates");
   }
+  if (packed_share < 0 || packed_share > kDealRound) {
+    return invalid("packed_share must be in [0, " + std::to_string(kDealRound) + "], got " +
+                   std::to_string(packed_share));
+  }
   if (qd[0] == 0) return ffi::Error::Success();
   PagedParams params;
+  params.packed_share = packed_share;
   params.out = out->untyped_data();
   params.context_lens = context_lens.typed_data();
   params.block_tables = block_tables.typed_data();
@@ -462,5 +481,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkPagedForward, ejk::paged_forward_handler,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // query_start_loc
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // num_seqs
                                   .Attr<float>("softmax_scale")
+                                  .Attr<int32_t>("packed_share")
                                   .Ret<xla::ffi::AnyBuffer>()                    // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>());      // next_item: scratch [1]

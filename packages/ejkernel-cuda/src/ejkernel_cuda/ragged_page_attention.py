@@ -49,19 +49,30 @@ PRIORITY = 12
 """Rank under ``platform="auto"``: below Triton (15), whose decode programs serve the decode rows; above XLA."""
 
 
+DEAL_ROUND = 8
+"""Tickets per round of the kernel's hand-out order (``packed_share`` of them packed tiles)."""
+PACKED_SHARE = 4
+"""The default share: set from the mixed-batch measurement (NOTES.md)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CudaPagedConfig:
-    """The kernel's tiles, spelled out: ``block_q`` query rows per CTA, ``block_kv`` keys per step. Only the
-    compiled sizes are taken (there is nothing to tune yet); a config records what ran."""
+    """The kernel's schedule, spelled out: ``block_q`` query rows per query tile and ``block_kv`` keys per step
+    (compiled sizes: only those are taken), ``packed_share`` packed tiles (decode rows) per 8 items handed out
+    while both kinds last (0-8: more keeps more SMs streaming pages beside the prefill tiles)."""
 
     block_q: int = BLOCK_Q
     block_kv: int = BLOCK_KV
+    packed_share: int = PACKED_SHARE
 
     def __post_init__(self):
         for name, compiled in (("block_q", BLOCK_Q), ("block_kv", BLOCK_KV)):
             value = getattr(self, name)
             if value != compiled:
                 raise ValueError(f"CudaPagedConfig.{name} must be {compiled} (the compiled tile), got {value!r}")
+        if not (isinstance(self.packed_share, int) and 0 <= self.packed_share <= DEAL_ROUND):
+            raise ValueError(f"CudaPagedConfig.packed_share must be an int in [0, {DEAL_ROUND}], "
+                             f"got {self.packed_share!r}")
 
 
 def refusal(call: RaggedPageAttentionCall, *, check_device: bool = True) -> str | None:
@@ -105,14 +116,15 @@ def check_supported(call: RaggedPageAttentionCall, *, check_device: bool = True)
 
 
 @functools.lru_cache(maxsize=None)
-def _paged_call(scale: float):
-    """The FFI call for one softmax scale: forward-only, vmapped by one launch per element."""
+def _paged_call(scale: float, packed_share: int):
+    """The FFI call for one softmax scale and schedule: forward-only, vmapped by one launch per element."""
 
     def forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs):
         # the second result is the kernel's work counter (scratch, zeroed by the handler before the launch)
         results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype), jax.ShapeDtypeStruct((1,), jnp.int32))
         out, _ = jax.ffi.ffi_call(_native.PAGED_TARGET, results, vmap_method="sequential")(
-            queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_scale=np.float32(scale))
+            queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_scale=np.float32(scale),
+            packed_share=np.int32(packed_share))
         return out
 
     @jax.custom_vjp
@@ -126,12 +138,13 @@ def _paged_call(scale: float):
     return attend
 
 
-def paged_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, *, scale: float):
+def paged_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, *, scale: float,
+                    config: CudaPagedConfig = CudaPagedConfig()):
     """The kernel on the FFI contract's arrays (module docstring); the targets registered first."""
     _native.ensure_registered()
     if queries.shape[0] == 0:
         return queries
-    return _paged_call(float(scale))(queries, kv_pages, context_lens.astype(jnp.int32),
+    return _paged_call(float(scale), config.packed_share)(queries, kv_pages, context_lens.astype(jnp.int32),
                                      block_tables.astype(jnp.int32), query_start_loc.astype(jnp.int32),
                                      jnp.reshape(num_seqs, (1,)).astype(jnp.int32))
 
@@ -149,12 +162,12 @@ class CudaRaggedPageAttention(Implementation[RaggedPageAttentionCall, CudaPagedC
         return CudaPagedConfig()
 
     def candidate_configs(self, call: RaggedPageAttentionCall) -> Sequence[CudaPagedConfig]:
-        return ()
+        return tuple(CudaPagedConfig(packed_share=share) for share in (3, 4, 5, 6))
 
     def __call__(self, call: RaggedPageAttentionCall, config: CudaPagedConfig) -> jax.Array:
         check_supported(call)
         return paged_attention(call.queries, call.kv_pages, call.context_lens, call.block_tables,
-                               call.query_start_loc, call.num_seqs, scale=call.softmax_scale)
+                               call.query_start_loc, call.num_seqs, scale=call.softmax_scale, config=config)
 
 
 IMPLEMENTATION = CudaRaggedPageAttention()
