@@ -5,6 +5,7 @@ and, for the prefill part, the dense native forward on contiguous K/V (the same 
 process.
 
     python3 benchmarks/experiments/cuda_paged_probe.py [--shares 3,4,5,6] [--parts prefill,decode,mixed]
+    (--parts long-decodes: two decode rows over 32k-token contexts, the case a packed tile serves badly)
 
 Prints one JSON line per measurement (microseconds; TFLOP/s of the causal pairs, GB/s of K/V read once).
 """
@@ -43,7 +44,8 @@ def main() -> None:
     heads, kv_heads, d = 32, 8, 128
     scale = 1 / math.sqrt(d)
     for part in args.parts.split(","):
-        sequences = mixed_sequences(part, **MIXED)
+        # "long-decodes": two decode rows over 32k tokens (the case without split-K: 16 packed tiles)
+        sequences = [(1, 32768)] * 2 if part == "long-decodes" else mixed_sequences(part, **MIXED)
         nbytes, flops = mixed_cost(sequences, heads, kv_heads, d, 2, 2)
         sets = [mixed_inputs(jax.random.key(i), sequences, heads, kv_heads, d, args.page_size, jnp.bfloat16, i)
                 for i in range(2)]

@@ -39,7 +39,8 @@ def test_registered_with_the_highest_gpu_priority():
     assert plugin.IMPLEMENTATIONS == {"flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
                                       "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION",
                                       "scaled_dot_product_attention":
-                                          "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION"}
+                                          "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION",
+                                      "ragged_page_attention": "ejkernel_cuda.ragged_page_attention:IMPLEMENTATION"}
     assert plugin.BACKEND.priority > 15  # above Triton: the faster kernel is tried first
 
 

@@ -2,9 +2,10 @@
 paged_forward.cu``).
 
 CPU: the kernel in the library (sm_90a SASS with wgmma and TMA, no local memory), ptxas's report of it (no
-spills), every refusal and its message, the config, its registration (``plugin.UNVERIFIED`` only), the lowering
+spills), every refusal and its message, the config, its registration (below Triton), the lowering
 to the custom call (jit, vmap: one call per element), the refused gradient. GPU (``-m gpu``, sm_90): mixed
-batches against the float64-ready reference at bf16/fp16 tolerances, and the shared conformance suite with
+batches (prefill chunks, decode rows, speculative chunks, 600 slots, NaN past the contexts) against the
+float32 reference at bf16/fp16 tolerances, and the shared conformance suite with
 its inputs widened to what the kernel takes (head_dim 128, pages of 64).
 """
 
@@ -193,13 +194,13 @@ def test_config_is_frozen_spelled_out_and_takes_the_compiled_tiles_only():
         with pytest.raises(ValueError, match=r"CudaPagedConfig.packed_share must be an int in \[0, 8\]"):
             CudaPagedConfig(packed_share=share)
     candidates = IMPLEMENTATION.candidate_configs(validated(batch([(5, 70)])))
-    assert [c.packed_share for c in candidates] == [3, 4, 5, 6]
-    assert IMPLEMENTATION.priority_for(validated(batch([(5, 70)]))) < 15  # below Triton's until timed
+    assert [c.packed_share for c in candidates] == [3, 4, 5]
+    assert IMPLEMENTATION.priority_for(validated(batch([(5, 70)]))) < 15  # below Triton's: no split-K
 
 
-def test_registered_as_unverified_only():
-    assert plugin.UNVERIFIED["ragged_page_attention"] == "ejkernel_cuda.ragged_page_attention:IMPLEMENTATION"
-    assert "ragged_page_attention" not in plugin.IMPLEMENTATIONS
+def test_registered_and_ranked_below_triton():
+    assert plugin.IMPLEMENTATIONS["ragged_page_attention"] == "ejkernel_cuda.ragged_page_attention:IMPLEMENTATION"
+    assert "ragged_page_attention" not in plugin.UNVERIFIED
     assert _native.PAGED_TARGET in _native.TARGETS
 
 

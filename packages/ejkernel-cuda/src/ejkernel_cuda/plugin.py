@@ -22,15 +22,15 @@ IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
     "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION",
     "scaled_dot_product_attention": "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION",
+    # the paged forward (csrc/flash_attention/paged_forward.cu); ranked below Triton under platform="auto"
+    # (ragged_page_attention.PRIORITY says why)
+    "ragged_page_attention": "ejkernel_cuda.ragged_page_attention:IMPLEMENTATION",
 }
 
 
 # Not yet run on a GPU: registered only with EJKERNEL_UNVERIFIED_KERNELS=1 (the device run that verifies
 # them; then they move up into IMPLEMENTATIONS).
-UNVERIFIED: dict[str, str] = {
-    # the paged forward (csrc/flash_attention/paged_forward.cu): compiled for sm_90a, never run on a GPU yet
-    "ragged_page_attention": "ejkernel_cuda.ragged_page_attention:IMPLEMENTATION",
-}
+UNVERIFIED: dict[str, str] = {}
 
 
 def _cudnn_missing() -> str | None:
@@ -57,7 +57,7 @@ BACKEND = DeclaredBackend(
     unverified=UNVERIFIED,
     priority=20,
     check_usable=lambda: first_reason(lambda: no_device("gpu"), _cudnn_missing),
-    description="NVIDIA GPU kernels: cuDNN's flash attention, our sm_90a flash attention through the XLA FFI",
+    description="NVIDIA GPU kernels: cuDNN's flash attention, our sm_90a flash and paged attention through the XLA FFI",
     check_parts=_parts,
 )
 ejkernel_backend_info, ejkernel_register_kernels = BACKEND.hooks()
