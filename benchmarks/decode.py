@@ -497,6 +497,28 @@ def print_report(doc) -> None:
         print(f"ERROR {series(r)} B={r['batch']} ctx={r['context']}: {r['error']}")
 
 
+def plot_mixed(ax, rows) -> None:
+    """The mixed batch and its parts: time per implementation (bars) and the binding ceiling (line) per part."""
+    parts = list(dict.fromkeys((r["part"], r["page_size"]) for r in rows))
+    impls = sorted({r["impl"] for r in rows})
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        times = [next((r["ms"] * 1e3 for r in rows if (r["part"], r["page_size"]) == part and r["impl"] == impl), 0)
+                 for part in parts]
+        ax.bar([x + i * width for x in range(len(parts))], times, width, label=impl)
+    for x, part in enumerate(parts):
+        row = next(r for r in rows if (r["part"], r["page_size"]) == part)
+        ceiling = max(row["bytes_us"], row["flops_us"])
+        ax.hlines(ceiling, x - width / 2, x + 0.8 - width / 2, colors="k", lw=1.5)
+        ax.text(x + 0.4 - width / 2, ceiling, f"{row['binds']} ceiling", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(parts))])
+    ax.set_xticklabels([f"{part} p{ps}" for part, ps in parts])
+    ax.set_ylabel("us per step (lower is better)")
+    ax.set_title(f"ragged_page_attention: mixed batch {MIXED}", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def plot(doc, path: Path) -> None:
     import matplotlib
 
@@ -508,13 +530,16 @@ def plot(doc, path: Path) -> None:
                      key=lambda k: int(k[len("gbps_layers"):]))
     key = layered[-1] if layered else "gbps"
     rows = [r for r in doc["results"] if key in r and "[" not in r["impl"] and "part" not in r]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    mixed = [r for r in doc["results"] if "part" in r and "ms" in r and "[" not in r["impl"]]
+    fig, axes = plt.subplots(1, 3 if mixed else 2, figsize=(19 if mixed else 13, 4.6))
+    if mixed:
+        plot_mixed(axes[2], mixed)
     batch0, context0 = doc["setup"].get("standard", STANDARD)
     for ax, (fixed, vary, value) in zip(axes, (("batch", "context", batch0), ("context", "batch", context0))):
         names = sorted({series(r) for r in rows})
         for name in names:
             pts = sorted((r[vary], r[key]) for r in rows if series(r) == name and r[fixed] == value)
-            if len(pts) > 1:
+            if pts:  # one shape alone is a point
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.axhline(doc["copy_gbps"], color="k", ls="--", lw=1, label="copy bandwidth")
         ax.axhline(0.85 * doc["copy_gbps"], color="gray", ls=":", lw=1, label="85 % of copy")
