@@ -250,7 +250,8 @@ def paged_gpu():
 
 
 def run_cuda(inputs, **kw):
-    return jax.jit(lambda x: ragged_page_attention(*positional(x), platform="cuda", cfg=CudaPagedConfig(), **kw))(inputs)
+    step = jax.jit(lambda x: ragged_page_attention(*positional(x), platform="cuda", cfg=CudaPagedConfig(), **kw))
+    return step(inputs)
 
 
 def reference(inputs, **kw):
