@@ -16,8 +16,8 @@ other dtypes, head dims and page sizes, no such GPU, the library missing. Forwar
 Work items (the kernel's comment has the details): 128-row query tiles of one query head (prefill chunks), and
 packed tiles for sequences of at most ``64 / G`` rows (G = query heads per kv head; decode rows, short
 speculative chunks): the G heads of one kv head in one tile, so each page is read once per kv head. Persistent
-CTAs take both kinds alternately from one counter, so that page streaming (decode rows) and matrix products
-(prefill tiles) run on different SMs at the same time. ``max_num_seqs`` up to :data:`MAX_SEQS`. Verified on
+CTAs take both kinds, mixed in rounds (``CudaPagedConfig.packed_share``), from one counter, so that page
+streaming (decode rows) and matrix products (prefill tiles) run on different SMs at the same time. ``max_num_seqs`` up to :data:`MAX_SEQS`. Verified on
 the GPU (its tests and the shared conformance suite, H200, 2026-11-27).
 """
 
@@ -48,8 +48,8 @@ MAX_SEQS = 4096
 """Sequence slots (``max_num_seqs``) the kernel takes: its work table (8 bytes a slot) lives in shared memory."""
 PRIORITY = 12
 """Rank under ``platform="auto"``: below Triton (15), above XLA. Full continuous batches run faster here (H200,
-2026-11-27: the mixed batch 1.38-1.42 x Triton, its prefill part 1.57 x, 60 decode rows over 4k 1.11-1.33 x:
-NOTES.md), but a packed tile reads its sequence's whole context (no split over the keys), so a few long decode
+2026-11-27, three runs: the mixed batch 1.32-1.42 x Triton, its prefill part 1.52-1.57 x, 60 decode rows over 4k
+1.11-1.33 x: NOTES.md), but a packed tile reads its sequence's whole context (no split over the keys), so a few long decode
 sequences leave most SMs idle where Triton's split-K programs fill them; the static shapes of a call cannot tell
 the two apart (a server pads its slots and tokens). ``platform="cuda"`` takes it for full batches."""
 
