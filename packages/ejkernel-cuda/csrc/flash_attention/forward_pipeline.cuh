@@ -98,9 +98,10 @@ __device__ __forceinline__ void clear_value_rows(T* tile, int from, int group, i
 // rows; this warpgroup's are [row_begin + 64 * group, + 64)). `head` and `batch` index the extras (sinks,
 // segment ids). Capped: a soft cap is applied (a template parameter, like whether a key block needs the mask:
 // the main loop must be one branch-free block for the compiler to keep the softmax between the waits for the
-// products in flight). ClearValueTail (the paged kernel's): the value rows of keys past problem.kv_len in the first block visited
-// (the only one that can hold any) are zeroed before P V reads them; their probabilities are 0, but where a
-// load brings in whole rows of storage past the context (pages), a NaN there would still give 0 * NaN = NaN.
+// products in flight). ClearValueTail (the paged kernel's): the value rows of keys past problem.kv_len in the
+// first block visited (the only one that can hold any) are zeroed before P V reads them; their probabilities
+// are 0, but where a load brings in whole rows of storage past the context (pages), a NaN there would still
+// give 0 * NaN = NaN.
 // Solo: this warpgroup is the only consumer of the tile (no turns taken; the other one runs drain_key_blocks),
 // and its 64 tile rows hold rows_per_query rows per query (query row_begin + tile row / rows_per_query: the
 // query heads of one kv head packed into one tile).

@@ -19,10 +19,10 @@
 // sequences (all threads, one pass over query_start_loc), then mixes the two kinds in the order it hands out
 // (rounds of 8 tickets, packed_share of them packed: a config field; the rest after), so that at any time some
 // SMs stream pages for decode rows while others run the matrix products of prefill tiles: the two halves of
-// a mixed batch bind on different units and overlap instead of adding up. A packed tile is shorter than a
-// query tile, so an even count leaves fewer SMs streaming than the bandwidth needs: the share sets that. A sequence's query tiles come
-// heaviest first (causal), its heads next to each other (they read the same pages, mostly from L2). The rows
-// past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles write zeros.
+// a mixed batch bind on different units and overlap instead of adding up (the share moves the mix; 3-5 of 8
+// measured within noise of each other). A sequence's query tiles come heaviest first (causal), its heads next
+// to each other (they read the same pages, mostly from L2). The rows past query_start_loc[num_seqs] form one
+// more "sequence" with no keys, whose tiles write zeros.
 // Keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
 // [1, P * page_size, 2 Hkv, D]: chunk key k lives at row block_tables[s][k / page_size] * page_size +
 // k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
@@ -432,8 +432,9 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
     return invalid("context_lens [S], block_tables [S, pages], query_start_loc [S + 1], num_seqs [1] expected");
   }
   if (sd[0] > kMaxPagedSeqs || next_item->element_count() != 1) {
-    return invalid("at most " + std::to_string(kMaxPagedSeqs) + " sequences (the work table lives in shared memory), got " +
-                   std::to_string(sd[0]) + "; and one int32 counter");
+    return invalid("at most " + std::to_string(kMaxPagedSeqs) +
+                   " sequences (the work table lives in shared memory), got " + std::to_string(sd[0]) +
+                   "; and one int32 counter");
   }
   if (kd[0] * kd[1] >= (int64_t{1} << 31) || qd[0] >= (int64_t{1} << 31) - 128 * (sd[0] + 2)) {
     return invalid("kv_pages or queries too large for 32-bit row coordinates");
