@@ -296,6 +296,10 @@ def mixed_sequences(part: str, prefills, prefill_len, decodes, context):
     return seqs
 
 
+MIXED_ARGUMENTS = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
+"""ragged_page_attention's positional arrays, in order, as keys of :func:`mixed_inputs`' dict."""
+
+
 def mixed_inputs(key, sequences, heads, kv_heads, dim, page_size, dtype, seed, kv_dtype=None):
     """ragged_page_attention's inputs (pages shuffled over the cache) and the logical K/V for the reference
     (``kv_dtype``: a quantized cache, its values as stored, with scales of 1 per kv head)."""
@@ -354,8 +358,7 @@ def heuristic_mixed_config(inputs):
     from ejkernel.modules.operations.ragged_page_attention import RaggedPageAttention
     from ejkernel_triton.ragged_page_attention import IMPLEMENTATION
 
-    names = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
-    call = RaggedPageAttention().validate(*[inputs[n] for n in names])
+    call = RaggedPageAttention().validate(*[inputs[n] for n in MIXED_ARGUMENTS])
     return IMPLEMENTATION.heuristic_config(call)
 
 
@@ -413,9 +416,8 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
                            context=MIXED["context"], bytes=nbytes, flops=flops, bytes_us=t_bytes * 1e6,
                            flops_us=t_flops * 1e6, binds="bandwidth" if t_bytes >= t_flops else "compute")
                 try:
-                    names = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
                     step = jax.jit(lambda x, platform=platform, cfg=cfg: ragged_page_attention(
-                        *[x[n] for n in names], platform=platform, cfg=cfg, key_scale=x.get("key_scale"),
+                        *[x[n] for n in MIXED_ARGUMENTS], platform=platform, cfg=cfg, key_scale=x.get("key_scale"),
                         value_scale=x.get("value_scale")))
                     slow = platform == "xla"  # XLA gathers every row's pages: a few samples
                     secs = time_calls(lambda c: step(sets[c % 2][0]), 1 if slow else args.warmup,

@@ -24,9 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import time_calls  # noqa: E402
-from decode import MIXED, mixed_cost, mixed_inputs, mixed_sequences  # noqa: E402
-
-ARGUMENTS = ("queries", "kv_pages", "context_lens", "block_tables", "query_start_loc", "num_seqs")
+from decode import MIXED, MIXED_ARGUMENTS, mixed_cost, mixed_inputs, mixed_sequences  # noqa: E402
 
 
 def main() -> None:
@@ -50,9 +48,9 @@ def main() -> None:
         sets = [mixed_inputs(jax.random.key(i), sequences, heads, kv_heads, d, args.page_size, jnp.bfloat16, i)
                 for i in range(2)]
         impls = {f"cuda[share={share}]": (lambda x, share=int(share): ragged_page_attention(
-            *(x[n] for n in ARGUMENTS), softmax_scale=scale, platform="cuda",
+            *(x[n] for n in MIXED_ARGUMENTS), softmax_scale=scale, platform="cuda",
             cfg=CudaPagedConfig(packed_share=share)), [x for x, _ in sets]) for share in args.shares.split(",")}
-        impls["triton"] = (lambda x: ragged_page_attention(*(x[n] for n in ARGUMENTS), softmax_scale=scale,
+        impls["triton"] = (lambda x: ragged_page_attention(*(x[n] for n in MIXED_ARGUMENTS), softmax_scale=scale,
                                                            platform="triton"), [x for x, _ in sets])
         if part == "prefill":
             new, seqs = MIXED["prefill_len"], MIXED["prefills"]

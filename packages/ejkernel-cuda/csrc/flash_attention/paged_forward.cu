@@ -431,10 +431,13 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
       num_seqs.element_count() != 1) {
     return invalid("context_lens [S], block_tables [S, pages], query_start_loc [S + 1], num_seqs [1] expected");
   }
-  if (sd[0] > kMaxPagedSeqs || next_item->element_count() != 1) {
-    return invalid("at most " + std::to_string(kMaxPagedSeqs) +
-                   " sequences (the work table lives in shared memory), got " + std::to_string(sd[0]) +
-                   "; and one int32 counter");
+  if (sd[0] > kMaxPagedSeqs) {
+    return invalid("context_lens has " + std::to_string(sd[0]) + " sequence slots; at most " +
+                   std::to_string(kMaxPagedSeqs) + " (the work table lives in shared memory)");
+  }
+  if (next_item->element_count() != 1) {
+    return invalid("the work counter result must be int32[1], got " + std::to_string(next_item->element_count()) +
+                   " elements");
   }
   if (kd[0] * kd[1] >= (int64_t{1} << 31) || qd[0] >= (int64_t{1} << 31) - 128 * (sd[0] + 2)) {
     return invalid("kv_pages or queries too large for 32-bit row coordinates");
