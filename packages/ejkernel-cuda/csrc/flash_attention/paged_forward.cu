@@ -11,9 +11,11 @@
 // - a query tile: 128 rows of one query head of one sequence (tiles never cross sequences; a sequence's last
 //   tile is partial), both consumer warpgroups ping-ponging, as in the dense forward. Compute-bound.
 // - a packed tile, for sequences of at most 64 / G rows (G = Hq / Hkv: decode rows, short speculative
-//   chunks): all G query heads of one kv head in the 64 rows of ONE consumer warpgroup (row r = query r / G,
-//   head r % G), so the kv head's pages are read once for its G heads; the other consumer warpgroup only
-//   releases the stages. Bandwidth-bound: its tensor work is half a query tile's per key block.
+//   chunks): all G query heads of one kv head in 64 rows (row r = query r / G, head r % G), so the kv head's
+//   pages are read once for its G heads. Both consumer warpgroups hold these rows and take alternate key
+//   blocks (warpgroup g the blocks of stage g, each stage with one reader), without turns; warpgroup 1 hands
+//   its softmax state to warpgroup 0 at the end (merge_split_rows). Bandwidth-bound: each block costs one
+//   64-row warpgroup's products, and the two warpgroups work on two blocks at once.
 // Scheduling: persistent CTAs (one per SM) take items from a counter in global memory (zeroed before the
 // launch). Each CTA first builds, in shared memory, the prefix counts of both kinds of item over the
 // sequences (all threads, one pass over query_start_loc), then mixes the two kinds in the order it hands out
@@ -41,7 +43,7 @@ namespace ejk {
 
 constexpr int kPagedBlockKeys = 128;  // keys per block (the dense forward's BN)
 constexpr int kPagedChunk = 64;       // rows per TMA box of kv_pages (page_size is a multiple)
-constexpr int kPackedRows = 64;       // rows of a packed tile: one consumer warpgroup's
+constexpr int kPackedRows = 64;       // rows of a packed tile (each consumer warpgroup holds them all)
 constexpr int kDealRound = 8;         // tickets per round of the hand-out order (packed_share of them packed)
 constexpr int kMaxPagedSeqs = 4096;   // the work table's entries live in shared memory (8 bytes each)
 // Registers per thread of the two roles after setmaxnreg. The CTA's pool is what the launch gave it (168 per
@@ -253,12 +255,13 @@ __device__ __forceinline__ void produce_paged_item(const PagedParams& params, Sh
   }
 }
 
-// A packed tile's query rows into the first 64 rows of the Q tile (swizzled as TMA would put them), zeros
-// past the item's rows; by the 128 threads of consumer warpgroup 0, before its first product.
+// A packed tile's query rows, gathered into consumer warpgroup `group`'s 64 rows of the Q tile (swizzled as TMA
+// would put them; zeros past the item's rows; both warpgroups hold the same rows: they split the key blocks).
+// By the warpgroup's 128 threads, before its first product.
 template <class T, int D>
 __device__ __forceinline__ void gather_packed_rows(const PagedParams& params, T* q_tile, const PagedItem& item,
-                                                   int t) {
-  const int group = paged_group(params), rows = item.q_len * group;
+                                                   int group, int t) {
+  const int heads = paged_group(params), rows = item.q_len * heads;
   constexpr int kChunksPerRow = D / 8;  // 16 bytes each
   char* tile = reinterpret_cast<char*>(q_tile);
 #pragma unroll
@@ -268,14 +271,15 @@ __device__ __forceinline__ void gather_packed_rows(const PagedParams& params, T*
     uint4 value = make_uint4(0, 0, 0, 0);
     if (row < rows) {
       const T* source = static_cast<const T*>(params.queries) +
-                        (static_cast<size_t>(item.q_start + row / group) * params.q_heads + item.head * group +
-                         row % group) * D + col;
+                        (static_cast<size_t>(item.q_start + row / heads) * params.q_heads + item.head * heads +
+                         row % heads) * D + col;
       value = *reinterpret_cast<const uint4*>(source);
     }
-    *reinterpret_cast<uint4*>(tile + (col / 64) * kForwardRows * 128 + swizzled_offset(row, col % 64)) = value;
+    const int tile_row = kPackedRows * group + row;
+    *reinterpret_cast<uint4*>(tile + (col / 64) * kForwardRows * 128 + swizzled_offset(tile_row, col % 64)) = value;
   }
   fence_async_shared();  // before the tensor cores read them
-  named_sync(3, 128);
+  named_sync(3 + group, 128);
 }
 
 // Consumer warpgroup `group`'s rows of the staged output tile (normalized, in the Q tile) to `out`: tile row r
@@ -345,8 +349,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
     const Extras none{nullptr, 0, nullptr, nullptr};
     for (;;) {
       if (threadIdx.x == kForwardThreads / 3) {  // the dealer
-        init_forward_barriers(pipeline);  // fresh phases: every stage of the last item was consumed
         current = paged_item(params, table, atomicAdd(params.next_item, 1));
+        // fresh phases (every stage of the last item was consumed); a packed tile's stages have one reader
+        init_forward_barriers(pipeline, current.packed ? 1 : 2);
       }
       __syncthreads();
       const PagedItem item = current;
@@ -359,17 +364,21 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
         stage_output<T, D>(pipeline.q, group, t, rows);
         named_sync(3 + group, 128);
         store_paged_rows<T, D>(params, pipeline.q, item, group, t, item.head, 1);
-      } else if (group == 0) {
+      } else {  // packed: both warpgroups on the same rows, alternate key blocks, merged into warpgroup 0's
         const int heads = paged_group(params);
-        gather_packed_rows<T, D>(params, pipeline.q, item, t);
+        gather_packed_rows<T, D>(params, pipeline.q, item, group, t);
         consume_key_blocks<T, D, BN, false, Shared, true, true>(pipeline, keys.problem, none, 0, keys.row_end,
-                                                                keys.blocks, 0, 0, 0, t, rows, heads);
-        stage_output<T, D>(pipeline.q, 0, t, rows);
-        named_sync(3, 128);
-        store_paged_rows<T, D>(params, pipeline.q, item, 0, t, item.head * heads, heads);
-      } else if (t == 0) {
-        drain_key_blocks(pipeline, keys.blocks);
+                                                                keys.blocks, 0, 0, group, t, rows, heads);
+        merge_split_rows<T, D, BN>(pipeline, group, t, params.softmax_scale * 1.4426950408889634f, rows);
+        if (group == 0) {
+          stage_output<T, D>(pipeline.q, 0, t, rows);
+          named_sync(3, 128);
+          store_paged_rows<T, D>(params, pipeline.q, item, 0, t, item.head * heads, heads);
+        }
       }
+      // the tiles this item wrote and read through the generic proxy (gathered rows, staged output, the
+      // merge's exchange) are the next item's TMA destinations: order them before the async proxy's writes
+      fence_async_shared();
       __syncthreads();  // the item's shared memory and barriers are free again
     }
   }
