@@ -98,9 +98,10 @@ __device__ __forceinline__ void clear_value_rows(T* tile, int from, int group, i
 // rows; this warpgroup's are [row_begin + 64 * group, + 64)). `head` and `batch` index the extras (sinks,
 // segment ids). Capped: a soft cap is applied (a template parameter, like whether a key block needs the mask:
 // the main loop must be one branch-free block for the compiler to keep the softmax between the waits for the
-// products in flight). ClearValueTail (the paged kernel's): the value rows of keys past problem.kv_len in the first block visited
-// (the only one that can hold any) are zeroed before P V reads them; their probabilities are 0, but where a
-// load brings in whole rows of storage past the context (pages), a NaN there would still give 0 * NaN = NaN.
+// products in flight). ClearValueTail (the paged kernel's): the value rows of keys past problem.kv_len in the
+// first block visited (the only one that can hold any) are zeroed before P V reads them; their probabilities
+// are 0, but where a load brings in whole rows of storage past the context (pages), a NaN there would still
+// give 0 * NaN = NaN.
 // SplitBlocks: the two warpgroups hold the same rows and split the key blocks instead (warpgroup g takes blocks
 // g, g + 2, ...: the ones of stage g, which then has one consumer), taking no turns; the caller merges their
 // rows (merge_split_rows). rows_per_query: the 64 tile rows hold that many rows per query (query row_begin +
@@ -113,9 +114,6 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
                                                    int rows_per_query = 1) {
   const int num_blocks = blocks.last - blocks.first;
   const int other = 1 - group;
-  // blocks visited: first, first + stride, ... (in the order of the producer's loads: last key block first)
-  constexpr int stride = SplitBlocks ? kForwardStages : 1;
-  const int first = SplitBlocks ? group : 0;
   const int tile_row = SplitBlocks ? fragment_row(t) : 64 * group + fragment_row(t);
   const int row_a = row_begin + tile_row / rows_per_query;
   const int row_b = row_begin + (tile_row + 8) / rows_per_query;
@@ -229,30 +227,70 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     if constexpr (!SplitBlocks) named_arrive(1 + other, 256);
   };
 
-  if (num_blocks > first) {
+  // SplitBlocks: this warpgroup's blocks (those of stage `group`) one after the other, each product awaited
+  // before the next is issued. Deferring P V to the next step, as the loop below does, would hold the stage's
+  // value tile until the NEXT block's keys arrived, and with one stage per warpgroup the value load of every
+  // block would wait for its own key load: two latencies per block instead of one. The other warpgroup's
+  // blocks overlap this one's instead.
+  auto split_loop = [&]() {
+    for (int it = group; it < num_blocks; it += kForwardStages) {
+      const int phase = (it / kForwardStages) & 1;
+      const int key0 = (blocks.last - 1 - it) * BN;
+      if (it == group) barrier_wait(&shared.q_full, 0);
+      barrier_wait(&shared.k_full[group], phase);
+      issue_scores(group);
+      cute::warpgroup_wait<0>();
+      fence_operands<BN / 2>(s);
+      if (t == 0) barrier_arrive(&shared.k_empty[group]);
+      float rescale_a, rescale_b;
+      if (kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN)) {
+        softmax(key0, std::true_type{}, rescale_a, rescale_b);
+      } else {
+        softmax(key0, std::false_type{}, rescale_a, rescale_b);
+      }
+      to_operand<T, BN>(s, p);
+      barrier_wait(&shared.v_full[group], phase);
+      if constexpr (ClearValueTail) {
+        // block 0 (warpgroup 0's first) holds key kv_len - 1, the only block with value rows past the context
+        const int from = problem.kv_len - key0;
+        if (it == 0 && from < BN) clear_value_rows<T, D, BN>(shared.v[0], from, group, t);
+      }
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+      issue_values(p, group, it > group);
+      cute::warpgroup_wait<0>();
+      fence_operands<D / 2>(o);
+      fence_operands<BN / 4>(p);
+      if (t == 0) barrier_arrive(&shared.v_empty[group]);
+    }
+  };
+
+  if constexpr (SplitBlocks) {
+    split_loop();
+  } else if (num_blocks > 0) {
     if (group == 1) pass_turn();  // warpgroup 1 issues first
     barrier_wait(&shared.q_full, 0);
 
-    barrier_wait(&shared.k_full[first], 0);  // stage `first`, its first use
+    barrier_wait(&shared.k_full[0], 0);
     take_turn();
-    issue_scores(first);
+    issue_scores(0);
     pass_turn();
     cute::warpgroup_wait<0>();
     fence_operands<BN / 2>(s);
-    if (t == 0) barrier_arrive(&shared.k_empty[first]);
+    if (t == 0) barrier_arrive(&shared.k_empty[0]);
     // Factors the output rows still owe the latest maxima: applied just before the next P V is issued,
     // while the scores of the next block are computed, not after the wait for the last P V.
     float rescale_a, rescale_b;
     auto needs_mask = [&](int key0) {
       return kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN);
     };
-    const int first_key = (blocks.last - 1 - first) * BN;
+    const int first_key = (blocks.last - 1) * BN;
     if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
     else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
     to_operand<T, BN>(s, p);
     if constexpr (ClearValueTail) {
-      const int from = problem.kv_len - first_key;  // >= 1 where first == 0: that block holds key kv_len - 1
-      if (first == 0 && from < BN) {
+      const int from = problem.kv_len - first_key;  // >= 1: the first block holds key kv_len - 1
+      if (from < BN) {
         barrier_wait(&shared.v_full[0], 0);
         clear_value_rows<T, D, BN>(shared.v[0], from, group, t);
       }
@@ -269,13 +307,13 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     // the other warpgroup's products only.
     auto step = [&](int it, auto masked) {
       const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
-      const int previous = (it - stride) % kForwardStages, previous_phase = ((it - stride) / kForwardStages) & 1;
+      const int previous = (it - 1) % kForwardStages, previous_phase = ((it - 1) / kForwardStages) & 1;
       barrier_wait(&shared.k_full[stage], phase);
       barrier_wait(&shared.v_full[previous], previous_phase);
       take_turn();
       issue_scores(stage);
       rescale_output();
-      issue_values(p, previous, it - stride > first);
+      issue_values(p, previous, it > 1);
       pass_turn();
       cute::warpgroup_wait<1>();  // the scores are in
       fence_operands<BN / 2>(s);
@@ -287,17 +325,17 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
       if (t == 0) barrier_arrive(&shared.v_empty[previous]);
       to_operand<T, BN>(s, p);
     };
-    for (int it = first + stride; it < num_blocks; it += stride) {
+    for (int it = 1; it < num_blocks; ++it) {
       if (needs_mask((blocks.last - 1 - it) * BN)) step(it, std::true_type{});
       else step(it, std::false_type{});
     }
 
-    const int last = first + (num_blocks - 1 - first) / stride * stride;
+    const int last = num_blocks - 1;
     const int stage = last % kForwardStages, phase = (last / kForwardStages) & 1;
     barrier_wait(&shared.v_full[stage], phase);
     take_turn();
     rescale_output();
-    issue_values(p, stage, last > first);
+    issue_values(p, stage, num_blocks > 1);
     if (group == 0) pass_turn();  // warpgroup 1 gave the first turn: it takes no last one back
     cute::warpgroup_wait<0>();
     fence_operands<D / 2>(o);

@@ -22,9 +22,10 @@
 // (rounds of 8 tickets, packed_share of them packed: a config field; the rest after), so that at any time some
 // SMs stream pages for decode rows while others run the matrix products of prefill tiles: the two halves of
 // a mixed batch bind on different units and overlap instead of adding up. A packed tile is shorter than a
-// query tile, so an even count leaves fewer SMs streaming than the bandwidth needs: the share sets that. A sequence's query tiles come
-// heaviest first (causal), its heads next to each other (they read the same pages, mostly from L2). The rows
-// past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles write zeros.
+// query tile, so an even count leaves fewer SMs streaming than the bandwidth needs: the share sets that. A
+// sequence's query tiles come heaviest first (causal), its heads next to each other (they read the same pages,
+// mostly from L2). The rows past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles
+// write zeros.
 // Keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
 // [1, P * page_size, 2 Hkv, D]: chunk key k lives at row block_tables[s][k / page_size] * page_size +
 // k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
