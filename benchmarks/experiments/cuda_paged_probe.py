@@ -5,7 +5,7 @@ and, for the prefill part, the dense native forward on contiguous K/V (the same 
 process.
 
     python3 benchmarks/experiments/cuda_paged_probe.py [--shares 3,4,5,6] [--parts prefill,decode,mixed]
-    (--parts long-decodes: two decode rows over 32k-token contexts, the case a packed tile serves badly)
+    (--parts long-decodes: two decode rows over 32k-token contexts; decodes-8x1024: 8 rows over 1024 tokens)
 
 Prints one JSON line per measurement (microseconds; TFLOP/s of the causal pairs, GB/s of K/V read once).
 """
@@ -27,6 +27,17 @@ from _harness import time_calls  # noqa: E402
 from decode import MIXED, MIXED_ARGUMENTS, mixed_cost, mixed_inputs, mixed_sequences  # noqa: E402
 
 
+def decode_rows(part: str) -> list[tuple[int, int]]:
+    """[(q_len, kv_len)] of an all-decode batch: "long-decodes" (two rows over 32k tokens: 16 packed tiles, the
+    case split-K is for) or "decodes-BxC" (B rows over C tokens); [] for the other parts."""
+    if part == "long-decodes":
+        return [(1, 32768)] * 2
+    if part.startswith("decodes-"):
+        batch, context = part.removeprefix("decodes-").split("x")
+        return [(1, int(context))] * int(batch)
+    return []
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shares", default="3,4,5,6")
@@ -42,8 +53,7 @@ def main() -> None:
     heads, kv_heads, d = 32, 8, 128
     scale = 1 / math.sqrt(d)
     for part in args.parts.split(","):
-        # "long-decodes": two decode rows over 32k tokens (the case without split-K: 16 packed tiles)
-        sequences = [(1, 32768)] * 2 if part == "long-decodes" else mixed_sequences(part, **MIXED)
+        sequences = decode_rows(part) or mixed_sequences(part, **MIXED)
         nbytes, flops = mixed_cost(sequences, heads, kv_heads, d, 2, 2)
         sets = [mixed_inputs(jax.random.key(i), sequences, heads, kv_heads, d, args.page_size, jnp.bfloat16, i)
                 for i in range(2)]

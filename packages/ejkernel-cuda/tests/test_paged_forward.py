@@ -2,11 +2,12 @@
 paged_forward.cu``).
 
 CPU: the kernel in the library (sm_90a SASS with wgmma and TMA, no local memory), ptxas's report of it (no
-spills), every refusal and its message, the config, its registration (below Triton), the lowering
-to the custom call (jit, vmap: one call per element), the refused gradient. GPU (``-m gpu``, sm_90): mixed
-batches (prefill chunks, decode rows, speculative chunks, 600 slots, NaN past the contexts) against the
-float32 reference at bf16/fp16 tolerances, and the shared conformance suite with
-its inputs widened to what the kernel takes (head_dim 128, pages of 64).
+spills), every refusal and its message, the config, its registration (above Triton), the lowering
+to the custom call (jit, vmap: one call per element), the refused gradient, and a model of split-K's
+arithmetic (every key block of every split packed tile in exactly one chunk, every slot inside the scratch). GPU
+(``-m gpu``, sm_90): mixed batches (prefill chunks, decode rows, speculative chunks, 600 slots, NaN past the
+contexts, few long decodes that split their keys) against the float32 reference at bf16/fp16 tolerances, and
+the shared conformance suite with its inputs widened to what the kernel takes (head_dim 128, pages of 64).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from native_tools import NVCC, cuobjdump, mnemonics, needs_nvcc
 ON_GPU = jax.default_backend() == "gpu"
 PACKAGE = Path(__file__).resolve().parents[1]
 KERNEL = "paged_forward_kernel"
+COMBINE = "combine_split_rows_kernel"
+SOURCE = PACKAGE / "csrc" / "flash_attention" / "paged_forward.cu"
 
 
 def batch(sequences, heads=8, kv_heads=2, dim=128, page_size=64, dtype=jnp.bfloat16, inactive=0, padding=0,
@@ -88,6 +91,7 @@ def test_library_holds_the_paged_kernel_with_wgmma_and_tma_without_local_memory(
     kernels = {name: body for name, body in _functions(cuobjdump("-sass", str(_native.LIBRARY_PATH))).items()
                if KERNEL in name}
     assert len(kernels) == 2, list(kernels)
+    assert len(re.findall(rf"Function : \S*{COMBINE}", cuobjdump("-sass", str(_native.LIBRARY_PATH)))) == 2
     for name, body in kernels.items():
         found = mnemonics(body)
         assert {"HGMMA", "UTMALDG", "STG"} <= found, (name, sorted(found))
@@ -120,7 +124,7 @@ def test_ptxas_reports_no_spills_for_the_paged_kernel(tmp_path):
     more registers than its budget, or serializing wgmma for want of registers: both happened to the persistent
     loop's first draft)."""
     command = [NVCC, *_build_flags(), "-Xptxas", "-v", "-c",
-               str(PACKAGE / "csrc" / "flash_attention" / "paged_forward.cu"), "-o", str(tmp_path / "paged.o")]
+               str(SOURCE), "-o", str(tmp_path / "paged.o")]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     report = result.stderr + result.stdout
@@ -130,6 +134,109 @@ def test_ptxas_reports_no_spills_for_the_paged_kernel(tmp_path):
     for name, stack, stores, loads, registers in entries:
         assert (stack, stores, loads, registers) == ("0", "0", "0", "168"), (name, stack, stores, loads, registers)
     assert "Potential Performance Loss" not in report, report
+
+
+# ---- split-K's arithmetic (a model of the kernel's, on its constants) -----------------------------------
+
+
+def _kernel_constant(name: str) -> int:
+    """A ``constexpr int`` of paged_forward.cu (products of integers and earlier constants)."""
+    source = SOURCE.read_text()
+    expression = re.search(rf"constexpr int {name} = ([^;]+);", source).group(1)
+    for constant in re.findall(r"k[A-Z]\w+", expression):
+        expression = expression.replace(constant, str(_kernel_constant(constant)))
+    assert re.fullmatch(r"[\d\s*+()]+", expression), expression
+    return eval(expression)  # noqa: S307 - digits and * + ( ) only, checked above
+
+
+def split_items(q_lens, kv_lens, heads, kv_heads, sms):
+    """The packed items of a batch as the kernel makes them (build_paged_table, packed_splits, paged_item,
+    item_keys + split_chunk): [(sequence, kv head, split, splits, slot, (first block, last block))], in packed
+    index order (the slot is the packed index)."""
+    slots, max_splits = _kernel_constant("kSplitSlots"), _kernel_constant("kMaxSplits")
+    min_keys, block = _kernel_constant("kMinSplitKeys"), _kernel_constant("kPagedBlockKeys")
+    rows = _kernel_constant("kPackedRows")
+    target = min(2 * sms, slots // 2)
+    group = heads // kv_heads
+    packed = [s for s, q in enumerate(q_lens) if 0 < q and q * group <= rows]
+    unsplit = len(packed) * kv_heads
+    factor = min(-(-target // unsplit), max_splits) if 0 < unsplit < target else 1
+    items = []
+    for s in packed:
+        kv_len = kv_lens[s]
+        splits = max(min(factor, -(-kv_len // min_keys)), 1)
+        first, last = (0, (kv_len - 1) // block + 1) if kv_len > 0 else (0, 0)  # key_blocks of all the rows
+        for local in range(kv_heads * splits):
+            head, split = divmod(local, splits)
+            count = last - first
+            chunk = (first + count * split // splits, first + count * (split + 1) // splits)
+            items.append((s, head, split, splits, len(items), chunk))
+    return items, target
+
+
+def check_split_items(q_lens, kv_lens, heads, kv_heads, sms):
+    items, target = split_items(q_lens, kv_lens, heads, kv_heads, sms)
+    split = [item for item in items if item[3] > 1]
+    if split:  # slots (packed indices) below 2 * target <= the scratch's
+        assert len(items) < 2 * target <= paged.SPLIT_SLOTS, (len(items), target)
+    pairs = {}
+    for s, head, index, splits, slot, chunk in items:
+        pairs.setdefault((s, head), []).append((index, splits, slot, chunk))
+    for (s, head), chunks in pairs.items():
+        kv_len, block = kv_lens[s], _kernel_constant("kPagedBlockKeys")
+        whole = (0, -(-kv_len // block)) if kv_len > 0 else (0, 0)
+        splits = chunks[0][1]
+        assert [c[0] for c in chunks] == list(range(len(chunks))) and len(chunks) == max(splits, 1)
+        # the pair's slots are consecutive from chunk 0's (the combine kernel's descriptor), chunks in order
+        assert [c[2] for c in chunks] == list(range(chunks[0][2], chunks[0][2] + len(chunks)))
+        # every key block in exactly one chunk: the chunks tile [first, last) in order, none empty where there
+        # are keys
+        bounds = [whole[0]] + [c[3][1] for c in chunks]
+        assert [c[3] for c in chunks] == list(zip(bounds, bounds[1:])) and bounds[-1] == whole[1], (kv_len, chunks)
+        if kv_len > 0:
+            assert all(c[3][1] > c[3][0] for c in chunks), chunks
+
+
+def test_split_constants_match_the_python_scratch():
+    """The scratch's static shape (Python) is the kernel's (the handler refuses any other)."""
+    assert paged.SPLIT_SLOTS == _kernel_constant("kSplitSlots")
+    assert paged.SPLIT_SLOT_ROWS == _kernel_constant("kPackedRows")
+    assert paged.HEAD_DIM == _kernel_constant("kPagedHeadDim")
+    assert paged.WORK_INTS == _kernel_constant("kPagedWorkInts")
+
+
+def test_split_keys_for_two_long_decodes_cover_the_sms():
+    """2 decodes over 32k tokens, 8 kv heads (the measured case: 16 packed tiles on 132 SMs): 16 chunks each, 256
+    items of 16 key blocks; 60 decodes over 4096 (P0 = 480 >= 264): nothing splits."""
+    items, _ = split_items([1, 1], [32768, 32768], 32, 8, 132)
+    assert len(items) == 256 and {i[3] for i in items} == {16} and {i[5][1] - i[5][0] for i in items} == {16}
+    items, _ = split_items([1] * 60 + [512] * 4, [4096] * 64, 32, 8, 132)
+    assert len(items) == 480 and {i[3] for i in items} == {1}
+
+
+@pytest.mark.parametrize("sms", [1, 2, 7, 66, 114, 132, 133, 264, 1000])
+def test_split_chunks_cover_every_key_block_once_within_the_scratch(sms):
+    """Batches of 1 to 300 packed sequences (and a prefill one, and a q_len-0 slot) of lengths around the chunk
+    and block bounds, GQA 1-8: every pair's chunks tile its key blocks, slots stay below the scratch's bound."""
+    rng = np.random.default_rng(sms)
+    edges = [1, 2, 127, 128, 129, 1023, 1024, 1025, 2047, 2049, 8191, 32768, 100_000]
+    for count in list(range(1, 40)) + [63, 64, 65, 131, 132, 133, 263, 264, 265, 300]:
+        for heads, kv_heads in ((8, 8), (8, 2), (32, 8), (8, 1)):
+            q_lens = [int(q) for q in rng.integers(1, 64 // (heads // kv_heads) + 1, size=count)] + [300, 0]
+            kv_lens = [int(rng.choice(edges)) if rng.random() < 0.5 else int(rng.integers(1, 50_000))
+                       for _ in range(count)] + [400, 7]
+            kv_lens = [max(k, q) for k, q in zip(kv_lens, q_lens)]
+            check_split_items(q_lens, kv_lens, heads, kv_heads, sms)
+
+
+def test_split_slots_stay_in_the_scratch_at_the_worst_counts():
+    """Every P0 below the target, all contexts long (the split factor alone decides): P0 * ceil(target / P0) <
+    2 * target <= SPLIT_SLOTS."""
+    for sms in (1, 66, 132, 1000):
+        target = min(2 * sms, paged.SPLIT_SLOTS // 2)
+        for kv_heads in (1, 8):
+            for sequences in range(1, target // kv_heads + 2):  # past the target nothing splits
+                check_split_items([1] * sequences, [10**6] * sequences, kv_heads, kv_heads, sms)
 
 
 # ---- refusals, config, registration -------------------------------------------------------------------
@@ -195,13 +302,15 @@ def test_config_is_frozen_spelled_out_and_takes_the_compiled_tiles_only():
             CudaPagedConfig(packed_share=share)
     candidates = IMPLEMENTATION.candidate_configs(validated(batch([(5, 70)])))
     assert [c.packed_share for c in candidates] == [3, 4, 5]
-    assert IMPLEMENTATION.priority_for(validated(batch([(5, 70)]))) < 15  # below Triton's: no split-K
 
 
-def test_registered_and_ranked_below_triton():
+def test_registered_and_ranked_above_triton():
     assert plugin.IMPLEMENTATIONS["ragged_page_attention"] == "ejkernel_cuda.ragged_page_attention:IMPLEMENTATION"
     assert "ragged_page_attention" not in plugin.UNVERIFIED
     assert _native.PAGED_TARGET in _native.TARGETS
+    # auto takes it over Triton (measured faster: PRIORITY's docstring); what it refuses falls to Triton
+    triton_plugin = pytest.importorskip("ejkernel_triton.plugin")
+    assert IMPLEMENTATION.priority_for(validated(batch([(5, 70)]))) == paged.PRIORITY > triton_plugin.BACKEND.priority
 
 
 # ---- lowering (CPU: the custom call, without running it) ----------------------------------------------
@@ -218,6 +327,8 @@ def test_lowers_to_the_custom_call_and_vmaps_one_call_per_element(monkeypatch):
     text = _lowered(lambda *a: paged.paged_attention(*a, scale=0.125), *shapes)
     assert "custom_call @EjkPagedForward" in text and "softmax_scale = 1.250000e-01 : f32" in text
     assert f"packed_share = {paged.PACKED_SHARE} : i32" in text
+    # the scratch results: the work buffer and split-K's partial tiles (static shapes)
+    assert f"tensor<{paged.WORK_INTS}xi32>" in text and f"tensor<{paged.SPLIT_SLOTS}x64x130xf32>" in text
     stacked = jax.ShapeDtypeStruct((2, *inputs["queries"].shape), inputs["queries"].dtype)
     vmapped = jax.vmap(lambda q, *rest: paged.paged_attention(q, *rest, scale=0.125), in_axes=(0,) + (None,) * 5)
     text = _lowered(vmapped, stacked, *shapes[1:])
@@ -294,6 +405,17 @@ def test_many_sequences_fill_the_work_table():
     assert_close(run_cuda(inputs), reference(inputs), dtype="bfloat16")
 
 
+def poisoned_past_contexts(inputs):
+    """The inputs with NaN in every page row no context covers (unused pages too)."""
+    tables, lens = np.asarray(inputs["block_tables"]), np.asarray(inputs["context_lens"])
+    page_size = inputs["kv_pages"].shape[1]
+    live = np.zeros(inputs["kv_pages"].shape[:2], bool)
+    for seq, length in enumerate(lens):
+        keys = np.arange(int(length))
+        live[tables[seq, keys // page_size], keys % page_size] = True
+    return {**inputs, "kv_pages": jnp.where(jnp.asarray(live)[:, :, None, None], inputs["kv_pages"], jnp.nan)}
+
+
 @gpu
 @pytest.mark.usefixtures("paged_gpu")
 def test_nan_in_page_storage_past_the_contexts_does_not_reach_the_output():
@@ -301,13 +423,38 @@ def test_nan_in_page_storage_past_the_contexts_does_not_reach_the_output():
     NaN, unused pages too; the output is the reference's on the finite cache."""
     sequences = [(70, 130), (1, 65), (129, 200), (1, 1)]
     inputs = batch(sequences, page_size=128, seed=5)
-    tables, lens = np.asarray(inputs["block_tables"]), np.asarray(inputs["context_lens"])
-    live = np.zeros(inputs["kv_pages"].shape[:2], bool)
-    for seq, length in enumerate(lens):
-        for key in range(int(length)):
-            live[tables[seq, key // 128], key % 128] = True
-    poisoned = jnp.where(jnp.asarray(live)[:, :, None, None], inputs["kv_pages"], jnp.nan)
-    out = run_cuda({**inputs, "kv_pages": poisoned})
+    out = run_cuda(poisoned_past_contexts(inputs))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert_close(out, reference(inputs), dtype="bfloat16")
+
+
+@gpu
+@pytest.mark.usefixtures("paged_gpu")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("sequences,heads,kv_heads,page_size", [
+    # few packed tiles (P0 < 2 per SM): their keys split into chunks on several SMs, merged by the combine kernel
+    ([(1, 20000), (1, 20000)], 8, 2, 64),  # 2 long decodes, GQA 4: 4 unsplit tiles -> 16 chunks each
+    ([(1, 30001)], 8, 2, 64),  # one decode row
+    ([(1, 6000), (1, 5000), (3, 4097), (40, 6000)], 8, 2, 64),  # long decodes, a speculative chunk, a prefill chunk
+    ([(1, 1025), (1, 2049), (1, 9999), (16, 3000)], 8, 2, 128),  # contexts off the 128 grid; 16 rows = 64 / G
+])
+def test_split_keys_of_few_long_decodes_match_the_reference(dtype, sequences, heads, kv_heads, page_size):
+    """The reference gathers [rows, table keys, Hq, D] in float32 (keys and values): each under ~1.2 GB here."""
+    inputs = batch(sequences, heads=heads, kv_heads=kv_heads, page_size=page_size, dtype=jnp.dtype(dtype),
+                   inactive=1, padding=3, seed=len(sequences) + 20)
+    out = run_cuda(inputs, softmax_scale=0.09)
+    used = int(inputs["query_start_loc"][len(sequences)])
+    np.testing.assert_array_equal(np.asarray(out[used:], np.float32), 0.0)
+    assert_close(out, reference(inputs, softmax_scale=0.09), dtype=dtype)
+
+
+@gpu
+@pytest.mark.usefixtures("paged_gpu")
+def test_split_keys_with_nan_in_page_storage_past_the_contexts():
+    """Split chunks over pages poisoned with NaN wherever no context reaches (contexts ending inside a 64-row
+    load, pages of 128): only the last chunk holds the tail; no NaN in any partial or the output."""
+    inputs = batch([(1, 5000), (1, 3001), (2, 2500)], page_size=128, seed=6)
+    out = run_cuda(poisoned_past_contexts(inputs))
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert_close(out, reference(inputs), dtype="bfloat16")
 

@@ -33,14 +33,14 @@ struct ForwardShared {
 
 // By thread 0, before the __syncthreads that precedes the warpgroups' roles.
 template <class Shared>
-__device__ __forceinline__ void init_forward_barriers(Shared& shared) {
+__device__ __forceinline__ void init_forward_barriers(Shared& shared, int consumers_per_stage = 2) {
   barrier_init(&shared.q_full, 1);
 #pragma unroll
   for (int s = 0; s < kForwardStages; ++s) {
     barrier_init(&shared.k_full[s], 1);
     barrier_init(&shared.v_full[s], 1);
-    barrier_init(&shared.k_empty[s], 2);  // one arrival per consumer warpgroup
-    barrier_init(&shared.v_empty[s], 2);
+    barrier_init(&shared.k_empty[s], consumers_per_stage);  // one arrival per consumer warpgroup reading it
+    barrier_init(&shared.v_empty[s], consumers_per_stage);
   }
   cutlass::arch::fence_barrier_init();
 }
@@ -102,19 +102,21 @@ __device__ __forceinline__ void clear_value_rows(T* tile, int from, int group, i
 // first block visited (the only one that can hold any) are zeroed before P V reads them; their probabilities
 // are 0, but where a load brings in whole rows of storage past the context (pages), a NaN there would still
 // give 0 * NaN = NaN.
-// Solo: this warpgroup is the only consumer of the tile (no turns taken; the other one runs drain_key_blocks),
-// and its 64 tile rows hold rows_per_query rows per query (query row_begin + tile row / rows_per_query: the
-// query heads of one kv head packed into one tile).
+// SplitBlocks: the two warpgroups hold the same rows and split the key blocks instead (warpgroup g takes blocks
+// g, g + 2, ...: the ones of stage g, which then has one consumer), taking no turns; the caller merges their
+// rows (merge_split_rows). rows_per_query: the 64 tile rows hold that many rows per query (query row_begin +
+// tile row / rows_per_query: the query heads of one kv head packed into one tile).
 // Returns with every product complete and every stage released.
-template <class T, int D, int BN, bool Capped, class Shared, bool ClearValueTail = false, bool Solo = false>
+template <class T, int D, int BN, bool Capped, class Shared, bool ClearValueTail = false, bool SplitBlocks = false>
 __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem& problem, const Extras& extras,
                                                    int row_begin, int row_end, const KeyBlocks& blocks, int head,
                                                    int batch, int group, int t, ConsumerRows<D>& rows,
                                                    int rows_per_query = 1) {
   const int num_blocks = blocks.last - blocks.first;
   const int other = 1 - group;
-  const int row_a = row_begin + (64 * group + fragment_row(t)) / rows_per_query;
-  const int row_b = row_begin + (64 * group + fragment_row(t) + 8) / rows_per_query;
+  const int tile_row = SplitBlocks ? fragment_row(t) : 64 * group + fragment_row(t);
+  const int row_a = row_begin + tile_row / rows_per_query;
+  const int row_b = row_begin + (tile_row + 8) / rows_per_query;
   const float log2e = 1.4426950408889634f;
   // Scores stay raw dot products (or, soft-capped, capped logits in log2 units) and the running maxima are
   // kept in the same units: the exponent is then one FMA, exp2(s * unit - max * unit).
@@ -219,13 +221,53 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     sum_b = sum_b * rescale_b + row_sum_b;
   };
   auto take_turn = [&]() {
-    if constexpr (!Solo) named_sync(1 + group, 256);
+    if constexpr (!SplitBlocks) named_sync(1 + group, 256);
   };
   auto pass_turn = [&]() {
-    if constexpr (!Solo) named_arrive(1 + other, 256);
+    if constexpr (!SplitBlocks) named_arrive(1 + other, 256);
   };
 
-  if (num_blocks > 0) {
+  // SplitBlocks: this warpgroup's blocks (those of stage `group`) one after the other, each product awaited
+  // before the next is issued. Deferring P V to the next step, as the loop below does, would hold the stage's
+  // value tile until the NEXT block's keys arrived, and with one stage per warpgroup the value load of every
+  // block would wait for its own key load: two latencies per block instead of one. The other warpgroup's
+  // blocks overlap this one's instead.
+  auto split_loop = [&]() {
+    for (int it = group; it < num_blocks; it += kForwardStages) {
+      const int phase = (it / kForwardStages) & 1;
+      const int key0 = (blocks.last - 1 - it) * BN;
+      if (it == group) barrier_wait(&shared.q_full, 0);
+      barrier_wait(&shared.k_full[group], phase);
+      issue_scores(group);
+      cute::warpgroup_wait<0>();
+      fence_operands<BN / 2>(s);
+      if (t == 0) barrier_arrive(&shared.k_empty[group]);
+      float rescale_a, rescale_b;
+      if (kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN)) {
+        softmax(key0, std::true_type{}, rescale_a, rescale_b);
+      } else {
+        softmax(key0, std::false_type{}, rescale_a, rescale_b);
+      }
+      to_operand<T, BN>(s, p);
+      barrier_wait(&shared.v_full[group], phase);
+      if constexpr (ClearValueTail) {
+        // block 0 (warpgroup 0's first) holds key kv_len - 1, the only block with value rows past the context
+        const int from = problem.kv_len - key0;
+        if (it == 0 && from < BN) clear_value_rows<T, D, BN>(shared.v[0], from, group, t);
+      }
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+      issue_values(p, group, it > group);
+      cute::warpgroup_wait<0>();
+      fence_operands<D / 2>(o);
+      fence_operands<BN / 4>(p);
+      if (t == 0) barrier_arrive(&shared.v_empty[group]);
+    }
+  };
+
+  if constexpr (SplitBlocks) {
+    split_loop();
+  } else if (num_blocks > 0) {
     if (group == 1) pass_turn();  // warpgroup 1 issues first
     barrier_wait(&shared.q_full, 0);
 
@@ -305,16 +347,42 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
   rows.sum_b = sum_b;
 }
 
-// The idle consumer warpgroup of a Solo tile (one thread calls it): releases each stage as it fills, so that
-// the producer's two arrivals per stage come.
-template <class Shared>
-__device__ __forceinline__ void drain_key_blocks(Shared& shared, const KeyBlocks& blocks) {
-  for (int it = 0; it < blocks.last - blocks.first; ++it) {
-    const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
-    barrier_wait(&shared.k_full[stage], phase);
-    barrier_arrive(&shared.k_empty[stage]);
-    barrier_wait(&shared.v_full[stage], phase);
-    barrier_arrive(&shared.v_empty[stage]);
+// After a SplitBlocks loop: warpgroup 1 hands its rows (the same rows as warpgroup 0's, over the other key
+// blocks) to warpgroup 0, which merges them into its own: both softmax states rescaled to the larger maximum.
+// Through stage 1's tiles (warpgroup 1's alone, and idle once its loop returned): the outputs in the key
+// tile (D / 2 x 128 floats = BN x D 16-bit values when BN = 128), the maxima and sums in the value tile. Both
+// warpgroups call it; afterwards warpgroup 0's `rows` are the tile's. `unit`: the scores' exponent scale
+// (the loop's: softmax_scale * log2 e, uncapped).
+template <class T, int D, int BN, class Shared>
+__device__ __forceinline__ void merge_split_rows(Shared& shared, int group, int t, float unit, ConsumerRows<D>& rows) {
+  static_assert(D / 2 * 128 * sizeof(float) <= BN * D * sizeof(T), "a key tile holds the outputs");
+  float* outputs = reinterpret_cast<float*>(shared.k[1]);
+  float* states = reinterpret_cast<float*>(shared.v[1]);
+  if (group == 1) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) outputs[i * 128 + t] = rows.o[i];
+    states[t] = rows.max_a;
+    states[128 + t] = rows.max_b;
+    states[256 + t] = rows.sum_a;
+    states[384 + t] = rows.sum_b;
+  }
+  named_sync(5, 256);
+  if (group == 0) {
+    const float max_a = states[t], max_b = states[128 + t];
+    const float top_a = fmaxf(rows.max_a, max_a), top_b = fmaxf(rows.max_b, max_b);
+    // rows that saw no key on either side keep -inf: factors of 0 (their sums and outputs are 0)
+    const float base_a = top_a == -INFINITY ? 0.f : top_a * unit, base_b = top_b == -INFINITY ? 0.f : top_b * unit;
+    const float mine_a = fast_exp2(rows.max_a * unit - base_a), theirs_a = fast_exp2(max_a * unit - base_a);
+    const float mine_b = fast_exp2(rows.max_b * unit - base_b), theirs_b = fast_exp2(max_b * unit - base_b);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) {
+      rows.o[i] = (i & 2) ? rows.o[i] * mine_b + outputs[i * 128 + t] * theirs_b
+                          : rows.o[i] * mine_a + outputs[i * 128 + t] * theirs_a;
+    }
+    rows.sum_a = rows.sum_a * mine_a + states[256 + t] * theirs_a;
+    rows.sum_b = rows.sum_b * mine_b + states[384 + t] * theirs_b;
+    rows.max_a = top_a;
+    rows.max_b = top_b;
   }
 }
 

@@ -11,18 +11,21 @@
 // - a query tile: 128 rows of one query head of one sequence (tiles never cross sequences; a sequence's last
 //   tile is partial), both consumer warpgroups ping-ponging, as in the dense forward. Compute-bound.
 // - a packed tile, for sequences of at most 64 / G rows (G = Hq / Hkv: decode rows, short speculative
-//   chunks): all G query heads of one kv head in the 64 rows of ONE consumer warpgroup (row r = query r / G,
-//   head r % G), so the kv head's pages are read once for its G heads; the other consumer warpgroup only
-//   releases the stages. Bandwidth-bound: its tensor work is half a query tile's per key block.
+//   chunks): all G query heads of one kv head in 64 rows (row r = query r / G, head r % G), so the kv head's
+//   pages are read once for its G heads. Both consumer warpgroups hold these rows and take alternate key
+//   blocks (warpgroup g the blocks of stage g, each stage with one reader), without turns; warpgroup 1 hands
+//   its softmax state to warpgroup 0 at the end (merge_split_rows). Bandwidth-bound: each block costs one
+//   64-row warpgroup's products, and the two warpgroups work on two blocks at once.
 // Scheduling: persistent CTAs (one per SM) take items from a counter in global memory (zeroed before the
 // launch). Each CTA first builds, in shared memory, the prefix counts of both kinds of item over the
 // sequences (all threads, one pass over query_start_loc), then mixes the two kinds in the order it hands out
 // (rounds of 8 tickets, packed_share of them packed: a config field; the rest after), so that at any time some
 // SMs stream pages for decode rows while others run the matrix products of prefill tiles: the two halves of
-// a mixed batch bind on different units and overlap instead of adding up (the share moves the mix; 3-5 of 8
-// measured within noise of each other). A sequence's query tiles come heaviest first (causal), its heads next
-// to each other (they read the same pages, mostly from L2). The rows past query_start_loc[num_seqs] form one
-// more "sequence" with no keys, whose tiles write zeros.
+// a mixed batch bind on different units and overlap instead of adding up. A packed tile is shorter than a
+// query tile, so an even count leaves fewer SMs streaming than the bandwidth needs: the share sets that. A
+// sequence's query tiles come heaviest first (causal), its heads next to each other (they read the same pages,
+// mostly from L2). The rows past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles
+// write zeros.
 // Keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
 // [1, P * page_size, 2 Hkv, D]: chunk key k lives at row block_tables[s][k / page_size] * page_size +
 // k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
@@ -31,6 +34,14 @@
 // [0, P). The last chunk of a context may end inside a page: its rows past the context are the page's storage
 // (anything, NaN included), masked out of the scores by the causal bound and zeroed in the value tile before
 // P V (consume_key_blocks' ClearValueTail).
+// Split-K of packed tiles (flash-decoding), decided on the device: a packed tile reads its sequence's whole
+// context, so a few long decode sequences would leave most SMs idle. When the batch holds fewer unsplit packed
+// items than split_target (2 per CTA), each packed sequence's key blocks are cut into chunks (whole 128-key
+// blocks, at least kMinSplitKeys keys each, at most kMaxSplits), one item per chunk and kv head. Such an item
+// writes its merged rows unnormalized (O, row max, row sum) to a float32 slot of a scratch result, and a second
+// kernel on the same stream (combine_split_rows_kernel) merges each pair's chunks and writes the output rows.
+// The slot is the item's packed index: when anything splits, there are fewer than 2 * split_target <=
+// kSplitSlots packed items (build_paged_table), so the scratch's static size bounds every slot.
 // The output: masked 16-byte stores from the staged tile in shared memory, rows past the sequence's end not
 // written. A TMA store would clip at the map's bounds only, i.e. at T, and overwrite the next sequence's
 // first rows.
@@ -41,7 +52,7 @@ namespace ejk {
 
 constexpr int kPagedBlockKeys = 128;  // keys per block (the dense forward's BN)
 constexpr int kPagedChunk = 64;       // rows per TMA box of kv_pages (page_size is a multiple)
-constexpr int kPackedRows = 64;       // rows of a packed tile: one consumer warpgroup's
+constexpr int kPackedRows = 64;       // rows of a packed tile (each consumer warpgroup holds them all)
 constexpr int kDealRound = 8;         // tickets per round of the hand-out order (packed_share of them packed)
 constexpr int kMaxPagedSeqs = 4096;   // the work table's entries live in shared memory (8 bytes each)
 // Registers per thread of the two roles after setmaxnreg. The CTA's pool is what the launch gave it (168 per
@@ -50,6 +61,19 @@ constexpr int kMaxPagedSeqs = 4096;   // the work table's entries live in shared
 // item loop (ptxas then ignores setmaxnreg and serializes the wgmma); 40 / 232 fit both roles without spills.
 constexpr int kPagedProducerRegisters = 40;
 constexpr int kPagedConsumerRegisters = 232;
+// Split-K (see the header): the scratch holds kSplitSlots partial tiles; splitting aims at split_target =
+// min(2 * SMs, kSplitSlots / 2) items, and the items it makes stay below 2 * split_target (build_paged_table).
+constexpr int kPagedHeadDim = 128;               // the only head dim compiled (sizes the scratch's slots)
+constexpr int kSplitSlots = 4 * 132;             // 2 x split_target on a 132-SM H100 / H200
+constexpr int kMaxSplits = 16;                   // chunks per packed tile at most
+constexpr int kMinSplitKeys = 8 * kPagedBlockKeys;  // keys per chunk at least: shorter ones cost more than they save
+constexpr int kSplitSlotFloats = kPackedRows * (kPagedHeadDim + 2);  // O [64][D], then 64 maxima, 64 sums
+constexpr int kCombineThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;  // scores are exponentiated as exp2(score * softmax_scale * log2 e)
+// The work buffer (int32): the ticket counter in its first 16 bytes, then one int4 per slot, a split pair's
+// descriptor at its first chunk's slot ({splits, q_start, q_len, kv head}; splits 0: none). Zeroed before the
+// launch.
+constexpr int kPagedWorkInts = 4 * (1 + kSplitSlots);
 static_assert(128 * kPagedProducerRegisters + 256 * kPagedConsumerRegisters <= 168 * kForwardThreads,
               "the roles' registers must fit the CTA's allocation");
 
@@ -62,17 +86,22 @@ struct PagedParams {
   const int* block_tables;     // [max_num_seqs, pages_per_seq]
   const int* query_start_loc;  // [max_num_seqs + 1]
   const int* num_seqs;         // [1]
-  int* next_item;              // [1], zero at launch
+  int* next_item;              // [1], zero at launch (the work buffer's first int)
+  int4* split_descriptors;     // [kSplitSlots], zero at launch (the work buffer's int4s after the counter's)
+  float* split_partials;       // [kSplitSlots][kSplitSlotFloats]
   int total_tokens, q_heads, kv_heads, page_size, num_pages, pages_per_seq, max_num_seqs;
   int packed_share;  // packed tiles per kDealRound tickets while both kinds last
+  int split_target;  // packed items split-K aims at (min(2 * SMs, kSplitSlots / 2))
   float softmax_scale;
 };
 
 // One work item: rows [row_begin, row_begin + 128) of query head `head` (a query tile), or all rows of the
 // sequence for the query heads of kv head `head` (packed). seq -1: the padding rows past the last sequence (no
-// keys); seq -2: nothing left.
+// keys); seq -2: nothing left. A split packed item (splits > 1; 0: not split) covers chunk `split` of the
+// packed tile's key blocks and writes its partial rows to scratch slot `slot`.
 struct PagedItem {
   int seq, packed, head, q_start, q_len, kv_len, row_begin;
+  int split, splits, slot;
 };
 
 // The work table: entry e <= count (count = num_seqs clamped; entry count is the padding rows) holds the
@@ -83,51 +112,95 @@ struct PagedTable {
   int entries;  // max_num_seqs + 1
   int count;
   int tail_start;
+  int split_factor;  // chunks per packed tile (before each sequence's own bound): 1 when nothing splits
 };
 
 __device__ __forceinline__ int paged_group(const PagedParams& params) { return params.q_heads / params.kv_heads; }
 
-// Rows of entry e (a sequence, or the padding rows) and how many items of each kind it makes.
-__device__ __forceinline__ void entry_items(const PagedParams& params, const PagedTable& table, int e, int& tiles,
-                                            int& packed) {
+// Chunks of a packed tile of a sequence of kv_len keys: the batch's split factor, bounded by whole chunks of
+// kMinSplitKeys keys (so that every chunk holds at least one key block).
+__device__ __forceinline__ int packed_splits(int split_factor, int kv_len) {
+  return max(min(split_factor, (kv_len + kMinSplitKeys - 1) / kMinSplitKeys), 1);
+}
+
+// Key blocks of chunk `split` of `splits` (balanced; chunk boundaries on block boundaries).
+__device__ __forceinline__ KeyBlocks split_chunk(const KeyBlocks& blocks, int split, int splits) {
+  const int count = blocks.last - blocks.first;
+  return {blocks.first + count * split / splits, blocks.first + count * (split + 1) / splits};
+}
+
+// Rows of entry e (a sequence, or the padding rows) and how many items of each kind it makes (packed: one per
+// kv head and chunk, split_factor as in PagedTable).
+__device__ __forceinline__ void entry_items(const PagedParams& params, const PagedTable& table, int e,
+                                            int split_factor, int& tiles, int& packed) {
   tiles = packed = 0;
   if (e < table.count) {
     const int q_len = max(params.query_start_loc[e + 1] - params.query_start_loc[e], 0);
     if (q_len == 0) return;
-    if (q_len * paged_group(params) <= kPackedRows) packed = params.kv_heads;
-    else tiles = (q_len + kForwardRows - 1) / kForwardRows * params.q_heads;
+    if (q_len * paged_group(params) <= kPackedRows) {
+      packed = params.kv_heads * packed_splits(split_factor, params.context_lens[e]);
+    } else {
+      tiles = (q_len + kForwardRows - 1) / kForwardRows * params.q_heads;
+    }
   } else if (e == table.count) {
     const int tail = max(params.total_tokens - table.tail_start, 0);
     tiles = (tail + kForwardRows - 1) / kForwardRows * params.q_heads;
   }
 }
 
-// All threads of the CTA: the table's prefix counts (a block-wide scan of per-thread runs of entries).
-__device__ __forceinline__ void build_paged_table(const PagedParams& params, const PagedTable& table) {
+// All threads of the CTA: block-wide sums of two per-thread values. Returns the sum over the threads before
+// this one (exclusive prefix) in `a` and `b`, and the totals over the CTA.
+__device__ __forceinline__ void block_prefix_sums(int& a, int& b, int& total_a, int& total_b) {
   __shared__ int warp_sums[2][kForwardThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int a_incl = a, b_incl = b;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int up_a = __shfl_up_sync(0xffffffff, a_incl, d), up_b = __shfl_up_sync(0xffffffff, b_incl, d);
+    if (lane >= d) a_incl += up_a, b_incl += up_b;
+  }
+  if (lane == 31) warp_sums[0][warp] = a_incl, warp_sums[1][warp] = b_incl;
+  __syncthreads();
+  a = a_incl - a, b = b_incl - b;
+  total_a = total_b = 0;
+  for (int w = 0; w < kForwardThreads / 32; ++w) {
+    if (w < warp) a += warp_sums[0][w], b += warp_sums[1][w];
+    total_a += warp_sums[0][w], total_b += warp_sums[1][w];
+  }
+  __syncthreads();  // warp_sums free for the next call
+}
+
+// All threads of the CTA: the table's prefix counts (a block-wide scan of per-thread runs of entries). First the
+// split factor: the unsplit packed items P0 (one per packed sequence and kv head) counted; if they are fewer
+// than split_target, each packed tile is cut into ceil(split_target / P0) chunks (at most kMaxSplits; fewer for
+// short contexts: packed_splits). Then the packed items number at most P0 * ceil(split_target / P0) <=
+// split_target + P0 - 1 < 2 * split_target <= kSplitSlots: their indices are valid scratch slots.
+__device__ __forceinline__ void build_paged_table(const PagedParams& params, PagedTable& table) {
   const int per_thread = (table.entries + kForwardThreads - 1) / kForwardThreads;
   const int first = threadIdx.x * per_thread, last = min(first + per_thread, table.entries);
+  int no_tiles = 0, unsplit = 0, tiles_total, packed_total;  // pass 1: P0 (the query tiles do not matter)
+  for (int e = first; e < last; ++e) {
+    int tiles, packed;
+    entry_items(params, table, e, 1, tiles, packed);
+    unsplit += packed;
+  }
+  block_prefix_sums(no_tiles, unsplit, tiles_total, packed_total);
+  const int target = params.split_target;
+  const int split_factor =
+      packed_total > 0 && packed_total < target ? min((target + packed_total - 1) / packed_total, kMaxSplits) : 1;
   int tiles_sum = 0, packed_sum = 0;
   for (int e = first; e < last; ++e) {
     int tiles, packed;
-    entry_items(params, table, e, tiles, packed);
+    entry_items(params, table, e, split_factor, tiles, packed);
     tiles_sum += tiles;
     packed_sum += packed;
     table.tile_end[e] = tiles_sum;  // within the thread's run; offsets added below
     table.packed_end[e] = packed_sum;
   }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int tiles_incl = tiles_sum, packed_incl = packed_sum;
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int a = __shfl_up_sync(0xffffffff, tiles_incl, d), b = __shfl_up_sync(0xffffffff, packed_incl, d);
-    if (lane >= d) tiles_incl += a, packed_incl += b;
-  }
-  if (lane == 31) warp_sums[0][warp] = tiles_incl, warp_sums[1][warp] = packed_incl;
-  __syncthreads();
-  int tiles_offset = tiles_incl - tiles_sum, packed_offset = packed_incl - packed_sum;
-  for (int w = 0; w < warp; ++w) tiles_offset += warp_sums[0][w], packed_offset += warp_sums[1][w];
+  int tiles_offset = tiles_sum, packed_offset = packed_sum;
+  block_prefix_sums(tiles_offset, packed_offset, tiles_total, packed_total);
   for (int e = first; e < last; ++e) table.tile_end[e] += tiles_offset, table.packed_end[e] += packed_offset;
+  if (threadIdx.x == 0) table.split_factor = split_factor;
   __syncthreads();
 }
 
@@ -146,7 +219,7 @@ __device__ __forceinline__ int find_entry(const int* end, int entries, int j) {
 // query tiles, while both kinds last; then what is left of the two, alternating, then of the longer one.
 __device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const PagedTable& table, int ticket) {
   const int tiles = table.tile_end[table.entries - 1], packed = table.packed_end[table.entries - 1];
-  if (ticket >= tiles + packed) return {-2, 0, 0, 0, 0, 0, 0};
+  if (ticket >= tiles + packed) return {-2, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const int share = params.packed_share, rest = kDealRound - share;
   const int rounds = min(share ? packed / share : tiles, rest ? tiles / rest : packed);
   bool is_packed;
@@ -168,6 +241,8 @@ __device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const
   const int local = j - (e > 0 ? end[e - 1] : 0);
   PagedItem item;
   item.packed = is_packed;
+  item.split = item.splits = 0;
+  item.slot = j;
   if (e < table.count) {
     item.seq = e;
     item.q_start = params.query_start_loc[e];
@@ -179,8 +254,11 @@ __device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const
     item.q_len = params.total_tokens - table.tail_start;
     item.kv_len = 0;
   }
-  if (is_packed) {
-    item.head = local;
+  if (is_packed) {  // a kv head's chunks next to each other: the pair's slots [slot - split, + splits)
+    const int splits = packed_splits(table.split_factor, item.kv_len);
+    item.head = local / splits;
+    item.split = local % splits;
+    item.splits = splits > 1 ? splits : 0;
     item.row_begin = 0;
   } else {  // the heaviest (last) tile of the sequence first; its heads next to each other
     const int count = (item.q_len + kForwardRows - 1) / kForwardRows;
@@ -191,7 +269,7 @@ __device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const
 }
 
 // An item as a causal Problem of one batch entry (rows and keys local to its sequence), the rows it covers
-// (query tile: [row_begin, row_end); packed: every query) and their key blocks.
+// (query tile: [row_begin, row_end); packed: every query) and their key blocks (a split item: its chunk).
 struct ItemKeys {
   Problem problem;
   int row_end;
@@ -206,6 +284,7 @@ __device__ __forceinline__ ItemKeys item_keys(const PagedParams& params, const P
   keys.row_end = item.packed ? item.q_len : min(item.row_begin + kForwardRows, item.q_len);
   keys.blocks = item.seq >= 0 ? key_blocks(keys.problem, item.row_begin, keys.row_end, kPagedBlockKeys)
                               : KeyBlocks{0, 0};
+  if (item.splits) keys.blocks = split_chunk(keys.blocks, item.split, item.splits);
   return keys;
 }
 
@@ -253,12 +332,13 @@ __device__ __forceinline__ void produce_paged_item(const PagedParams& params, Sh
   }
 }
 
-// A packed tile's query rows into the first 64 rows of the Q tile (swizzled as TMA would put them), zeros
-// past the item's rows; by the 128 threads of consumer warpgroup 0, before its first product.
+// A packed tile's query rows, gathered into consumer warpgroup `group`'s 64 rows of the Q tile (swizzled as TMA
+// would put them; zeros past the item's rows; both warpgroups hold the same rows: they split the key blocks).
+// By the warpgroup's 128 threads, before its first product.
 template <class T, int D>
 __device__ __forceinline__ void gather_packed_rows(const PagedParams& params, T* q_tile, const PagedItem& item,
-                                                   int t) {
-  const int group = paged_group(params), rows = item.q_len * group;
+                                                   int group, int t) {
+  const int heads = paged_group(params), rows = item.q_len * heads;
   constexpr int kChunksPerRow = D / 8;  // 16 bytes each
   char* tile = reinterpret_cast<char*>(q_tile);
 #pragma unroll
@@ -268,14 +348,15 @@ __device__ __forceinline__ void gather_packed_rows(const PagedParams& params, T*
     uint4 value = make_uint4(0, 0, 0, 0);
     if (row < rows) {
       const T* source = static_cast<const T*>(params.queries) +
-                        (static_cast<size_t>(item.q_start + row / group) * params.q_heads + item.head * group +
-                         row % group) * D + col;
+                        (static_cast<size_t>(item.q_start + row / heads) * params.q_heads + item.head * heads +
+                         row % heads) * D + col;
       value = *reinterpret_cast<const uint4*>(source);
     }
-    *reinterpret_cast<uint4*>(tile + (col / 64) * kForwardRows * 128 + swizzled_offset(row, col % 64)) = value;
+    const int tile_row = kPackedRows * group + row;
+    *reinterpret_cast<uint4*>(tile + (col / 64) * kForwardRows * 128 + swizzled_offset(tile_row, col % 64)) = value;
   }
   fence_async_shared();  // before the tensor cores read them
-  named_sync(3, 128);
+  named_sync(3 + group, 128);
 }
 
 // Consumer warpgroup `group`'s rows of the staged output tile (normalized, in the Q tile) to `out`: tile row r
@@ -300,6 +381,36 @@ __device__ __forceinline__ void store_paged_rows(const PagedParams& params, cons
                col;
       *reinterpret_cast<uint4*>(out) = value;
     }
+  }
+}
+
+// A split packed item's merged rows (warpgroup 0's, after merge_split_rows), unnormalized, to its scratch slot:
+// O as [64][D] float32, then each row's max (in score units, as the loop keeps it) and sum (the quad's partial
+// sums added here). Rows past the sequence's q_len * G are neither written nor read. The item of chunk 0 also
+// writes the pair's descriptor (its slot is the pair's first). By warpgroup 0's 128 threads.
+template <int D>
+__device__ __forceinline__ void store_split_partial(const PagedParams& params, const PagedItem& item, int t,
+                                                    const ConsumerRows<D>& rows) {
+  static_assert(D == kPagedHeadDim, "the scratch's slots are sized for the compiled head dim");
+  const float sum_a = quad_sum(rows.sum_a), sum_b = quad_sum(rows.sum_b);
+  const int used = item.q_len * paged_group(params);
+  const int row_a = fragment_row(t), row_b = row_a + 8;
+  float* slot = params.split_partials + static_cast<size_t>(item.slot) * kSplitSlotFloats;
+#pragma unroll
+  for (int i = 0; i < D / 2; i += 2) {
+    const int row = (i & 2) ? row_b : row_a;
+    if (row < used) {
+      *reinterpret_cast<float2*>(slot + row * D + fragment_col(t, i)) = make_float2(rows.o[i], rows.o[i + 1]);
+    }
+  }
+  float* maxima = slot + kPackedRows * D;
+  float* sums = maxima + kPackedRows;
+  if (t % 4 == 0) {  // the quad's maxima and (now) sums are equal
+    if (row_a < used) maxima[row_a] = rows.max_a, sums[row_a] = sum_a;
+    if (row_b < used) maxima[row_b] = rows.max_b, sums[row_b] = sum_b;
+  }
+  if (t == 0 && item.split == 0) {
+    params.split_descriptors[item.slot] = make_int4(item.splits, item.q_start, item.q_len, item.head);
   }
 }
 
@@ -345,8 +456,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
     const Extras none{nullptr, 0, nullptr, nullptr};
     for (;;) {
       if (threadIdx.x == kForwardThreads / 3) {  // the dealer
-        init_forward_barriers(pipeline);  // fresh phases: every stage of the last item was consumed
         current = paged_item(params, table, atomicAdd(params.next_item, 1));
+        // fresh phases (every stage of the last item was consumed); a packed tile's stages have one reader
+        init_forward_barriers(pipeline, current.packed ? 1 : 2);
       }
       __syncthreads();
       const PagedItem item = current;
@@ -359,19 +471,61 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
         stage_output<T, D>(pipeline.q, group, t, rows);
         named_sync(3 + group, 128);
         store_paged_rows<T, D>(params, pipeline.q, item, group, t, item.head, 1);
-      } else if (group == 0) {
+      } else {  // packed: both warpgroups on the same rows, alternate key blocks, merged into warpgroup 0's
         const int heads = paged_group(params);
-        gather_packed_rows<T, D>(params, pipeline.q, item, t);
+        gather_packed_rows<T, D>(params, pipeline.q, item, group, t);
         consume_key_blocks<T, D, BN, false, Shared, true, true>(pipeline, keys.problem, none, 0, keys.row_end,
-                                                                keys.blocks, 0, 0, 0, t, rows, heads);
-        stage_output<T, D>(pipeline.q, 0, t, rows);
-        named_sync(3, 128);
-        store_paged_rows<T, D>(params, pipeline.q, item, 0, t, item.head * heads, heads);
-      } else if (t == 0) {
-        drain_key_blocks(pipeline, keys.blocks);
+                                                                keys.blocks, 0, 0, group, t, rows, heads);
+        merge_split_rows<T, D, BN>(pipeline, group, t, params.softmax_scale * kLog2e, rows);
+        if (group == 0 && item.splits) {  // one chunk of the keys: combine_split_rows_kernel finishes the rows
+          store_split_partial<D>(params, item, t, rows);
+        } else if (group == 0) {
+          stage_output<T, D>(pipeline.q, 0, t, rows);
+          named_sync(3, 128);
+          store_paged_rows<T, D>(params, pipeline.q, item, 0, t, item.head * heads, heads);
+        }
       }
+      // the tiles this item wrote and read through the generic proxy (gathered rows, staged output, the
+      // merge's exchange) are the next item's TMA destinations: order them before the async proxy's writes
+      fence_async_shared();
       __syncthreads();  // the item's shared memory and barriers are free again
     }
+  }
+}
+
+// After paged_forward_kernel, on the same stream (its writes are visible at this kernel's start: stream order):
+// CTA b reads slot b's descriptor; where a split pair starts there, it merges the pair's `splits` partial tiles
+// (slots b, b + 1, ...) row by row (log-sum-exp: each chunk's rows rescaled to the largest maximum, in the main
+// kernel's exp2 units) and writes the normalized rows: row r is query r / G of query head kv_head * G + r % G.
+// Rows no chunk saw a key for (every maximum -inf) get zeros. Slots without a descriptor: nothing to do.
+template <class T, int D>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_split_rows_kernel(const __grid_constant__ PagedParams params) {
+  const int4 pair = params.split_descriptors[blockIdx.x];
+  const int splits = pair.x, q_start = pair.y, kv_head = pair.w;
+  if (splits == 0) return;
+  const int heads = paged_group(params), used = pair.z * heads;
+  const float unit = params.softmax_scale * kLog2e;
+  const float* partials = params.split_partials + static_cast<size_t>(blockIdx.x) * kSplitSlotFloats;
+  for (int index = threadIdx.x; index < used * (D / 4); index += kCombineThreads) {
+    const int row = index / (D / 4), col = index % (D / 4) * 4;
+    float top = -INFINITY;
+    for (int c = 0; c < splits; ++c) top = fmaxf(top, partials[c * kSplitSlotFloats + kPackedRows * D + row]);
+    const float base = top == -INFINITY ? 0.f : top * unit;
+    float4 sum_o = make_float4(0.f, 0.f, 0.f, 0.f);
+    float total = 0.f;
+    for (int c = 0; c < splits; ++c) {
+      const float* chunk = partials + c * kSplitSlotFloats;
+      const float weight = exp2f(chunk[kPackedRows * D + row] * unit - base);  // 0 for a chunk that saw no key
+      total += weight * chunk[kPackedRows * D + kPackedRows + row];
+      const float4 o = *reinterpret_cast<const float4*>(chunk + row * D + col);
+      sum_o.x += weight * o.x, sum_o.y += weight * o.y, sum_o.z += weight * o.z, sum_o.w += weight * o.w;
+    }
+    const float inverse = total > 0.f ? 1.f / total : 0.f;
+    T* out = static_cast<T*>(params.out) +
+             (static_cast<size_t>(q_start + row / heads) * params.q_heads + kv_head * heads + row % heads) * D + col;
+    *reinterpret_cast<uint2*>(out) = make_uint2(Element<T>::pack(sum_o.x * inverse, sum_o.y * inverse),
+                                                Element<T>::pack(sum_o.z * inverse, sum_o.w * inverse));
   }
 }
 
@@ -394,10 +548,14 @@ cudaError_t launch_paged_forward(cudaStream_t stream, PagedParams params, const 
   int device = 0, sms = 0;
   if ((error = cudaGetDevice(&device)) != cudaSuccess ||
       (error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
-      (error = cudaMemsetAsync(params.next_item, 0, sizeof(int), stream)) != cudaSuccess) {
+      (error = cudaMemsetAsync(params.next_item, 0, kPagedWorkInts * sizeof(int), stream)) != cudaSuccess) {
     return error;
   }
+  params.split_target = std::min(2 * sms, kSplitSlots / 2);
   kernel<<<sms, kForwardThreads, shared_bytes, stream>>>(params);
+  if ((error = cudaGetLastError()) != cudaSuccess) return error;
+  // one CTA per slot a split pair can start at (packed indices < 2 * split_target); most find no descriptor
+  combine_split_rows_kernel<T, D><<<2 * params.split_target, kCombineThreads, 0, stream>>>(params);
   return cudaGetLastError();
 }
 
@@ -411,7 +569,8 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
                                  ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> block_tables,
                                  ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
                                  float softmax_scale, int32_t packed_share, ffi::Result<ffi::AnyBuffer> out,
-                                 ffi::Result<ffi::Buffer<ffi::S32>> next_item) {
+                                 ffi::Result<ffi::Buffer<ffi::S32>> work,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> split_partials) {
   auto qd = queries.dimensions(), kd = kv_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4) {
     return invalid("queries must be [tokens, heads, dim] and kv_pages [pages, page_size, 2 * kv_heads, dim]; got " +
@@ -421,8 +580,8 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
       (queries.element_type() != ffi::DataType::BF16 && queries.element_type() != ffi::DataType::F16)) {
     return invalid("queries and kv_pages must both be bfloat16 or both float16");
   }
-  if (qd[2] != 128 || kd[3] != 128 || kd[1] % kPagedChunk != 0 || kd[1] == 0 || kd[2] % 2 != 0 || kd[2] == 0 ||
-      qd[1] % (kd[2] / 2) != 0 || kd[0] == 0) {
+  if (qd[2] != kPagedHeadDim || kd[3] != kPagedHeadDim || kd[1] % kPagedChunk != 0 || kd[1] == 0 ||
+      kd[2] % 2 != 0 || kd[2] == 0 || qd[1] % (kd[2] / 2) != 0 || kd[0] == 0) {
     return invalid("queries " + shape_text(queries) + " and kv_pages " + shape_text(kv_pages) +
                    " need head dim 128, a page size that is a multiple of 64, kv heads dividing the query heads");
   }
@@ -435,9 +594,14 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
     return invalid("context_lens has " + std::to_string(sd[0]) + " sequence slots; at most " +
                    std::to_string(kMaxPagedSeqs) + " (the work table lives in shared memory)");
   }
-  if (next_item->element_count() != 1) {
-    return invalid("the work counter result must be int32[1], got " + std::to_string(next_item->element_count()) +
-                   " elements");
+  if (work->element_count() != kPagedWorkInts) {
+    return invalid("the work buffer result must be int32[" + std::to_string(kPagedWorkInts) +
+                   "] (counter, split descriptors), got " + std::to_string(work->element_count()) + " elements");
+  }
+  if (split_partials->element_count() != static_cast<int64_t>(kSplitSlots) * kSplitSlotFloats) {
+    return invalid("the split partials result must be float32[" + std::to_string(kSplitSlots) + ", " +
+                   std::to_string(kPackedRows) + ", " + std::to_string(kPagedHeadDim + 2) + "], got " +
+                   std::to_string(split_partials->element_count()) + " elements");
   }
   if (kd[0] * kd[1] >= (int64_t{1} << 31) || qd[0] >= (int64_t{1} << 31) - 128 * (sd[0] + 2)) {
     return invalid("kv_pages or queries too large for 32-bit row coordinates");
@@ -454,7 +618,9 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
   params.block_tables = block_tables.typed_data();
   params.query_start_loc = query_start_loc.typed_data();
   params.num_seqs = num_seqs.typed_data();
-  params.next_item = next_item->typed_data();
+  params.next_item = work->typed_data();
+  params.split_descriptors = reinterpret_cast<int4*>(work->typed_data()) + 1;
+  params.split_partials = split_partials->typed_data();
   params.total_tokens = static_cast<int>(qd[0]);
   params.q_heads = static_cast<int>(qd[1]);
   params.kv_heads = static_cast<int>(kd[2] / 2);
@@ -464,10 +630,10 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
   params.max_num_seqs = static_cast<int>(sd[0]);
   params.softmax_scale = softmax_scale;
   cudaError_t error = queries.element_type() == ffi::DataType::BF16
-                          ? launch_paged_forward<__nv_bfloat16, 128>(stream, params, queries.untyped_data(),
-                                                                     kv_pages.untyped_data())
-                          : launch_paged_forward<__half, 128>(stream, params, queries.untyped_data(),
-                                                              kv_pages.untyped_data());
+                          ? launch_paged_forward<__nv_bfloat16, kPagedHeadDim>(stream, params, queries.untyped_data(),
+                                                                               kv_pages.untyped_data())
+                          : launch_paged_forward<__half, kPagedHeadDim>(stream, params, queries.untyped_data(),
+                                                                        kv_pages.untyped_data());
   return cuda_error(error, "paged kernel launch");
 }
 
@@ -487,4 +653,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkPagedForward, ejk::paged_forward_handler,
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("packed_share")
                                   .Ret<xla::ffi::AnyBuffer>()                    // out
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());      // next_item: scratch [1]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()        // work: counter, split descriptors
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());      // split partials: scratch

@@ -22,8 +22,8 @@ IMPLEMENTATIONS: dict[str, str] = {
     "flash_attention": "ejkernel_cuda.flash_attention:IMPLEMENTATION",
     "ring_attention": "ejkernel_cuda.ring_attention:IMPLEMENTATION",
     "scaled_dot_product_attention": "ejkernel_cuda.scaled_dot_product_attention:IMPLEMENTATION",
-    # the paged forward (csrc/flash_attention/paged_forward.cu); ranked below Triton under platform="auto"
-    # (ragged_page_attention.PRIORITY says why)
+    # the paged forward (csrc/flash_attention/paged_forward.cu); ranked above Triton under platform="auto"
+    # (ragged_page_attention.PRIORITY: measured faster)
     "ragged_page_attention": "ejkernel_cuda.ragged_page_attention:IMPLEMENTATION",
 }
 

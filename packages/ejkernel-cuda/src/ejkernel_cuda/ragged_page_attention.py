@@ -3,8 +3,11 @@ paged_forward.cu``, sm_90a), bound through the XLA FFI as ``EjkPagedForward``.
 
 The FFI contract: ``EjkPagedForward(queries [T, Hq, 128], kv_pages [P, page_size, 2 * Hkv, 128] (queries'
 dtype, K/V interleaved on axis 2), context_lens int32 [S], block_tables int32 [S, pages_per_seq],
-query_start_loc int32 [S + 1], num_seqs int32 [1]) -> out [T, Hq, 128]``, attribute ``softmax_scale`` (f32).
-Causal within each sequence (the operation's definition); rows past ``query_start_loc[num_seqs]`` are zeros.
+query_start_loc int32 [S + 1], num_seqs int32 [1]) -> (out [T, Hq, 128], work int32 [WORK_INTS], partials float32
+[SPLIT_SLOTS, 64, 130])``, attributes ``softmax_scale`` (f32) and ``packed_share`` (i32). The last two results are
+the kernel's scratch (the ticket counter and split-K's pair descriptors, zeroed by the handler; split-K's partial
+tiles), allocated by XLA and ignored. Causal within each sequence (the operation's definition); rows past
+``query_start_loc[num_seqs]`` are zeros.
 
 Taken: bfloat16/float16, head_dim 128, page sizes that are multiples of 64, GQA/MQA, any ``softmax_scale > 0``,
 on a GPU of compute capability 9.0 with the native library built. Refused (``UnsupportedFeature``, before
@@ -17,8 +20,18 @@ Work items (the kernel's comment has the details): 128-row query tiles of one qu
 packed tiles for sequences of at most ``64 / G`` rows (G = query heads per kv head; decode rows, short
 speculative chunks): the G heads of one kv head in one tile, so each page is read once per kv head. Persistent
 CTAs take both kinds, mixed in rounds (``CudaPagedConfig.packed_share``), from one counter, so that page
-streaming (decode rows) and matrix products (prefill tiles) run on different SMs at the same time. ``max_num_seqs`` up to :data:`MAX_SEQS`. Verified on
-the GPU (its tests and the shared conformance suite, H200, 2026-11-27).
+streaming (decode rows) and matrix products (prefill tiles) run on different SMs at the same time; both consumer
+warpgroups of a packed tile hold its rows and take alternate key blocks. ``max_num_seqs`` up to
+:data:`MAX_SEQS`.
+
+Split-K (flash-decoding), decided on the device from the call's data: when the batch holds fewer packed tiles
+than two per SM (few decode sequences, e.g. 2 over 32k tokens), each packed tile's keys are cut into chunks
+(whole 128-key blocks, at least 1024 keys, at most 16 chunks) that run on different SMs and write unnormalized
+partial rows to the ``partials`` scratch; a second kernel of the same handler merges them (log-sum-exp) into the
+output. The scratch's size is static (:data:`SPLIT_SLOTS` partial tiles): splitting aims at
+``min(2 * SMs, SPLIT_SLOTS / 2)`` items and makes fewer than twice that, on any GPU. Full batches (two packed
+tiles per SM or more) do not split. Verified on the GPU (its tests, split-K's included, and the shared
+conformance suite: H200, 2026-11-27 14:35 UTC).
 """
 
 from __future__ import annotations
@@ -46,14 +59,20 @@ BLOCK_KV = 128
 """Keys per step (two 64-row TMA chunks of pages): compiled in."""
 MAX_SEQS = 4096
 """Sequence slots (``max_num_seqs``) the kernel takes: its work table (8 bytes a slot) lives in shared memory."""
-PRIORITY = 12
-"""Rank under ``platform="auto"``: below Triton (15), above XLA. Full continuous batches run faster here (H200,
-2026-11-27, three runs: the mixed batch 1.32-1.42 x Triton, its prefill part 1.52-1.57 x, 60 decode rows over 4k
-1.11-1.33 x: NOTES.md), but a packed tile reads its sequence's whole context (no split over the keys), so a few long decode
-sequences leave most SMs idle where Triton's split-K programs fill them; the static shapes of a call cannot tell
-the two apart (a server pads its slots and tokens). ``platform="cuda"`` takes it for full batches."""
+PRIORITY = 18
+"""Rank under ``platform="auto"``: above Triton (15) and XLA; calls it refuses (module docstring) fall to those.
+Measured in one run (H200, 2026-11-27 14:35 UTC, ``benchmarks/results/nvidia-h200-2026-11-27i-cuda-paged-
+grid.json``; 32 q / 8 kv heads, D = 128, pages of 64): the mixed batch 1.35 x Triton, all-decode batches of 1-64
+rows over 512-32k tokens 1.1-4.0 x (64 x 32k: 0.98 x, both at the copy bandwidth), 2 rows over 32k 1.43 x."""
 
 
+SPLIT_SLOTS = 4 * 132
+"""Partial tiles split-K's scratch holds (the kernel's ``kSplitSlots``): it aims at ``min(2 * SMs, SPLIT_SLOTS / 2)``
+items and makes fewer than twice that."""
+SPLIT_SLOT_ROWS = 64
+"""Rows of a partial tile (a packed tile's): each a row of O (``HEAD_DIM`` floats), then the rows' maxima and sums."""
+WORK_INTS = 4 * (1 + SPLIT_SLOTS)
+"""The int32 work buffer: the ticket counter (16 bytes), then one 16-byte pair descriptor per slot."""
 DEAL_ROUND = 8
 """Tickets per round of the kernel's hand-out order (``packed_share`` of them packed tiles)."""
 PACKED_SHARE = 4
@@ -125,9 +144,12 @@ def _paged_call(scale: float, packed_share: int):
     """The FFI call for one softmax scale and schedule: forward-only, vmapped by one launch per element."""
 
     def forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs):
-        # the second result is the kernel's work counter (scratch, zeroed by the handler before the launch)
-        results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype), jax.ShapeDtypeStruct((1,), jnp.int32))
-        out, _ = jax.ffi.ffi_call(_native.PAGED_TARGET, results, vmap_method="sequential")(
+        # the second and third results are the kernel's scratch (module docstring), allocated by XLA: the work
+        # buffer (ticket counter, split-K's descriptors: zeroed by the handler before the launch) and split-K's
+        # partial tiles (static size: the kernel bounds its slots)
+        results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype), jax.ShapeDtypeStruct((WORK_INTS,), jnp.int32),
+                   jax.ShapeDtypeStruct((SPLIT_SLOTS, SPLIT_SLOT_ROWS, HEAD_DIM + 2), jnp.float32))
+        out, _, _ = jax.ffi.ffi_call(_native.PAGED_TARGET, results, vmap_method="sequential")(
             queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_scale=np.float32(scale),
             packed_share=np.int32(packed_share))
         return out
