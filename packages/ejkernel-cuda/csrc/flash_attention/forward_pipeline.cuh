@@ -21,14 +21,16 @@ constexpr int kForwardRows = 128;  // query rows per CTA (two consumer warpgroup
 constexpr int kForwardStages = 2;
 constexpr int kForwardThreads = 384;
 
-template <class T, int D, int BN>
+// Stages: K/V blocks in flight (the dense forward's 2; the paged kernel takes 3 where shared memory allows).
+template <class T, int D, int BN, int Stages = kForwardStages>
 struct ForwardShared {
+  static constexpr int kStages = Stages;
   T q[kForwardRows * D];
-  T k[kForwardStages][BN * D];
-  T v[kForwardStages][BN * D];
+  T k[Stages][BN * D];
+  T v[Stages][BN * D];
   Barrier q_full;
-  Barrier k_full[kForwardStages], k_empty[kForwardStages];
-  Barrier v_full[kForwardStages], v_empty[kForwardStages];
+  Barrier k_full[Stages], k_empty[Stages];
+  Barrier v_full[Stages], v_empty[Stages];
 };
 
 // By thread 0, before the __syncthreads that precedes the warpgroups' roles.
@@ -36,7 +38,7 @@ template <class Shared>
 __device__ __forceinline__ void init_forward_barriers(Shared& shared, int consumers_per_stage = 2) {
   barrier_init(&shared.q_full, 1);
 #pragma unroll
-  for (int s = 0; s < kForwardStages; ++s) {
+  for (int s = 0; s < Shared::kStages; ++s) {
     barrier_init(&shared.k_full[s], 1);
     barrier_init(&shared.v_full[s], 1);
     barrier_init(&shared.k_empty[s], consumers_per_stage);  // one arrival per consumer warpgroup reading it
@@ -60,7 +62,7 @@ __device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBloc
   load_q(&shared.q_full, shared.q);
   auto where = locate((blocks.last - 1) * BN);
   for (int it = 0; it < num_blocks; ++it) {
-    const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
+    const int stage = it % Shared::kStages, phase = (it / Shared::kStages) & 1;
     const auto here = where;
     if (it + 1 < num_blocks) where = locate((blocks.last - 2 - it) * BN);
     barrier_wait(&shared.k_empty[stage], phase ^ 1);
@@ -113,6 +115,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
                                                    int batch, int group, int t, ConsumerRows<D>& rows,
                                                    int rows_per_query = 1) {
   const int num_blocks = blocks.last - blocks.first;
+  constexpr int stages = Shared::kStages;
   const int other = 1 - group;
   const int tile_row = SplitBlocks ? fragment_row(t) : 64 * group + fragment_row(t);
   const int row_a = row_begin + tile_row / rows_per_query;
@@ -227,21 +230,21 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     if constexpr (!SplitBlocks) named_arrive(1 + other, 256);
   };
 
-  // SplitBlocks: this warpgroup's blocks (those of stage `group`) one after the other, each product awaited
+  // SplitBlocks: this warpgroup's blocks (group, group + 2, ...) one after the other, each product awaited
   // before the next is issued. Deferring P V to the next step, as the loop below does, would hold the stage's
-  // value tile until the NEXT block's keys arrived, and with one stage per warpgroup the value load of every
-  // block would wait for its own key load: two latencies per block instead of one. The other warpgroup's
+  // value tile until this warpgroup's NEXT keys arrived, so that with few stages per warpgroup the value load
+  // of a block would wait for its own key load: two latencies per block instead of one. The other warpgroup's
   // blocks overlap this one's instead.
   auto split_loop = [&]() {
-    for (int it = group; it < num_blocks; it += kForwardStages) {
-      const int phase = (it / kForwardStages) & 1;
+    for (int it = group; it < num_blocks; it += 2) {
+      const int stage = it % stages, phase = (it / stages) & 1;
       const int key0 = (blocks.last - 1 - it) * BN;
       if (it == group) barrier_wait(&shared.q_full, 0);
-      barrier_wait(&shared.k_full[group], phase);
-      issue_scores(group);
+      barrier_wait(&shared.k_full[stage], phase);
+      issue_scores(stage);
       cute::warpgroup_wait<0>();
       fence_operands<BN / 2>(s);
-      if (t == 0) barrier_arrive(&shared.k_empty[group]);
+      if (t == 0) barrier_arrive(&shared.k_empty[stage]);
       float rescale_a, rescale_b;
       if (kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN)) {
         softmax(key0, std::true_type{}, rescale_a, rescale_b);
@@ -249,7 +252,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
         softmax(key0, std::false_type{}, rescale_a, rescale_b);
       }
       to_operand<T, BN>(s, p);
-      barrier_wait(&shared.v_full[group], phase);
+      barrier_wait(&shared.v_full[stage], phase);
       if constexpr (ClearValueTail) {
         // block 0 (warpgroup 0's first) holds key kv_len - 1, the only block with value rows past the context
         const int from = problem.kv_len - key0;
@@ -257,11 +260,11 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
       }
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
-      issue_values(p, group, it > group);
+      issue_values(p, stage, it > group);
       cute::warpgroup_wait<0>();
       fence_operands<D / 2>(o);
       fence_operands<BN / 4>(p);
-      if (t == 0) barrier_arrive(&shared.v_empty[group]);
+      if (t == 0) barrier_arrive(&shared.v_empty[stage]);
     }
   };
 
@@ -306,8 +309,8 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     // register count down: a second P register set does not fit at D = 128); the softmax then overlaps
     // the other warpgroup's products only.
     auto step = [&](int it, auto masked) {
-      const int stage = it % kForwardStages, phase = (it / kForwardStages) & 1;
-      const int previous = (it - 1) % kForwardStages, previous_phase = ((it - 1) / kForwardStages) & 1;
+      const int stage = it % stages, phase = (it / stages) & 1;
+      const int previous = (it - 1) % stages, previous_phase = ((it - 1) / stages) & 1;
       barrier_wait(&shared.k_full[stage], phase);
       barrier_wait(&shared.v_full[previous], previous_phase);
       take_turn();
@@ -331,7 +334,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     }
 
     const int last = num_blocks - 1;
-    const int stage = last % kForwardStages, phase = (last / kForwardStages) & 1;
+    const int stage = last % stages, phase = (last / stages) & 1;
     barrier_wait(&shared.v_full[stage], phase);
     take_turn();
     rescale_output();
@@ -349,8 +352,9 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
 
 // After a SplitBlocks loop: warpgroup 1 hands its rows (the same rows as warpgroup 0's, over the other key
 // blocks) to warpgroup 0, which merges them into its own: both softmax states rescaled to the larger maximum.
-// Through stage 1's tiles (warpgroup 1's alone, and idle once its loop returned): the outputs in the key
-// tile (D / 2 x 128 floats = BN x D 16-bit values when BN = 128), the maxima and sums in the value tile. Both
+// Through stage 1's tiles (idle once both loops returned; with two stages warpgroup 1's alone, so it need not
+// wait for warpgroup 0's): the outputs in the key tile (D / 2 x 128 floats = BN x D 16-bit values when
+// BN = 128), the maxima and sums in the value tile. Both
 // warpgroups call it; afterwards warpgroup 0's `rows` are the tile's. `unit`: the scores' exponent scale
 // (the loop's: softmax_scale * log2 e, uncapped).
 template <class T, int D, int BN, class Shared>
@@ -358,6 +362,7 @@ __device__ __forceinline__ void merge_split_rows(Shared& shared, int group, int 
   static_assert(D / 2 * 128 * sizeof(float) <= BN * D * sizeof(T), "a key tile holds the outputs");
   float* outputs = reinterpret_cast<float*>(shared.k[1]);
   float* states = reinterpret_cast<float*>(shared.v[1]);
+  if constexpr (Shared::kStages > 2) named_sync(5, 256);  // warpgroup 0's last blocks may sit in stage 1
   if (group == 1) {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) outputs[i * 128 + t] = rows.o[i];

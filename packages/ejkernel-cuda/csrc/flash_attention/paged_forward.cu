@@ -26,6 +26,9 @@
 // sequence's query tiles come heaviest first (causal), its heads next to each other (they read the same pages,
 // mostly from L2). The rows past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles
 // write zeros.
+// Stages: three K/V blocks in flight where shared memory holds them beside the work table (max_num_seqs up to
+// ~240), else two (the launch picks the instantiation): a packed tile's streaming rate is its bytes in flight
+// over the memory latency.
 // Keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
 // [1, P * page_size, 2 Hkv, D]: chunk key k lives at row block_tables[s][k / page_size] * page_size +
 // k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
@@ -414,10 +417,10 @@ __device__ __forceinline__ void store_split_partial(const PagedParams& params, c
   }
 }
 
-template <class T, int D>
+template <class T, int D, int Stages>
 __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const __grid_constant__ PagedParams params) {
   constexpr int BN = kPagedBlockKeys;
-  using Shared = ForwardShared<T, D, BN>;
+  using Shared = ForwardShared<T, D, BN, Stages>;
   Shared& pipeline = aligned_shared<Shared>();
   __shared__ PagedItem current;
   const int warpgroup = warpgroup_index();
@@ -541,13 +544,25 @@ cudaError_t launch_paged_forward(cudaStream_t stream, PagedParams params, const 
     return error;
   }
   params.queries = queries;
-  auto kernel = paged_forward_kernel<T, D>;
-  const size_t shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys>) + 1024 +
-                              2 * sizeof(int) * static_cast<size_t>(params.max_num_seqs + 1);
-  if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
-  int device = 0, sms = 0;
+  // Three K/V stages where they fit beside the work table (up to ~240 sequence slots at 227 KB per CTA): a
+  // packed tile streams its pages at the bytes in flight over the latency, so its rate grows with the stages
+  const size_t table_bytes = 2 * sizeof(int) * static_cast<size_t>(params.max_num_seqs + 1);
+  auto kernel = paged_forward_kernel<T, D, 3>;
+  size_t shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys, 3>) + 1024 + table_bytes;
+  int device = 0, optin = 0;
+  cudaFuncAttributes attributes;
   if ((error = cudaGetDevice(&device)) != cudaSuccess ||
-      (error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
+      (error = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess ||
+      (error = cudaFuncGetAttributes(&attributes, kernel)) != cudaSuccess) {
+    return error;
+  }
+  if (shared_bytes + attributes.sharedSizeBytes > static_cast<size_t>(optin)) {
+    kernel = paged_forward_kernel<T, D, 2>;
+    shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys, 2>) + 1024 + table_bytes;
+  }
+  if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
+  int sms = 0;
+  if ((error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
       (error = cudaMemsetAsync(params.next_item, 0, kPagedWorkInts * sizeof(int), stream)) != cudaSuccess) {
     return error;
   }
