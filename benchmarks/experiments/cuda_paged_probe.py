@@ -7,12 +7,15 @@ process.
     python3 benchmarks/experiments/cuda_paged_probe.py [--shares 3,4,5,6] [--parts prefill,decode,mixed]
     (--parts long-decodes: two decode rows over 32k-token contexts; decodes-8x1024: 8 rows over 1024 tokens)
 
-Prints one JSON line per measurement (microseconds; TFLOP/s of the causal pairs, GB/s of K/V read once).
+Prints one JSON line per measurement (microseconds; TFLOP/s of the causal pairs, GB/s of K/V read once);
+``--out PREFIX`` also writes them with the device, date and versions to PREFIX.json and plots Triton's time over
+the first CUDA schedule's per part to PREFIX.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import math
 import os
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _harness import time_calls  # noqa: E402
+from _harness import time_calls, versions  # noqa: E402
 from decode import MIXED, MIXED_ARGUMENTS, mixed_cost, mixed_inputs, mixed_sequences  # noqa: E402
 
 
@@ -44,6 +47,7 @@ def main() -> None:
     p.add_argument("--parts", default="prefill,decode,mixed")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--out", default="", help="PREFIX: write PREFIX.json and PREFIX.png too")
     args = p.parse_args()
     os.environ.setdefault("EJKERNEL_UNVERIFIED_KERNELS", "1")
     from ejkernel.modules import ragged_page_attention
@@ -52,6 +56,7 @@ def main() -> None:
 
     heads, kv_heads, d = 32, 8, 128
     scale = 1 / math.sqrt(d)
+    rows = []
     for part in args.parts.split(","):
         sequences = decode_rows(part) or mixed_sequences(part, **MIXED)
         nbytes, flops = mixed_cost(sequences, heads, kv_heads, d, 2, 2)
@@ -69,9 +74,51 @@ def main() -> None:
         for name, (fn, inputs) in impls.items():
             step = jax.jit(fn)
             seconds = time_calls(lambda c: step(inputs[c % len(inputs)]), 3, args.reps, 5)
-            print(json.dumps(dict(part=part, impl=name, us=seconds * 1e6, tflops=flops / seconds / 1e12,
-                                  gbps=nbytes / seconds / 1e9)), flush=True)
+            row = dict(part=part, impl=name, us=seconds * 1e6, tflops=flops / seconds / 1e12,
+                       gbps=nbytes / seconds / 1e9)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         del sets
+    if args.out:
+        report(args.out, rows, args.page_size)
+
+
+def report(prefix: str, rows: list[dict], page_size: int, device: str = "", date: str = "",
+           software: str = "") -> None:
+    """The rows with the device, date and versions (PREFIX.json), and Triton's time over the first CUDA
+    schedule's per part (PREFIX.png). device / date / software: those of the run when the rows come from a log
+    (default: this process's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    device = device or jax.devices()[0].device_kind
+    date = date or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    software = software or ", ".join(f"{name} {version}" for name, version in versions().items())
+    setup = f"32 q / 8 kv heads, D = 128, bfloat16, pages of {page_size} shuffled over the cache"
+    Path(f"{prefix}.json").write_text(json.dumps(
+        dict(device=device, date=date, versions=software, setup=setup, mixed=MIXED, rows=rows), indent=1))
+    parts = list(dict.fromkeys(r["part"] for r in rows))
+    pairs = []
+    for part in parts:
+        cuda = next((r["us"] for r in rows if r["part"] == part and r["impl"].startswith("cuda[")), None)
+        triton = next((r["us"] for r in rows if r["part"] == part and r["impl"] == "triton"), None)
+        if cuda and triton:
+            pairs.append((part, cuda, triton))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.bar(range(len(pairs)), [t / c for _, c, t in pairs], 0.5)
+    ax.axhline(1.0, color="k", lw=0.8)
+    for i, (_, c, t) in enumerate(pairs):
+        ax.text(i, t / c + 0.05, f"{c:.0f} / {t:.0f} us", ha="center", fontsize=6, rotation=90)
+    ax.set_xticks(range(len(pairs)))
+    ax.set_xticklabels([p for p, _, _ in pairs], rotation=35, ha="right", fontsize=7)
+    ax.set_ylim(0, max([t / c for _, c, t in pairs], default=1) * 1.25)
+    ax.set_ylabel("Triton time / CUDA time")
+    ax.set_title(f"ragged_page_attention, ejkernel-cuda vs ejkernel-triton: {device}, {date}\n{setup}; "
+                 f"labels: cuda / triton\n{software}", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -61,9 +61,9 @@ MAX_SEQS = 4096
 """Sequence slots (``max_num_seqs``) the kernel takes: its work table (8 bytes a slot) lives in shared memory."""
 PRIORITY = 18
 """Rank under ``platform="auto"``: above Triton (15) and XLA; calls it refuses (module docstring) fall to those.
-Measured in one run (H200, 2026-11-27 14:35 UTC, ``benchmarks/results/nvidia-h200-2026-11-27i-cuda-paged-
-grid.json``; 32 q / 8 kv heads, D = 128, pages of 64): the mixed batch 1.35 x Triton, all-decode batches of 1-64
-rows over 512-32k tokens 1.1-4.0 x (64 x 32k: 0.98 x, both at the copy bandwidth), 2 rows over 32k 1.43 x."""
+Measured in one run (H200, 2026-11-27 14:53 UTC, ``benchmarks/results/nvidia-h200-2026-11-27i-cuda-paged-
+grid.json``; 32 q / 8 kv heads, D = 128, pages of 64): the mixed batch 1.52 x Triton, all-decode batches of 1-64
+rows over 512-32k tokens 1.2-3.0 x (64 x 32k: 0.95 x, both at the copy bandwidth), 2 rows over 32k 1.46 x."""
 
 
 SPLIT_SLOTS = 4 * 132
