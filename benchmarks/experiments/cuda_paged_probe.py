@@ -47,7 +47,11 @@ def main() -> None:
     p.add_argument("--parts", default="prefill,decode,mixed")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--impls", default="cuda,triton", help="name prefixes to run (cuda, triton, cuda-dense)")
     p.add_argument("--out", default="", help="PREFIX: write PREFIX.json and PREFIX.png too")
+    p.add_argument("--layers", type=int, default=1,
+                   help="N > 1: N calls, each on its own cache (a model's layers), in one executable; time per "
+                        "call (below ~100 us a single dispatched call times the host, not the kernel)")
     args = p.parse_args()
     os.environ.setdefault("EJKERNEL_UNVERIFIED_KERNELS", "1")
     from ejkernel.modules import ragged_page_attention
@@ -60,8 +64,9 @@ def main() -> None:
     for part in args.parts.split(","):
         sequences = decode_rows(part) or mixed_sequences(part, **MIXED)
         nbytes, flops = mixed_cost(sequences, heads, kv_heads, d, 2, 2)
+        layers = args.layers if args.layers > 1 and nbytes * args.layers <= 16e9 else 1
         sets = [mixed_inputs(jax.random.key(i), sequences, heads, kv_heads, d, args.page_size, jnp.bfloat16, i)
-                for i in range(2)]
+                for i in range(max(2, layers))]
         impls = {f"cuda[share={share}]": (lambda x, share=int(share): ragged_page_attention(
             *(x[n] for n in MIXED_ARGUMENTS), softmax_scale=scale, platform="cuda",
             cfg=CudaPagedConfig(packed_share=share)), [x for x, _ in sets]) for share in args.shares.split(",")}
@@ -72,9 +77,15 @@ def main() -> None:
             impls["cuda-dense"] = (lambda x: native_flash.attention(x[0], x[1], x[2], scale, True, None, None),
                                    [(q.reshape(seqs, new, heads, d), k, v) for _, (q, k, v, _, _) in sets])
         for name, (fn, inputs) in impls.items():
-            step = jax.jit(fn)
-            seconds = time_calls(lambda c: step(inputs[c % len(inputs)]), 3, args.reps, 5)
-            row = dict(part=part, impl=name, us=seconds * 1e6, tflops=flops / seconds / 1e12,
+            if not name.startswith(tuple(args.impls.split(","))):
+                continue
+            if layers > 1:  # one executable over `layers` caches, time per call
+                step = jax.jit(lambda xs, fn=fn: [fn(x) for x in xs])
+                seconds = time_calls(lambda c: step(inputs[:layers]), 3, args.reps, 5) / layers
+            else:
+                step = jax.jit(fn)
+                seconds = time_calls(lambda c: step(inputs[c % len(inputs)]), 3, args.reps, 5)
+            row = dict(part=part, impl=name, layers=layers, us=seconds * 1e6, tflops=flops / seconds / 1e12,
                        gbps=nbytes / seconds / 1e9)
             rows.append(row)
             print(json.dumps(row), flush=True)
