@@ -19,6 +19,7 @@ namespace ejk {
 
 constexpr int kForwardRows = 128;  // query rows per CTA (two consumer warpgroups of 64)
 constexpr int kForwardStages = 2;
+constexpr int kSplitStages = 2;  // stages of a SplitBlocks tile, whatever the storage holds: one per warpgroup
 constexpr int kForwardThreads = 384;
 
 // Stages: K/V blocks in flight (the dense forward's 2; the paged kernel takes 3 where shared memory allows).
@@ -56,13 +57,14 @@ __device__ __forceinline__ void init_forward_barriers(Shared& shared, int consum
 template <class T, int D, int BN, class Shared, class LoadQ, class Locate, class LoadKV>
 __device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBlocks& blocks, LoadQ&& load_q,
                                                    Locate&& locate, LoadKV&& load_kv,
-                                                   uint32_t q_bytes = kForwardRows * D * sizeof(T)) {
+                                                   uint32_t q_bytes = kForwardRows * D * sizeof(T),
+                                                   int stages = Shared::kStages) {
   const int num_blocks = blocks.last - blocks.first;
   barrier_expect(&shared.q_full, q_bytes);
   load_q(&shared.q_full, shared.q);
   auto where = locate((blocks.last - 1) * BN);
   for (int it = 0; it < num_blocks; ++it) {
-    const int stage = it % Shared::kStages, phase = (it / Shared::kStages) & 1;
+    const int stage = it % stages, phase = (it / stages) & 1;
     const auto here = where;
     if (it + 1 < num_blocks) where = locate((blocks.last - 2 - it) * BN);
     barrier_wait(&shared.k_empty[stage], phase ^ 1);
@@ -230,14 +232,16 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     if constexpr (!SplitBlocks) named_arrive(1 + other, 256);
   };
 
-  // SplitBlocks: this warpgroup's blocks (group, group + 2, ...) one after the other, each product awaited
-  // before the next is issued. Deferring P V to the next step, as the loop below does, would hold the stage's
+  // SplitBlocks: this warpgroup's blocks (group, group + 2, ...), all in stage `group` (the producer uses two
+  // stages for them, kSplitStages: with three, a stage would serve both warpgroups in turn and a warpgroup could
+  // wait on a phase two completions old, whose parity an mbarrier cannot tell from the current one), one after
+  // the other, each product awaited before the next is issued. Deferring P V to the next step, as the loop below does, would hold the stage's
   // value tile until this warpgroup's NEXT keys arrived, so that with few stages per warpgroup the value load
   // of a block would wait for its own key load: two latencies per block instead of one. The other warpgroup's
   // blocks overlap this one's instead.
   auto split_loop = [&]() {
-    for (int it = group; it < num_blocks; it += 2) {
-      const int stage = it % stages, phase = (it / stages) & 1;
+    for (int it = group; it < num_blocks; it += kSplitStages) {
+      const int stage = group, phase = (it / kSplitStages) & 1;
       const int key0 = (blocks.last - 1 - it) * BN;
       if (it == group) barrier_wait(&shared.q_full, 0);
       barrier_wait(&shared.k_full[stage], phase);
@@ -352,9 +356,8 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
 
 // After a SplitBlocks loop: warpgroup 1 hands its rows (the same rows as warpgroup 0's, over the other key
 // blocks) to warpgroup 0, which merges them into its own: both softmax states rescaled to the larger maximum.
-// Through stage 1's tiles (idle once both loops returned; with two stages warpgroup 1's alone, so it need not
-// wait for warpgroup 0's): the outputs in the key tile (D / 2 x 128 floats = BN x D 16-bit values when
-// BN = 128), the maxima and sums in the value tile. Both
+// Through stage 1's tiles (warpgroup 1's alone, and idle once its loop returned): the outputs in the key
+// tile (D / 2 x 128 floats = BN x D 16-bit values when BN = 128), the maxima and sums in the value tile. Both
 // warpgroups call it; afterwards warpgroup 0's `rows` are the tile's. `unit`: the scores' exponent scale
 // (the loop's: softmax_scale * log2 e, uncapped).
 template <class T, int D, int BN, class Shared>
@@ -362,7 +365,6 @@ __device__ __forceinline__ void merge_split_rows(Shared& shared, int group, int 
   static_assert(D / 2 * 128 * sizeof(float) <= BN * D * sizeof(T), "a key tile holds the outputs");
   float* outputs = reinterpret_cast<float*>(shared.k[1]);
   float* states = reinterpret_cast<float*>(shared.v[1]);
-  if constexpr (Shared::kStages > 2) named_sync(5, 256);  // warpgroup 0's last blocks may sit in stage 1
   if (group == 1) {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) outputs[i * 128 + t] = rows.o[i];

@@ -26,9 +26,9 @@
 // sequence's query tiles come heaviest first (causal), its heads next to each other (they read the same pages,
 // mostly from L2). The rows past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles
 // write zeros.
-// Stages: three K/V blocks in flight where shared memory holds them beside the work table (max_num_seqs up to
-// ~240), else two (the launch picks the instantiation): a packed tile's streaming rate is its bytes in flight
-// over the memory latency.
+// Stages: query tiles keep three K/V blocks in flight where shared memory holds them beside the work table
+// (max_num_seqs up to ~240), else two (the launch picks the instantiation); packed tiles use two, one per
+// consumer warpgroup (kSplitStages: why in consume_key_blocks).
 // Keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
 // [1, P * page_size, 2 Hkv, D]: chunk key k lives at row block_tables[s][k / page_size] * page_size +
 // k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
@@ -324,7 +324,7 @@ __device__ __forceinline__ void produce_paged_item(const PagedParams& params, Sh
     }
   };
   if (item.packed) {  // the consumer warpgroup gathers the packed rows itself
-    produce_key_blocks<T, D, BN>(shared, blocks, [](Barrier*, T*) {}, locate, load_kv, 0);
+    produce_key_blocks<T, D, BN>(shared, blocks, [](Barrier*, T*) {}, locate, load_kv, 0, kSplitStages);
   } else {
     produce_key_blocks<T, D, BN>(
         shared, blocks,
