@@ -31,7 +31,7 @@ partial rows to the ``partials`` scratch; a second kernel of the same handler me
 output. The scratch's size is static (:data:`SPLIT_SLOTS` partial tiles): splitting aims at
 ``min(2 * SMs, SPLIT_SLOTS / 2)`` items and makes fewer than twice that, on any GPU. Full batches (two packed
 tiles per SM or more) do not split. Verified on the GPU (its tests, split-K's included, and the shared
-conformance suite: H200, 2026-11-27 14:35 UTC).
+conformance suite: H200, 2026-11-27 14:35 UTC; H100, 15:09 UTC, with 16 launches in one executable).
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ MAX_SEQS = 4096
 """Sequence slots (``max_num_seqs``) the kernel takes: its work table (8 bytes a slot) lives in shared memory."""
 PRIORITY = 18
 """Rank under ``platform="auto"``: above Triton (15) and XLA; calls it refuses (module docstring) fall to those.
-Measured in one run (H200, 2026-11-27 14:53 UTC, ``benchmarks/results/nvidia-h200-2026-11-27i-cuda-paged-
-grid.json``; 32 q / 8 kv heads, D = 128, pages of 64): the mixed batch 1.52 x Triton, all-decode batches of 1-64
-rows over 512-32k tokens 1.2-3.0 x (64 x 32k: 0.95 x, both at the copy bandwidth), 2 rows over 32k 1.46 x."""
+Measured (2026-11-27; 32 q / 8 kv heads, D = 128, pages of 64): the mixed batch of ``benchmarks/decode.py``
+1.50 x Triton on an H100 and 1.36 x on an H200; on the H200 in one run (``benchmarks/results/nvidia-h200-2026-
+11-27i-cuda-paged-grid.json``) all-decode batches of 1-64 rows over 512-32k tokens 1.1-4.0 x (64 x 32k: 0.98 x,
+both at the copy bandwidth), 2 rows over 32k 1.43 x."""
 
 
 SPLIT_SLOTS = 4 * 132
