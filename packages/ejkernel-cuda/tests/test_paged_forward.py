@@ -6,7 +6,8 @@ spills), every refusal and its message, the config, its registration (above Trit
 to the custom call (jit, vmap: one call per element), the refused gradient, and a model of split-K's
 arithmetic (every key block of every split packed tile in exactly one chunk, every slot inside the scratch). GPU
 (``-m gpu``, sm_90): mixed batches (prefill chunks, decode rows, speculative chunks, 600 slots, NaN past the
-contexts, few long decodes that split their keys) against the float32 reference at bf16/fp16 tolerances, and
+contexts, few long decodes that split their keys, 16 launches in one executable against single launches)
+against the float32 reference at bf16/fp16 tolerances, and
 the shared conformance suite with its inputs widened to what the kernel takes (head_dim 128, pages of 64).
 """
 

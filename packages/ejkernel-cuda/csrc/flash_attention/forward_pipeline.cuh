@@ -235,10 +235,10 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
   // SplitBlocks: this warpgroup's blocks (group, group + 2, ...), all in stage `group` (the producer uses two
   // stages for them, kSplitStages: with three, a stage would serve both warpgroups in turn and a warpgroup could
   // wait on a phase two completions old, whose parity an mbarrier cannot tell from the current one), one after
-  // the other, each product awaited before the next is issued. Deferring P V to the next step, as the loop below does, would hold the stage's
-  // value tile until this warpgroup's NEXT keys arrived, so that with few stages per warpgroup the value load
-  // of a block would wait for its own key load: two latencies per block instead of one. The other warpgroup's
-  // blocks overlap this one's instead.
+  // the other, each product awaited before the next is issued. Deferring P V to the next step, as the loop
+  // below does, would hold the stage's value tile until this warpgroup's NEXT keys arrived, so that the value
+  // load of a block would wait for its own key load: two latencies per block instead of one. The other
+  // warpgroup's blocks overlap this one's instead.
   auto split_loop = [&]() {
     for (int it = group; it < num_blocks; it += kSplitStages) {
       const int stage = group, phase = (it / kSplitStages) & 1;

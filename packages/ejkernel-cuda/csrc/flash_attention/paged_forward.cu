@@ -21,11 +21,11 @@
 // sequences (all threads, one pass over query_start_loc), then mixes the two kinds in the order it hands out
 // (rounds of 8 tickets, packed_share of them packed: a config field; the rest after), so that at any time some
 // SMs stream pages for decode rows while others run the matrix products of prefill tiles: the two halves of
-// a mixed batch bind on different units and overlap instead of adding up. A packed tile is shorter than a
-// query tile, so an even count leaves fewer SMs streaming than the bandwidth needs: the share sets that. A
-// sequence's query tiles come heaviest first (causal), its heads next to each other (they read the same pages,
-// mostly from L2). The rows past query_start_loc[num_seqs] form one more "sequence" with no keys, whose tiles
-// write zeros.
+// a mixed batch bind on different units and overlap instead of adding up (the share sets how many SMs stream
+// pages beside the prefill tiles; 3-5 of 8 measured within noise of each other, and a cap on the streaming CTAs
+// instead of rounds measured no better: NOTES.md). A sequence's query tiles come heaviest first (causal), its
+// heads next to each other (they read the same pages, mostly from L2). The rows past query_start_loc[num_seqs]
+// form one more "sequence" with no keys, whose tiles write zeros.
 // Stages: query tiles keep three K/V blocks in flight where shared memory holds them beside the work table
 // (max_num_seqs up to ~240), else two (the launch picks the instantiation); packed tiles use two, one per
 // consumer warpgroup (kSplitStages: why in consume_key_blocks).
@@ -323,7 +323,7 @@ __device__ __forceinline__ void produce_paged_item(const PagedParams& params, Sh
                    0);
     }
   };
-  if (item.packed) {  // the consumer warpgroup gathers the packed rows itself
+  if (item.packed) {  // the consumer warpgroups gather the packed rows themselves
     produce_key_blocks<T, D, BN>(shared, blocks, [](Barrier*, T*) {}, locate, load_kv, 0, kSplitStages);
   } else {
     produce_key_blocks<T, D, BN>(
