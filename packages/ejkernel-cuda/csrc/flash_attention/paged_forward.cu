@@ -417,6 +417,35 @@ __device__ __forceinline__ void store_split_partial(const PagedParams& params, c
   }
 }
 
+#ifdef EJK_PAGED_TIMELINE
+// EJK_PAGED_TIMELINE (an experiment build's -D flag, off in the package): each item's SM, kind, key blocks and
+// start / end (%globaltimer, ns) are written as a TimelineRecord to the last kTimelineRecords records' worth of
+// the split partials (free unless split-K fills more than ~490 of its 528 slots); the record index is the work
+// buffer's fourth int. Read by benchmarks/experiments/cuda_paged_timeline.py.
+struct TimelineRecord {
+  long long start, end;
+  int sm, packed, blocks, seq;
+};
+constexpr int kTimelineRecords = 32768;
+
+__device__ __forceinline__ long long globaltimer() {
+  long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+__device__ __forceinline__ void record_item(const PagedParams& params, const PagedItem& item, const ItemKeys& keys,
+                                            long long started) {
+  const int index = atomicAdd(params.next_item + 3, 1);
+  if (index >= kTimelineRecords) return;
+  int sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  TimelineRecord* records = reinterpret_cast<TimelineRecord*>(
+      params.split_partials + static_cast<size_t>(kSplitSlots) * kSplitSlotFloats) - kTimelineRecords;
+  records[index] = {started, globaltimer(), sm, item.packed, keys.blocks.last - keys.blocks.first, item.seq};
+}
+#endif
+
 template <class T, int D, int Stages>
 __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const __grid_constant__ PagedParams params) {
   constexpr int BN = kPagedBlockKeys;
@@ -457,8 +486,14 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
     const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of a query tile
     const int t = threadIdx.x % 128;
     const Extras none{nullptr, 0, nullptr, nullptr};
+#ifdef EJK_PAGED_TIMELINE
+    long long started = 0;
+#endif
     for (;;) {
       if (threadIdx.x == kForwardThreads / 3) {  // the dealer
+#ifdef EJK_PAGED_TIMELINE
+        started = globaltimer();
+#endif
         current = paged_item(params, table, atomicAdd(params.next_item, 1));
         // fresh phases (every stage of the last item was consumed); a packed tile's stages have one reader
         init_forward_barriers(pipeline, current.packed ? 1 : 2);
@@ -492,6 +527,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
       // merge's exchange) are the next item's TMA destinations: order them before the async proxy's writes
       fence_async_shared();
       __syncthreads();  // the item's shared memory and barriers are free again
+#ifdef EJK_PAGED_TIMELINE
+      if (threadIdx.x == kForwardThreads / 3) record_item(params, item, keys, started);
+#endif
     }
   }
 }
