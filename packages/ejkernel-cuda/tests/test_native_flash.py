@@ -419,6 +419,26 @@ def test_rows_a_window_leaves_empty_have_infinite_lse_and_zero_output():
 
 @gpu
 @pytest.mark.usefixtures("native_gpu")
+@pytest.mark.parametrize("causal", [False, True])
+def test_many_forward_launches_in_one_executable_give_the_single_launch_results(causal):
+    """16 forward calls in one executable (a model's layers), each on its own queries, against the same calls
+    made one by one, bit for bit (the forward is deterministic; the backward's dQ sums in a float32 reduce-add
+    of arbitrary order, so it is not compared): back-to-back launches catch races between the warpgroups that
+    single launches rarely show (docs/DEVELOPING.md)."""
+    q, k, v, _ = _inputs(9, 2, 1000, 1000, 8, 2, 128, "bfloat16")
+    calls = [q * (1 + i / 64) for i in range(16)]
+
+    def attend(q):
+        return native_flash.attention(q, k, v, 128 ** -0.5, causal, None, None)
+
+    together = jax.jit(lambda qs: [attend(q) for q in qs])(calls)
+    one_by_one = [jax.jit(attend)(q) for q in calls]
+    for i, (a, b) in enumerate(zip(together, one_by_one)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"call {i}")
+
+
+@gpu
+@pytest.mark.usefixtures("native_gpu")
 def test_vmap_matches_a_loop():
     """The suite's vmap test runs at head_dim 32 (refused): the same check at 64, gradients included."""
     q, k, v, _ = _inputs(7, 3, 100, 140, 4, 2, 64, "bfloat16")
