@@ -582,8 +582,8 @@ cudaError_t launch_paged_forward(cudaStream_t stream, PagedParams params, const 
     return error;
   }
   params.queries = queries;
-  // Three K/V stages where they fit beside the work table (up to ~240 sequence slots at 227 KB per CTA): a
-  // packed tile streams its pages at the bytes in flight over the latency, so its rate grows with the stages
+  // Three K/V stages where they fit beside the work table (up to ~240 sequence slots at 227 KB per CTA), for the
+  // query tiles (~5 % on the mixed batch); packed tiles use two of them either way (kSplitStages)
   const size_t table_bytes = 2 * sizeof(int) * static_cast<size_t>(params.max_num_seqs + 1);
   auto kernel = paged_forward_kernel<T, D, 3>;
   size_t shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys, 3>) + 1024 + table_bytes;
