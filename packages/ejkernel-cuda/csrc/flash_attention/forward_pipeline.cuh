@@ -19,19 +19,25 @@ namespace ejk {
 
 constexpr int kForwardRows = 128;  // query rows per CTA (two consumer warpgroups of 64)
 constexpr int kForwardStages = 2;
-constexpr int kSplitStages = 2;  // stages of a SplitBlocks tile, whatever the storage holds: one per warpgroup
 constexpr int kForwardThreads = 384;
 
 // Stages: K/V blocks in flight (the dense forward's 2; the paged kernel takes 3 where shared memory allows).
+// Full barriers: one per stage, and with an odd stage count one per stage and reader parity (kFullPeriod =
+// lcm(Stages, 2) of them), for SplitBlocks tiles, whose warpgroups take alternate blocks: there block `it` lands
+// in stage it % Stages and signals full barrier it % kFullPeriod, so every full barrier has one reader, who
+// awaits its completions in order. With one full barrier per stage and three stages, a stage would serve both
+// warpgroups in turn, and a warpgroup awaiting block it + 6 while block it + 3 had not landed would see the
+// completion of block it: the same parity, which is all an mbarrier wait can tell.
 template <class T, int D, int BN, int Stages = kForwardStages>
 struct ForwardShared {
   static constexpr int kStages = Stages;
+  static constexpr int kFullPeriod = Stages % 2 ? 2 * Stages : Stages;
   T q[kForwardRows * D];
   T k[Stages][BN * D];
   T v[Stages][BN * D];
   Barrier q_full;
-  Barrier k_full[Stages], k_empty[Stages];
-  Barrier v_full[Stages], v_empty[Stages];
+  Barrier k_full[kFullPeriod], k_empty[Stages];
+  Barrier v_full[kFullPeriod], v_empty[Stages];
 };
 
 // By thread 0, before the __syncthreads that precedes the warpgroups' roles.
@@ -39,11 +45,13 @@ template <class Shared>
 __device__ __forceinline__ void init_forward_barriers(Shared& shared, int consumers_per_stage = 2) {
   barrier_init(&shared.q_full, 1);
 #pragma unroll
-  for (int s = 0; s < Shared::kStages; ++s) {
+  for (int s = 0; s < Shared::kFullPeriod; ++s) {
     barrier_init(&shared.k_full[s], 1);
     barrier_init(&shared.v_full[s], 1);
-    barrier_init(&shared.k_empty[s], consumers_per_stage);  // one arrival per consumer warpgroup reading it
-    barrier_init(&shared.v_empty[s], consumers_per_stage);
+    if (s < Shared::kStages) {
+      barrier_init(&shared.k_empty[s], consumers_per_stage);  // one arrival per consumer warpgroup reading it
+      barrier_init(&shared.v_empty[s], consumers_per_stage);
+    }
   }
   cutlass::arch::fence_barrier_init();
 }
@@ -53,26 +61,29 @@ __device__ __forceinline__ void init_forward_barriers(Shared& shared, int consum
 // lives (anything the loads take: it is called one block ahead of the loads, so that page-table reads are in
 // flight while the producer waits for a free stage); load_kv(bar, tile, where, value) loads its keys (value =
 // false) or values into a tile of BN rows. Each load must complete exactly the bytes of its tile (rows out of
-// bounds arrive as zeros and count).
+// bounds arrive as zeros and count). split_blocks: the consumers split the blocks (SplitBlocks): block `it`
+// signals full barrier it % kFullPeriod.
 template <class T, int D, int BN, class Shared, class LoadQ, class Locate, class LoadKV>
 __device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBlocks& blocks, LoadQ&& load_q,
                                                    Locate&& locate, LoadKV&& load_kv,
                                                    uint32_t q_bytes = kForwardRows * D * sizeof(T),
-                                                   int stages = Shared::kStages) {
+                                                   bool split_blocks = false) {
+  constexpr int stages = Shared::kStages;
   const int num_blocks = blocks.last - blocks.first;
   barrier_expect(&shared.q_full, q_bytes);
   load_q(&shared.q_full, shared.q);
   auto where = locate((blocks.last - 1) * BN);
   for (int it = 0; it < num_blocks; ++it) {
     const int stage = it % stages, phase = (it / stages) & 1;
+    const int full = split_blocks ? it % Shared::kFullPeriod : stage;
     const auto here = where;
     if (it + 1 < num_blocks) where = locate((blocks.last - 2 - it) * BN);
     barrier_wait(&shared.k_empty[stage], phase ^ 1);
-    barrier_expect(&shared.k_full[stage], BN * D * sizeof(T));
-    load_kv(&shared.k_full[stage], shared.k[stage], here, false);
+    barrier_expect(&shared.k_full[full], BN * D * sizeof(T));
+    load_kv(&shared.k_full[full], shared.k[stage], here, false);
     barrier_wait(&shared.v_empty[stage], phase ^ 1);
-    barrier_expect(&shared.v_full[stage], BN * D * sizeof(T));
-    load_kv(&shared.v_full[stage], shared.v[stage], here, true);
+    barrier_expect(&shared.v_full[full], BN * D * sizeof(T));
+    load_kv(&shared.v_full[full], shared.v[stage], here, true);
   }
 }
 
@@ -232,19 +243,19 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     if constexpr (!SplitBlocks) named_arrive(1 + other, 256);
   };
 
-  // SplitBlocks: this warpgroup's blocks (group, group + 2, ...), all in stage `group` (the producer uses two
-  // stages for them, kSplitStages: with three, a stage would serve both warpgroups in turn and a warpgroup could
-  // wait on a phase two completions old, whose parity an mbarrier cannot tell from the current one), one after
-  // the other, each product awaited before the next is issued. Deferring P V to the next step, as the loop
+  // SplitBlocks: this warpgroup's blocks (group, group + 2, ...; block `it` in stage it % stages, signalled on
+  // full barrier it % kFullPeriod, which only this warpgroup awaits: ForwardShared), one after the other, each
+  // product awaited before the next is issued. Deferring P V to the next step, as the loop
   // below does, would hold the stage's value tile until this warpgroup's NEXT keys arrived, so that the value
   // load of a block would wait for its own key load: two latencies per block instead of one. The other
   // warpgroup's blocks overlap this one's instead.
   auto split_loop = [&]() {
-    for (int it = group; it < num_blocks; it += kSplitStages) {
-      const int stage = group, phase = (it / kSplitStages) & 1;
+    constexpr int period = Shared::kFullPeriod;
+    for (int it = group; it < num_blocks; it += 2) {
+      const int stage = it % stages, full = it % period, phase = (it / period) & 1;
       const int key0 = (blocks.last - 1 - it) * BN;
       if (it == group) barrier_wait(&shared.q_full, 0);
-      barrier_wait(&shared.k_full[stage], phase);
+      barrier_wait(&shared.k_full[full], phase);
       issue_scores(stage);
       cute::warpgroup_wait<0>();
       fence_operands<BN / 2>(s);
@@ -256,7 +267,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
         softmax(key0, std::false_type{}, rescale_a, rescale_b);
       }
       to_operand<T, BN>(s, p);
-      barrier_wait(&shared.v_full[stage], phase);
+      barrier_wait(&shared.v_full[full], phase);
       if constexpr (ClearValueTail) {
         // block 0 (warpgroup 0's first) holds key kv_len - 1, the only block with value rows past the context
         const int from = problem.kv_len - key0;
@@ -356,15 +367,19 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
 
 // After a SplitBlocks loop: warpgroup 1 hands its rows (the same rows as warpgroup 0's, over the other key
 // blocks) to warpgroup 0, which merges them into its own: both softmax states rescaled to the larger maximum.
-// Through stage 1's tiles (warpgroup 1's alone, and idle once its loop returned): the outputs in the key
-// tile (D / 2 x 128 floats = BN x D 16-bit values when BN = 128), the maxima and sums in the value tile. Both
-// warpgroups call it; afterwards warpgroup 0's `rows` are the tile's. `unit`: the scores' exponent scale
-// (the loop's: softmax_scale * log2 e, uncapped).
+// Through the tiles of the stage of warpgroup 1's last block (stage 1 if it had none), idle once its loop
+// returned: no later block uses that stage, and warpgroup 0's blocks in it came before and were released:
+// the outputs in the key tile (D / 2 x 128 floats = BN x D 16-bit values when BN = 128), the maxima and sums in
+// the value tile. Both warpgroups call it, with the loop's number of key blocks; afterwards warpgroup 0's `rows`
+// are the tile's. `unit`: the scores' exponent scale (the loop's: softmax_scale * log2 e, uncapped).
 template <class T, int D, int BN, class Shared>
-__device__ __forceinline__ void merge_split_rows(Shared& shared, int group, int t, float unit, ConsumerRows<D>& rows) {
+__device__ __forceinline__ void merge_split_rows(Shared& shared, int num_blocks, int group, int t, float unit,
+                                                 ConsumerRows<D>& rows) {
   static_assert(D / 2 * 128 * sizeof(float) <= BN * D * sizeof(T), "a key tile holds the outputs");
-  float* outputs = reinterpret_cast<float*>(shared.k[1]);
-  float* states = reinterpret_cast<float*>(shared.v[1]);
+  const int last_odd = num_blocks % 2 ? num_blocks - 2 : num_blocks - 1;
+  const int stage = last_odd >= 1 ? last_odd % Shared::kStages : 1;
+  float* outputs = reinterpret_cast<float*>(shared.k[stage]);
+  float* states = reinterpret_cast<float*>(shared.v[stage]);
   if (group == 1) {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) outputs[i * 128 + t] = rows.o[i];

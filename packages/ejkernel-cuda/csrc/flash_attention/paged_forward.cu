@@ -13,7 +13,7 @@
 // - a packed tile, for sequences of at most 64 / G rows (G = Hq / Hkv: decode rows, short speculative
 //   chunks): all G query heads of one kv head in 64 rows (row r = query r / G, head r % G), so the kv head's
 //   pages are read once for its G heads. Both consumer warpgroups hold these rows and take alternate key
-//   blocks (warpgroup g the blocks of stage g, each stage with one reader), without turns; warpgroup 1 hands
+//   blocks (each full barrier with one reader: ForwardShared), without turns; warpgroup 1 hands
 //   its softmax state to warpgroup 0 at the end (merge_split_rows). Bandwidth-bound: each block costs one
 //   64-row warpgroup's products, and the two warpgroups work on two blocks at once.
 // Scheduling: persistent CTAs (one per SM) take items from a counter in global memory (zeroed before the
@@ -26,9 +26,8 @@
 // instead of rounds measured no better: NOTES.md). A sequence's query tiles come heaviest first (causal), its
 // heads next to each other (they read the same pages, mostly from L2). The rows past query_start_loc[num_seqs]
 // form one more "sequence" with no keys, whose tiles write zeros.
-// Stages: query tiles keep three K/V blocks in flight where shared memory holds them beside the work table
-// (max_num_seqs up to ~240), else two (the launch picks the instantiation); packed tiles use two, one per
-// consumer warpgroup (kSplitStages: why in consume_key_blocks).
+// Stages: three K/V blocks in flight where shared memory holds them beside the work table (max_num_seqs up to
+// ~240), else two (the launch picks the instantiation), for both kinds of item.
 // Keys: a key block of 128 keys is loaded as 64-row chunks by TMA from a tensor map over kv_pages viewed as
 // [1, P * page_size, 2 Hkv, D]: chunk key k lives at row block_tables[s][k / page_size] * page_size +
 // k % page_size (page_size a multiple of 64: a chunk never crosses a page). The producer thread reads the
@@ -324,7 +323,7 @@ __device__ __forceinline__ void produce_paged_item(const PagedParams& params, Sh
     }
   };
   if (item.packed) {  // the consumer warpgroups gather the packed rows themselves
-    produce_key_blocks<T, D, BN>(shared, blocks, [](Barrier*, T*) {}, locate, load_kv, 0, kSplitStages);
+    produce_key_blocks<T, D, BN>(shared, blocks, [](Barrier*, T*) {}, locate, load_kv, 0, true);
   } else {
     produce_key_blocks<T, D, BN>(
         shared, blocks,
@@ -514,7 +513,8 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
         gather_packed_rows<T, D>(params, pipeline.q, item, group, t);
         consume_key_blocks<T, D, BN, false, Shared, true, true>(pipeline, keys.problem, none, 0, keys.row_end,
                                                                 keys.blocks, 0, 0, group, t, rows, heads);
-        merge_split_rows<T, D, BN>(pipeline, group, t, params.softmax_scale * kLog2e, rows);
+        merge_split_rows<T, D, BN>(pipeline, keys.blocks.last - keys.blocks.first, group, t,
+                                   params.softmax_scale * kLog2e, rows);
         if (group == 0 && item.splits) {  // one chunk of the keys: combine_split_rows_kernel finishes the rows
           store_split_partial<D>(params, item, t, rows);
         } else if (group == 0) {
@@ -583,7 +583,7 @@ cudaError_t launch_paged_forward(cudaStream_t stream, PagedParams params, const 
   }
   params.queries = queries;
   // Three K/V stages where they fit beside the work table (up to ~240 sequence slots at 227 KB per CTA), for the
-  // query tiles (~5 % on the mixed batch); packed tiles use two of them either way (kSplitStages)
+  // query tiles (~5 % on the mixed batch) and the packed tiles' loads in flight
   const size_t table_bytes = 2 * sizeof(int) * static_cast<size_t>(params.max_num_seqs + 1);
   auto kernel = paged_forward_kernel<T, D, 3>;
   size_t shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys, 3>) + 1024 + table_bytes;
