@@ -26,6 +26,7 @@ import json
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,9 @@ def main() -> None:
     p.add_argument("--parts", default="mixed,decode,prefill")
     p.add_argument("--share", type=int, default=4, help="CudaPagedConfig.packed_share")
     p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--sets", type=int, default=1,
+                   help="input sets the warm-up calls rotate over (2: the caches not in L2 from the call before)")
+    p.add_argument("--calls", type=int, default=20, help="back-to-back calls; the last one's records are plotted")
     p.add_argument("--out", default="", help="PREFIX: PREFIX.json and PREFIX.png")
     args = p.parse_args()
     if args.build:
@@ -131,23 +135,35 @@ def main() -> None:
     heads, kv_heads, d = 32, 8, 128
     device = jax.devices()[0].device_kind
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    found, report = {}, {"device": device, "date": date, "share": args.share, "mixed": MIXED, "parts": {}}
+    found = {}
+    report = {"device": device, "date": date, "share": args.share, "sets": args.sets, "mixed": MIXED, "parts": {}}
     for part in args.parts.split(","):
         sequences = mixed_sequences(part, **MIXED)
-        x, _ = mixed_inputs(jax.random.key(0), sequences, heads, kv_heads, d, args.page_size, jnp.bfloat16, 0)
-        queries = x["queries"]
+        sets = [mixed_inputs(jax.random.key(i), sequences, heads, kv_heads, d, args.page_size, jnp.bfloat16, i)[0]
+                for i in range(args.sets)]
+        queries = sets[0]["queries"]
         results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype),
                    jax.ShapeDtypeStruct((paged.WORK_INTS,), jnp.int32),
                    jax.ShapeDtypeStruct((paged.SPLIT_SLOTS, paged.SPLIT_SLOT_ROWS, paged.HEAD_DIM + 2), jnp.float32))
         call = jax.ffi.ffi_call(_native.PAGED_TARGET, results)
         step = jax.jit(lambda *a: call(*a, softmax_scale=np.float32(1 / math.sqrt(d)),
                                        packed_share=np.int32(args.share)))
-        arguments = [x[name] for name in MIXED_ARGUMENTS]
-        for _ in range(5):  # warm: the last call's records are read
-            _, work, partials = jax.block_until_ready(step(*arguments))
-        records = records_of(partials, work)
+        calls = args.calls
+        jax.block_until_ready(step(*(sets[0][n] for n in MIXED_ARGUMENTS)))  # compiled
+        dispatched = time.perf_counter()
+        outputs = [step(*(sets[index % args.sets][n] for n in MIXED_ARGUMENTS))[1:] for index in range(calls)]
+        host = (time.perf_counter() - dispatched) / calls  # the host's time per call (if it runs ahead)
+        jax.block_until_ready(outputs)
+        wall = (time.perf_counter() - dispatched) / calls  # as benchmarks time it (dispatch to the last result)
+        spans = [records_of(partials, work) for work, partials in outputs]  # back to back, as in a model's step
+        records = spans[-1]
         found[part] = records
         report["parts"][part] = summary(records)
+        # between one call's last item and the next call's first: the launches, the combine and the prologue
+        gaps = [float(after["start"].min() - before["end"].max()) / 1e3 for before, after in zip(spans, spans[1:])]
+        period = float(spans[-1]["end"].max() - spans[0]["end"].max()) / 1e3 / (calls - 1)
+        report["parts"][part].update(gap_us_median=float(np.median(gaps)), period_us=period,
+                                     host_us_per_call=host * 1e6, wall_us_per_call=wall * 1e6)
         print(json.dumps({"part": part, **report["parts"][part]}), flush=True)
     if args.out:
         report["records"] = {part: records.tolist() for part, records in found.items()}
