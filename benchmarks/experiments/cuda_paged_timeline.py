@@ -8,14 +8,16 @@ leaves them out).
         python benchmarks/experiments/cuda_paged_timeline.py --build .whl/timeline
     # on the device (bash scripts/device/run.sh ..., carry [".whl"]):
     python3 benchmarks/experiments/cuda_paged_timeline.py --library .whl/timeline/libejkernel_cuda.so \\
-        [--parts mixed,decode,prefill] [--share 4] [--out $OUT/PREFIX]
+        [--parts mixed,decode,prefill] [--share 4] [--sets 2] [--calls 20] [--out $OUT/PREFIX]
 
-Built and its records checked on synthetic data on 2026-11-27; not yet run on a GPU.
+First run on an H200 on 2026-11-27 (packages/ejkernel-cuda/NOTES.md, "Where the mixed step's time goes").
 
-Per part it prints one JSON line: the kernel's span, per kind of item (query tiles, packed tiles) the count,
-median and total time, the packed tiles' K/V rate per SM (64 KB per 128-key block over the item's time), and
-how many SMs held each kind over the span; ``--out`` writes PREFIX.json (with every record) and PREFIX.png (the
-items per SM over time).
+Per part it runs `--calls` calls back to back over `--sets` input sets and prints one JSON line: the last call's
+span (first item's start to last item's end), per kind of item (query tiles, packed tiles) the count, median and
+total time, the packed tiles' K/V rate per SM (64 KB per 128-key block over the item's time), how many SMs held
+each kind over the span; across the calls, the median gap between one call's last item and the next one's first
+(launches, combine, table), the period (globaltimer, per call), and the host's and the wall time per call.
+``--out`` writes PREFIX.json (with the last call's records) and PREFIX.png (its items per SM over time).
 """
 
 from __future__ import annotations
