@@ -16,7 +16,8 @@ Per part it runs `--calls` calls back to back over `--sets` input sets and print
 span (first item's start to last item's end), per kind of item (query tiles, packed tiles) the count, median and
 total time, the packed tiles' K/V rate per SM (64 KB per 128-key block over the item's time), how many SMs held
 each kind over the span; across the calls, the median gap between one call's last item and the next one's first
-(launches, combine, table), the period (globaltimer, per call), and the host's and the wall time per call.
+(launches, combine, table), the period (globaltimer, per call), the host's and the wall time per call, and each
+call's span and median SM clock (clock64 cycles over globaltimer ns per item).
 ``--out`` writes PREFIX.json (with the last call's records) and PREFIX.png (its items per SM over time).
 """
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RECORDS = 32768  # paged_forward.cu's kTimelineRecords
 RECORD = np.dtype([("start", "<i8"), ("end", "<i8"), ("sm", "<i4"), ("packed", "<i4"), ("blocks", "<i4"),
-                   ("seq", "<i4")])
+                   ("cycles", "<i4")])
 BLOCK_BYTES = 128 * 128 * 2 * 2  # a 128-key block of K and V at D = 128, 16-bit
 
 
@@ -68,7 +69,8 @@ def records_of(partials, work) -> np.ndarray:
 def summary(records: np.ndarray) -> dict:
     t0 = records["start"].min()
     span = (records["end"].max() - t0) / 1e3
-    out = {"span_us": span, "items": len(records)}
+    clock = records["cycles"] / np.maximum(records["end"] - records["start"], 1)  # SM cycles per ns
+    out = {"span_us": span, "items": len(records), "sm_clock_ghz_median": float(np.median(clock))}
     grid = np.arange(0.0, span, 1.0)
     for kind, name in ((0, "query_tiles"), (1, "packed_tiles")):
         mine = records[records["packed"] == kind]
@@ -164,8 +166,12 @@ def main() -> None:
         # between one call's last item and the next call's first: the launches, the combine and the prologue
         gaps = [float(after["start"].min() - before["end"].max()) / 1e3 for before, after in zip(spans, spans[1:])]
         period = float(spans[-1]["end"].max() - spans[0]["end"].max()) / 1e3 / (calls - 1)
+        # per call in order: the span and the SM clock (does a long run slow down, and is it the clock?)
+        per_call = [summary(one) for one in spans]
         report["parts"][part].update(gap_us_median=float(np.median(gaps)), period_us=period,
-                                     host_us_per_call=host * 1e6, wall_us_per_call=wall * 1e6)
+                                     host_us_per_call=host * 1e6, wall_us_per_call=wall * 1e6,
+                                     spans_us=[round(c["span_us"], 1) for c in per_call],
+                                     sm_clock_ghz=[round(c["sm_clock_ghz_median"], 3) for c in per_call])
         print(json.dumps({"part": part, **report["parts"][part]}), flush=True)
     if args.out:
         report["records"] = {part: records.tolist() for part, records in found.items()}

@@ -417,13 +417,13 @@ __device__ __forceinline__ void store_split_partial(const PagedParams& params, c
 }
 
 #ifdef EJK_PAGED_TIMELINE
-// EJK_PAGED_TIMELINE (an experiment build's -D flag, off in the package): each item's SM, kind, key blocks and
-// start / end (%globaltimer, ns) are written as a TimelineRecord to the last kTimelineRecords records' worth of
+// EJK_PAGED_TIMELINE (an experiment build's -D flag, off in the package): each item's SM, kind, key blocks,
+// start / end (%globaltimer, ns) and SM clock cycles over it (clock64: their ratio is the SM's clock) are written as a TimelineRecord to the last kTimelineRecords records' worth of
 // the split partials (free unless split-K fills more than ~490 of its 528 slots); the record index is the work
 // buffer's fourth int. Read by benchmarks/experiments/cuda_paged_timeline.py.
 struct TimelineRecord {
   long long start, end;
-  int sm, packed, blocks, seq;
+  int sm, packed, blocks, cycles;
 };
 constexpr int kTimelineRecords = 32768;
 
@@ -434,14 +434,15 @@ __device__ __forceinline__ long long globaltimer() {
 }
 
 __device__ __forceinline__ void record_item(const PagedParams& params, const PagedItem& item, const ItemKeys& keys,
-                                            long long started) {
+                                            long long started, long long started_clock) {
   const int index = atomicAdd(params.next_item + 3, 1);
   if (index >= kTimelineRecords) return;
   int sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   TimelineRecord* records = reinterpret_cast<TimelineRecord*>(
       params.split_partials + static_cast<size_t>(kSplitSlots) * kSplitSlotFloats) - kTimelineRecords;
-  records[index] = {started, globaltimer(), sm, item.packed, keys.blocks.last - keys.blocks.first, item.seq};
+  const int cycles = static_cast<int>(clock64() - started_clock);
+  records[index] = {started, globaltimer(), sm, item.packed, keys.blocks.last - keys.blocks.first, cycles};
 }
 #endif
 
@@ -486,12 +487,13 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
     const int t = threadIdx.x % 128;
     const Extras none{nullptr, 0, nullptr, nullptr};
 #ifdef EJK_PAGED_TIMELINE
-    long long started = 0;
+    long long started = 0, started_clock = 0;
 #endif
     for (;;) {
       if (threadIdx.x == kForwardThreads / 3) {  // the dealer
 #ifdef EJK_PAGED_TIMELINE
         started = globaltimer();
+        started_clock = clock64();
 #endif
         current = paged_item(params, table, atomicAdd(params.next_item, 1));
         // fresh phases (every stage of the last item was consumed); a packed tile's stages have one reader
@@ -528,7 +530,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
       fence_async_shared();
       __syncthreads();  // the item's shared memory and barriers are free again
 #ifdef EJK_PAGED_TIMELINE
-      if (threadIdx.x == kForwardThreads / 3) record_item(params, item, keys, started);
+      if (threadIdx.x == kForwardThreads / 3) record_item(params, item, keys, started, started_clock);
 #endif
     }
   }
