@@ -496,7 +496,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
         started_clock = clock64();
 #endif
         current = paged_item(params, table, atomicAdd(params.next_item, 1));
-        // fresh phases (every stage of the last item was consumed); a packed tile's stages have one reader
+        // fresh phases (every stage of the last item was consumed); a packed tile's blocks have one reader each
         init_forward_barriers(pipeline, current.packed ? 1 : 2);
       }
       __syncthreads();
