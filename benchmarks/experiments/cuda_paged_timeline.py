@@ -8,7 +8,7 @@ leaves them out).
         python benchmarks/experiments/cuda_paged_timeline.py --build .whl/timeline
     # on the device (bash scripts/device/run.sh ..., carry [".whl"]):
     python3 benchmarks/experiments/cuda_paged_timeline.py --library .whl/timeline/libejkernel_cuda.so \\
-        [--parts mixed,decode,prefill] [--share 4] [--sets 2] [--calls 20] [--out $OUT/PREFIX]
+        [--parts mixed,decode,prefill] [--share 3] [--sets 2] [--calls 20] [--out $OUT/PREFIX]
 
 First run on an H200 on 2026-11-27 (packages/ejkernel-cuda/NOTES.md, "Where the mixed step's time goes").
 
@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--build", help="DIR: compile the library with the timeline into DIR and stop")
     p.add_argument("--library", help="the timeline build of libejkernel_cuda.so to run")
     p.add_argument("--parts", default="mixed,decode,prefill")
-    p.add_argument("--share", type=int, default=4, help="CudaPagedConfig.packed_share")
+    p.add_argument("--share", type=int, default=None, help="CudaPagedConfig.packed_share (default: the package's)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--sets", type=int, default=1,
                    help="input sets the warm-up calls rotate over (2: the caches not in L2 from the call before)")
@@ -137,6 +137,8 @@ def main() -> None:
     _native.LIBRARY_PATH = Path(args.library).resolve()
     _native.ensure_registered()
     heads, kv_heads, d = 32, 8, 128
+    if args.share is None:
+        args.share = paged.PACKED_SHARE
     device = jax.devices()[0].device_kind
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     found = {}
