@@ -86,13 +86,13 @@ def _functions(sass: str) -> dict[str, str]:
 
 @needs_nvcc
 def test_library_holds_the_paged_kernel_with_wgmma_and_tma_without_local_memory():
-    """The four instantiations (bf16, fp16; D = 128; 2 and 3 K/V stages) are in the library: warpgroup MMAs
-    (HGMMA), TMA loads (UTMALDG), 16-byte global stores for the masked output (no TMA store), and no local memory
-    (spills would be there)."""
+    """The twelve instantiations (bf16, fp16; D = 128; 2 and 3 K/V stages; plain, window / sinks, soft-capped)
+    are in the library: warpgroup MMAs (HGMMA), TMA loads (UTMALDG), 16-byte global stores for the masked output
+    (no TMA store), and no local memory (spills would be there)."""
     assert _native.library_missing() is None, _native.library_missing()
     kernels = {name: body for name, body in _functions(cuobjdump("-sass", str(_native.LIBRARY_PATH))).items()
                if KERNEL in name}
-    assert len(kernels) == 4, list(kernels)
+    assert len(kernels) == 12, list(kernels)
     assert len(re.findall(rf"Function : \S*{COMBINE}", cuobjdump("-sass", str(_native.LIBRARY_PATH)))) == 2
     for name, body in kernels.items():
         found = mnemonics(body)
@@ -100,7 +100,7 @@ def test_library_holds_the_paged_kernel_with_wgmma_and_tma_without_local_memory(
         assert "UTMASTG" not in found, name
     usage = cuobjdump("-res-usage", str(_native.LIBRARY_PATH))
     lines = re.findall(rf"Function \S*{KERNEL}\S*:\s*\n?\s*(REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+)", usage)
-    assert len(lines) == 4, usage[:2000]
+    assert len(lines) == 12, usage[:2000]
     for line in lines:
         assert "STACK:0 " in line and line.endswith("LOCAL:0"), line
 
@@ -120,7 +120,7 @@ def _build_flags() -> list[str]:
 
 @needs_nvcc
 def test_ptxas_reports_no_spills_for_the_paged_kernel(tmp_path):
-    """``ptxas -v`` of paged_forward.cu alone: all four instantiations at the pipeline's 168 registers (384 threads,
+    """``ptxas -v`` of paged_forward.cu alone: all twelve instantiations at the pipeline's 168 registers (384 threads,
     one CTA per SM; the producer's setmaxnreg.dec to 40 and the consumers' inc to 232 fit that pool), no
     stack, no spill, and no "Potential Performance Loss" (ptxas ignoring setmaxnreg because a role's code needs
     more registers than its budget, or serializing wgmma for want of registers: both happened to the persistent
@@ -132,7 +132,7 @@ def test_ptxas_reports_no_spills_for_the_paged_kernel(tmp_path):
     report = result.stderr + result.stdout
     entries = re.findall(rf"Function properties for (\S*{KERNEL}\S*)\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
                          rf"stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", report)
-    assert len(entries) == 4, report[-4000:]
+    assert len(entries) == 12, report[-4000:]
     for name, stack, stores, loads, registers in entries:
         assert (stack, stores, loads, registers) == ("0", "0", "0", "168"), (name, stack, stores, loads, registers)
     assert "Potential Performance Loss" not in report, report
@@ -151,12 +151,21 @@ def _kernel_constant(name: str) -> int:
     return eval(expression)  # noqa: S307 - digits and * + ( ) only, checked above
 
 
-def split_items(q_lens, kv_lens, heads, kv_heads, sms):
-    """The packed items of a batch as the kernel makes them (build_paged_table, packed_splits, paged_item,
-    item_keys + split_chunk): [(sequence, kv head, split, splits, slot, (first block, last block))], in packed
-    index order (the slot is the packed index)."""
+def packed_blocks(q_len, kv_len, window_left=-1):
+    """Key blocks [first, last) of a packed tile (key_blocks over all its rows: causal, the window's left edge)."""
+    block = _kernel_constant("kPagedBlockKeys")
+    if kv_len <= 0:
+        return 0, 0
+    lo = max(0, kv_len - q_len - window_left) if window_left >= 0 else 0
+    return lo // block, (kv_len - 1) // block + 1
+
+
+def split_items(q_lens, kv_lens, heads, kv_heads, sms, window_left=-1):
+    """The packed items of a batch as the kernel makes them (build_paged_table, packed_keys, packed_splits,
+    paged_item, item_keys + split_chunk): [(sequence, kv head, split, splits, slot, (first block, last block))],
+    in packed index order (the slot is the packed index)."""
     slots, max_splits = _kernel_constant("kSplitSlots"), _kernel_constant("kMaxSplits")
-    min_keys, block = _kernel_constant("kMinSplitKeys"), _kernel_constant("kPagedBlockKeys")
+    min_keys = _kernel_constant("kMinSplitKeys")
     rows = _kernel_constant("kPackedRows")
     target = min(2 * sms, slots // 2)
     group = heads // kv_heads
@@ -166,8 +175,9 @@ def split_items(q_lens, kv_lens, heads, kv_heads, sms):
     items = []
     for s in packed:
         kv_len = kv_lens[s]
-        splits = max(min(factor, -(-kv_len // min_keys)), 1)
-        first, last = (0, (kv_len - 1) // block + 1) if kv_len > 0 else (0, 0)  # key_blocks of all the rows
+        keys = min(kv_len, q_lens[s] + window_left) if window_left >= 0 else kv_len  # packed_keys
+        splits = max(min(factor, -(-keys // min_keys)), 1)
+        first, last = packed_blocks(q_lens[s], kv_len, window_left)
         for local in range(kv_heads * splits):
             head, split = divmod(local, splits)
             count = last - first
@@ -176,8 +186,8 @@ def split_items(q_lens, kv_lens, heads, kv_heads, sms):
     return items, target
 
 
-def check_split_items(q_lens, kv_lens, heads, kv_heads, sms):
-    items, target = split_items(q_lens, kv_lens, heads, kv_heads, sms)
+def check_split_items(q_lens, kv_lens, heads, kv_heads, sms, window_left=-1):
+    items, target = split_items(q_lens, kv_lens, heads, kv_heads, sms, window_left)
     split = [item for item in items if item[3] > 1]
     if split:  # slots (packed indices) below 2 * target <= the scratch's
         assert len(items) < 2 * target <= paged.SPLIT_SLOTS, (len(items), target)
@@ -185,8 +195,8 @@ def check_split_items(q_lens, kv_lens, heads, kv_heads, sms):
     for s, head, index, splits, slot, chunk in items:
         pairs.setdefault((s, head), []).append((index, splits, slot, chunk))
     for (s, head), chunks in pairs.items():
-        kv_len, block = kv_lens[s], _kernel_constant("kPagedBlockKeys")
-        whole = (0, -(-kv_len // block)) if kv_len > 0 else (0, 0)
+        kv_len = kv_lens[s]
+        whole = packed_blocks(q_lens[s], kv_len, window_left)
         splits = chunks[0][1]
         assert [c[0] for c in chunks] == list(range(len(chunks))) and len(chunks) == max(splits, 1)
         # the pair's slots are consecutive from chunk 0's (the combine kernel's descriptor), chunks in order
@@ -231,6 +241,20 @@ def test_split_chunks_cover_every_key_block_once_within_the_scratch(sms):
             check_split_items(q_lens, kv_lens, heads, kv_heads, sms)
 
 
+@pytest.mark.parametrize("window_left", [0, 63, 127, 1000, 4095, 20000])
+def test_split_chunks_of_windowed_decodes_cover_their_key_blocks(window_left):
+    """With a sliding window a packed tile sees only its last q_len + window_left keys: the chunk count follows
+    those (packed_keys), not the context, so no chunk is empty and the chunks tile the window's blocks."""
+    rng = np.random.default_rng(window_left)
+    for count in (1, 2, 3, 8, 33, 70):
+        q_lens = [int(q) for q in rng.integers(1, 5, size=count)]
+        kv_lens = [max(int(k), q) for k, q in zip(rng.integers(1, 60_000, size=count), q_lens)]
+        check_split_items(q_lens, kv_lens, 16, 4, 132, window_left)
+    items, _ = split_items([1, 1], [32768, 32768], 32, 8, 132, window_left)
+    expected = max(min(16, -(-min(32768, 1 + window_left) // _kernel_constant("kMinSplitKeys"))), 1)
+    assert {i[3] for i in items} == {expected}
+
+
 def test_split_slots_stay_in_the_scratch_at_the_worst_counts():
     """Every P0 below the target, all contexts long (the split factor alone decides): P0 * ceil(target / P0) <
     2 * target <= SPLIT_SLOTS."""
@@ -245,9 +269,6 @@ def test_split_slots_stay_in_the_scratch_at_the_worst_counts():
 
 
 @pytest.mark.parametrize("kw,changes,reason", [
-    (dict(logits_soft_cap=30.0), {}, "logits_soft_cap is not supported"),
-    (dict(sliding_window=64), {}, "sliding_window is not supported"),
-    (dict(), dict(softmax_aux=jnp.zeros((8,), jnp.float32)), r"softmax_aux \(attention sinks\) is not supported"),
     (dict(key_scale=0.5), {}, r"key_scale/value_scale \(quantized pages\)"),
     (dict(), dict(kv_dtype=jnp.float8_e4m3fn), "kv_pages dtype float8_e4m3fn"),
     (dict(), dict(dtype=jnp.float32), "dtype float32 is not supported"),
@@ -273,12 +294,19 @@ def test_refuses_more_sequence_slots_than_its_table_holds(monkeypatch):
     assert reason.startswith("max_num_seqs 3 is not supported (at most 2"), reason
 
 
-@pytest.mark.parametrize("kw", [
-    dict(), dict(dtype=jnp.float16), dict(page_size=128), dict(page_size=192), dict(heads=8, kv_heads=8),
-    dict(heads=8, kv_heads=1), dict(heads=32, kv_heads=8),
+@pytest.mark.parametrize("kw,call_kw", [
+    (dict(), {}), (dict(dtype=jnp.float16), {}), (dict(page_size=128), {}), (dict(page_size=192), {}),
+    (dict(heads=8, kv_heads=8), {}), (dict(heads=8, kv_heads=1), {}), (dict(heads=32, kv_heads=8), {}),
+    (dict(), dict(logits_soft_cap=30.0)), (dict(), dict(sliding_window=64)),
+    (dict(), dict(logits_soft_cap=50.0, sliding_window=1)), (dict(sinks=(8,)), {}), (dict(sinks=(8, 3)), {}),
 ])
-def test_takes_the_calls_of_its_contract(kw):
-    assert paged.refusal(validated(batch([(300, 1000), (0, 5), (1, 64)], **kw)), check_device=False) is None
+def test_takes_the_calls_of_its_contract(kw, call_kw):
+    sinks = kw.pop("sinks", None)
+    inputs = batch([(300, 1000), (0, 5), (1, 64)], **kw)
+    if sinks is not None:
+        inputs["softmax_aux"] = jnp.zeros(sinks, jnp.float32)
+    call = validated(inputs, **call_kw)
+    assert paged.refusal(call, check_device=False) is None
 
 
 @pytest.mark.skipif(ON_GPU, reason="the refusals of a machine without a GPU")
@@ -329,6 +357,13 @@ def test_lowers_to_the_custom_call_and_vmaps_one_call_per_element(monkeypatch):
     text = _lowered(lambda *a: paged.paged_attention(*a, scale=0.125), *shapes)
     assert "custom_call @EjkPagedForward" in text and "softmax_scale = 1.250000e-01 : f32" in text
     assert f"packed_share = {paged.PACKED_SHARE} : i32" in text
+    assert "softcap = 0.000000e+00 : f32" in text and "window_left = -1 : i32" in text  # off
+    assert "num_sinks = 0 : i32" in text
+    sinks = jax.ShapeDtypeStruct((8, 2), jnp.bfloat16)
+    capped = _lowered(lambda *a: paged.paged_attention(*a, scale=0.125, soft_cap=30.0, sliding_window=64),
+                      *shapes, sinks)
+    assert "softcap = 3.000000e+01 : f32" in capped and "window_left = 63 : i32" in capped
+    assert "num_sinks = 2 : i32" in capped and "tensor<8x2xf32>" in capped
     # the scratch results: the work buffer and split-K's partial tiles (static shapes)
     assert f"tensor<{paged.WORK_INTS}xi32>" in text and f"tensor<{paged.SPLIT_SLOTS}x64x130xf32>" in text
     stacked = jax.ShapeDtypeStruct((2, *inputs["queries"].shape), inputs["queries"].dtype)
@@ -394,6 +429,50 @@ def test_matches_the_reference(dtype, sequences, heads, kv_heads, page_size, ina
     used = int(inputs["query_start_loc"][len(sequences)])
     np.testing.assert_array_equal(np.asarray(out[used:], np.float32), 0.0)  # padding rows: zeros
     assert_close(out, reference(inputs, softmax_scale=0.09), dtype=dtype)
+
+
+@gpu
+@pytest.mark.usefixtures("paged_gpu")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("soft_cap,window,sinks", [
+    (30.0, None, None), (5.0, None, None),  # a cap that binds (scores of ~|10| at scale 0.09 and these inputs)
+    (None, 1, None), (None, 64, None), (None, 100, None), (None, 129, None),  # windows inside a block, on and
+    (None, 700, None),  # off its bounds
+    (None, None, (8,)), (None, None, (8, 3)),  # one sink per head, three
+    (50.0, 200, (8,)),
+])
+def test_soft_cap_window_and_sinks_match_the_reference(dtype, soft_cap, window, sinks):
+    """The mixed step scaled down (prefill chunks longer than the window, decode rows, speculative chunks,
+    contexts shorter than the window, a q_len-0 slot) with the logits soft-capped, a sliding window and / or
+    attention sinks: query tiles and packed tiles skip the key blocks left of the window and mask inside it; the
+    sinks join each row's denominator once (a packed tile's rows are four query heads, each with its own)."""
+    sequences = [(300, 1000), (1, 517), (0, 64), (129, 129), (77, 700), (1, 1), (3, 90), (16, 300)]
+    inputs = batch(sequences, heads=8, kv_heads=2, dtype=jnp.dtype(dtype), inactive=1, padding=5, seed=31)
+    if sinks is not None:  # logits of the scores' size, so that they matter
+        inputs["softmax_aux"] = 2.0 * jax.random.normal(jax.random.key(3), sinks, jnp.float32)
+    kw = dict(softmax_scale=0.09, logits_soft_cap=soft_cap, sliding_window=window)
+    out = run_cuda(inputs, **kw)
+    used = int(inputs["query_start_loc"][len(sequences)])
+    np.testing.assert_array_equal(np.asarray(out[used:], np.float32), 0.0)
+    assert_close(out, reference(inputs, **kw), dtype=dtype)
+
+
+@gpu
+@pytest.mark.usefixtures("paged_gpu")
+@pytest.mark.parametrize("soft_cap,window,sinks", [
+    (None, 3000, None), (30.0, None, None), (30.0, 9000, None), (None, None, (8, 2)), (20.0, 5000, (8,)),
+])
+def test_split_keys_with_soft_cap_window_or_sinks_match_the_reference(soft_cap, window, sinks):
+    """Few long decodes split into key chunks (the chunk count from the keys the window leaves) with the soft cap
+    (the partials' maxima in capped log2 units, as the combine kernel reads them), a window and / or sinks (in
+    the first chunk's partial only, counted once by the combine); pages poisoned with NaN past the contexts."""
+    inputs = batch([(1, 20000), (2, 12001), (1, 700)], heads=8, kv_heads=2, page_size=128, seed=41)
+    if sinks is not None:
+        inputs["softmax_aux"] = 2.0 * jax.random.normal(jax.random.key(4), sinks, jnp.float32)
+    kw = dict(softmax_scale=0.09, logits_soft_cap=soft_cap, sliding_window=window)
+    out = run_cuda(poisoned_past_contexts(inputs), **kw)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert_close(out, reference(inputs, **kw), dtype="bfloat16")
 
 
 @gpu
@@ -506,8 +585,8 @@ def test_traced_num_seqs_stale_rows_and_vmap():
 @pytest.mark.usefixtures("paged_gpu")
 class TestPagedConformance(RaggedPageAttentionConformance):
     """The shared suite on the paged kernel: its inputs widened to what the kernel takes (head_dim 128, pages of
-    64, 16-bit) and checked at bf16 tolerance; what it refuses (window, soft cap, sinks, quantized pages) is
-    reported as skips naming the reason."""
+    64, 16-bit) and checked at bf16 tolerance; what it refuses (sinks, quantized pages) is reported as skips
+    naming the reason."""
 
     platform = "cuda"
     supports_gradients = False

@@ -148,13 +148,20 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
   float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
   if (extras.num_sinks > 0) {
     // the sinks start every row's softmax state: their maximum (in score units) and their sum against it,
-    // counted once per row (the quad's partial sums are added at the end)
-    const float* sinks = extras.sinks + (static_cast<size_t>(batch) * problem.q_heads + head) * extras.num_sinks;
-    float top = -INFINITY, total = 0.f;
-    for (int j = 0; j < extras.num_sinks; ++j) top = fmaxf(top, sinks[j]);
-    for (int j = 0; j < extras.num_sinks; ++j) total += fast_exp2((sinks[j] - top) * log2e);
-    max_a = max_b = top * log2e / unit;
-    sum_a = sum_b = t % 4 == 0 ? total : 0.f;
+    // counted once per row (the quad's partial sums are added at the end). With rows_per_query > 1 the tile's
+    // rows are query heads head, head + 1, ... in turn (row r: head + r % rows_per_query).
+    auto start = [&](int row_head) {  // (maximum, sum) of one row's sinks
+      const float* sinks =
+          extras.sinks + (static_cast<size_t>(batch) * problem.q_heads + row_head) * extras.num_sinks;
+      float top = -INFINITY, total = 0.f;
+      for (int j = 0; j < extras.num_sinks; ++j) top = fmaxf(top, sinks[j]);
+      for (int j = 0; j < extras.num_sinks; ++j) total += fast_exp2((sinks[j] - top) * log2e);
+      return make_float2(top * log2e / unit, t % 4 == 0 ? total : 0.f);
+    };
+    const float2 state_a = start(head + tile_row % rows_per_query);
+    const float2 state_b = rows_per_query == 1 ? state_a : start(head + (tile_row + 8) % rows_per_query);
+    max_a = state_a.x, sum_a = state_a.y;
+    max_b = state_b.x, sum_b = state_b.y;
   }
   // segment ids of this thread's two rows (rows past the length: none of the keys')
   const int* kv_segments = extras.kv_segments ? extras.kv_segments + static_cast<size_t>(batch) * problem.kv_len

@@ -4,7 +4,9 @@
 // queries [T, Hq, D] packed by query_start_loc; kv_pages [P, page_size, 2 Hkv, D], the key of kv head h at
 // axis-2 index 2h, its value at 2h + 1; sequence s (< num_seqs) owns rows [query_start_loc[s],
 // query_start_loc[s + 1]), whose query i sits at position context_lens[s] - q_len + i and sees the keys
-// <= that position (causal within the sequence, always: the operation's definition).
+// <= that position (causal within the sequence, always: the operation's definition), and with a sliding window
+// of W keys only the last W of them; logits are optionally soft-capped (c * tanh(logit / c)) and attention sinks
+// (logits per query head that join every row's softmax denominator) are optional.
 //
 // The pipeline of forward_pipeline.cuh (TMA producer warpgroup, two wgmma consumer warpgroups) on two kinds
 // of work item:
@@ -47,6 +49,8 @@
 // The output: masked 16-byte stores from the staged tile in shared memory, rows past the sequence's end not
 // written. A TMA store would clip at the map's bounds only, i.e. at T, and overwrite the next sequence's
 // first rows.
+#include <cmath>
+
 #include "flash_attention/forward_pipeline.cuh"
 #include "flash_attention/launch.cuh"
 
@@ -95,7 +99,42 @@ struct PagedParams {
   int packed_share;  // packed tiles per kDealRound tickets while both kinds last
   int split_target;  // packed items split-K aims at (min(2 * SMs, kSplitSlots / 2))
   float softmax_scale;
+  float softcap;        // c of c * tanh(logit / c); 0: off
+  int window_left;      // a query at position p sees keys [p - window_left, p]; -1: every earlier key
+  const float* sinks;   // [Hq, num_sinks] float32 logits that join every row's softmax denominator
+  int num_sinks;        // 0: none
 };
+
+// The optional features of a call as the kernel reads them: in the plain variant (Extended = false: no soft
+// cap, window or sinks) they are constants, so that its code is the one without them (the consumers' loop is
+// scheduled by ptxas around what it can prove: runtime window and sink fields cost the query tiles ~5 %).
+struct PagedFeatures {
+  float softcap;
+  int window_left;
+  const float* sinks;
+  int num_sinks;
+};
+
+template <bool Extended>
+__device__ __forceinline__ PagedFeatures paged_features(const PagedParams& params) {
+  PagedFeatures features;
+  features.softcap = Extended ? params.softcap : 0.f;
+  features.window_left = Extended ? params.window_left : -1;
+  features.sinks = Extended ? params.sinks : nullptr;
+  features.num_sinks = Extended ? params.num_sinks : 0;
+  return features;
+}
+
+// The scores' exponent unit: the consumers keep raw dot products (scaled by softmax_scale * log2 e in the
+// exponent) or, soft-capped, capped logits already in log2 units (consume_key_blocks).
+__device__ __forceinline__ float score_unit(float softcap, float softmax_scale) {
+  return softcap > 0.f ? 1.f : softmax_scale * kLog2e;
+}
+
+// Keys a packed tile of q_len rows over kv_len keys may see: the last q_len + window_left with a window.
+__device__ __forceinline__ int packed_keys(const PagedFeatures& features, int q_len, int kv_len) {
+  return features.window_left >= 0 ? min(kv_len, q_len + features.window_left) : kv_len;
+}
 
 // One work item: rows [row_begin, row_begin + 128) of query head `head` (a query tile), or all rows of the
 // sequence for the query heads of kv head `head` (packed). seq -1: the padding rows past the last sequence (no
@@ -133,14 +172,15 @@ __device__ __forceinline__ KeyBlocks split_chunk(const KeyBlocks& blocks, int sp
 
 // Rows of entry e (a sequence, or the padding rows) and how many items of each kind it makes (packed: one per
 // kv head and chunk, split_factor as in PagedTable).
-__device__ __forceinline__ void entry_items(const PagedParams& params, const PagedTable& table, int e,
-                                            int split_factor, int& tiles, int& packed) {
+__device__ __forceinline__ void entry_items(const PagedParams& params, const PagedFeatures& features,
+                                            const PagedTable& table, int e, int split_factor, int& tiles,
+                                            int& packed) {
   tiles = packed = 0;
   if (e < table.count) {
     const int q_len = max(params.query_start_loc[e + 1] - params.query_start_loc[e], 0);
     if (q_len == 0) return;
     if (q_len * paged_group(params) <= kPackedRows) {
-      packed = params.kv_heads * packed_splits(split_factor, params.context_lens[e]);
+      packed = params.kv_heads * packed_splits(split_factor, packed_keys(features, q_len, params.context_lens[e]));
     } else {
       tiles = (q_len + kForwardRows - 1) / kForwardRows * params.q_heads;
     }
@@ -177,13 +217,14 @@ __device__ __forceinline__ void block_prefix_sums(int& a, int& b, int& total_a, 
 // than split_target, each packed tile is cut into ceil(split_target / P0) chunks (at most kMaxSplits; fewer for
 // short contexts: packed_splits). Then the packed items number at most P0 * ceil(split_target / P0) <=
 // split_target + P0 - 1 < 2 * split_target <= kSplitSlots: their indices are valid scratch slots.
-__device__ __forceinline__ void build_paged_table(const PagedParams& params, PagedTable& table) {
+__device__ __forceinline__ void build_paged_table(const PagedParams& params, const PagedFeatures& features,
+                                                  PagedTable& table) {
   const int per_thread = (table.entries + kForwardThreads - 1) / kForwardThreads;
   const int first = threadIdx.x * per_thread, last = min(first + per_thread, table.entries);
   int no_tiles = 0, unsplit = 0, tiles_total, packed_total;  // pass 1: P0 (the query tiles do not matter)
   for (int e = first; e < last; ++e) {
     int tiles, packed;
-    entry_items(params, table, e, 1, tiles, packed);
+    entry_items(params, features, table, e, 1, tiles, packed);
     unsplit += packed;
   }
   block_prefix_sums(no_tiles, unsplit, tiles_total, packed_total);
@@ -193,7 +234,7 @@ __device__ __forceinline__ void build_paged_table(const PagedParams& params, Pag
   int tiles_sum = 0, packed_sum = 0;
   for (int e = first; e < last; ++e) {
     int tiles, packed;
-    entry_items(params, table, e, split_factor, tiles, packed);
+    entry_items(params, features, table, e, split_factor, tiles, packed);
     tiles_sum += tiles;
     packed_sum += packed;
     table.tile_end[e] = tiles_sum;  // within the thread's run; offsets added below
@@ -219,7 +260,8 @@ __device__ __forceinline__ int find_entry(const int* end, int entries, int j) {
 
 // Item `ticket` of the hand-out order: rounds of kDealRound tickets, packed_share packed tiles then the rest
 // query tiles, while both kinds last; then what is left of the two, alternating, then of the longer one.
-__device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const PagedTable& table, int ticket) {
+__device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const PagedFeatures& features,
+                                                const PagedTable& table, int ticket) {
   const int tiles = table.tile_end[table.entries - 1], packed = table.packed_end[table.entries - 1];
   if (ticket >= tiles + packed) return {-2, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const int share = params.packed_share, rest = kDealRound - share;
@@ -257,7 +299,7 @@ __device__ __forceinline__ PagedItem paged_item(const PagedParams& params, const
     item.kv_len = 0;
   }
   if (is_packed) {  // a kv head's chunks next to each other: the pair's slots [slot - split, + splits)
-    const int splits = packed_splits(table.split_factor, item.kv_len);
+    const int splits = packed_splits(table.split_factor, packed_keys(features, item.q_len, item.kv_len));
     item.head = local / splits;
     item.split = local % splits;
     item.splits = splits > 1 ? splits : 0;
@@ -278,11 +320,13 @@ struct ItemKeys {
   KeyBlocks blocks;
 };
 
-__device__ __forceinline__ ItemKeys item_keys(const PagedParams& params, const PagedItem& item) {
+__device__ __forceinline__ ItemKeys item_keys(const PagedParams& params, const PagedFeatures& features,
+                                              const PagedItem& item) {
   ItemKeys keys;
-  const int longest = item.q_len + item.kv_len + 1;
-  keys.problem = Problem{1, item.q_len, item.kv_len, params.q_heads, params.kv_heads, params.softmax_scale, 0.f, 1,
-                         -1, -1, -longest, 0};
+  // causal within the sequence, and the window's left edge: key - position in [lo, 0]
+  const int lo = features.window_left >= 0 ? -features.window_left : -(item.q_len + item.kv_len + 1);
+  keys.problem = Problem{1, item.q_len, item.kv_len, params.q_heads, params.kv_heads, params.softmax_scale,
+                         features.softcap, 1, features.window_left, -1, lo, 0};
   keys.row_end = item.packed ? item.q_len : min(item.row_begin + kForwardRows, item.q_len);
   keys.blocks = item.seq >= 0 ? key_blocks(keys.problem, item.row_begin, keys.row_end, kPagedBlockKeys)
                               : KeyBlocks{0, 0};
@@ -446,7 +490,9 @@ __device__ __forceinline__ void record_item(const PagedParams& params, const Pag
 }
 #endif
 
-template <class T, int D, int Stages>
+// Capped: params.softcap is set (the soft cap is a compile-time variant of the consumers' loop, as in the dense
+// forward); Extended: a soft cap, window or sinks may be set (else the plain variant: PagedFeatures).
+template <class T, int D, int Stages, bool Capped, bool Extended>
 __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const __grid_constant__ PagedParams params) {
   constexpr int BN = kPagedBlockKeys;
   using Shared = ForwardShared<T, D, BN, Stages>;
@@ -464,7 +510,8 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
     table.tail_start = table.count > 0 ? params.query_start_loc[table.count] : 0;
   }
   __syncthreads();
-  build_paged_table(params, table);
+  const PagedFeatures features = paged_features<Extended>(params);
+  build_paged_table(params, features, table);
 
   // The roles split once (each on its register budget: ptxas keeps a warpgroup's code after setmaxnreg
   // within it, so no code runs under both budgets); both loops meet at the same two CTA barriers per item.
@@ -476,7 +523,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
       if (current.seq == -2) break;
       if (threadIdx.x == 0) {
         const PagedItem item = current;
-        const ItemKeys keys = item_keys(params, item);
+        const ItemKeys keys = item_keys(params, features, item);
         if (keys.blocks.last > keys.blocks.first) produce_paged_item<T, D>(params, pipeline, item, keys.blocks);
       }
       __syncthreads();  // the item's shared memory and barriers are free again
@@ -485,7 +532,6 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
     cutlass::arch::warpgroup_reg_alloc<kPagedConsumerRegisters>();
     const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of a query tile
     const int t = threadIdx.x % 128;
-    const Extras none{nullptr, 0, nullptr, nullptr};
 #ifdef EJK_PAGED_TIMELINE
     long long started = 0, started_clock = 0;
 #endif
@@ -495,28 +541,34 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
         started = globaltimer();
         started_clock = clock64();
 #endif
-        current = paged_item(params, table, atomicAdd(params.next_item, 1));
+        current = paged_item(params, features, table, atomicAdd(params.next_item, 1));
         // fresh phases (every stage of the last item was consumed); a packed tile's blocks have one reader each
         init_forward_barriers(pipeline, current.packed ? 1 : 2);
       }
       __syncthreads();
       const PagedItem item = current;
       if (item.seq == -2) break;
-      const ItemKeys keys = item_keys(params, item);
+      const ItemKeys keys = item_keys(params, features, item);
       ConsumerRows<D> rows;
       if (!item.packed) {
-        consume_key_blocks<T, D, BN, false, Shared, true>(pipeline, keys.problem, none, item.row_begin, keys.row_end,
-                                                          keys.blocks, item.head, 0, group, t, rows);
+        const Extras sinks{features.sinks, features.num_sinks, nullptr, nullptr};
+        consume_key_blocks<T, D, BN, Capped, Shared, true>(pipeline, keys.problem, sinks, item.row_begin,
+                                                           keys.row_end, keys.blocks, item.head, 0, group, t, rows);
         stage_output<T, D>(pipeline.q, group, t, rows);
         named_sync(3 + group, 128);
         store_paged_rows<T, D>(params, pipeline.q, item, group, t, item.head, 1);
       } else {  // packed: both warpgroups on the same rows, alternate key blocks, merged into warpgroup 0's
         const int heads = paged_group(params);
         gather_packed_rows<T, D>(params, pipeline.q, item, group, t);
-        consume_key_blocks<T, D, BN, false, Shared, true, true>(pipeline, keys.problem, none, 0, keys.row_end,
-                                                                keys.blocks, 0, 0, group, t, rows, heads);
+        // the sinks join each row's softmax once: warpgroup 0 of the first key chunk starts them
+        const bool starts_sinks = group == 0 && item.split == 0;
+        const Extras sinks{starts_sinks ? features.sinks : nullptr, starts_sinks ? features.num_sinks : 0, nullptr,
+                           nullptr};
+        consume_key_blocks<T, D, BN, Capped, Shared, true, true>(pipeline, keys.problem, sinks, 0, keys.row_end,
+                                                                 keys.blocks, item.head * heads, 0, group, t, rows,
+                                                                 heads);
         merge_split_rows<T, D, BN>(pipeline, keys.blocks.last - keys.blocks.first, group, t,
-                                   params.softmax_scale * kLog2e, rows);
+                                   score_unit(features.softcap, params.softmax_scale), rows);
         if (group == 0 && item.splits) {  // one chunk of the keys: combine_split_rows_kernel finishes the rows
           store_split_partial<D>(params, item, t, rows);
         } else if (group == 0) {
@@ -548,7 +600,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int splits = pair.x, q_start = pair.y, kv_head = pair.w;
   if (splits == 0) return;
   const int heads = paged_group(params), used = pair.z * heads;
-  const float unit = params.softmax_scale * kLog2e;
+  const float unit = score_unit(params.softcap, params.softmax_scale);
   const float* partials = params.split_partials + static_cast<size_t>(blockIdx.x) * kSplitSlotFloats;
   for (int index = threadIdx.x; index < used * (D / 4); index += kCombineThreads) {
     const int row = index / (D / 4), col = index % (D / 4) * 4;
@@ -587,7 +639,15 @@ cudaError_t launch_paged_forward(cudaStream_t stream, PagedParams params, const 
   // Three K/V stages where they fit beside the work table (up to ~240 sequence slots at 227 KB per CTA), for the
   // query tiles (~5 % on the mixed batch) and the packed tiles' loads in flight
   const size_t table_bytes = 2 * sizeof(int) * static_cast<size_t>(params.max_num_seqs + 1);
-  auto kernel = paged_forward_kernel<T, D, 3>;
+  // three variants: soft-capped (with or without a window and sinks), a window or sinks, none of them
+  const bool capped = params.softcap > 0.f, extended = capped || params.window_left >= 0 || params.num_sinks > 0;
+  auto variant = [&](auto stages) {
+    constexpr int kStages = decltype(stages)::value;
+    return capped     ? paged_forward_kernel<T, D, kStages, true, true>
+           : extended ? paged_forward_kernel<T, D, kStages, false, true>
+                      : paged_forward_kernel<T, D, kStages, false, false>;
+  };
+  auto kernel = variant(std::integral_constant<int, 3>{});
   size_t shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys, 3>) + 1024 + table_bytes;
   int device = 0, optin = 0;
   cudaFuncAttributes attributes;
@@ -597,7 +657,7 @@ cudaError_t launch_paged_forward(cudaStream_t stream, PagedParams params, const 
     return error;
   }
   if (shared_bytes + attributes.sharedSizeBytes > static_cast<size_t>(optin)) {
-    kernel = paged_forward_kernel<T, D, 2>;
+    kernel = variant(std::integral_constant<int, 2>{});
     shared_bytes = sizeof(ForwardShared<T, D, kPagedBlockKeys, 2>) + 1024 + table_bytes;
   }
   if ((error = allow_shared_memory(kernel, shared_bytes)) != cudaSuccess) return error;
@@ -623,7 +683,9 @@ ffi::Error invalid(const std::string& what) {
 ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ffi::AnyBuffer kv_pages,
                                  ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> block_tables,
                                  ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> num_seqs,
-                                 float softmax_scale, int32_t packed_share, ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::AnyBuffer sinks, float softmax_scale, int32_t packed_share,
+                                 float softcap, int32_t window_left, int32_t num_sinks,
+                                 ffi::Result<ffi::AnyBuffer> out,
                                  ffi::Result<ffi::Buffer<ffi::S32>> work,
                                  ffi::Result<ffi::Buffer<ffi::F32>> split_partials) {
   auto qd = queries.dimensions(), kd = kv_pages.dimensions();
@@ -665,6 +727,16 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
     return invalid("packed_share must be in [0, " + std::to_string(kDealRound) + "], got " +
                    std::to_string(packed_share));
   }
+  if (num_sinks < 0 || (num_sinks > 0 && (sinks.element_type() != ffi::DataType::F32 ||
+                                           sinks.dimensions().size() != 2 || sinks.dimensions()[0] != qd[1] ||
+                                           sinks.dimensions()[1] != num_sinks))) {
+    return invalid("sinks must be float32 [query heads = " + std::to_string(qd[1]) + ", num_sinks = " +
+                   std::to_string(num_sinks) + "], got " + shape_text(sinks));
+  }
+  if (!(softcap >= 0.f) || std::isinf(softcap) || window_left < -1) {
+    return invalid("softcap must be finite and >= 0 (0: off) and window_left >= -1 (-1: no window), got " +
+                   std::to_string(softcap) + ", " + std::to_string(window_left));
+  }
   if (qd[0] == 0) return ffi::Error::Success();
   PagedParams params;
   params.packed_share = packed_share;
@@ -684,6 +756,10 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
   params.pages_per_seq = static_cast<int>(td[1]);
   params.max_num_seqs = static_cast<int>(sd[0]);
   params.softmax_scale = softmax_scale;
+  params.softcap = softcap;
+  params.window_left = window_left;
+  params.sinks = num_sinks > 0 ? static_cast<const float*>(sinks.untyped_data()) : nullptr;
+  params.num_sinks = num_sinks;
   cudaError_t error = queries.element_type() == ffi::DataType::BF16
                           ? launch_paged_forward<__nv_bfloat16, kPagedHeadDim>(stream, params, queries.untyped_data(),
                                                                                kv_pages.untyped_data())
@@ -705,8 +781,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EjkPagedForward, ejk::paged_forward_handler,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // block_tables
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // query_start_loc
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        // num_seqs
+                                  .Arg<xla::ffi::AnyBuffer>()                    // sinks f32 [Hq, num_sinks]
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("packed_share")
+                                  .Attr<float>("softcap")        // 0: off
+                                  .Attr<int32_t>("window_left")  // -1: no window
+                                  .Attr<int32_t>("num_sinks")    // 0: none (sinks then unread)
                                   .Ret<xla::ffi::AnyBuffer>()                    // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()        // work: counter, split descriptors
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());      // split partials: scratch

@@ -3,16 +3,19 @@ paged_forward.cu``, sm_90a), bound through the XLA FFI as ``EjkPagedForward``.
 
 The FFI contract: ``EjkPagedForward(queries [T, Hq, 128], kv_pages [P, page_size, 2 * Hkv, 128] (queries'
 dtype, K/V interleaved on axis 2), context_lens int32 [S], block_tables int32 [S, pages_per_seq],
-query_start_loc int32 [S + 1], num_seqs int32 [1]) -> (out [T, Hq, 128], work int32 [WORK_INTS], partials float32
-[SPLIT_SLOTS, 64, 130])``, attributes ``softmax_scale`` (f32) and ``packed_share`` (i32). The last two results are
-the kernel's scratch (the ticket counter and split-K's pair descriptors, zeroed by the handler; split-K's partial
-tiles), allocated by XLA and ignored. Causal within each sequence (the operation's definition); rows past
-``query_start_loc[num_seqs]`` are zeros.
+query_start_loc int32 [S + 1], num_seqs int32 [1], sinks float32 [Hq, max(num_sinks, 1)]) -> (out [T, Hq, 128],
+work int32 [WORK_INTS], partials float32 [SPLIT_SLOTS, 64, 130])``, attributes ``softmax_scale`` (f32),
+``packed_share`` (i32), ``softcap`` (f32, 0: off), ``window_left`` (i32: a query at position p sees keys
+[p - window_left, p]; -1: no window) and ``num_sinks`` (i32, 0: none, the sinks buffer unread). The last two
+results are the kernel's scratch (the ticket counter and split-K's pair descriptors, zeroed by the handler;
+split-K's partial tiles), allocated by XLA and ignored. Causal within each sequence (the operation's
+definition); rows past ``query_start_loc[num_seqs]`` are zeros.
 
 Taken: bfloat16/float16, head_dim 128, page sizes that are multiples of 64, GQA/MQA, any ``softmax_scale > 0``,
-on a GPU of compute capability 9.0 with the native library built. Refused (``UnsupportedFeature``, before
-anything compiles): soft cap, sliding window, attention sinks (``softmax_aux``), quantized pages or scales,
-other dtypes, head dims and page sizes, no such GPU, the library missing. Forward-only (a gradient raises
+logits soft cap, sliding window (``sliding_window`` = W keys, the query's own included: ``window_left = W - 1``),
+attention sinks (``softmax_aux`` [Hq] or [Hq, num_sinks]), on a GPU of compute capability 9.0 with the native
+library built. Refused (``UnsupportedFeature``, before anything compiles): quantized pages or scales, other
+dtypes, head dims and page sizes, no such GPU, the library missing. Forward-only (a gradient raises
 ``UnsupportedFeature``); ``jax.vmap`` runs one launch per element of the mapped axis (``ffi_call``'s
 ``vmap_method="sequential"``).
 
@@ -105,14 +108,8 @@ def refusal(call: RaggedPageAttentionCall, *, check_device: bool = True) -> str 
     """Why the paged kernel cannot take ``call`` here, or None: the call's features first (named on any
     machine), then the GPU and the library (``check_device=False``: the call alone)."""
     queries, kv_pages = call.queries, call.kv_pages
-    for given, feature in (
-        (call.logits_soft_cap is not None, "logits_soft_cap"),
-        (call.sliding_window is not None, "sliding_window"),
-        (call.softmax_aux is not None, "softmax_aux (attention sinks)"),
-        (call.key_scale is not None or call.value_scale is not None, "key_scale/value_scale (quantized pages)"),
-    ):
-        if given:
-            return f"{feature} is not supported"
+    if call.key_scale is not None or call.value_scale is not None:
+        return "key_scale/value_scale (quantized pages) is not supported"
     if kv_pages.dtype != queries.dtype:
         return f"kv_pages dtype {kv_pages.dtype} (quantized pages) is not supported (the queries' dtype)"
     if queries.dtype not in DTYPES:
@@ -142,18 +139,20 @@ def check_supported(call: RaggedPageAttentionCall, *, check_device: bool = True)
 
 
 @functools.lru_cache(maxsize=None)
-def _paged_call(scale: float, packed_share: int):
-    """The FFI call for one softmax scale and schedule: forward-only, vmapped by one launch per element."""
+def _paged_call(scale: float, packed_share: int, softcap: float, window_left: int, num_sinks: int):
+    """The FFI call for one softmax scale, schedule, soft cap (0: off), window (-1: none) and sink count (0:
+    none): forward-only, vmapped by one launch per element."""
 
-    def forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs):
+    def forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks):
         # the second and third results are the kernel's scratch (module docstring), allocated by XLA: the work
         # buffer (ticket counter, split-K's descriptors: zeroed by the handler before the launch) and split-K's
         # partial tiles (static size: the kernel bounds its slots)
         results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype), jax.ShapeDtypeStruct((WORK_INTS,), jnp.int32),
                    jax.ShapeDtypeStruct((SPLIT_SLOTS, SPLIT_SLOT_ROWS, HEAD_DIM + 2), jnp.float32))
         out, _, _ = jax.ffi.ffi_call(_native.PAGED_TARGET, results, vmap_method="sequential")(
-            queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, softmax_scale=np.float32(scale),
-            packed_share=np.int32(packed_share))
+            queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks,
+            softmax_scale=np.float32(scale), packed_share=np.int32(packed_share), softcap=np.float32(softcap),
+            window_left=np.int32(window_left), num_sinks=np.int32(num_sinks))
         return out
 
     @jax.custom_vjp
@@ -167,15 +166,25 @@ def _paged_call(scale: float, packed_share: int):
     return attend
 
 
-def paged_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, *, scale: float,
+def paged_attention(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks=None, *,
+                    scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
                     config: CudaPagedConfig = CudaPagedConfig()):
-    """The kernel on the FFI contract's arrays (module docstring); the targets registered first."""
+    """The kernel on the FFI contract's arrays (module docstring); the targets registered first. ``sinks``:
+    ``[Hq]`` or ``[Hq, num_sinks]`` logits joining every row's softmax denominator; ``soft_cap``:
+    ``c * tanh(logit / c)``; ``sliding_window``: each query sees at most this many keys, itself included."""
     _native.ensure_registered()
     if queries.shape[0] == 0:
         return queries
-    return _paged_call(float(scale), config.packed_share)(queries, kv_pages, context_lens.astype(jnp.int32),
-                                     block_tables.astype(jnp.int32), query_start_loc.astype(jnp.int32),
-                                     jnp.reshape(num_seqs, (1,)).astype(jnp.int32))
+    heads = queries.shape[1]
+    if sinks is None:
+        num_sinks, sinks = 0, jnp.zeros((heads, 1), jnp.float32)  # unread (num_sinks = 0)
+    else:
+        sinks = jnp.reshape(sinks, (heads, -1)).astype(jnp.float32)
+        num_sinks = sinks.shape[1]
+    window_left = -1 if sliding_window is None else int(sliding_window) - 1
+    call = _paged_call(float(scale), config.packed_share, float(soft_cap or 0.0), window_left, num_sinks)
+    return call(queries, kv_pages, context_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
+                query_start_loc.astype(jnp.int32), jnp.reshape(num_seqs, (1,)).astype(jnp.int32), sinks)
 
 
 class CudaRaggedPageAttention(Implementation[RaggedPageAttentionCall, CudaPagedConfig]):
@@ -191,13 +200,14 @@ class CudaRaggedPageAttention(Implementation[RaggedPageAttentionCall, CudaPagedC
         return CudaPagedConfig()
 
     def candidate_configs(self, call: RaggedPageAttentionCall) -> Sequence[CudaPagedConfig]:
-        # shares 3-5 measured within the run-to-run noise of each other on the mixed batch (NOTES.md)
+        # the mixed batch's schedules worth trying: 3 measured best on an H100, 3-5 tied on an H200 (NOTES.md)
         return tuple(CudaPagedConfig(packed_share=share) for share in (3, 4, 5))
 
     def __call__(self, call: RaggedPageAttentionCall, config: CudaPagedConfig) -> jax.Array:
         check_supported(call)
         return paged_attention(call.queries, call.kv_pages, call.context_lens, call.block_tables,
-                               call.query_start_loc, call.num_seqs, scale=call.softmax_scale, config=config)
+                               call.query_start_loc, call.num_seqs, call.softmax_aux, scale=call.softmax_scale,
+                               soft_cap=call.logits_soft_cap, sliding_window=call.sliding_window, config=config)
 
 
 IMPLEMENTATION = CudaRaggedPageAttention()
