@@ -147,13 +147,8 @@ def main() -> None:
         sequences = mixed_sequences(part, **MIXED)
         sets = [mixed_inputs(jax.random.key(i), sequences, heads, kv_heads, d, args.page_size, jnp.bfloat16, i)[0]
                 for i in range(args.sets)]
-        queries = sets[0]["queries"]
-        results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype),
-                   jax.ShapeDtypeStruct((paged.WORK_INTS,), jnp.int32),
-                   jax.ShapeDtypeStruct((paged.SPLIT_SLOTS, paged.SPLIT_SLOT_ROWS, paged.HEAD_DIM + 2), jnp.float32))
-        call = jax.ffi.ffi_call(_native.PAGED_TARGET, results)
-        step = jax.jit(lambda *a: call(*a, softmax_scale=np.float32(1 / math.sqrt(d)),
-                                       packed_share=np.int32(args.share)))
+        no_sinks = jnp.zeros((heads, 1), jnp.float32)  # the plain variant: no soft cap, window or sinks
+        step = jax.jit(lambda *a: paged.paged_ffi_call(*a, no_sinks, scale=1 / math.sqrt(d), packed_share=args.share))
         calls = args.calls
         jax.block_until_ready(step(*(sets[0][n] for n in MIXED_ARGUMENTS)))  # compiled
         dispatched = time.perf_counter()

@@ -138,22 +138,28 @@ def check_supported(call: RaggedPageAttentionCall, *, check_device: bool = True)
         raise UnsupportedFeature(f"{NAME}: {reason}")
 
 
+def paged_ffi_call(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks, *, scale: float,
+                   packed_share: int, softcap: float = 0.0, window_left: int = -1, num_sinks: int = 0):
+    """The FFI call on the contract's arrays (module docstring: int32 indices, float32 sinks [Hq, max(num_sinks,
+    1)]): (out, work, partials). The last two are the kernel's scratch, allocated by XLA: the work buffer (ticket
+    counter, split-K's descriptors: zeroed by the handler before the launch) and split-K's partial tiles (static
+    size: the kernel bounds its slots); benchmarks/experiments/cuda_paged_timeline.py reads them."""
+    results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype), jax.ShapeDtypeStruct((WORK_INTS,), jnp.int32),
+               jax.ShapeDtypeStruct((SPLIT_SLOTS, SPLIT_SLOT_ROWS, HEAD_DIM + 2), jnp.float32))
+    return jax.ffi.ffi_call(_native.PAGED_TARGET, results, vmap_method="sequential")(
+        queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks,
+        softmax_scale=np.float32(scale), packed_share=np.int32(packed_share), softcap=np.float32(softcap),
+        window_left=np.int32(window_left), num_sinks=np.int32(num_sinks))
+
+
 @functools.lru_cache(maxsize=None)
 def _paged_call(scale: float, packed_share: int, softcap: float, window_left: int, num_sinks: int):
     """The FFI call for one softmax scale, schedule, soft cap (0: off), window (-1: none) and sink count (0:
     none): forward-only, vmapped by one launch per element."""
 
-    def forward(queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks):
-        # the second and third results are the kernel's scratch (module docstring), allocated by XLA: the work
-        # buffer (ticket counter, split-K's descriptors: zeroed by the handler before the launch) and split-K's
-        # partial tiles (static size: the kernel bounds its slots)
-        results = (jax.ShapeDtypeStruct(queries.shape, queries.dtype), jax.ShapeDtypeStruct((WORK_INTS,), jnp.int32),
-                   jax.ShapeDtypeStruct((SPLIT_SLOTS, SPLIT_SLOT_ROWS, HEAD_DIM + 2), jnp.float32))
-        out, _, _ = jax.ffi.ffi_call(_native.PAGED_TARGET, results, vmap_method="sequential")(
-            queries, kv_pages, context_lens, block_tables, query_start_loc, num_seqs, sinks,
-            softmax_scale=np.float32(scale), packed_share=np.int32(packed_share), softcap=np.float32(softcap),
-            window_left=np.int32(window_left), num_sinks=np.int32(num_sinks))
-        return out
+    def forward(*arrays):
+        return paged_ffi_call(*arrays, scale=scale, packed_share=packed_share, softcap=softcap,
+                              window_left=window_left, num_sinks=num_sinks)[0]
 
     @jax.custom_vjp
     def attend(*arrays):
