@@ -119,8 +119,9 @@ __device__ __forceinline__ void clear_value_rows(T* tile, int from, int group, i
 // give 0 * NaN = NaN.
 // SplitBlocks: the two warpgroups hold the same rows and split the key blocks instead (warpgroup g takes blocks
 // g, g + 2, ...: each block has one consumer and each full barrier one reader), taking no turns; the caller
-// merges their rows (merge_split_rows). rows_per_query: the 64 tile rows hold that many rows per query (query row_begin +
-// tile row / rows_per_query: the query heads of one kv head packed into one tile).
+// merges their rows (merge_split_rows). rows_per_query: the 64 tile rows hold that many rows per query (query
+// row_begin + tile row / rows_per_query, head `head` + tile row % rows_per_query: the query heads of one kv head
+// packed into one tile).
 // Returns with every product complete and every stage released.
 template <class T, int D, int BN, bool Capped, class Shared, bool ClearValueTail = false, bool SplitBlocks = false>
 __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem& problem, const Extras& extras,

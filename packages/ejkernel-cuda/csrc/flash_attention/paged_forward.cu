@@ -462,9 +462,10 @@ __device__ __forceinline__ void store_split_partial(const PagedParams& params, c
 
 #ifdef EJK_PAGED_TIMELINE
 // EJK_PAGED_TIMELINE (an experiment build's -D flag, off in the package): each item's SM, kind, key blocks,
-// start / end (%globaltimer, ns) and SM clock cycles over it (clock64: their ratio is the SM's clock) are written as a TimelineRecord to the last kTimelineRecords records' worth of
-// the split partials (free unless split-K fills more than ~490 of its 528 slots); the record index is the work
-// buffer's fourth int. Read by benchmarks/experiments/cuda_paged_timeline.py.
+// start / end (%globaltimer, ns) and SM clock cycles over it (clock64: their ratio is the SM's clock) are
+// written as a TimelineRecord to the last kTimelineRecords records' worth of the split partials (free unless
+// split-K fills more than ~490 of its 528 slots); the record index is the work buffer's fourth int. Read by
+// benchmarks/experiments/cuda_paged_timeline.py.
 struct TimelineRecord {
   long long start, end;
   int sm, packed, blocks, cycles;
