@@ -86,21 +86,21 @@ def _functions(sass: str) -> dict[str, str]:
 
 @needs_nvcc
 def test_library_holds_the_paged_kernel_with_wgmma_and_tma_without_local_memory():
-    """The twelve instantiations (bf16, fp16; D = 128; 2 and 3 K/V stages; plain, window / sinks, soft-capped)
+    """The 24 instantiations (bf16, fp16; D = 64, 128; 2 and 3 K/V stages; plain, window / sinks, soft-capped)
     are in the library: warpgroup MMAs (HGMMA), TMA loads (UTMALDG), 16-byte global stores for the masked output
     (no TMA store), and no local memory (spills would be there)."""
     assert _native.library_missing() is None, _native.library_missing()
     kernels = {name: body for name, body in _functions(cuobjdump("-sass", str(_native.LIBRARY_PATH))).items()
                if KERNEL in name}
-    assert len(kernels) == 12, list(kernels)
-    assert len(re.findall(rf"Function : \S*{COMBINE}", cuobjdump("-sass", str(_native.LIBRARY_PATH)))) == 2
+    assert len(kernels) == 24, list(kernels)
+    assert len(re.findall(rf"Function : \S*{COMBINE}", cuobjdump("-sass", str(_native.LIBRARY_PATH)))) == 4
     for name, body in kernels.items():
         found = mnemonics(body)
         assert {"HGMMA", "UTMALDG", "STG"} <= found, (name, sorted(found))
         assert "UTMASTG" not in found, name
     usage = cuobjdump("-res-usage", str(_native.LIBRARY_PATH))
     lines = re.findall(rf"Function \S*{KERNEL}\S*:\s*\n?\s*(REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+)", usage)
-    assert len(lines) == 12, usage[:2000]
+    assert len(lines) == 24, usage[:2000]
     for line in lines:
         assert "STACK:0 " in line and line.endswith("LOCAL:0"), line
 
@@ -120,7 +120,7 @@ def _build_flags() -> list[str]:
 
 @needs_nvcc
 def test_ptxas_reports_no_spills_for_the_paged_kernel(tmp_path):
-    """``ptxas -v`` of paged_forward.cu alone: all twelve instantiations at the pipeline's 168 registers (384 threads,
+    """``ptxas -v`` of paged_forward.cu alone: all 24 instantiations at the pipeline's 168 registers (384 threads,
     one CTA per SM; the producer's setmaxnreg.dec to 40 and the consumers' inc to 232 fit that pool), no
     stack, no spill, and no "Potential Performance Loss" (ptxas ignoring setmaxnreg because a role's code needs
     more registers than its budget, or serializing wgmma for want of registers: both happened to the persistent
@@ -132,7 +132,7 @@ def test_ptxas_reports_no_spills_for_the_paged_kernel(tmp_path):
     report = result.stderr + result.stdout
     entries = re.findall(rf"Function properties for (\S*{KERNEL}\S*)\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
                          rf"stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", report)
-    assert len(entries) == 12, report[-4000:]
+    assert len(entries) == 24, report[-4000:]
     for name, stack, stores, loads, registers in entries:
         assert (stack, stores, loads, registers) == ("0", "0", "0", "168"), (name, stack, stores, loads, registers)
     assert "Potential Performance Loss" not in report, report
@@ -272,7 +272,7 @@ def test_split_slots_stay_in_the_scratch_at_the_worst_counts():
     (dict(key_scale=0.5), {}, r"key_scale/value_scale \(quantized pages\)"),
     (dict(), dict(kv_dtype=jnp.float8_e4m3fn), "kv_pages dtype float8_e4m3fn"),
     (dict(), dict(dtype=jnp.float32), "dtype float32 is not supported"),
-    (dict(), dict(dim=64), r"head_dim 64 is not supported \(only 128\)"),
+    (dict(), dict(dim=32), r"head_dim 32 is not supported \(only 64 or 128\)"),
     (dict(), dict(dim=256), r"head_dim 256 is not supported"),
     (dict(), dict(page_size=16), "page_size 16 is not supported"),
     (dict(), dict(page_size=96), "page_size 96 is not supported"),
@@ -297,6 +297,7 @@ def test_refuses_more_sequence_slots_than_its_table_holds(monkeypatch):
 @pytest.mark.parametrize("kw,call_kw", [
     (dict(), {}), (dict(dtype=jnp.float16), {}), (dict(page_size=128), {}), (dict(page_size=192), {}),
     (dict(heads=8, kv_heads=8), {}), (dict(heads=8, kv_heads=1), {}), (dict(heads=32, kv_heads=8), {}),
+    (dict(dim=64), {}), (dict(dim=64, dtype=jnp.float16, heads=16, kv_heads=2), dict(sliding_window=128)),
     (dict(), dict(logits_soft_cap=30.0)), (dict(), dict(sliding_window=64)),
     (dict(), dict(logits_soft_cap=50.0, sliding_window=1)), (dict(sinks=(8,)), {}), (dict(sinks=(8, 3)), {}),
 ])
@@ -473,6 +474,30 @@ def test_split_keys_with_soft_cap_window_or_sinks_match_the_reference(soft_cap, 
     out = run_cuda(poisoned_past_contexts(inputs), **kw)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert_close(out, reference(inputs, **kw), dtype="bfloat16")
+
+
+@gpu
+@pytest.mark.usefixtures("paged_gpu")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("sequences,heads,kv_heads,features", [
+    # gpt-oss's shape of attention: head_dim 64, 8 query heads per kv head, sinks, a 128-key window
+    ([(300, 1000), (1, 517), (0, 64), (8, 700), (1, 1), (9, 90)], 16, 2, dict(sinks=(16,), sliding_window=128)),
+    ([(200, 600), (1, 600), (3, 300)], 16, 2, {}),
+    ([(1, 20000), (1, 9000)], 16, 2, dict(logits_soft_cap=30.0)),  # split key chunks
+    ([(65, 70), (1, 1), (333, 900)], 8, 8, dict(sliding_window=100)),
+])
+def test_head_dim_64_matches_the_reference(dtype, sequences, heads, kv_heads, features):
+    """Head dim 64 (one 128-byte panel per row; split-K's slots use the first 64 columns), with and without the
+    optional features."""
+    inputs = batch(sequences, heads=heads, kv_heads=kv_heads, dim=64, dtype=jnp.dtype(dtype), inactive=1,
+                   padding=3, seed=51)
+    kw = dict(features)
+    if "sinks" in kw:
+        inputs["softmax_aux"] = 2.0 * jax.random.normal(jax.random.key(5), kw.pop("sinks"), jnp.float32)
+    out = run_cuda(poisoned_past_contexts(inputs), softmax_scale=0.125, **kw)
+    used = int(inputs["query_start_loc"][len(sequences)])
+    np.testing.assert_array_equal(np.asarray(out[used:], np.float32), 0.0)
+    assert_close(out, reference(inputs, softmax_scale=0.125, **kw), dtype=dtype)
 
 
 @gpu

@@ -69,7 +69,7 @@ constexpr int kPagedProducerRegisters = 40;
 constexpr int kPagedConsumerRegisters = 232;
 // Split-K (see the header): the scratch holds kSplitSlots partial tiles; splitting aims at split_target =
 // min(2 * SMs, kSplitSlots / 2) items, and the items it makes stay below 2 * split_target (build_paged_table).
-constexpr int kPagedHeadDim = 128;               // the only head dim compiled (sizes the scratch's slots)
+constexpr int kPagedHeadDim = 128;               // the largest head dim compiled (64 and 128; sizes the slots)
 constexpr int kSplitSlots = 4 * 132;             // 2 x split_target on a 132-SM H100 / H200
 constexpr int kMaxSplits = 16;                   // chunks per packed tile at most
 constexpr int kMinSplitKeys = 8 * kPagedBlockKeys;  // keys per chunk at least: shorter ones cost more than they save
@@ -437,7 +437,7 @@ __device__ __forceinline__ void store_paged_rows(const PagedParams& params, cons
 template <int D>
 __device__ __forceinline__ void store_split_partial(const PagedParams& params, const PagedItem& item, int t,
                                                     const ConsumerRows<D>& rows) {
-  static_assert(D == kPagedHeadDim, "the scratch's slots are sized for the compiled head dim");
+  static_assert(D <= kPagedHeadDim, "the scratch's slots are sized for the largest compiled head dim");
   const float sum_a = quad_sum(rows.sum_a), sum_b = quad_sum(rows.sum_b);
   const int used = item.q_len * paged_group(params);
   const int row_a = fragment_row(t), row_b = row_a + 8;
@@ -698,10 +698,11 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
       (queries.element_type() != ffi::DataType::BF16 && queries.element_type() != ffi::DataType::F16)) {
     return invalid("queries and kv_pages must both be bfloat16 or both float16");
   }
-  if (qd[2] != kPagedHeadDim || kd[3] != kPagedHeadDim || kd[1] % kPagedChunk != 0 || kd[1] == 0 ||
+  if ((qd[2] != 64 && qd[2] != 128) || kd[3] != qd[2] || kd[1] % kPagedChunk != 0 || kd[1] == 0 ||
       kd[2] % 2 != 0 || kd[2] == 0 || qd[1] % (kd[2] / 2) != 0 || kd[0] == 0) {
     return invalid("queries " + shape_text(queries) + " and kv_pages " + shape_text(kv_pages) +
-                   " need head dim 128, a page size that is a multiple of 64, kv heads dividing the query heads");
+                   " need head dim 64 or 128, a page size that is a multiple of 64, kv heads dividing the query "
+                   "heads");
   }
   auto sd = context_lens.dimensions(), td = block_tables.dimensions(), ld = query_start_loc.dimensions();
   if (sd.size() != 1 || td.size() != 2 || td[0] != sd[0] || ld.size() != 1 || ld[0] != sd[0] + 1 ||
@@ -761,11 +762,12 @@ ffi::Error paged_forward_handler(cudaStream_t stream, ffi::AnyBuffer queries, ff
   params.window_left = window_left;
   params.sinks = num_sinks > 0 ? static_cast<const float*>(sinks.untyped_data()) : nullptr;
   params.num_sinks = num_sinks;
-  cudaError_t error = queries.element_type() == ffi::DataType::BF16
-                          ? launch_paged_forward<__nv_bfloat16, kPagedHeadDim>(stream, params, queries.untyped_data(),
-                                                                               kv_pages.untyped_data())
-                          : launch_paged_forward<__half, kPagedHeadDim>(stream, params, queries.untyped_data(),
-                                                                        kv_pages.untyped_data());
+  const bool bf16 = queries.element_type() == ffi::DataType::BF16, wide = qd[2] == 128;
+  const void *q = queries.untyped_data(), *kv = kv_pages.untyped_data();
+  cudaError_t error = bf16 ? (wide ? launch_paged_forward<__nv_bfloat16, 128>(stream, params, q, kv)
+                                   : launch_paged_forward<__nv_bfloat16, 64>(stream, params, q, kv))
+                           : (wide ? launch_paged_forward<__half, 128>(stream, params, q, kv)
+                                   : launch_paged_forward<__half, 64>(stream, params, q, kv));
   return cuda_error(error, "paged kernel launch");
 }
 

@@ -1,9 +1,9 @@
 """``ragged_page_attention`` on our own Hopper paged flash-attention forward (``csrc/flash_attention/
 paged_forward.cu``, sm_90a), bound through the XLA FFI as ``EjkPagedForward``.
 
-The FFI contract: ``EjkPagedForward(queries [T, Hq, 128], kv_pages [P, page_size, 2 * Hkv, 128] (queries'
-dtype, K/V interleaved on axis 2), context_lens int32 [S], block_tables int32 [S, pages_per_seq],
-query_start_loc int32 [S + 1], num_seqs int32 [1], sinks float32 [Hq, max(num_sinks, 1)]) -> (out [T, Hq, 128],
+The FFI contract: ``EjkPagedForward(queries [T, Hq, D], kv_pages [P, page_size, 2 * Hkv, D] (D = 64 or 128;
+queries' dtype, K/V interleaved on axis 2), context_lens int32 [S], block_tables int32 [S, pages_per_seq],
+query_start_loc int32 [S + 1], num_seqs int32 [1], sinks float32 [Hq, max(num_sinks, 1)]) -> (out [T, Hq, D],
 work int32 [WORK_INTS], partials float32 [SPLIT_SLOTS, 64, 130])``, attributes ``softmax_scale`` (f32),
 ``packed_share`` (i32), ``softcap`` (f32, 0: off), ``window_left`` (i32: a query at position p sees keys
 [p - window_left, p]; -1: no window) and ``num_sinks`` (i32, 0: none, the sinks buffer unread). The last two
@@ -11,7 +11,7 @@ results are the kernel's scratch (the ticket counter and split-K's pair descript
 split-K's partial tiles), allocated by XLA and ignored. Causal within each sequence (the operation's
 definition); rows past ``query_start_loc[num_seqs]`` are zeros.
 
-Taken: bfloat16/float16, head_dim 128, page sizes that are multiples of 64, GQA/MQA, any ``softmax_scale > 0``,
+Taken: bfloat16/float16, head_dim 64 or 128, page sizes that are multiples of 64, GQA/MQA, any ``softmax_scale > 0``,
 logits soft cap, sliding window (``sliding_window`` = W keys, the query's own included: ``window_left = W - 1``),
 attention sinks (``softmax_aux`` [Hq] or [Hq, num_sinks]), on a GPU of compute capability 9.0 with the native
 library built. Refused (``UnsupportedFeature``, before anything compiles): quantized pages or scales, other
@@ -54,7 +54,10 @@ from ejkernel_cuda import _native, native_flash
 
 NAME = "cuda paged flash attention"
 DTYPES = (jnp.bfloat16, jnp.float16)
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128)
+"""Head dims compiled (queries, keys and values alike)."""
+HEAD_DIM = max(HEAD_DIMS)
+"""The widest: it sizes split-K's partial tiles (a narrower head dim uses the first columns of a slot)."""
 PAGE_MULTIPLE = 64
 BLOCK_Q = 128
 """Query rows per CTA (two consumer warpgroups of 64): compiled in."""
@@ -114,8 +117,8 @@ def refusal(call: RaggedPageAttentionCall, *, check_device: bool = True) -> str 
         return f"kv_pages dtype {kv_pages.dtype} (quantized pages) is not supported (the queries' dtype)"
     if queries.dtype not in DTYPES:
         return f"dtype {queries.dtype} is not supported (bfloat16 or float16)"
-    if queries.shape[-1] != HEAD_DIM:
-        return f"head_dim {queries.shape[-1]} is not supported (only {HEAD_DIM})"
+    if queries.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {queries.shape[-1]} is not supported (only {' or '.join(map(str, HEAD_DIMS))})"
     page_size = kv_pages.shape[1]
     if page_size % PAGE_MULTIPLE:
         return f"page_size {page_size} is not supported (a multiple of {PAGE_MULTIPLE}: whole TMA boxes of keys)"
