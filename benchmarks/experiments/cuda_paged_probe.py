@@ -6,6 +6,8 @@ process.
 
     python3 benchmarks/experiments/cuda_paged_probe.py [--shares 3,4,5,6] [--parts prefill,decode,mixed]
     (--parts long-decodes: two decode rows over 32k-token contexts; decodes-8x1024: 8 rows over 1024 tokens)
+    [--soft-cap 50] [--window 1024] [--sinks 1] [--heads 64 --kv-heads 8 --head-dim 64]: the optional features
+    and other head shapes (gpt-oss: --heads 64 --kv-heads 8 --head-dim 64 --sinks 1 --window 128)
 
 Prints one JSON line per measurement (microseconds; TFLOP/s of the causal pairs, GB/s of K/V read once);
 ``--out PREFIX`` also writes them with the device, date and versions to PREFIX.json and plots Triton's time over
@@ -49,6 +51,12 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--impls", default="cuda,triton", help="name prefixes to run (cuda, triton, cuda-dense)")
     p.add_argument("--out", default="", help="PREFIX: write PREFIX.json and PREFIX.png too")
+    p.add_argument("--soft-cap", type=float, default=None, help="logits_soft_cap of every call")
+    p.add_argument("--window", type=int, default=None, help="sliding_window of every call")
+    p.add_argument("--sinks", type=int, default=0, help="attention sinks per query head (softmax_aux; 0: none)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=1,
                    help="N > 1: N calls, each on its own cache (a model's layers), in one executable; time per "
                         "call (below ~100 us a single dispatched call times the host, not the kernel)")
@@ -58,21 +66,27 @@ def main() -> None:
     from ejkernel_cuda import native_flash
     from ejkernel_cuda.ragged_page_attention import CudaPagedConfig
 
-    heads, kv_heads, d = 32, 8, 128
+    heads, kv_heads, d = args.heads, args.kv_heads, args.head_dim
     scale = 1 / math.sqrt(d)
+    features = {k: v for k, v in dict(logits_soft_cap=args.soft_cap, sliding_window=args.window).items()
+                if v is not None}
+    # sinks of the scores' size, deterministic
+    sinks = (jnp.linspace(-1.0, 1.0, heads * args.sinks, dtype=jnp.float32).reshape(heads, args.sinks)
+             if args.sinks else None)
     rows = []
     for part in args.parts.split(","):
         sequences = decode_rows(part) or mixed_sequences(part, **MIXED)
-        nbytes, flops = mixed_cost(sequences, heads, kv_heads, d, 2, 2)
+        nbytes, flops = mixed_cost(sequences, heads, kv_heads, d, 2, 2)  # of the whole causal context
         layers = args.layers if args.layers > 1 and nbytes * args.layers <= 16e9 else 1
         sets = [mixed_inputs(jax.random.key(i), sequences, heads, kv_heads, d, args.page_size, jnp.bfloat16, i)
                 for i in range(max(2, layers))]
         impls = {f"cuda[share={share}]": (lambda x, share=int(share): ragged_page_attention(
-            *(x[n] for n in MIXED_ARGUMENTS), softmax_scale=scale, platform="cuda",
-            cfg=CudaPagedConfig(packed_share=share)), [x for x, _ in sets]) for share in args.shares.split(",")}
-        impls["triton"] = (lambda x: ragged_page_attention(*(x[n] for n in MIXED_ARGUMENTS), softmax_scale=scale,
-                                                           platform="triton"), [x for x, _ in sets])
-        if part == "prefill":
+            *(x[n] for n in MIXED_ARGUMENTS), sinks, softmax_scale=scale, platform="cuda",
+            cfg=CudaPagedConfig(packed_share=share), **features), [x for x, _ in sets])
+            for share in args.shares.split(",")}
+        impls["triton"] = (lambda x: ragged_page_attention(*(x[n] for n in MIXED_ARGUMENTS), sinks, softmax_scale=scale,
+                                                           platform="triton", **features), [x for x, _ in sets])
+        if part == "prefill" and not features and sinks is None:
             new, seqs = MIXED["prefill_len"], MIXED["prefills"]
             impls["cuda-dense"] = (lambda x: native_flash.attention(x[0], x[1], x[2], scale, True, None, None),
                                    [(q.reshape(seqs, new, heads, d), k, v) for _, (q, k, v, _, _) in sets])
@@ -87,15 +101,20 @@ def main() -> None:
                 seconds = time_calls(lambda c: step(inputs[c % len(inputs)]), 3, args.reps, 5)
             row = dict(part=part, impl=name, layers=layers, us=seconds * 1e6, tflops=flops / seconds / 1e12,
                        gbps=nbytes / seconds / 1e9)
+            if args.window is not None:  # the window leaves less work than the whole context: no rates
+                row.update(tflops=None, gbps=None)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del sets
     if args.out:
-        report(args.out, rows, args.page_size)
+        described = [f"{heads} q / {kv_heads} kv heads, D = {d}", *(f"{k} {v}" for k, v in features.items())]
+        if args.sinks:
+            described.append(f"{args.sinks} sinks per head")
+        report(args.out, rows, args.page_size, shape=", ".join(described))
 
 
 def report(prefix: str, rows: list[dict], page_size: int, device: str = "", date: str = "",
-           software: str = "") -> None:
+           software: str = "", shape: str = "32 q / 8 kv heads, D = 128") -> None:
     """The rows with the device, date and versions (PREFIX.json), and Triton's time over the first CUDA
     schedule's per part (PREFIX.png). device / date / software: those of the run when the rows come from a log
     (default: this process's)."""
@@ -107,7 +126,7 @@ def report(prefix: str, rows: list[dict], page_size: int, device: str = "", date
     device = device or jax.devices()[0].device_kind
     date = date or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     software = software or ", ".join(f"{name} {version}" for name, version in versions().items())
-    setup = f"32 q / 8 kv heads, D = 128, bfloat16, pages of {page_size} shuffled over the cache"
+    setup = f"{shape}, bfloat16, pages of {page_size} shuffled over the cache"
     Path(f"{prefix}.json").write_text(json.dumps(
         dict(device=device, date=date, versions=software, setup=setup, mixed=MIXED, rows=rows), indent=1))
     parts = list(dict.fromkeys(r["part"] for r in rows))
