@@ -69,9 +69,10 @@ MAX_SEQS = 4096
 PRIORITY = 18
 """Rank under ``platform="auto"``: above Triton (15) and XLA; calls it refuses (module docstring) fall to those.
 Measured (2026-11-27; 32 q / 8 kv heads, D = 128, pages of 64): the mixed batch of ``benchmarks/decode.py``
-1.50 x Triton on an H100 and 1.36 x on an H200; on the H200 in one run (``benchmarks/results/nvidia-h200-2026-
-11-27i-cuda-paged-grid.json``) all-decode batches of 1-64 rows over 512-32k tokens 1.1-4.0 x (64 x 32k: 0.98 x,
-both at the copy bandwidth), 2 rows over 32k 1.43 x."""
+1.47 x Triton on an H100 and 1.32 x on an H200; all-decode batches of 1-64 rows over 512-32k tokens 1.1-4.0 x on
+an H200 (``benchmarks/results/nvidia-h200-2026-11-27i-cuda-paged-grid.json``; 64 x 32k: 0.98 x, both at the copy
+bandwidth) and 1.03-3.6 x on an H100 (``...-h100-2026-11-27j-cuda-paged-grid.json``); with soft cap, window and
+sinks 1.8-2.3 x, gpt-oss's shape (D = 64) 2.6-4.0 x (H100)."""
 
 
 SPLIT_SLOTS = 4 * 132
