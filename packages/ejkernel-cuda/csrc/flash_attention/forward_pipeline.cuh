@@ -109,6 +109,13 @@ __device__ __forceinline__ void clear_value_rows(T* tile, int from, int group, i
   named_sync(3 + group, 128);
 }
 
+// The scores' exponent unit: the consumers keep raw dot products, exponentiated as exp2(s * softmax_scale *
+// log2 e - max * unit), or, soft-capped, capped logits already in log2 units (unit 1). Whoever merges rows kept
+// by consume_key_blocks (merge_split_rows, a split-K combine) exponentiates in the same unit.
+__device__ __forceinline__ float exponent_unit(bool capped, float softmax_scale) {
+  return capped ? 1.f : softmax_scale * 1.4426950408889634f;
+}
+
 // One consumer warpgroup's loop over the key blocks of rows [row_begin, row_end) of `problem` (the CTA's
 // rows; this warpgroup's are [row_begin + 64 * group, + 64)). `head` and `batch` index the extras (sinks,
 // segment ids). Capped: a soft cap is applied (a template parameter, like whether a key block needs the mask:
@@ -139,7 +146,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
   // kept in the same units: the exponent is then one FMA, exp2(s * unit - max * unit).
   const float tanh_scale = problem.softmax_scale / problem.softcap;
   const float cap_log2 = problem.softcap * log2e;
-  const float unit = Capped ? 1.f : problem.softmax_scale * log2e;
+  const float unit = exponent_unit(Capped, problem.softmax_scale);
 
   float* o = rows.o;
 #pragma unroll

@@ -75,7 +75,6 @@ constexpr int kMaxSplits = 16;                   // chunks per packed tile at mo
 constexpr int kMinSplitKeys = 8 * kPagedBlockKeys;  // keys per chunk at least: shorter ones cost more than they save
 constexpr int kSplitSlotFloats = kPackedRows * (kPagedHeadDim + 2);  // O [64][D], then 64 maxima, 64 sums
 constexpr int kCombineThreads = 128;
-constexpr float kLog2e = 1.4426950408889634f;  // scores are exponentiated as exp2(score * softmax_scale * log2 e)
 // The work buffer (int32): the ticket counter in its first 16 bytes, then one int4 per slot, a split pair's
 // descriptor at its first chunk's slot ({splits, q_start, q_len, kv head}; splits 0: none). Zeroed before the
 // launch.
@@ -123,12 +122,6 @@ __device__ __forceinline__ PagedFeatures paged_features(const PagedParams& param
   features.sinks = Extended ? params.sinks : nullptr;
   features.num_sinks = Extended ? params.num_sinks : 0;
   return features;
-}
-
-// The scores' exponent unit: the consumers keep raw dot products (scaled by softmax_scale * log2 e in the
-// exponent) or, soft-capped, capped logits already in log2 units (consume_key_blocks).
-__device__ __forceinline__ float score_unit(float softcap, float softmax_scale) {
-  return softcap > 0.f ? 1.f : softmax_scale * kLog2e;
 }
 
 // Keys a packed tile of q_len rows over kv_len keys may see: the last q_len + window_left with a window.
@@ -569,7 +562,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
                                                                  keys.blocks, item.head * heads, 0, group, t, rows,
                                                                  heads);
         merge_split_rows<T, D, BN>(pipeline, keys.blocks.last - keys.blocks.first, group, t,
-                                   score_unit(features.softcap, params.softmax_scale), rows);
+                                   exponent_unit(features.softcap > 0.f, params.softmax_scale), rows);
         if (group == 0 && item.splits) {  // one chunk of the keys: combine_split_rows_kernel finishes the rows
           store_split_partial<D>(params, item, t, rows);
         } else if (group == 0) {
@@ -601,7 +594,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int splits = pair.x, q_start = pair.y, kv_head = pair.w;
   if (splits == 0) return;
   const int heads = paged_group(params), used = pair.z * heads;
-  const float unit = score_unit(params.softcap, params.softmax_scale);
+  const float unit = exponent_unit(params.softcap > 0.f, params.softmax_scale);
   const float* partials = params.split_partials + static_cast<size_t>(blockIdx.x) * kSplitSlotFloats;
   for (int index = threadIdx.x; index < used * (D / 4); index += kCombineThreads) {
     const int row = index / (D / 4), col = index % (D / 4) * 4;
