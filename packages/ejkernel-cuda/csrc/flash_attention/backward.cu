@@ -32,6 +32,7 @@ struct BackwardParams {
   float* dq_accum;     // [B, Hq, q_chunks, 64 * D] in fragment order (dq_chunk_offset), zeroed; unscaled
   void* dk;            // [B, Sk, Hk, D]
   void* dv;
+  int section;  // grid_tile's order: (kv head, batch) pairs per section
   Problem problem;
   Extras extras;  // the backward reads the segment ids (sinks act through lse alone)
 };
@@ -135,8 +136,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   using Shared = DkvShared<T, D>;
   Shared& shared = aligned_shared<Shared>();
   const Problem& problem = params.problem;
-  const int n_block = blockIdx.x;
-  const int kv_head = blockIdx.y, batch = blockIdx.z;
+  const GridTile tile = grid_tile(gridDim.x, problem.kv_heads * problem.batch, params.section);
+  const int n_block = tile.rank;  // the first keys (the most causal rows) first
+  const int kv_head = tile.pair % problem.kv_heads, batch = tile.pair / problem.kv_heads;
   const int group_size = problem.q_heads / problem.kv_heads;
   const int key_begin = n_block * kDkvKeys;
   const int key_end = min(key_begin + kDkvKeys, problem.kv_len);
@@ -422,6 +424,10 @@ cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const E
   params.dv = dv;
   params.problem = problem;
   params.extras = extras;
+  // causal tiles are uneven; a key tile streams its group's Q and dO and adds into their float32 dQ
+  params.section = grid_section(problem.causal, (2.0 * sizeof(T) + sizeof(float)) * problem.q_len * D *
+                                                    problem.q_heads / problem.kv_heads,
+                                problem.kv_heads * problem.batch);
   const CUtensorMapDataType type = Element<T>::tma_type;
   cudaError_t error;
   auto encode = [&](CUtensorMap* map, const void* data, bool queries, int rows) {

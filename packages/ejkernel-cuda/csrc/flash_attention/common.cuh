@@ -53,6 +53,36 @@ struct Extras {
   const int* kv_segments;    // [B, Sk], or null
 };
 
+// Where a CTA's tile sits in the grid's order. The hardware starts CTAs about in the order of their linear
+// index, so with tiles of uneven work (causal: the query tiles of the last rows, the key tiles of the first
+// keys) pair-by-pair order starts the last (head, batch) pair's heaviest tile near the end, and the other SMs
+// idle while it runs (a list-scheduling tail, modelled at ~6 % of S = 8k causal: NOTES.md). With `section` > 0
+// the order runs in sections of that many pairs: rank 0 (each pair's heaviest tile) of every pair of the
+// section, then rank 1, and so on, so the grid ends on light tiles; a section's pairs are few enough for their
+// K/V to stay in L2 (`grid_section` picks it). section = 0: pair by pair, each pair's tiles by rank.
+struct GridTile {
+  int rank, pair;
+};
+
+__device__ __forceinline__ GridTile grid_tile(int tiles_per_pair, int pairs, int section) {
+  const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (section <= 0) return {linear % tiles_per_pair, linear / tiles_per_pair};
+  const int span = section * tiles_per_pair;
+  const int first = linear / span * section;  // the section's first pair
+  const int width = min(section, pairs - first);  // the last section may be narrower
+  const int within = linear - linear / span * span;
+  return {within / width, first + within % width};
+}
+
+// grid_tile's section for `pairs` pairs of uneven tiles that each stream `bytes_per_pair` through L2 (0 for
+// even tiles: their order does not matter, and pair by pair keeps the fewest pairs in flight).
+inline int grid_section(bool uneven, double bytes_per_pair, int pairs) {
+  constexpr double kSectionBytes = 16.0 * (1 << 20);  // a third of an H100's / H200's L2
+  if (!uneven) return 0;
+  const double fit = kSectionBytes / (bytes_per_pair > 1.0 ? bytes_per_pair : 1.0);
+  return fit < 1.0 ? 1 : (fit > pairs ? pairs : static_cast<int>(fit));
+}
+
 // The keys [lo, hi] row i may see (hi < lo: none), before the block bounds.
 struct RowRange {
   int lo, hi;

@@ -3,7 +3,7 @@
 // One CTA per (128-query tile, query head, batch): the pipeline of forward_pipeline.cuh (a TMA producer
 // warpgroup, two wgmma consumer warpgroups taking turns) over K/V blocks of [B, S, H, D] tensors. The output
 // leaves through the warpgroup's rows of the Q tile and TMA stores. Query tiles are visited from the last one
-// down (the longest causal rows start first).
+// down (the longest causal rows start first), causal ones across (head, batch) pairs in grid_tile's sections.
 #include "flash_attention/forward_pipeline.cuh"
 #include "flash_attention/launch.cuh"
 
@@ -13,6 +13,7 @@ struct ForwardParams {
   CUtensorMap q_map, k_map, v_map;
   CUtensorMap out_map;  // [B, Sq, Hq, D], boxes of 64 rows (one consumer warpgroup's)
   float* lse;  // [B, Hq, Sq]
+  int section;  // grid_tile's order: (query head, batch) pairs per section
   Problem problem;
   Extras extras;
 };
@@ -25,8 +26,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
   using Shared = ForwardShared<T, D, BN>;
   Shared& shared = aligned_shared<Shared>();
   const Problem& problem = params.problem;
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const GridTile tile = grid_tile(gridDim.x, problem.q_heads * problem.batch, params.section);
+  const int m_block = gridDim.x - 1 - tile.rank;  // the longest causal rows first
+  const int head = tile.pair % problem.q_heads, batch = tile.pair / problem.q_heads;
   const int kv_head = head / (problem.q_heads / problem.kv_heads);
   const int row_begin = m_block * kForwardRows;
   const int row_end = min(row_begin + kForwardRows, problem.q_len);
@@ -90,6 +92,10 @@ cudaError_t launch_forward(cudaStream_t stream, const Problem& problem, const Ex
   ForwardParams params;
   params.lse = lse;
   params.problem = problem;
+  // causal tiles are uneven; a query head's K/V is shared by its kv head's group (adjacent in the order)
+  params.section = grid_section(problem.causal, 2.0 * problem.kv_len * D * sizeof(T) * problem.kv_heads /
+                                                    problem.q_heads,
+                                problem.q_heads * problem.batch);
   params.extras = extras;
   const CUtensorMapDataType type = Element<T>::tma_type;
   cudaError_t error;
