@@ -229,7 +229,7 @@ def test_gradient_lowers_to_the_two_custom_calls(monkeypatch, export):
     for attribute in ("causal = true", "window_left = 64 : i64", "window_right = 0 : i64",
                       "softcap = 3.000000e+01 : f32", "softmax_scale = 1.250000e-01 : f32"):
         assert attribute in forward[0] and attribute in backward[0], attribute
-    assert "-> (tensor<2x77x8x128xbf16>, tensor<2x8x77xf32>)" in forward[0]
+    assert "-> (tensor<2x77x8x128xbf16>, tensor<2x8x77xf32>, tensor<1xi32>)" in forward[0]  # + the tile counter
     assert ("tensor<2x8x77xf32>, tensor<2x8x77xf32>, tensor<2x8x0xf32>, tensor<2x0xi32>, tensor<2x0xi32>) -> "
             "(tensor<2x77x8x128xbf16>, tensor<2x300x2x128xbf16>" in backward[0])  # no sinks, no segment ids
     assert "tensor<2x8x128x128xf32>)" in backward[0]  # the dQ workspace: 77 queries rounded up to 64-row chunks
@@ -419,6 +419,46 @@ def test_rows_a_window_leaves_empty_have_infinite_lse_and_zero_output():
         q, k, v)
     assert bool(jnp.all(jnp.isposinf(lse[:, :, :182]))) and bool(jnp.all(jnp.isfinite(lse[:, :, 182:])))
     assert float(jnp.max(jnp.abs(out[:, :182].astype(jnp.float32)))) == 0.0
+
+
+def _attention_float32(q, k, v, causal):
+    """Attention in float32 with ejkernel's causal alignment (query i at key position i + Sk - Sq); rows that see
+    no key give zeros (their gradients too)."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    sq, sk = q.shape[1], k.shape[1]
+    visible = jnp.ones((sq, sk), bool)
+    if causal:
+        visible = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + sk - sq
+    logits = jnp.where(visible, logits, -jnp.inf)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probabilities = weights / jnp.where(total > 0, total, 1.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", probabilities, v)
+
+
+@gpu
+@pytest.mark.usefixtures("native_gpu")
+@pytest.mark.parametrize("sq,sk,causal", [(2048, 2048, True), (2048, 600, True), (2048, 2048, False)])
+def test_persistent_ctas_over_many_tiles_match_float32(sq, sk, causal):
+    """512 query tiles on one CTA per SM: each CTA runs several tiles through one K/V ring, tiles of 1 to 16
+    key blocks in turn (the ring's stages change parity between tiles), and with Sk < Sq causal tiles whose rows
+    see no key (no blocks, no Q load) between them. Forward and every gradient against float32 attention."""
+    q, k, v, do = _inputs(sq + sk + causal, 4, sq, sk, 8, 2, 128, "bfloat16")
+
+    def run(q, k, v, do, attend):
+        out, pullback = jax.vjp(attend, q, k, v)
+        return (out, *pullback(do))
+
+    got = jax.jit(run, static_argnums=4)(
+        q, k, v, do, lambda q, k, v: flash_attention(q, k, v, causal=causal, cfg=CudaFlashConfig("native")))
+    want = jax.jit(run, static_argnums=4)(q, k, v, do.astype(jnp.float32),
+                                          lambda q, k, v: _attention_float32(q, k, v, causal))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(g, w.astype(jnp.float32), dtype=jnp.bfloat16, gradient=name != "out", name=name)
 
 
 @gpu

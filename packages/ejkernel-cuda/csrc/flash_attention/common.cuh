@@ -53,25 +53,31 @@ struct Extras {
   const int* kv_segments;    // [B, Sk], or null
 };
 
-// Where a CTA's tile sits in the grid's order. The hardware starts CTAs about in the order of their linear
-// index, so with tiles of uneven work (causal: the query tiles of the last rows, the key tiles of the first
-// keys) pair-by-pair order starts the last (head, batch) pair's heaviest tile near the end, and the other SMs
-// idle while it runs (a list-scheduling tail, modelled at ~6 % of S = 8k causal: NOTES.md). With `section` > 0
-// the order runs in sections of that many pairs: rank 0 (each pair's heaviest tile) of every pair of the
-// section, then rank 1, and so on, so the grid ends on light tiles; a section's pairs are few enough for their
-// K/V to stay in L2 (`grid_section` picks it). section = 0: pair by pair, each pair's tiles by rank.
+// Where the tile of index `linear` sits in the order tiles start in (a grid's CTAs start about in the order of
+// their linear index; a persistent kernel hands its tiles out in it). With tiles of uneven work (causal: the
+// query tiles of the last rows, the key tiles of the first keys) pair-by-pair order starts the last (head,
+// batch) pair's heaviest tile near the end, and the other SMs idle while it runs (a list-scheduling tail,
+// modelled at ~6 % of S = 8k causal: NOTES.md). With `section` > 0 the order runs in sections of that many
+// pairs: rank 0 (each pair's heaviest tile) of every pair of the section, then rank 1, and so on, so the work
+// ends on light tiles; a section's pairs are few enough for their K/V to stay in L2 (`grid_section` picks it).
+// section = 0: pair by pair, each pair's tiles by rank.
 struct GridTile {
   int rank, pair;
 };
 
-__device__ __forceinline__ GridTile grid_tile(int tiles_per_pair, int pairs, int section) {
-  const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+__device__ __forceinline__ GridTile tile_at(int linear, int tiles_per_pair, int pairs, int section) {
   if (section <= 0) return {linear % tiles_per_pair, linear / tiles_per_pair};
   const int span = section * tiles_per_pair;
   const int first = linear / span * section;  // the section's first pair
   const int width = min(section, pairs - first);  // the last section may be narrower
   const int within = linear - linear / span * span;
   return {within / width, first + within % width};
+}
+
+// The tile of this CTA when the grid has one CTA per tile, in its linear index's order.
+__device__ __forceinline__ GridTile grid_tile(int tiles_per_pair, int pairs, int section) {
+  const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  return tile_at(linear, tiles_per_pair, pairs, section);
 }
 
 // grid_tile's section for `pairs` pairs of uneven tiles that each stream `bytes_per_pair` through L2 (0 for

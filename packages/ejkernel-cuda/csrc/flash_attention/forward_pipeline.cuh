@@ -20,6 +20,15 @@ namespace ejk {
 constexpr int kForwardRows = 128;  // query rows per CTA (two consumer warpgroups of 64)
 constexpr int kForwardStages = 2;
 constexpr int kForwardThreads = 384;
+// Registers per thread of the two roles of a persistent forward (dense and paged) after setmaxnreg. The CTA's
+// pool is what the launch gave it (168 per thread: 384 threads, one CTA per SM): the consumers' increase waits
+// for registers the producer released, so a budget above the pool hangs the kernel. 24 / 240 (a one-tile CTA's)
+// leave the producer's tile loop too few (it spills, or ptxas ignores setmaxnreg and serializes the wgmma);
+// 40 / 232 fit both roles without spills.
+constexpr int kPersistentProducerRegisters = 40;
+constexpr int kPersistentConsumerRegisters = 232;
+static_assert(128 * kPersistentProducerRegisters + 256 * kPersistentConsumerRegisters <= 168 * kForwardThreads,
+              "the roles' registers must fit the CTA's allocation");
 
 // Stages: K/V blocks in flight (the dense forward's 2; the paged kernel takes 3 where shared memory allows).
 // Full barriers: one per stage, and with an odd stage count one per stage and reader parity (kFullPeriod =
@@ -62,25 +71,38 @@ __device__ __forceinline__ void init_forward_barriers(Shared& shared, int consum
 // flight while the producer waits for a free stage); load_kv(bar, tile, where, value) loads its keys (value =
 // false) or values into a tile of BN rows. Each load must complete exactly the bytes of its tile (rows out of
 // bounds arrive as zeros and count). split_blocks: the consumers split the blocks (SplitBlocks): block `it`
-// signals full barrier it % kFullPeriod.
+// signals full barrier it % kFullPeriod. A persistent CTA's tiles run on through the ring: block_base counts
+// the blocks of its earlier tiles (the consumers pass the same); q_free (with the parity of the completion to
+// await) is the barrier that says the previous tile's Q is released, and the Q load then follows the first key
+// block's, so that block is in flight while the producer waits. The wait comes before q_full's arrival: a tile
+// of one block lets the producer reach the next tile's Q before this one's has landed, and a second arrival in
+// the phase would complete it early.
 template <class T, int D, int BN, class Shared, class LoadQ, class Locate, class LoadKV>
 __device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBlocks& blocks, LoadQ&& load_q,
                                                    Locate&& locate, LoadKV&& load_kv,
                                                    uint32_t q_bytes = kForwardRows * D * sizeof(T),
-                                                   bool split_blocks = false) {
+                                                   bool split_blocks = false, int block_base = 0,
+                                                   Barrier* q_free = nullptr, int q_free_phase = 0) {
   constexpr int stages = Shared::kStages;
   const int num_blocks = blocks.last - blocks.first;
-  barrier_expect(&shared.q_full, q_bytes);
-  load_q(&shared.q_full, shared.q);
+  const bool q_after_first_keys = q_free != nullptr;
+  auto issue_q = [&]() {
+    if (q_free) barrier_wait(q_free, q_free_phase);
+    barrier_expect(&shared.q_full, q_bytes);
+    load_q(&shared.q_full, shared.q);
+  };
+  if (!q_after_first_keys) issue_q();
   auto where = locate((blocks.last - 1) * BN);
   for (int it = 0; it < num_blocks; ++it) {
-    const int stage = it % stages, phase = (it / stages) & 1;
-    const int full = split_blocks ? it % Shared::kFullPeriod : stage;
+    const int n = block_base + it;  // the block's place in the ring
+    const int stage = n % stages, phase = (n / stages) & 1;
+    const int full = split_blocks ? n % Shared::kFullPeriod : stage;
     const auto here = where;
     if (it + 1 < num_blocks) where = locate((blocks.last - 2 - it) * BN);
     barrier_wait(&shared.k_empty[stage], phase ^ 1);
     barrier_expect(&shared.k_full[full], BN * D * sizeof(T));
     load_kv(&shared.k_full[full], shared.k[stage], here, false);
+    if (q_after_first_keys && it == 0) issue_q();
     barrier_wait(&shared.v_empty[stage], phase ^ 1);
     barrier_expect(&shared.v_full[full], BN * D * sizeof(T));
     load_kv(&shared.v_full[full], shared.v[stage], here, true);
@@ -129,12 +151,14 @@ __device__ __forceinline__ float exponent_unit(bool capped, float softmax_scale)
 // merges their rows (merge_split_rows). rows_per_query: the 64 tile rows hold that many rows per query (query
 // row_begin + tile row / rows_per_query, head `head` + tile row % rows_per_query: the query heads of one kv head
 // packed into one tile).
+// block_base and q_phase (persistent CTAs; not with SplitBlocks): the blocks the ring carried for earlier tiles
+// and the parity of this tile's Q load.
 // Returns with every product complete and every stage released.
 template <class T, int D, int BN, bool Capped, class Shared, bool ClearValueTail = false, bool SplitBlocks = false>
 __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem& problem, const Extras& extras,
                                                    int row_begin, int row_end, const KeyBlocks& blocks, int head,
                                                    int batch, int group, int t, ConsumerRows<D>& rows,
-                                                   int rows_per_query = 1) {
+                                                   int rows_per_query = 1, int block_base = 0, int q_phase = 0) {
   const int num_blocks = blocks.last - blocks.first;
   constexpr int stages = Shared::kStages;
   const int other = 1 - group;
@@ -269,7 +293,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     for (int it = group; it < num_blocks; it += 2) {
       const int stage = it % stages, full = it % period, phase = (it / period) & 1;
       const int key0 = (blocks.last - 1 - it) * BN;
-      if (it == group) barrier_wait(&shared.q_full, 0);
+      if (it == group) barrier_wait(&shared.q_full, q_phase);
       barrier_wait(&shared.k_full[full], phase);
       issue_scores(stage);
       cute::warpgroup_wait<0>();
@@ -302,15 +326,16 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     split_loop();
   } else if (num_blocks > 0) {
     if (group == 1) pass_turn();  // warpgroup 1 issues first
-    barrier_wait(&shared.q_full, 0);
+    barrier_wait(&shared.q_full, q_phase);
 
-    barrier_wait(&shared.k_full[0], 0);
+    const int first_stage = block_base % stages, first_phase = (block_base / stages) & 1;
+    barrier_wait(&shared.k_full[first_stage], first_phase);
     take_turn();
-    issue_scores(0);
+    issue_scores(first_stage);
     pass_turn();
     cute::warpgroup_wait<0>();
     fence_operands<BN / 2>(s);
-    if (t == 0) barrier_arrive(&shared.k_empty[0]);
+    if (t == 0) barrier_arrive(&shared.k_empty[first_stage]);
     // Factors the output rows still owe the latest maxima: applied just before the next P V is issued,
     // while the scores of the next block are computed, not after the wait for the last P V.
     float rescale_a, rescale_b;
@@ -324,8 +349,8 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     if constexpr (ClearValueTail) {
       const int from = problem.kv_len - first_key;  // >= 1: the first block holds key kv_len - 1
       if (from < BN) {
-        barrier_wait(&shared.v_full[0], 0);
-        clear_value_rows<T, D, BN>(shared.v[0], from, group, t);
+        barrier_wait(&shared.v_full[first_stage], first_phase);
+        clear_value_rows<T, D, BN>(shared.v[first_stage], from, group, t);
       }
     }
     auto rescale_output = [&]() {
@@ -339,8 +364,9 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     // register count down: a second P register set does not fit at D = 128); the softmax then overlaps
     // the other warpgroup's products only.
     auto step = [&](int it, auto masked) {
-      const int stage = it % stages, phase = (it / stages) & 1;
-      const int previous = (it - 1) % stages, previous_phase = ((it - 1) / stages) & 1;
+      const int n = block_base + it;
+      const int stage = n % stages, phase = (n / stages) & 1;
+      const int previous = (n - 1) % stages, previous_phase = ((n - 1) / stages) & 1;
       barrier_wait(&shared.k_full[stage], phase);
       barrier_wait(&shared.v_full[previous], previous_phase);
       take_turn();
@@ -363,7 +389,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
       else step(it, std::false_type{});
     }
 
-    const int last = num_blocks - 1;
+    const int last = block_base + num_blocks - 1;
     const int stage = last % stages, phase = (last / stages) & 1;
     barrier_wait(&shared.v_full[stage], phase);
     take_turn();

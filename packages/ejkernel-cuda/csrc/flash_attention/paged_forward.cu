@@ -61,12 +61,6 @@ constexpr int kPagedChunk = 64;       // rows per TMA box of kv_pages (page_size
 constexpr int kPackedRows = 64;       // rows of a packed tile (each consumer warpgroup holds them all)
 constexpr int kDealRound = 8;         // tickets per round of the hand-out order (packed_share of them packed)
 constexpr int kMaxPagedSeqs = 4096;   // the work table's entries live in shared memory (8 bytes each)
-// Registers per thread of the two roles after setmaxnreg. The CTA's pool is what the launch gave it (168 per
-// thread: 384 threads, one CTA per SM): the consumers' increase waits for registers the producer released, so
-// a budget above the pool hangs the kernel. The dense forward's 24 / 240 leave the producer too few for the
-// item loop (ptxas then ignores setmaxnreg and serializes the wgmma); 40 / 232 fit both roles without spills.
-constexpr int kPagedProducerRegisters = 40;
-constexpr int kPagedConsumerRegisters = 232;
 // Split-K (see the header): the scratch holds kSplitSlots partial tiles; splitting aims at split_target =
 // min(2 * SMs, kSplitSlots / 2) items, and the items it makes stay below 2 * split_target (build_paged_table).
 constexpr int kPagedHeadDim = 128;               // the largest head dim compiled (64 and 128; sizes the slots)
@@ -79,8 +73,6 @@ constexpr int kCombineThreads = 128;
 // descriptor at its first chunk's slot ({splits, q_start, q_len, kv head}; splits 0: none). Zeroed before the
 // launch.
 constexpr int kPagedWorkInts = 4 * (1 + kSplitSlots);
-static_assert(128 * kPagedProducerRegisters + 256 * kPagedConsumerRegisters <= 168 * kForwardThreads,
-              "the roles' registers must fit the CTA's allocation");
 
 struct PagedParams {
   CUtensorMap q_map;   // queries as [1, T, Hq, D], boxes of 128 rows
@@ -511,7 +503,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
   // within it, so no code runs under both budgets); both loops meet at the same two CTA barriers per item.
   // The item's bookkeeping is done by the first consumer thread (the producer runs on few registers).
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<kPagedProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<kPersistentProducerRegisters>();
     for (;;) {
       __syncthreads();  // the dealer has published the item
       if (current.seq == -2) break;
@@ -523,7 +515,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
       __syncthreads();  // the item's shared memory and barriers are free again
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kPagedConsumerRegisters>();
+    cutlass::arch::warpgroup_reg_alloc<kPersistentConsumerRegisters>();
     const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of a query tile
     const int t = threadIdx.x % 128;
 #ifdef EJK_PAGED_TIMELINE

@@ -6,9 +6,10 @@ The FFI contract (what the kernels export; arrays contiguous row-major):
 
 - ``EjkFlashForward(q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, D], sinks [B, Hq, n] float32,
   q_segment_ids [B, Sq] int32, kv_segment_ids [B, Sk] int32) -> (out [B, Sq, Hq, D] (q's dtype), lse [B, Hq,
-  Sq] float32)``: ``lse`` the natural log-sum-exp of the scaled (soft-capped) logits and the sinks, ``+inf``
-  for a row that sees no key and has no sink (its output is 0); ``n = 0`` means no sinks, segment ids of
-  shape ``[B, 0]`` none;
+  Sq] float32, next_tile [1] int32)``: ``lse`` the natural log-sum-exp of the scaled (soft-capped) logits and
+  the sinks, ``+inf`` for a row that sees no key and has no sink (its output is 0); ``n = 0`` means no sinks,
+  segment ids of shape ``[B, 0]`` none; ``next_tile`` is the persistent kernel's tile counter (scratch,
+  dropped here);
 - ``EjkFlashBackward(q, k, v, d_out, lse, delta [B, Hq, Sq] float32, sinks, q_segment_ids, kv_segment_ids)
   -> (dq, dk, dv, dq_accum)`` (the shapes and dtypes of q, k, v; ``dq_accum`` float32 ``[B, Hq, Sq rounded up
   to 64, D]`` is the kernel's workspace, 64-query chunks in its own order, dropped here), ``delta =
@@ -193,9 +194,10 @@ def _forward_call(scale, causal, window, softcap):
 
     def forward_call(q, k, v, sinks, q_segments, kv_segments):
         b, sq, hq, _ = q.shape
-        shapes = (_result(q.shape, q.dtype, q), _result((b, hq, sq), jnp.float32, q))
-        return tuple(jax.ffi.ffi_call(_native.FORWARD_TARGET, shapes)(q, k, v, sinks, q_segments, kv_segments,
-                                                                      **attributes))
+        shapes = (_result(q.shape, q.dtype, q), _result((b, hq, sq), jnp.float32, q), _result((1,), jnp.int32, q))
+        out, lse, _ = jax.ffi.ffi_call(_native.FORWARD_TARGET, shapes)(q, k, v, sinks, q_segments, kv_segments,
+                                                                       **attributes)
+        return out, lse
 
     return _folded(forward_call)
 
