@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
       const int num_blocks = tile.blocks.last - tile.blocks.first;
       if (num_blocks > 0) {
         const int kv_head = tile.head / (problem.q_heads / problem.kv_heads);
-        produce_key_blocks<T, D, BN>(
+        produce_key_blocks<T, D, BN, true>(
             shared.pipeline, tile.blocks,
             [&](Barrier* bar, T* q_tile) {
               load_tile<D>(&params.q_map, bar, q_tile, kForwardRows, tile.row_begin, tile.head, tile.batch);

@@ -71,13 +71,14 @@ __device__ __forceinline__ void init_forward_barriers(Shared& shared, int consum
 // flight while the producer waits for a free stage); load_kv(bar, tile, where, value) loads its keys (value =
 // false) or values into a tile of BN rows. Each load must complete exactly the bytes of its tile (rows out of
 // bounds arrive as zeros and count). split_blocks: the consumers split the blocks (SplitBlocks): block `it`
-// signals full barrier it % kFullPeriod. A persistent CTA's tiles run on through the ring: block_base counts
-// the blocks of its earlier tiles (the consumers pass the same); q_free (with the parity of the completion to
-// await) is the barrier that says the previous tile's Q is released, and the Q load then follows the first key
-// block's, so that block is in flight while the producer waits. The wait comes before q_full's arrival: a tile
-// of one block lets the producer reach the next tile's Q before this one's has landed, and a second arrival in
-// the phase would complete it early.
-template <class T, int D, int BN, class Shared, class LoadQ, class Locate, class LoadKV>
+// signals full barrier it % kFullPeriod.
+// Ring (a persistent CTA's tiles, which run on through the ring): block_base counts the blocks of its earlier
+// tiles (the consumers pass the same); q_free (with the parity of the completion to await) says the previous
+// tile's Q is released, and the Q load follows the first key block's, so that block is in flight while the
+// producer waits. The wait comes before q_full's arrival: a tile of one block lets the producer reach the next
+// tile's Q before this one's has landed, and a second arrival in the phase would complete it early. (A template
+// flag: the one-tile callers' code stays what it was.)
+template <class T, int D, int BN, bool Ring = false, class Shared, class LoadQ, class Locate, class LoadKV>
 __device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBlocks& blocks, LoadQ&& load_q,
                                                    Locate&& locate, LoadKV&& load_kv,
                                                    uint32_t q_bytes = kForwardRows * D * sizeof(T),
@@ -85,16 +86,13 @@ __device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBloc
                                                    Barrier* q_free = nullptr, int q_free_phase = 0) {
   constexpr int stages = Shared::kStages;
   const int num_blocks = blocks.last - blocks.first;
-  const bool q_after_first_keys = q_free != nullptr;
-  auto issue_q = [&]() {
-    if (q_free) barrier_wait(q_free, q_free_phase);
+  if constexpr (!Ring) {
     barrier_expect(&shared.q_full, q_bytes);
     load_q(&shared.q_full, shared.q);
-  };
-  if (!q_after_first_keys) issue_q();
+  }
   auto where = locate((blocks.last - 1) * BN);
   for (int it = 0; it < num_blocks; ++it) {
-    const int n = block_base + it;  // the block's place in the ring
+    const int n = Ring ? block_base + it : it;  // the block's place in the ring
     const int stage = n % stages, phase = (n / stages) & 1;
     const int full = split_blocks ? n % Shared::kFullPeriod : stage;
     const auto here = where;
@@ -102,7 +100,13 @@ __device__ __forceinline__ void produce_key_blocks(Shared& shared, const KeyBloc
     barrier_wait(&shared.k_empty[stage], phase ^ 1);
     barrier_expect(&shared.k_full[full], BN * D * sizeof(T));
     load_kv(&shared.k_full[full], shared.k[stage], here, false);
-    if (q_after_first_keys && it == 0) issue_q();
+    if constexpr (Ring) {
+      if (it == 0) {
+        barrier_wait(q_free, q_free_phase);
+        barrier_expect(&shared.q_full, q_bytes);
+        load_q(&shared.q_full, shared.q);
+      }
+    }
     barrier_wait(&shared.v_empty[stage], phase ^ 1);
     barrier_expect(&shared.v_full[full], BN * D * sizeof(T));
     load_kv(&shared.v_full[full], shared.v[stage], here, true);
