@@ -5,12 +5,13 @@
 // S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers and O += P V (wgmma, P
 // from registers) (`consume_key_blocks`). Two overlaps are meant to keep the tensor cores busy:
 // - inside a warpgroup, S of block n is issued before P V of block n - 1, so that the softmax of block n
-//   could run under that P V (ptxas places the wait for P V before the exponentials, so this one is partial:
-//   NOTES.md);
+//   could run under that P V (ptxas places the wait for P V before the exponentials, as in FA3's kernel, so
+//   this one is partial: NOTES.md);
 // - between the two warpgroups, named barriers make them take turns issuing their products, so one's
 //   softmax runs while the other's matrix products occupy the tensor cores.
 // Key blocks are visited from the last one down (the masked diagonal blocks of causal tiles first). The
-// output is normalized into the warpgroup's rows of the Q tile (`stage_output`); the caller stores it.
+// output is normalized into a tile the caller names (`stage_output`) and stored by the caller. A persistent
+// caller runs its tiles on through the same ring (the Ring producer, the consumers' block_base).
 #pragma once
 
 #include "flash_attention/common.cuh"
@@ -363,10 +364,10 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     };
 
     // One step: S of block `it`, P V of block it - 1, softmax of block it (masked: a compile-time flag, so
-    // that the step is one branch-free block). ptxas still places the wait for P V before the softmax's
-    // exponentials (it packs P into the registers that product reads, interleaved with them, to keep the
-    // register count down: a second P register set does not fit at D = 128); the softmax then overlaps
-    // the other warpgroup's products only.
+    // that the step is one branch-free block). ptxas still places the wait for P V right after the first row
+    // maximum, before the exponentials, so the softmax overlaps the other warpgroup's products only
+    // (FlashAttention-3's own kernel has the same order in its SASS; a branch that pins the exponentials
+    // above the wait makes ptxas serialize every wgmma: NOTES.md).
     auto step = [&](int it, auto masked) {
       const int n = block_base + it;
       const int stage = n % stages, phase = (n / stages) & 1;
