@@ -380,7 +380,7 @@ def _inputs(seed, b, sq, sk, h, hkv, d, dtype):
     (1, 256, 64, 4, 2, 64, dict(sliding_window=(0, 10), softmax_aux=SINKS_4)),  # empty rows see the sinks only
     (2, 300, 300, 4, 2, 64, dict(causal=True, q_segment_ids=SEGMENTS_300, kv_segment_ids=SEGMENTS_300)),
     (1, 300, 300, 8, 2, 128, dict(causal=True, cum_seqlens_q=CUM_300, cum_seqlens_k=CUM_300)),  # 20 padding tokens
-    # causal grids in sections of 3 of the 4 (head, batch) pairs and one of 1 (grid_tile): the forward's over
+    # causal tile orders in sections of 3 of the 4 (head, batch) pairs and one of 1 (tile_at): the forward's over
     # 10240 keys (5 MB of K/V per pair), the backward's over 5120 query rows (Q, dO and dQ: 5 MB per pair)
     (2, 300, 10240, 2, 2, 128, dict(causal=True)),
     (2, 5120, 300, 2, 2, 128, dict(causal=True)),
