@@ -11,7 +11,10 @@ for sm_90a only (wgmma and TMA: H100 / H200 / GH200), against the CUTLASS/CuTe h
 
 nvcc is taken from ``PATH``, else ``$CUDA_HOME/bin/nvcc``, else the ``nvidia-cuda-nvcc`` wheel. A library
 newer than every source (and this file) is reused, and so is an object (``build/nvcc/``) newer than its
-source and every header; objects compile in parallel (one nvcc per source).
+source and every header; objects compile in parallel (one nvcc per source). ptxas's report of each unit
+(``-Xptxas -v``: registers, stack, spills, performance warnings per kernel) is kept beside its object and, for the
+library, in ``ptxas-report.txt`` beside it, where the CPU tests check the kernels for spills without compiling
+again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 LIBRARY = "libejkernel_cuda.so"
 LIBRARY_IN_WHEEL = f"ejkernel_cuda/_lib/{LIBRARY}"
+PTXAS_REPORT = "ptxas-report.txt"  # beside the library: "== <unit>" then ptxas -v's lines, per unit
 ARCH_FLAGS = ("-gencode", "arch=compute_90a,code=sm_90a")
 NVCC_FLAGS = ("-O3", "-std=c++17", *ARCH_FLAGS, "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-lineinfo")
 INSTALL_HINT = ("install the CUDA toolkit 12.8+ or 13 (nvcc on PATH, or set CUDA_HOME), or "
@@ -98,9 +102,12 @@ def build_library(csrc: Path, library: Path, objects: Path, nvcc: str, log=print
 
     def compile_unit(unit: Path) -> Path:
         target = objects / (unit.relative_to(csrc).as_posix().replace("/", "__") + ".o")
-        if not up_to_date(target, [unit, *shared]):  # an edit of one unit recompiles that unit only
+        report = target.with_suffix(".ptxas.txt")
+        if not up_to_date(target, [unit, *shared]) or not report.is_file():  # an edit recompiles that unit only
             partial = target.with_suffix(".o.partial")
-            _run([nvcc, *NVCC_FLAGS, *includes, "-c", str(unit), "-o", str(partial)], f"compiling {unit.name}")
+            output = _run([nvcc, *NVCC_FLAGS, "-Xptxas", "-v", *includes, "-c", str(unit), "-o", str(partial)],
+                          f"compiling {unit.name}")
+            report.write_text(output)
             partial.replace(target)
         return target
 
@@ -111,16 +118,21 @@ def build_library(csrc: Path, library: Path, objects: Path, nvcc: str, log=print
     library.parent.mkdir(parents=True, exist_ok=True)
     partial = library.with_suffix(".so.partial")  # a failed link never leaves a library that looks current
     _run([nvcc, *ARCH_FLAGS, "-shared", "-cudart", "static", "-o", str(partial), *map(str, compiled)], "linking")
+    (library.parent / PTXAS_REPORT).write_text(
+        "".join(f"== {unit.relative_to(csrc).as_posix()}\n{target.with_suffix('.ptxas.txt').read_text()}"
+                for unit, target in zip(units, compiled)))
     partial.replace(library)
     log(f"ejkernel-cuda: built {library}")
     return True
 
 
-def _run(command: list[str], what: str) -> None:
+def _run(command: list[str], what: str) -> str:
+    """nvcc's output (stdout and stderr, where ptxas reports); raises BuildError if it failed."""
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise BuildError(f"nvcc failed {what} (exit {result.returncode}):\n{' '.join(command)}\n"
                          f"{result.stdout}{result.stderr}")
+    return result.stdout + result.stderr
 
 
 class CudaLibraryHook(BuildHookInterface):

@@ -44,3 +44,25 @@ def cuobjdump(*arguments: str) -> str:
 def mnemonics(sass: str) -> set[str]:
     """The instruction names of a SASS listing."""
     return set(re.findall(r"\b([A-Z][A-Z0-9]+)(?=[.\s])", sass))
+
+
+def ptxas_report(unit: str) -> str:
+    """ptxas's report (``-Xptxas -v``) of one source of the library, e.g. ``flash_attention/forward.cu``, from the
+    build's ``ptxas-report.txt`` beside the library (hatch_build.py); skips where the library was built without it."""
+    from ejkernel_cuda import _native
+
+    path = Path(_native.LIBRARY_PATH).parent / "ptxas-report.txt"
+    if not path.is_file():
+        pytest.skip(f"no ptxas report beside the library ({path}): it was not built by this checkout's hatch_build")
+    parts = re.split(r"^== (\S+)\n", path.read_text(), flags=re.MULTILINE)
+    units = dict(zip(parts[1::2], parts[2::2]))
+    assert unit in units, sorted(units)
+    return units[unit]
+
+
+def ptxas_kernels(report: str, kernel: str) -> list[tuple[str, int, int, int, int]]:
+    """(name, stack bytes, spill stores, spill loads, registers) of each function of ``report`` whose name holds
+    ``kernel``."""
+    entries = re.findall(rf"Function properties for (\S*{kernel}\S*)\n\s*(\d+) bytes stack frame, (\d+) bytes "
+                         rf"spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", report, flags=re.DOTALL)
+    return [(name, *map(int, numbers)) for name, *numbers in entries]

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -33,7 +31,7 @@ from ejkernel.testing.ragged_page_attention import RaggedPageAttentionConformanc
 from ejkernel_cuda import _native, native_flash, plugin
 from ejkernel_cuda import ragged_page_attention as paged
 from ejkernel_cuda.ragged_page_attention import IMPLEMENTATION, CudaPagedConfig
-from native_tools import NVCC, cuobjdump, mnemonics, needs_nvcc
+from native_tools import cuobjdump, mnemonics, needs_nvcc, ptxas_kernels, ptxas_report
 
 ON_GPU = jax.default_backend() == "gpu"
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -105,36 +103,17 @@ def test_library_holds_the_paged_kernel_with_wgmma_and_tma_without_local_memory(
         assert "STACK:0 " in line and line.endswith("LOCAL:0"), line
 
 
-def _build_flags() -> list[str]:
-    """The build's nvcc flags and include directories (hatch_build.py)."""
-    sys.path.insert(0, str(PACKAGE))
-    try:
-        import hatch_build
-
-        return [*hatch_build.NVCC_FLAGS, *(f"-I{p}" for p in hatch_build.include_dirs(PACKAGE / "csrc"))]
-    except Exception as error:  # noqa: BLE001 - nvidia-cutlass (a build requirement) missing here
-        pytest.skip(f"the build's headers are not importable here: {error}")
-    finally:
-        sys.path.remove(str(PACKAGE))
-
-
-@needs_nvcc
-def test_ptxas_reports_no_spills_for_the_paged_kernel(tmp_path):
-    """``ptxas -v`` of paged_forward.cu alone: all 24 instantiations at the pipeline's 168 registers (384 threads,
-    one CTA per SM; the producer's setmaxnreg.dec to 40 and the consumers' inc to 232 fit that pool), no
-    stack, no spill, and no "Potential Performance Loss" (ptxas ignoring setmaxnreg because a role's code needs
-    more registers than its budget, or serializing wgmma for want of registers: both happened to the persistent
-    loop's first draft)."""
-    command = [NVCC, *_build_flags(), "-Xptxas", "-v", "-c",
-               str(SOURCE), "-o", str(tmp_path / "paged.o")]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = result.stderr + result.stdout
-    entries = re.findall(rf"Function properties for (\S*{KERNEL}\S*)\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
-                         rf"stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", report)
+def test_ptxas_reports_no_spills_for_the_paged_kernel():
+    """ptxas's report of paged_forward.cu (the library build's): all 24 instantiations at the pipeline's 168
+    registers (384 threads, one CTA per SM; the producer's setmaxnreg.dec to 40 and the consumers' inc to 232 fit
+    that pool), no stack, no spill, and no "Potential Performance Loss" (ptxas ignoring setmaxnreg because a role's
+    code needs more registers than its budget, or serializing wgmma for want of registers: both happened to the
+    persistent loop's first draft)."""
+    report = ptxas_report("flash_attention/paged_forward.cu")
+    entries = ptxas_kernels(report, KERNEL)
     assert len(entries) == 24, report[-4000:]
-    for name, stack, stores, loads, registers in entries:
-        assert (stack, stores, loads, registers) == ("0", "0", "0", "168"), (name, stack, stores, loads, registers)
+    for name, *usage in entries:
+        assert usage == [0, 0, 0, 168], (name, usage)
     assert "Potential Performance Loss" not in report, report
 
 
