@@ -10,7 +10,8 @@
 //   dS^T goes to shared memory, and dQ_block = dS K (wgmma: dS read transposed, each warpgroup 64 of the
 //   head dim's columns) goes through shared memory into a float32 accumulator (64-query chunks) by one bulk
 //   reduce-add (cp.reduce.async.bulk) per block. A last kernel scales it and writes dQ in q's layout/dtype.
-// GQA sums dK/dV over the group's query heads in registers.
+// GQA sums dK/dV over the group's query heads in registers; at the end they leave through the K and V tiles
+// by TMA stores.
 //
 // Soft cap: with t = tanh(s / c), dS picks up the factor 1 - t^2. Rows past the query length carry
 // lse = +inf and delta = 0 (their Q and dO rows arrive as TMA's zeros), so they contribute zeros (added to
@@ -27,11 +28,10 @@ constexpr int kDkvRows = 64;   // query rows per streamed block of the dK/dV ker
 
 struct BackwardParams {
   CUtensorMap q_map, k_map, v_map, do_map;
+  CUtensorMap dk_map, dv_map;  // boxes of 64 rows (store_tile)
   const float* lse;    // [B, Hq, Sq]
   const float* delta;  // [B, Hq, Sq]
   float* dq_accum;     // [B, Hq, q_chunks, 64 * D] in fragment order (dq_chunk_offset), zeroed; unscaled
-  void* dk;            // [B, Sk, Hk, D]
-  void* dv;
   int section;  // grid_tile's order: (kv head, batch) pairs per section
   Problem problem;
   Extras extras;  // the backward reads the segment ids (sinks act through lse alone)
@@ -60,18 +60,6 @@ struct LogitMap {
     return fast_exp2(fmaf(dot, raw_scale, -lse_log2));
   }
 };
-
-template <class T>
-__device__ __forceinline__ void store_rows(T* base, size_t row_stride, int row_a, int row_b, int rows,
-                                           int t, const float* acc, int columns, float factor) {
-  for (int i = 0; i < columns / 2; i += 2) {
-    const int row = (i & 2) ? row_b : row_a;
-    if (row < rows) {
-      *reinterpret_cast<uint32_t*>(base + row * row_stride + fragment_col(t, i)) =
-          Element<T>::pack(acc[i] * factor, acc[i + 1] * factor);
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // dK / dV
@@ -113,7 +101,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* global, const float* shar
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // The dQ accumulator [B, Hq, q_chunks, 64 * D] holds each 64-query block as one chunk in fragment order:
 // the float4 of accumulator elements 4c..4c+3 of thread t of the warpgroup computing 64-column panel
@@ -129,6 +116,34 @@ inline size_t dq_accum_elements(const Problem& p, int64_t head_dim) {
 constexpr int kConvertThreads = 256;  // dq_convert_kernel
 constexpr int kSyncDsWritten = 1;  // named barriers of the two consumer warpgroups
 constexpr int kSyncDqWritten = 2;
+constexpr int kSyncKeysRead = 3;      // epilogue: no product reads the K and V tiles any more
+constexpr int kSyncStaged = 4;        // + group: the warpgroup's dK / dV rows are in shared memory
+
+// The epilogue of flash_backward_kernel: dK and dV through the K and V tiles (free once both warpgroups' last
+// products, dQ's reading every K row included, are complete) to TMA stores, which clip keys past the length.
+// A warp's 4-byte stores straight from the accumulators (half-sector writes, rows 8 apart) had kept the SM from
+// its next CTA ~2.5 us longer. The tile's coordinates are derived here again, not carried across the main
+// loop: carried, they moved ptxas's register allocation there (fewer spills, but S = 8k 1.6 % slower).
+template <class T, int D>
+__device__ __forceinline__ void store_key_gradients(const BackwardParams& params, const float* dk, const float* dv) {
+  const Problem& problem = params.problem;
+  DkvShared<T, D>& shared = aligned_shared<DkvShared<T, D>>();
+  const int t = in_loop(threadIdx.x) % 128, group = warpgroup_index() - 1;
+  const GridTile tile = grid_tile(gridDim.x, problem.kv_heads * problem.batch, params.section);
+  const int kv_head = tile.pair % problem.kv_heads, batch = tile.pair / problem.kv_heads;
+  const int row0 = tile.rank * kDkvKeys + 64 * group;
+  stage_rows<T, D>(shared.k, kDkvKeys, 64 * group, t, dk, problem.softmax_scale, problem.softmax_scale);
+  stage_rows<T, D>(shared.v, kDkvKeys, 64 * group, t, dv, 1.f, 1.f);
+  fence_async_shared();
+  named_sync(kSyncStaged + group, 128);
+  if (t == 0) {
+    store_tile<D>(&params.dk_map, shared.k, kDkvKeys, 64 * group, row0, kv_head, batch);
+    store_tile<D>(&params.dv_map, shared.v, kDkvKeys, 64 * group, row0, kv_head, batch);
+    // the tiles (and the reducing thread's last dQ tile) stay until the copies have read them; their writes
+    // to global memory complete with the grid
+    cute::tma_store_wait<0>();
+  }
+}
 
 template <class T, int D, bool Capped>
 __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(const __grid_constant__ BackwardParams params) {
@@ -362,13 +377,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         step(it, head, row0, std::true_type{});
       }
     }
-    if (reduces) bulk_wait_all();
   }
-  const size_t row_stride = static_cast<size_t>(problem.kv_heads) * D;
-  const size_t offset = (static_cast<size_t>(batch) * problem.kv_len * problem.kv_heads + kv_head) * D;
-  store_rows(static_cast<T*>(params.dk) + offset, row_stride, key_a, key_b, problem.kv_len, t, dk, D,
-             problem.softmax_scale);
-  store_rows(static_cast<T*>(params.dv) + offset, row_stride, key_a, key_b, problem.kv_len, t, dv, D, 1.f);
+  named_sync(kSyncKeysRead, 256);  // no product reads the K and V tiles any more
+  store_key_gradients<T, D>(params, dk, dv);
 }
 
 // dq [B, Sq, Hq, D] (q's dtype) = scale * the fragment-ordered accumulator (dq_chunk_offset). One CTA per 64-row
@@ -420,8 +431,6 @@ cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const E
   params.lse = lse;
   params.delta = delta;
   params.dq_accum = dq_accum;
-  params.dk = dk;
-  params.dv = dv;
   params.problem = problem;
   params.extras = extras;
   // causal tiles are uneven; a key tile streams its group's Q and dO and adds into their float32 dQ
@@ -437,7 +446,9 @@ cudaError_t launch_backward(cudaStream_t stream, const Problem& problem, const E
   if ((error = encode(&params.q_map, q, true, kDkvRows)) != cudaSuccess ||
       (error = encode(&params.do_map, d_out, true, kDkvRows)) != cudaSuccess ||
       (error = encode(&params.k_map, k, false, kDkvKeys)) != cudaSuccess ||
-      (error = encode(&params.v_map, v, false, kDkvKeys)) != cudaSuccess) {
+      (error = encode(&params.v_map, v, false, kDkvKeys)) != cudaSuccess ||
+      (error = encode(&params.dk_map, dk, false, 64)) != cudaSuccess ||
+      (error = encode(&params.dv_map, dv, false, 64)) != cudaSuccess) {
     return error;
   }
   const size_t accum_bytes = dq_accum_elements(problem, D) * sizeof(float);

@@ -323,6 +323,23 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
   return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
 }
 
+// Writes a warpgroup's 64 x D float accumulator (fragment order), times factor_a on each thread's row a and
+// factor_b on its row b, as 16-bit values into rows [first, first + 64) of a tile of `rows` rows (D/64
+// swizzled panels): the layout store_tile's TMA stores read.
+template <class T, int D>
+__device__ __forceinline__ void stage_rows(void* tile, int rows, int first, int t, const float* acc, float factor_a,
+                                           float factor_b) {
+  char* bytes = static_cast<char*>(tile);
+#pragma unroll
+  for (int i = 0; i < D / 2; i += 2) {
+    const int row = first + fragment_row(t) + ((i & 2) ? 8 : 0);
+    const int col = fragment_col(t, i);
+    const float factor = (i & 2) ? factor_b : factor_a;
+    *reinterpret_cast<uint32_t*>(bytes + (col / 64) * rows * 128 + swizzled_offset(row, col % 64)) =
+        Element<T>::pack(acc[i] * factor, acc[i + 1] * factor);
+  }
+}
+
 // Stores rows [row0, row0 + 64) of head `head`, batch `batch` of a [B, S, H, D] tensor from rows
 // [first, first + 64) of a tile of `rows` rows (D/64 panels; the map's box is 64 rows), in one bulk group;
 // rows past the end are not written. The tile must stay until tma_store_wait.

@@ -463,15 +463,7 @@ __device__ __forceinline__ void stage_output(T* q, int group, int t, ConsumerRow
   rows.sum_b = quad_sum(rows.sum_b);
   const float inverse_a = rows.sum_a > 0.f ? 1.f / rows.sum_a : 0.f;
   const float inverse_b = rows.sum_b > 0.f ? 1.f / rows.sum_b : 0.f;
-  char* q_bytes = reinterpret_cast<char*>(q);
-#pragma unroll
-  for (int i = 0; i < D / 2; i += 2) {
-    const int row = 64 * group + fragment_row(t) + ((i & 2) ? 8 : 0);  // within the tile
-    const int col = fragment_col(t, i);
-    const float inverse = (i & 2) ? inverse_b : inverse_a;
-    *reinterpret_cast<uint32_t*>(q_bytes + (col / 64) * kForwardRows * 128 + swizzled_offset(row, col % 64)) =
-        Element<T>::pack(rows.o[i] * inverse, rows.o[i + 1] * inverse);
-  }
+  stage_rows<T, D>(q, kForwardRows, 64 * group, t, rows.o, inverse_a, inverse_b);
 }
 
 }  // namespace ejk
