@@ -303,14 +303,16 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 }
 
 // Loads rows [row0, row0 + rows) of head `head`, batch `batch` of a [B, S, H, D] tensor into a tile (D/64
-// panels), completing `bar`'s transaction. Rows past the end arrive as zeros.
+// panels), completing `bar`'s transaction. Rows past the end arrive as zeros. `l2_policy`: the L2 cache hint
+// (kEvictFirst for data read once, so that it leaves L2 before data read again).
+constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
 template <int D>
 __device__ __forceinline__ void load_tile(const CUtensorMap* map, Barrier* bar, void* tile, int rows, int row0,
-                                          int head, int batch) {
+                                          int head, int batch, uint64_t l2_policy = 0) {
 #pragma unroll
   for (int panel = 0; panel < D / 64; ++panel) {
-    cute::SM90_TMA_LOAD_4D::copy(map, bar, 0, static_cast<char*>(tile) + panel * rows * 128, panel * 64, head,
-                                 row0, batch);
+    cute::SM90_TMA_LOAD_4D::copy(map, bar, l2_policy, static_cast<char*>(tile) + panel * rows * 128, panel * 64,
+                                 head, row0, batch);
   }
 }
 

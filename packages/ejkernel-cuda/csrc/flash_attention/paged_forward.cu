@@ -343,12 +343,15 @@ __device__ __forceinline__ void produce_paged_item(const PagedParams& params, Sh
     }
     return where;
   };
+  // A packed tile's pages are read once (its G heads share each read); a query tile's are read again by the
+  // group's other heads and the sequence's other tiles: the former leave L2 first.
+  const uint64_t l2_policy = item.packed ? kEvictFirst : 0;
   auto load_kv = [&](Barrier* bar, T* tile_kv, const auto& where, bool value) {
 #pragma unroll
     for (int c = 0; c < BN / kPagedChunk; ++c) {
       // chunk c: rows [64 c, 64 c + 64) of each of the tile's D / 64 panels of BN rows
       load_tile<D>(&params.kv_map, bar, tile_kv + c * kPagedChunk * 64, BN, where.row[c], 2 * kv_head + (value ? 1 : 0),
-                   0);
+                   0, l2_policy);
     }
   };
   if (item.packed) {  // the consumer warpgroups gather the packed rows themselves
