@@ -302,10 +302,12 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// L2 cache hint of a load whose data is read once: it leaves L2 before data that other CTAs read again.
+constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
+
 // Loads rows [row0, row0 + rows) of head `head`, batch `batch` of a [B, S, H, D] tensor into a tile (D/64
 // panels), completing `bar`'s transaction. Rows past the end arrive as zeros. `l2_policy`: the L2 cache hint
-// (kEvictFirst for data read once, so that it leaves L2 before data read again).
-constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
+// (0: none; kEvictFirst).
 template <int D>
 __device__ __forceinline__ void load_tile(const CUtensorMap* map, Barrier* bar, void* tile, int rows, int row0,
                                           int head, int batch, uint64_t l2_policy = 0) {
