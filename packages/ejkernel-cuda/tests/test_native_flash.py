@@ -55,7 +55,6 @@ def test_workspace_install_built_the_library_with_wgmma_and_tma():
     assert "sm_90a" in cuobjdump("-lelf", str(_native.LIBRARY_PATH))
 
 
-@needs_nvcc
 def test_ptxas_reports_no_spills_for_the_persistent_forward():
     """ptxas's report of forward.cu (the library build's): its 8 kernels (bf16, fp16; D = 64, 128; soft-capped or
     not) at 168 registers with no stack and no spill, and no "Potential Performance Loss": at the one-tile CTA's
