@@ -93,6 +93,22 @@ __device__ __forceinline__ RowBlocks row_blocks(const Problem& p, int key_begin,
   return {lo / block_m, hi / block_m + 1};
 }
 
+// A CTA's steps in order: the group's query heads (outer), their 64-query blocks (inner). Counted, not derived
+// from the step index: dividing by the runtime block count cost ~20 instructions per step.
+struct StepWalk {
+  int head, block;
+  const int first_block, last_block;
+  __device__ StepWalk(int first_head, RowBlocks blocks)
+      : head(first_head), block(blocks.first), first_block(blocks.first), last_block(blocks.last) {}
+  __device__ __forceinline__ int row0() const { return block * kDkvRows; }
+  __device__ __forceinline__ void next() {
+    if (++block == last_block) {
+      block = first_block;
+      ++head;
+    }
+  }
+};
+
 // global[i] += shared[i] for `bytes` bytes (float32), asynchronously; completes with the thread's bulk group.
 __device__ __forceinline__ void bulk_reduce_add(float* global, const float* shared, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(global),
@@ -181,21 +197,21 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       barrier_expect(&shared.keys_full, 2 * kDkvKeys * D * sizeof(T));
       load_tile<D>(&params.k_map, &shared.keys_full, shared.k, kDkvKeys, key_begin, kv_head, batch);
       load_tile<D>(&params.v_map, &shared.keys_full, shared.v, kDkvKeys, key_begin, kv_head, batch);
-      for (int it = 0; it < num_steps; ++it) {
+      StepWalk walk(kv_head * group_size, blocks);
+      for (int it = 0; it < num_steps; ++it, walk.next()) {
         const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
-        const int head = kv_head * group_size + it / blocks_per_head;
-        const int row0 = (blocks.first + it % blocks_per_head) * BM;
         barrier_wait(&shared.rows_empty[stage], phase ^ 1);
         barrier_expect(&shared.rows_full[stage], 2 * BM * D * sizeof(T));
-        load_tile<D>(&params.q_map, &shared.rows_full[stage], shared.q[stage], BM, row0, head, batch);
-        load_tile<D>(&params.do_map, &shared.rows_full[stage], shared.d_out[stage], BM, row0, head, batch);
+        load_tile<D>(&params.q_map, &shared.rows_full[stage], shared.q[stage], BM, walk.row0(), walk.head, batch);
+        load_tile<D>(&params.do_map, &shared.rows_full[stage], shared.d_out[stage], BM, walk.row0(), walk.head,
+                     batch);
       }
     } else if (num_steps > 0 && warp == 1) {
-      for (int it = 0; it < num_steps; ++it) {
+      StepWalk walk(kv_head * group_size, blocks);
+      for (int it = 0; it < num_steps; ++it, walk.next()) {
         const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
-        const int head = kv_head * group_size + it / blocks_per_head;
-        const int row0 = (blocks.first + it % blocks_per_head) * BM;
-        const size_t stats = (static_cast<size_t>(batch) * problem.q_heads + head) * problem.q_len;
+        const int row0 = walk.row0();
+        const size_t stats = (static_cast<size_t>(batch) * problem.q_heads + walk.head) * problem.q_len;
         barrier_wait(&shared.rows_empty[stage], phase ^ 1);
         for (int r = lane; r < BM; r += 32) {
           const int row = row0 + r;
@@ -320,12 +336,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       // dS^T into shared memory (keys 64 * group + row, query columns), for dQ = dS K; two tiles, so that a
       // warpgroup ahead by one block does not overwrite the tile the other one still reads
       const uint32_t ds_tile = smem_address(shared.ds[it % 2]);
-      char* ds_bytes = reinterpret_cast<char*>(shared.ds[it % 2]);
-#pragma unroll
-      for (int i = 0; i < BM / 2; i += 2) {
-        const int row = 64 * group + fragment_row(t) + ((i & 2) ? 8 : 0);
-        *reinterpret_cast<uint32_t*>(ds_bytes + swizzled_offset(row, fragment_col(t, i))) = ds_operand[i / 2];
-      }
+      store_fragment_pairs<BM>(ds_tile, 64 * group, t, ds_operand);
       fence_async_shared();
       if (reduces) bulk_wait_read();  // the last block's dQ has left the shared tile
       named_sync(kSyncDsWritten, 256);
@@ -368,13 +379,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         bulk_reduce_add(params.dq_accum + chunk * BM * D, shared.dq, BM * D * sizeof(float));
       }
     };
-    for (int it = 0; it < num_steps; ++it) {
-      const int head = kv_head * group_size + it / blocks_per_head;
-      const int row0 = (blocks.first + it % blocks_per_head) * BM;
+    StepWalk walk(kv_head * group_size, blocks);
+    for (int it = 0; it < num_steps; ++it, walk.next()) {
+      const int row0 = walk.row0();
       if (!segmented && block_unmasked(problem, row0, min(row0 + BM, problem.q_len), key_begin, key_begin + kDkvKeys)) {
-        step(it, head, row0, std::false_type{});
+        step(it, walk.head, row0, std::false_type{});
       } else {
-        step(it, head, row0, std::true_type{});
+        step(it, walk.head, row0, std::true_type{});
       }
     }
   }

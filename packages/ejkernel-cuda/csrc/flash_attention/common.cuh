@@ -327,6 +327,29 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
   return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
 }
 
+// stmatrix (x4): lanes 8m..8m+7 give the shared addresses of the 16-byte rows 0-7 of 8 x 8 matrix m, and each
+// lane holds in `m<i>` its part of matrix i: row lane / 4, columns 2 * (lane % 4) and + 1, the accumulator
+// fragment's layout. One instruction per 16 x 16 block where 4-byte stores take four.
+__device__ __forceinline__ void store_matrices(uint32_t address, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(m0), "r"(m1),
+               "r"(m2), "r"(m3)
+               : "memory");
+}
+
+// Writes 16-bit pairs of a warpgroup's 64 x N accumulator (N <= 64; pairs[2c] of row a, pairs[2c + 1] of row b,
+// columns 8c..8c+7: to_operand's order) into rows [first, first + 64) of a swizzled 64-column panel at shared
+// address `panel`, by stmatrix: the warp's matrices are (row a, 8 columns), (row b, same), (row a, next 8), ...
+template <int N>
+__device__ __forceinline__ void store_fragment_pairs(uint32_t panel, int first, int t, const uint32_t* pairs) {
+  const int lane = t % 32, matrix = lane / 8;
+  const int row = first + 16 * (t / 32) + 8 * (matrix & 1) + lane % 8;
+#pragma unroll
+  for (int g = 0; g < N / 16; ++g) {
+    store_matrices(panel + swizzled_offset(row, 16 * g + 8 * (matrix >> 1)), pairs[4 * g], pairs[4 * g + 1],
+                   pairs[4 * g + 2], pairs[4 * g + 3]);
+  }
+}
+
 // Writes a warpgroup's 64 x D float accumulator (fragment order), times factor_a on each thread's row a and
 // factor_b on its row b, as 16-bit values into rows [first, first + 64) of a tile of `rows` rows (D/64
 // swizzled panels): the layout store_tile's TMA stores read.
