@@ -490,6 +490,39 @@ def test_persistent_ctas_over_many_tiles_match_float32(sq, sk, causal):
 @gpu
 @pytest.mark.usefixtures("native_gpu")
 @pytest.mark.parametrize("causal", [False, True])
+def test_row_maxima_that_climb_past_the_lag_or_within_it_match_float32(causal):
+    """The forward keeps a row's running maximum until a block's exceeds it by more than 8 (log2 units), and a
+    warp skips rescaling its output rows while none of them moved (forward_pipeline.cuh, kMaxLagLog2). Random
+    scores rarely climb, so here each 128-key block gets its own offset, uniform in [0, 24] log2 units: in any
+    visiting order some blocks climb past the lag (the row rescales) and others within it (probabilities up to
+    2^8 against the stale maximum). Output, lse and every gradient against float32."""
+    q, k, v, do = _inputs(31 + causal, 1, 2048, 2048, 4, 2, 128, "bfloat16")
+    unit = 128 ** -0.5 * np.log2(np.e)  # a raw score times unit: log2 units
+    offsets = np.random.default_rng(causal).uniform(0, 24, 2048 // 128).repeat(128) / unit
+    q = q.at[..., 0].set(4.0)
+    k = k.at[..., 0].set(jnp.asarray(offsets / 4.0, jnp.bfloat16)[None, :, None])
+
+    def run(q, k, v, do, attend):
+        out, pullback = jax.vjp(attend, q, k, v)
+        return (out, *pullback(do))
+
+    got = jax.jit(run, static_argnums=4)(
+        q, k, v, do, lambda q, k, v: flash_attention(q, k, v, causal=causal, cfg=CudaFlashConfig("native")))
+    want = jax.jit(run, static_argnums=4)(q, k, v, do.astype(jnp.float32),
+                                          lambda q, k, v: _attention_float32(q, k, v, causal))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(g, w.astype(jnp.float32), dtype=jnp.bfloat16, gradient=name != "out", name=name)
+    _, lse = jax.jit(lambda q, k, v: native_flash.forward(q, k, v, scale=128 ** -0.5, causal=causal))(q, k, v)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), jnp.repeat(k.astype(jnp.float32), 2, axis=2))
+    logits = logits * 128 ** -0.5
+    if causal:
+        logits = jnp.where(jnp.arange(2048)[None, :] <= jnp.arange(2048)[:, None], logits, -jnp.inf)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(jax.nn.logsumexp(logits, axis=-1)), rtol=0, atol=1e-2)
+
+
+@gpu
+@pytest.mark.usefixtures("native_gpu")
+@pytest.mark.parametrize("causal", [False, True])
 def test_many_forward_launches_in_one_executable_give_the_single_launch_results(causal):
     """16 forward calls in one executable (a model's layers), each on its own queries, against the same calls
     made one by one, bit for bit (the forward is deterministic; the backward's dQ sums in a float32 reduce-add

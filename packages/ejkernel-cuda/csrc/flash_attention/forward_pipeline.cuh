@@ -21,6 +21,9 @@ namespace ejk {
 constexpr int kForwardRows = 128;  // query rows per CTA (two consumer warpgroups of 64)
 constexpr int kForwardStages = 2;
 constexpr int kForwardThreads = 384;
+// How far (log2 units) a block's row maximum may exceed the running one before the row is rescaled to it
+// (consume_key_blocks' softmax): probabilities then stay below 2^8.
+constexpr float kMaxLagLog2 = 8.f;
 // Registers per thread of the two roles of a persistent forward (dense and paged) after setmaxnreg. The CTA's
 // pool is what the launch gave it (168 per thread: 384 threads, one CTA per SM): the consumers' increase waits
 // for registers the producer released, so a budget above the pool hangs the kernel. 24 / 240 (a one-tile CTA's)
@@ -183,6 +186,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
   float s[BN / 2];
   uint32_t p[BN / 4];
   float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.f, sum_b = 0.f;
+  bool rescale_needed = false;  // warp-uniform: a row of this warp has a new maximum (softmax -> the next P V)
   if (extras.num_sinks > 0) {
     // the sinks start every row's softmax state: their maximum (in score units) and their sum against it,
     // counted once per row (the quad's partial sums are added at the end). With rows_per_query > 1 the tile's
@@ -260,10 +264,18 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
       if (i & 2) block_b = fmaxf(block_b, s[i]);
       else block_a = fmaxf(block_a, s[i]);
     }
-    const float new_a = fmaxf(max_a, quad_max(block_a)), new_b = fmaxf(max_b, quad_max(block_b));
+    // A row's running maximum moves only when the block's exceeds it by more than kMaxLagLog2 (FlashAttention-4's
+    // rule): any maximum gives the same softmax, probabilities stay below 2^kMaxLagLog2 (float32 sums, 16-bit P
+    // keep their relative precision), and in long rows most blocks then leave the output rows as they are: a
+    // warp skips their rescale (D / 2 multiplies per thread) when none of its rows moved. (-inf - -inf is NaN:
+    // a row that has seen no key yet keeps -inf.)
+    const float top_a = quad_max(block_a), top_b = quad_max(block_b);
+    const float new_a = (top_a - max_a) * unit > kMaxLagLog2 ? top_a : max_a;
+    const float new_b = (top_b - max_b) * unit > kMaxLagLog2 ? top_b : max_b;
+    rescale_needed = __any_sync(0xffffffffu, (new_a != max_a) | (new_b != max_b));
     // rows that have seen no key yet keep a max of -inf: subtract 0 instead (their probabilities are 0)
     const float base_a = new_a == -INFINITY ? 0.f : new_a * unit, base_b = new_b == -INFINITY ? 0.f : new_b * unit;
-    rescale_a = fast_exp2(max_a * unit - base_a);
+    rescale_a = fast_exp2(max_a * unit - base_a);  // 1 where the maximum stayed (0 where it is still -inf)
     rescale_b = fast_exp2(max_b * unit - base_b);
     max_a = new_a;
     max_b = new_b;
@@ -317,8 +329,10 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
         const int from = problem.kv_len - key0;
         if (it == 0 && from < BN) clear_value_rows<T, D, BN>(shared.v[0], from, group, t);
       }
+      if (rescale_needed) {
 #pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+        for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+      }
       issue_values(p, stage, it > group);
       cute::warpgroup_wait<0>();
       fence_operands<D / 2>(o);
@@ -358,9 +372,11 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
         clear_value_rows<T, D, BN>(shared.v[first_stage], from, group, t);
       }
     }
-    auto rescale_output = [&]() {
+    auto rescale_output = [&]() {  // skipped where no row of the warp moved (the rows without keys hold zeros)
+      if (rescale_needed) {
 #pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+        for (int i = 0; i < D / 2; ++i) o[i] *= (i & 2) ? rescale_b : rescale_a;
+      }
     };
 
     // One step: S of block `it`, P V of block it - 1, softmax of block it (masked: a compile-time flag, so
