@@ -207,13 +207,13 @@ def test_config_validation():
 
 def test_dispatch_between_cudnn_and_native(monkeypatch):
     """With the native kernels usable (as on an H100): cuDNN where it takes the call (its rank) unless the native
-    kernels measured faster there (causal, head_dim 128), the native kernels, ranked NATIVE_PRIORITY, where only
-    they take it; a call neither takes names both reasons."""
+    kernels measured faster there (head_dim 128), the native kernels, ranked NATIVE_PRIORITY, where only they
+    take it; a call neither takes names both reasons."""
     monkeypatch.setattr(native_flash, "usable_here", lambda: None)
     plain, soft_capped = _call(causal=True), _call(logits_soft_cap=30.0)
     assert FLASH.heuristic_config(plain) == CudaFlashConfig("cudnn")  # head_dim 64
     assert FLASH.heuristic_config(_call(causal=True, head_dim=128)) == CudaFlashConfig("native")
-    assert FLASH.heuristic_config(_call(head_dim=128)) == CudaFlashConfig("cudnn")
+    assert FLASH.heuristic_config(_call(head_dim=128)) == CudaFlashConfig("native")
     assert FLASH.candidate_configs(plain) == [CudaFlashConfig("cudnn"), CudaFlashConfig("native")]
     assert FLASH.priority_for(plain) is None  # the backend's 20
     FLASH.supports(soft_capped)

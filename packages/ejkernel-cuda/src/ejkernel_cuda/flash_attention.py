@@ -7,7 +7,7 @@ computes exactly as ejkernel defines them: bfloat16/float16, equal head dims, no
 causal window) over equal lengths, GQA. The native kernels (sm_90a only) take more of ejkernel's features
 (causal masks and windows over unequal lengths, windows reaching right, soft cap, attention sinks, segment
 ids, packed varlen self-attention) at head dims 64 and 128.
-The heuristic takes the native kernels for causal head_dim-128 calls (measured faster than cuDNN there:
+The heuristic takes the native kernels for head_dim-128 calls (measured faster than cuDNN there:
 :func:`native_preferred`) and for the calls only they take, cuDNN for the rest; a call neither takes is
 refused with ``UnsupportedFeature`` (both reasons) before anything compiles, and the dispatcher takes
 Pallas, Triton or XLA.
@@ -38,12 +38,14 @@ NATIVE_PRIORITY = 18
 
 
 def native_preferred(call: FlashAttentionCall) -> bool:
-    """Whether the native kernels run a call cuDNN takes too: causal calls at head_dim 128, where they measured
-    faster (H100, 2026-11-27 09:18 UTC, bf16, 16k tokens, `results/nvidia-h100-2026-11-27e-cuda-native.json`:
-    native / cuDNN forward 1.02-1.10, forward+backward 1.03-1.06 at S = 2k, 8k, 16k). Elsewhere cuDNN: non-causal
-    forward 0.95-1.07 there (behind from 8k), and at head_dim 64 the native forward is 0.72-0.91 of cuDNN's
-    (`...-cuda-native-d64.json`)."""
-    return bool(call.causal) and call.query.shape[-1] == 128
+    """Whether the native kernels run a call cuDNN takes too: calls at head_dim 128, where they measured at or
+    above cuDNN in every cell (bf16, 16k tokens, S = 2k, 8k, 16k, causal or not; native / cuDNN forward 1.00-1.12
+    and forward+backward 1.02-1.13 on an H100, 2026-11-27 23:08 UTC, `results/nvidia-h100-2026-11-27m-cuda-
+    native.json`; forward 1.00-1.08 and forward+backward 1.01-1.12 on an H200, 22:52 UTC, `...h200-...`).
+    Non-causal calls went to cuDNN until the forward's lagging maximum (its forward had been 0.95-1.07 × cuDNN's).
+    At head_dim 64 cuDNN: the native forward is 0.91-0.97 of cuDNN's, forward+backward 0.96-1.06
+    (`results/nvidia-h100-2026-11-27m-cuda-native-d64.json`)."""
+    return call.query.shape[-1] == 128
 
 
 @dataclasses.dataclass(frozen=True)
