@@ -466,14 +466,8 @@ def _attention_float32(q, k, v, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", probabilities, v)
 
 
-@gpu
-@pytest.mark.usefixtures("native_gpu")
-@pytest.mark.parametrize("sq,sk,causal", [(2048, 2048, True), (2048, 600, True), (2048, 2048, False)])
-def test_persistent_ctas_over_many_tiles_match_float32(sq, sk, causal):
-    """512 query tiles on one CTA per SM: each CTA runs several tiles through one K/V ring, tiles of 1 to 16
-    key blocks in turn (the ring's stages change parity between tiles), and with Sk < Sq causal tiles whose rows
-    see no key (no blocks, no Q load) between them. Forward and every gradient against float32 attention."""
-    q, k, v, do = _inputs(sq + sk + causal, 4, sq, sk, 8, 2, 128, "bfloat16")
+def _assert_native_matches_float32(q, k, v, do, causal):
+    """The native kernels' output and every gradient (bf16 inputs) against _attention_float32's."""
 
     def run(q, k, v, do, attend):
         out, pullback = jax.vjp(attend, q, k, v)
@@ -485,6 +479,17 @@ def test_persistent_ctas_over_many_tiles_match_float32(sq, sk, causal):
                                           lambda q, k, v: _attention_float32(q, k, v, causal))
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(g, w.astype(jnp.float32), dtype=jnp.bfloat16, gradient=name != "out", name=name)
+
+
+@gpu
+@pytest.mark.usefixtures("native_gpu")
+@pytest.mark.parametrize("sq,sk,causal", [(2048, 2048, True), (2048, 600, True), (2048, 2048, False)])
+def test_persistent_ctas_over_many_tiles_match_float32(sq, sk, causal):
+    """512 query tiles on one CTA per SM: each CTA runs several tiles through one K/V ring, tiles of 1 to 16
+    key blocks in turn (the ring's stages change parity between tiles), and with Sk < Sq causal tiles whose rows
+    see no key (no blocks, no Q load) between them. Forward and every gradient against float32 attention."""
+    q, k, v, do = _inputs(sq + sk + causal, 4, sq, sk, 8, 2, 128, "bfloat16")
+    _assert_native_matches_float32(q, k, v, do, causal)
 
 
 @gpu
@@ -501,17 +506,7 @@ def test_row_maxima_that_climb_past_the_lag_or_within_it_match_float32(causal):
     offsets = np.random.default_rng(causal).uniform(0, 24, 2048 // 128).repeat(128) / unit
     q = q.at[..., 0].set(4.0)
     k = k.at[..., 0].set(jnp.asarray(offsets / 4.0, jnp.bfloat16)[None, :, None])
-
-    def run(q, k, v, do, attend):
-        out, pullback = jax.vjp(attend, q, k, v)
-        return (out, *pullback(do))
-
-    got = jax.jit(run, static_argnums=4)(
-        q, k, v, do, lambda q, k, v: flash_attention(q, k, v, causal=causal, cfg=CudaFlashConfig("native")))
-    want = jax.jit(run, static_argnums=4)(q, k, v, do.astype(jnp.float32),
-                                          lambda q, k, v: _attention_float32(q, k, v, causal))
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        assert_close(g, w.astype(jnp.float32), dtype=jnp.bfloat16, gradient=name != "out", name=name)
+    _assert_native_matches_float32(q, k, v, do, causal)
     _, lse = jax.jit(lambda q, k, v: native_flash.forward(q, k, v, scale=128 ** -0.5, causal=causal))(q, k, v)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), jnp.repeat(k.astype(jnp.float32), 2, axis=2))
     logits = logits * 128 ** -0.5
