@@ -9,8 +9,8 @@ sampled at different rates compare), then the executed-instruction counts per op
         fa3.sass.csv FlashAttnBwdSm90 626.1
 
 Samples not attributed to any listed reason (mostly at the first wgmma of a group: the warpgroup waiting to issue
-to the tensor cores) are shown as "(wgmma issue)". ncu lists a kernel profiled twice twice; only the first listing
-of each kernel is read.
+to the tensor cores) are shown as "(wgmma issue)". Where the page lists a kernel twice (it did for FA3's backward),
+only its first listing is read.
 """
 
 from __future__ import annotations

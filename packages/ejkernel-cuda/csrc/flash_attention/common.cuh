@@ -339,6 +339,8 @@ __device__ __forceinline__ void store_matrices(uint32_t address, uint32_t m0, ui
 // Writes 16-bit pairs of a warpgroup's 64 x N accumulator (N <= 64; pairs[2c] of row a, pairs[2c + 1] of row b,
 // columns 8c..8c+7: to_operand's order) into rows [first, first + 64) of a swizzled 64-column panel at shared
 // address `panel`, by stmatrix: the warp's matrices are (row a, 8 columns), (row b, same), (row a, next 8), ...
+// (stage_rows below writes the same layout with 4-byte stores: through this, the forward's output staging
+// measured 0.4 % slower at 8k, NOTES.md 2026-11-27m.)
 template <int N>
 __device__ __forceinline__ void store_fragment_pairs(uint32_t panel, int first, int t, const uint32_t* pairs) {
   const int lane = t % 32, matrix = lane / 8;
