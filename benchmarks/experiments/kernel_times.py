@@ -13,7 +13,7 @@ benchmark adds on top is launch gaps and host time). Cases: `blocksparse` (S=16k
 candidates, Pallas, dense flash), `gla`, `lightning`, `recurrent` (`benchmarks/linear_attention.py`'s shape, B=4
 H=8 K=V=128 bf16, Triton forward and forward+backward at T=4k and 16k; ``--only fwd-16384`` keeps one of them),
 `flash` (forward+backward of the native CUDA kernels and flash-attn3-jax at the standard shapes: 16k tokens,
-16 heads, D=128, bf16; S=2k causal and S=8k).
+16 heads, D=128, bf16; S=2k causal and S=8k), `flash-shapes` (the same at S = 2k, 8k and 16k, causal and not).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ CASES = {
 }
 CASES["lightning"] = CASES["recurrent"] = CASES["gla"]
 CASES["flash"] = ("native-2048-causal", "fa3-2048-causal", "native-8192", "fa3-8192")
+CASES["flash-shapes"] = tuple(f"{impl}-{seq}{causal}" for seq in (2048, 8192, 16384) for causal in ("", "-causal")
+                              for impl in ("native", "fa3"))
 
 
 def blocksparse_steps():
@@ -61,7 +63,7 @@ def linear_steps(op):
             yield name, lambda inputs=inputs: fwd_bwd(*inputs)
 
 
-def flash_steps():
+def flash_steps(case):
     import math
 
     import jax
@@ -71,7 +73,7 @@ def flash_steps():
     from ejkernel_cuda import native_flash
 
     fa3 = _flash_attn3()
-    for name in CASES["flash"]:
+    for name in CASES[case]:
         impl, seq, *causal = name.split("-")
         seq, causal = int(seq), bool(causal)
         keys = jax.random.split(jax.random.key(seq), 4)
@@ -103,7 +105,7 @@ def run(case: str, calls: int, only: str | None) -> None:
 
     marker = jax.jit(lambda x: jt.triton_call(x, kernel=variant_marker, out_shape=x, grid=(1,)))
 
-    steps = list(blocksparse_steps() if case == "blocksparse" else flash_steps() if case == "flash"
+    steps = list(blocksparse_steps() if case == "blocksparse" else flash_steps(case) if case.startswith("flash")
                  else linear_steps(case))
     if only:
         steps = [(name, step) for name, step in steps if name == only]
