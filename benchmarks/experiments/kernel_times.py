@@ -121,8 +121,10 @@ def run(case: str, calls: int, only: str | None) -> None:
 def summarize(case: str, path: str, calls: int, only: str | None) -> None:
     rows = [r for r in csv.reader(open(path)) if len(r) > 10]
     header, rows = rows[0], rows[1:]
-    name_col, metric_col, value_col = header.index("Kernel Name"), header.index("Metric Name"), header.index("Metric Value")
-    kernels = [(r[name_col], float(r[value_col].replace(",", ""))) for r in rows if r[metric_col] == "gpu__time_duration.sum"]
+    name_col, metric_col = header.index("Kernel Name"), header.index("Metric Name")
+    value_col = header.index("Metric Value")
+    kernels = [(r[name_col], float(r[value_col].replace(",", ""))) for r in rows
+               if r[metric_col] == "gpu__time_duration.sum"]
     variant, per = None, defaultdict(lambda: defaultdict(list))
     names = iter([only] if only else CASES[case])
     for kname, ns in kernels:
