@@ -2,40 +2,99 @@
 # A/B of a candidate ejkernel-cuda build against the carried one, ON THE DEVICE (carry: [".whl"]):
 #
 #   uv build --wheel --package ejkernel-cuda -o .whl/cand     # here, from the candidate's tree
-#   bash scripts/device/cuda_ab.sh [ROUNDS] [--tests]          # there
+#   bash scripts/device/cuda_ab.sh [--tests] [ROUNDS]          # there (ROUNDS: 2)
+#   MEASURE=kernels KERNEL=flash_forward_kernel CASE=flash-shapes bash scripts/device/cuda_ab.sh --tests
 #
-# Times both libraries with benchmarks/experiments/cuda_flash_probe.py (standard shapes, FA3 beside them),
-# alternating candidate and baseline ROUNDS times (default 2) so that drift hits both, the candidate first in odd
-# rounds and second in even ones (in the paged probe's rounds on an H100 the first process of each round read
-# 2-3 % faster: use an even count, and compare each build's ratio to FA3 in its own process); --tests then runs the
-# GPU tests of the cuda package, dispatch and export against the candidate (scripts/device/gpu_tests.sh).
-# Writes $OUT/cuda-ab.jsonl (one line per measurement, with the build's name and round) and gpu-tests.*.
-set -euo pipefail
+# --tests: the candidate's GPU tests (the cuda package, dispatch, export) run first, and a failure stops the A/B
+# (a wrong kernel's times mean nothing). Then ROUNDS rounds of both builds, the candidate first in odd rounds and
+# second in even ones (in the paged probe's rounds on an H100 the first process of each round read 2-3 % faster:
+# use an even count), measuring by MEASURE:
+# - probe (default): benchmarks/experiments/cuda_flash_probe.py (standard shapes, FA3 beside them: compare each
+#   build's ratio to FA3 in its own process); $OUT/cuda-ab.jsonl, one line per measurement with build and round;
+# - kernels: Nsight Compute's durations of the kernels matching KERNEL (default flash_backward_kernel) in
+#   `benchmarks/experiments/kernel_times.py --case CASE` (default flash: S = 2k causal, then 8k), in launch
+#   order; $OUT/kernel-ab.txt, one line per process.
+# Every process runs under a time limit (LIMIT_S, default 150 s; the tests 300 s): a candidate that hangs is
+# killed and reported instead of holding the call to the device tool's limit (one hang once took a session's
+# remaining device time). Exit status: 0; 1 if the tests failed or a process hung or failed; 2 without an
+# installable candidate.
+set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 if [ -z "${EJKERNEL_DEVICE_READY:-}" ]; then
     exec bash scripts/device/run.sh bash scripts/device/cuda_ab.sh "$@"
 fi
 OUT=${OUT:-/tmp/out}
-ROUNDS=${1:-2}
-CAND=/tmp/cand
-rm -rf "$CAND" && mkdir -p "$CAND"
-python3 -m zipfile -e .whl/cand/ejkernel_cuda-*.whl "$CAND"
-LIB=$(find "$CAND" -name libejkernel_cuda.so | head -1)
+TESTS=0
+ROUNDS=2
+for argument in "$@"; do
+    case $argument in
+        --tests) TESTS=1 ;;
+        *) ROUNDS=$argument ;;
+    esac
+done
+MEASURE=${MEASURE:-probe}
+KERNEL=${KERNEL:-flash_backward_kernel}
+CASE=${CASE:-flash}
+LIMIT_S=${LIMIT_S:-150}
+CAND=/tmp/site_cand
+BASE_PATH=$PYTHONPATH
+mkdir -p "$OUT"
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$CAND" .whl/cand/ejkernel_cuda-*.whl ||
+    { echo "could not install .whl/cand/ejkernel_cuda-*.whl (pip says why above; build it here as above)" >&2; exit 2; }
+status=0
+
+if [ "$TESTS" = 1 ]; then
+    echo "candidate's GPU tests $(date -u +%H:%M:%S)"
+    PYTHONPATH=$CAND:$BASE_PATH OUT=$OUT/tests timeout --kill-after=10 300 bash scripts/device/gpu_tests.sh \
+        packages/ejkernel-cuda/tests tests/test_dispatch.py tests/test_export.py 2>&1 | tail -3
+    code=${PIPESTATUS[0]}
+    if [ "$code" != 0 ]; then
+        echo "the candidate's tests failed or hung (exit $code): no timing" >&2
+        exit 1
+    fi
+fi
+
+measure_probe() {  # build round
+    timeout --kill-after=10 "$LIMIT_S" env OUT= python3 benchmarks/experiments/cuda_flash_probe.py \
+        --impls ejkernel-cuda-native,flash-attn3 --reps 30 | grep '^{' | python3 -c "
+import json, sys
+for line in sys.stdin:
+    row = json.loads(line); row.update(build='$1', round=$2); print(json.dumps(row), flush=True)
+" | tee -a "$OUT/cuda-ab.jsonl"
+    return "${PIPESTATUS[0]}"
+}
+
+measure_kernels() {  # build round
+    local csv code times
+    csv=$(timeout --kill-after=10 "$LIMIT_S" ncu --clock-control none -k "regex:$KERNEL" \
+        --metrics gpu__time_duration.sum --csv python3 benchmarks/experiments/kernel_times.py --case "$CASE" \
+        2>/dev/null)
+    code=$?
+    times=$(echo "$csv" | python3 -c "
+import csv, sys
+rows = [r for r in csv.reader(sys.stdin) if len(r) > 10]
+if rows:
+    header = rows[0]
+    name, value = header.index('Metric Name'), header.index('Metric Value')
+    print(' '.join(f'{float(r[value].replace(\",\", \"\")) / 1e3:.1f}' for r in rows[1:]
+                   if r[name] == 'gpu__time_duration.sum'))
+")
+    echo "$1 round $2: $times" | tee -a "$OUT/kernel-ab.txt"
+    return "$code"
+}
+
 for round in $(seq "$ROUNDS"); do
     order="candidate baseline"
     [ $((round % 2)) = 0 ] && order="baseline candidate"
     for build in $order; do
-        args=()
-        [ "$build" = candidate ] && args=(--library "$LIB")
-        OUT= python3 benchmarks/experiments/cuda_flash_probe.py "${args[@]}" --impls ejkernel-cuda-native,flash-attn3 \
-            --reps 30 | grep '^{' | python3 -c "
-import json, sys
-for line in sys.stdin:
-    row = json.loads(line); row.update(build='$build', round=$round); print(json.dumps(row), flush=True)
-" | tee -a "$OUT/cuda-ab.jsonl"
+        path=$BASE_PATH
+        [ "$build" = candidate ] && path=$CAND:$BASE_PATH
+        PYTHONPATH=$path "measure_$MEASURE" "$build" "$round"
+        code=$?
+        if [ "$code" != 0 ]; then
+            echo "$build round $round: exit $code (killed after ${LIMIT_S} s, or failed)" >&2
+            status=1
+        fi
     done
 done
-if [ "${2:-}" = "--tests" ]; then
-    python3 -m pip install -q --no-index --no-deps --force-reinstall --upgrade --target /tmp/site .whl/cand/ejkernel_cuda-*.whl
-    bash scripts/device/gpu_tests.sh packages/ejkernel-cuda/tests tests/test_dispatch.py tests/test_export.py
-fi
+exit $status
