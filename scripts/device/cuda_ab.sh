@@ -33,6 +33,10 @@ for argument in "$@"; do
     esac
 done
 MEASURE=${MEASURE:-probe}
+case $MEASURE in
+    probe | kernels) ;;
+    *) echo "MEASURE must be probe or kernels, not '$MEASURE'" >&2; exit 2 ;;
+esac
 KERNEL=${KERNEL:-flash_backward_kernel}
 CASE=${CASE:-flash}
 LIMIT_S=${LIMIT_S:-150}
