@@ -257,6 +257,20 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
     barrier_wait(&shared.keys_full, 0);
     const uint32_t k_tile_0 = smem_address(shared.k), v_tile_0 = smem_address(shared.v);
     // One block pair; `masked`: a compile-time flag, so the elementwise work is branch-free
+    // The walk to the next block and whether it needs the mask, decided while this block's dK runs (next_block,
+    // called before the wait for dK): done after that wait, as the loop's head, they were ~60 instructions between
+    // dK's end and the next S^T's issue, with the tensor cores idle.
+    StepWalk walk(kv_head * group_size, blocks);
+    auto unmasked_at = [&](int row0) {
+      return !segmented &&
+             block_unmasked(problem, row0, min(row0 + BM, problem.q_len), key_begin, key_begin + kDkvKeys);
+    };
+    int next_unmasked = unmasked_at(walk.row0());
+    auto next_block = [&]() {
+      walk.next();
+      next_unmasked = unmasked_at(walk.row0());
+      asm volatile("" : "+r"(walk.head), "+r"(walk.block), "+r"(next_unmasked));  // here, not after the wait
+    };
     auto step = [&](int it, int head, int row0, auto masked) {
       const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
       const uint32_t q_tile = smem_address(shared.q[stage]), do_tile = smem_address(shared.d_out[stage]);
@@ -366,6 +380,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
               make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
         }
       }
+      next_block();
       cute::warpgroup_wait<0>();
       fence_operands<D / 2>(dk);
       fence_operands<BM / 4>(ds_operand);
@@ -382,13 +397,12 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         bulk_reduce_add(params.dq_accum + chunk * BM * D, shared.dq, BM * D * sizeof(float));
       }
     };
-    StepWalk walk(kv_head * group_size, blocks);
-    for (int it = 0; it < num_steps; ++it, walk.next()) {
-      const int row0 = walk.row0();
-      if (!segmented && block_unmasked(problem, row0, min(row0 + BM, problem.q_len), key_begin, key_begin + kDkvKeys)) {
-        step(it, walk.head, row0, std::false_type{});
+    for (int it = 0; it < num_steps; ++it) {
+      const int head = walk.head, row0 = walk.row0();
+      if (next_unmasked) {
+        step(it, head, row0, std::false_type{});
       } else {
-        step(it, walk.head, row0, std::true_type{});
+        step(it, head, row0, std::true_type{});
       }
     }
   }
