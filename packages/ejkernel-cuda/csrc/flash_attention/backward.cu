@@ -381,6 +381,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         }
       }
       next_block();
+      // the chunk's address too (the reducing warp's ~30 instructions after the barrier, on the same path)
+      float* chunk = params.dq_accum +
+                     ((static_cast<size_t>(batch) * problem.q_heads + head) * q_chunks(problem) + row0 / BM) * BM * D;
+      asm volatile("" : "+l"(chunk));
       cute::warpgroup_wait<0>();
       fence_operands<D / 2>(dk);
       fence_operands<BM / 4>(ds_operand);
@@ -393,8 +397,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       if (group == 0 && t < 32) named_sync(kSyncDqWritten, 256);
       else named_arrive(kSyncDqWritten, 256);
       if (reduces) {  // the whole chunk: rows past the length hold zeros (their P is 0) and land in padding
-        const size_t chunk = (static_cast<size_t>(batch) * problem.q_heads + head) * q_chunks(problem) + row0 / BM;
-        bulk_reduce_add(params.dq_accum + chunk * BM * D, shared.dq, BM * D * sizeof(float));
+        bulk_reduce_add(chunk, shared.dq, BM * D * sizeof(float));
       }
     };
     for (int it = 0; it < num_steps; ++it) {
