@@ -13,7 +13,9 @@ Sweep: S in {1k, 2k, 4k, 8k, 16k}, causal and not, head_dim 64 and 128, forward 
 a fixed token budget (batch = tokens / S) and hidden size (heads = hidden / head_dim). Timing: jit, warm-up,
 then `--reps` samples, each the mean of `--calls` calls queued back to back (so the host's dispatch hides
 behind the GPU's work and the figure is the device's time per call) over rotating sets of fresh random
-inputs (more data than L2); the median sample is reported. TFLOP/s: forward 4·B·H·S²·D (half if causal),
+inputs (more data than L2); a cell times its implementations in `--rounds` rounds, interleaved in a rotating
+order (the GPU's clock under sustained load moves between measurements), and reports the median of the
+rounds' median samples (every round's in `ms_rounds`). TFLOP/s: forward 4·B·H·S²·D (half if causal),
 forward+backward 3.5× that. Numerics (`--errors`): relative L2 error of out, dq, dk, dv against a float32
 XLA reference at one shape per head dim, for every implementation.
 
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import RESULTS_DIR, relative_error, time_calls, usable_platforms, versions  # noqa: E402,F401 (re-exported)
@@ -214,6 +217,38 @@ def time_step(step, inputs, mode, warmup, reps, calls) -> float:
     return time_calls(lambda c: step(*args[c % len(args)]), warmup, reps, calls)
 
 
+def interleaved_rows(impls, inputs, d, seq, batch, heads, causal, mode, args) -> list[dict]:
+    """One cell's row per implementation, timed in ``args.rounds`` rounds that each time every implementation
+    once (:func:`time_step`), the order rotated by one per round: back-to-back attention runs the GPU below its
+    boost clock, so implementations timed one after the other met different clocks (on an H100 one cell moved
+    10 % between runs while Nsight Compute's kernel times held). ``ms`` is the median of the rounds' medians,
+    ``ms_rounds`` all of them; an implementation that fails to build or run gets ``error`` instead."""
+    steps, rows = {}, {}
+    for impl in impls:
+        rows[impl.name] = dict(impl=impl.name, head_dim=d, seq=seq, batch=batch, heads=heads, causal=causal,
+                               mode=mode)
+        try:
+            steps[impl.name] = make_step(impl, causal, mode)
+        except Exception as exc:  # noqa: BLE001
+            rows[impl.name]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    times = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)] if names else ():
+            if name not in times:
+                continue
+            try:
+                times[name].append(time_step(steps[name], inputs, mode, args.warmup, args.reps, args.calls))
+            except Exception as exc:  # noqa: BLE001
+                rows[name]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                del times[name]
+    for name, secs in times.items():
+        median = float(np.median(secs))
+        rows[name].update(ms=median * 1e3, ms_rounds=[round(s * 1e3, 4) for s in secs],
+                          tflops=attention_flops(batch, heads, seq, d, causal, mode) / median / 1e12)
+    return list(rows.values())
+
+
 # ---- numerics ----------------------------------------------------------------------------------------
 
 
@@ -335,6 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the implementations per cell (rotated order)")
     p.add_argument("--sets", type=int, default=3, help="input sets rotated through (beat the L2 cache)")
     p.add_argument("--errors", default="2048", help="seq lengths at which to measure numerics ('' for none)")
     p.add_argument("--out", default=str(RESULTS_DIR))
@@ -362,8 +398,9 @@ def main(argv=None) -> int:
         document = dict(
             device=device_kind, date=now.isoformat(timespec="seconds"), versions=versions(),
             setup=dict(tokens=args.tokens, hidden=args.hidden, dtype=str(dtype), warmup=args.warmup, reps=args.reps,
-                       calls=args.calls, input_sets=args.sets,
-                       timing="median of reps; each rep = mean of back-to-back calls ended by block_until_ready",
+                       calls=args.calls, input_sets=args.sets, rounds=args.rounds,
+                       timing="median over rounds (implementations interleaved, order rotated) of the median of "
+                              "reps; each rep = mean of back-to-back calls ended by block_until_ready",
                        flops="fwd 4*B*H*S^2*D (x0.5 causal); fwd+bwd 3.5x fwd"),
             implementations=names, results=rows, numerics=numerics,
         )
@@ -378,30 +415,21 @@ def main(argv=None) -> int:
             key, sub = jax.random.split(key)
             inputs = random_inputs(sub, batch, seq, heads, d, dtype, args.sets)
             for causal in (c == "yes" for c in args.causal.split(",")):
-                for impl in impls:
-                    if seq in error_seqs:
-                        try:
-                            err = errors(impl, *inputs[0], causal)
-                            numerics.append(dict(impl=impl.name, head_dim=d, seq=seq, batch=batch, heads=heads,
-                                                 causal=causal, **err))
-                        except Exception as exc:  # noqa: BLE001
-                            numerics.append(dict(impl=impl.name, head_dim=d, seq=seq, causal=causal,
-                                                 error=f"{type(exc).__name__}: {str(exc)[:200]}"))
-                    for mode in args.modes.split(","):
-                        row = dict(impl=impl.name, head_dim=d, seq=seq, batch=batch, heads=heads, causal=causal,
-                                   mode=mode)
-                        try:
-                            step = make_step(impl, causal, mode)
-                            secs = time_step(step, inputs, mode, args.warmup, args.reps, args.calls)
-                            row.update(ms=secs * 1e3,
-                                       tflops=attention_flops(batch, heads, seq, d, causal, mode) / secs / 1e12)
-                        except Exception as exc:  # noqa: BLE001
-                            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                for impl in impls if seq in error_seqs else ():
+                    try:
+                        err = errors(impl, *inputs[0], causal)
+                        numerics.append(dict(impl=impl.name, head_dim=d, seq=seq, batch=batch, heads=heads,
+                                             causal=causal, **err))
+                    except Exception as exc:  # noqa: BLE001
+                        numerics.append(dict(impl=impl.name, head_dim=d, seq=seq, causal=causal,
+                                             error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                for mode in args.modes.split(","):
+                    for row in interleaved_rows(impls, inputs, d, seq, batch, heads, causal, mode, args):
                         rows.append(row)
                         save()
                         shown = f"{row['tflops']:7.1f} TFLOP/s {row['ms']:8.3f} ms" if "tflops" in row else row["error"]
                         print(f"D={d:3d} S={seq:5d} B={batch:2d} {'causal' if causal else 'full  '} {mode:7s} "
-                              f"{impl.name:18s} {shown}", flush=True)
+                              f"{row['impl']:18s} {shown}", flush=True)
             del inputs
 
     save()

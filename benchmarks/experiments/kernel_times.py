@@ -34,6 +34,7 @@ CASES["lightning"] = CASES["recurrent"] = CASES["gla"]
 CASES["flash"] = ("native-2048-causal", "fa3-2048-causal", "native-8192", "fa3-8192")
 CASES["flash-shapes"] = tuple(f"{impl}-{seq}{causal}" for seq in (2048, 8192, 16384) for causal in ("", "-causal")
                               for impl in ("native", "fa3"))
+CASES["flash-softcap"] = ("native-2048-causal-softcap", "native-8192-softcap")  # logits soft cap 30: ours only
 
 
 def blocksparse_steps():
@@ -74,14 +75,14 @@ def flash_steps(case):
 
     fa3 = _flash_attn3()
     for name in CASES[case]:
-        impl, seq, *causal = name.split("-")
-        seq, causal = int(seq), bool(causal)
+        impl, seq, *flags = name.split("-")
+        seq, causal, softcap = int(seq), "causal" in flags, 30.0 if "softcap" in flags else None
         keys = jax.random.split(jax.random.key(seq), 4)
         q, k, v, d_out = (jax.random.normal(kk, (16384 // seq, seq, 16, 128), jnp.float32).astype(jnp.bfloat16)
                           for kk in keys)
         if impl == "native":
-            def attend(q, k, v, causal=causal):
-                return native_flash.attention(q, k, v, 1 / math.sqrt(128), causal, None, None)
+            def attend(q, k, v, causal=causal, softcap=softcap):
+                return native_flash.attention(q, k, v, 1 / math.sqrt(128), causal, None, softcap)
         elif fa3 is not None:
             def attend(q, k, v, causal=causal):
                 return fa3(q, k, v, causal)
