@@ -227,6 +227,17 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     }
     cute::warpgroup_commit_batch();
   };
+  // The scores of the block's first 64 keys only (s[0, BN / 4): the same fragment columns); the caller masks the
+  // rest to -inf
+  auto issue_half_scores = [&](int stage) {
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      gmma_ss<T, BN / 2, Major::K, Major::K>(k_major(q_tile, kForwardRows, 64 * group, k),
+                                             k_major(k_tile(stage), BN, 0, k), s, k > 0);
+    }
+    cute::warpgroup_commit_batch();
+  };
   auto issue_values = [&](const uint32_t* p, int stage, bool accumulate) {
     cute::warpgroup_arrive();
 #pragma unroll
@@ -348,9 +359,18 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     barrier_wait(&shared.q_full, q_phase);
 
     const int first_stage = block_base % stages, first_phase = (block_base / stages) & 1;
+    const int first_key = (blocks.last - 1) * BN;
+    // The first block is the causal diagonal's (or a window's right edge): where warpgroup 0's last row sees
+    // none of its last 64 keys, its scores are a 64-key product (the mask below sets the other half to -inf).
+    // Outside the main loop, whose code stays as it is.
+    bool half_scores = false;
+    if constexpr (!ClearValueTail && !SplitBlocks) {
+      half_scores = group == 0 && visible_keys(problem, min(row_begin + 63, row_end - 1)).hi < first_key + BN / 2;
+    }
     barrier_wait(&shared.k_full[first_stage], first_phase);
     take_turn();
-    issue_scores(first_stage);
+    if (half_scores) issue_half_scores(first_stage);
+    else issue_scores(first_stage);
     pass_turn();
     cute::warpgroup_wait<0>();
     fence_operands<BN / 2>(s);
@@ -361,7 +381,6 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     auto needs_mask = [&](int key0) {
       return kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN);
     };
-    const int first_key = (blocks.last - 1) * BN;
     if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
     else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
     to_operand<T, BN>(s, p);
