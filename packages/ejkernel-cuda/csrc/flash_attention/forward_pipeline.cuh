@@ -227,8 +227,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     }
     cute::warpgroup_commit_batch();
   };
-  // The scores of the block's first 64 keys only (s[0, BN / 4): the same fragment columns); the caller masks the
-  // rest to -inf
+  // The scores of the block's first 64 keys only (s[0, BN / 4): the same fragment columns)
   auto issue_half_scores = [&](int stage) {
     cute::warpgroup_arrive();
 #pragma unroll
@@ -360,30 +359,39 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
 
     const int first_stage = block_base % stages, first_phase = (block_base / stages) & 1;
     const int first_key = (blocks.last - 1) * BN;
-    // The first block is the causal diagonal's (or a window's right edge): where warpgroup 0's last row sees
-    // none of its last 64 keys, its scores are a 64-key product (the mask below sets the other half to -inf).
-    // Outside the main loop, whose code stays as it is.
-    bool half_scores = false;
-    if constexpr (!ClearValueTail && !SplitBlocks) {
-      half_scores = group == 0 && visible_keys(problem, min(row_begin + 63, row_end - 1)).hi < first_key + BN / 2;
-    }
-    barrier_wait(&shared.k_full[first_stage], first_phase);
-    take_turn();
-    if (half_scores) issue_half_scores(first_stage);
-    else issue_scores(first_stage);
-    pass_turn();
-    cute::warpgroup_wait<0>();
-    fence_operands<BN / 2>(s);
-    if (t == 0) barrier_arrive(&shared.k_empty[first_stage]);
-    // Factors the output rows still owe the latest maxima: applied just before the next P V is issued,
-    // while the scores of the next block are computed, not after the wait for the last P V.
-    float rescale_a, rescale_b;
     auto needs_mask = [&](int key0) {
       return kv_segments || !block_unmasked(problem, row_begin, row_end, key0, key0 + BN);
     };
-    if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
-    else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
-    to_operand<T, BN>(s, p);
+    // Factors the output rows still owe the latest maxima: applied just before the next P V is issued,
+    // while the scores of the next block are computed, not after the wait for the last P V.
+    float rescale_a, rescale_b;
+    // The first block, to its probabilities in p. `half`: warpgroup 0's last row sees none of the block's last 64
+    // keys (the causal diagonal, or a window's right edge), so its scores are a 64-key product and the other
+    // half's are -inf. A compile-time flag over the whole block: a branch around the product alone made ptxas
+    // serialize every wgmma of the kernel (C7511 / C7515).
+    auto first_block = [&](auto half) {
+      take_turn();
+      if constexpr (decltype(half)::value) issue_half_scores(first_stage);
+      else issue_scores(first_stage);
+      pass_turn();
+      cute::warpgroup_wait<0>();
+      fence_operands<BN / 2>(s);
+      if constexpr (decltype(half)::value) {
+#pragma unroll
+        for (int i = BN / 4; i < BN / 2; ++i) s[i] = -INFINITY;
+      }
+      if (t == 0) barrier_arrive(&shared.k_empty[first_stage]);
+      if (needs_mask(first_key)) softmax(first_key, std::true_type{}, rescale_a, rescale_b);
+      else softmax(first_key, std::false_type{}, rescale_a, rescale_b);
+      to_operand<T, BN>(s, p);
+    };
+    barrier_wait(&shared.k_full[first_stage], first_phase);
+    bool half = false;
+    if constexpr (!ClearValueTail) {  // the dense forward
+      half = group == 0 && visible_keys(problem, min(row_begin + 63, row_end - 1)).hi < first_key + BN / 2;
+    }
+    if (half) first_block(std::true_type{});
+    else first_block(std::false_type{});
     if constexpr (ClearValueTail) {
       const int from = problem.kv_len - first_key;  // >= 1: the first block holds key kv_len - 1
       if (from < BN) {
