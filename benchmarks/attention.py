@@ -289,7 +289,8 @@ def markdown_table(rows: list[dict], impls: list[str]) -> str:
     for d, mode, causal, seq in keys:
         cells = []
         for name in impls:
-            hit = [r for r in rows if (r["head_dim"], r["mode"], r["causal"], r["seq"], r["impl"]) == (d, mode, causal, seq, name)]
+            hit = [r for r in rows
+                   if (r["head_dim"], r["mode"], r["causal"], r["seq"], r["impl"]) == (d, mode, causal, seq, name)]
             cells.append(f"{hit[0]['tflops']:.0f}" if hit and hit[0].get("tflops") else "—")
         lines.append(f"| {d} | {mode} | {'yes' if causal else 'no'} | {seq} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -308,7 +309,8 @@ def plot(rows: list[dict], impls: list[str], path: Path, title: str) -> None:
     for ax, (d, mode, causal) in zip(axes.flat, combos):
         for name in impls:
             pts = sorted((r["seq"], r["tflops"]) for r in rows
-                         if (r["head_dim"], r["mode"], r["causal"], r["impl"]) == (d, mode, causal, name) and r.get("tflops"))
+                         if (r["head_dim"], r["mode"], r["causal"], r["impl"]) == (d, mode, causal, name)
+                         and r.get("tflops"))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
