@@ -379,6 +379,8 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="", help="result file stem (default <device>-<date>)")
     p.add_argument("--replot", default="", help="only redraw the PNG and reprint the tables of a result JSON")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.replot:
         return replot(Path(args.replot))
 
