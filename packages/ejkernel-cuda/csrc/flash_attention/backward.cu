@@ -256,7 +256,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   if (num_steps > 0) {
     barrier_wait(&shared.keys_full, 0);
     const uint32_t k_tile_0 = smem_address(shared.k), v_tile_0 = smem_address(shared.v);
-    // One block pair; `masked`: a compile-time flag, so the elementwise work is branch-free
     // The walk to the next block and whether it needs the mask, decided while this block's dK runs (next_block,
     // called before the wait for dK): done after that wait, as the loop's head, they were ~60 instructions between
     // dK's end and the next S^T's issue, with the tensor cores idle.
@@ -271,6 +270,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       next_unmasked = unmasked_at(walk.row0());
       asm volatile("" : "+r"(walk.head), "+r"(walk.block), "+r"(next_unmasked));  // here, not after the wait
     };
+    // One block pair; `masked`: a compile-time flag, so the elementwise work is branch-free
     auto step = [&](int it, int head, int row0, auto masked) {
       const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
       const uint32_t q_tile = smem_address(shared.q[stage]), do_tile = smem_address(shared.d_out[stage]);
