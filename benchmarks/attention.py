@@ -178,7 +178,13 @@ def implementations(selected: list[str] | None, configured: list[str] = ()) -> l
     if fa3 is not None:
         impls.append(Impl("flash-attn3", fa3))
     if selected:
+        here = ", ".join(i.name for i in impls)
+        missing = [name for name in selected if name not in {i.name for i in impls}]
+        if missing:  # misspelled, or not usable here (the reason was printed above)
+            print(f"# --impls: not run: {', '.join(missing)} (here: {here})", file=sys.stderr)
         impls = [i for i in impls if i.name in selected]
+        if not impls and not configured:
+            raise SystemExit(f"--impls {','.join(selected)}: none of these runs here; available: {here}")
     return impls + configured_impls(list(configured))
 
 
