@@ -4,11 +4,12 @@
 #   uv build --wheel --package ejkernel-cuda -o .whl/cand     # here, from the candidate's tree
 #   bash scripts/device/cuda_ab.sh [--tests] [ROUNDS]          # there (ROUNDS: 2)
 #   MEASURE=kernels KERNEL=flash_forward_kernel CASE=flash-shapes bash scripts/device/cuda_ab.sh --tests
+#   CANDIDATES="cand cand126" bash scripts/device/cuda_ab.sh     # several candidates (.whl/<name>/, one wheel each)
 #
-# --tests: the candidate's GPU tests (the cuda package, dispatch, export) run first, and a failure stops the A/B
-# (a wrong kernel's times mean nothing). Then ROUNDS rounds of both builds, the candidate first in odd rounds and
-# second in even ones (in the paged probe's rounds on an H100 the first process of each round read 2-3 % faster:
-# use an even count), measuring by MEASURE:
+# --tests: each candidate's GPU tests (the cuda package, dispatch, export) run first, and a failure stops the A/B
+# (a wrong kernel's times mean nothing). Then ROUNDS rounds of every build (the baseline: the carried wheel),
+# the order rotating by one build per round (in the paged probe's rounds on an H100 the first process of each
+# round read 2-3 % faster: use a multiple of the build count), measuring by MEASURE:
 # - probe (default): benchmarks/experiments/cuda_flash_probe.py (standard shapes, FA3 beside them: compare each
 #   build's ratio to FA3 in its own process); $OUT/cuda-ab.jsonl, one line per measurement with build and round;
 # - kernels: Nsight Compute's durations of the kernels matching KERNEL (default flash_backward_kernel) in
@@ -40,22 +41,29 @@ esac
 KERNEL=${KERNEL:-flash_backward_kernel}
 CASE=${CASE:-flash}
 LIMIT_S=${LIMIT_S:-150}
-CAND=/tmp/site_cand
+read -r -a CANDS <<< "${CANDIDATES:-cand}"
 BASE_PATH=$PYTHONPATH
 mkdir -p "$OUT"
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$CAND" .whl/cand/ejkernel_cuda-*.whl ||
-    { echo "could not install .whl/cand/ejkernel_cuda-*.whl (pip says why above; build it here as above)" >&2; exit 2; }
+for name in "${CANDS[@]}"; do
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "/tmp/site_$name" \
+        .whl/"$name"/ejkernel_cuda-*.whl ||
+        { echo "could not install .whl/$name/ejkernel_cuda-*.whl (pip says why above; build it here as above)" >&2
+          exit 2; }
+done
 status=0
 
 if [ "$TESTS" = 1 ]; then
-    echo "candidate's GPU tests $(date -u +%H:%M:%S)"
-    PYTHONPATH=$CAND:$BASE_PATH OUT=$OUT/tests timeout --kill-after=10 300 bash scripts/device/gpu_tests.sh \
-        packages/ejkernel-cuda/tests tests/test_dispatch.py tests/test_export.py 2>&1 | tail -3
-    code=${PIPESTATUS[0]}
-    if [ "$code" != 0 ]; then
-        echo "the candidate's tests failed or hung (exit $code): no timing" >&2
-        exit 1
-    fi
+    for name in "${CANDS[@]}"; do
+        echo "$name's GPU tests $(date -u +%H:%M:%S)"
+        PYTHONPATH=/tmp/site_$name:$BASE_PATH OUT=$OUT/tests-$name timeout --kill-after=10 300 \
+            bash scripts/device/gpu_tests.sh packages/ejkernel-cuda/tests tests/test_dispatch.py tests/test_export.py \
+            2>&1 | tail -3
+        code=${PIPESTATUS[0]}
+        if [ "$code" != 0 ]; then
+            echo "$name's tests failed or hung (exit $code): no timing" >&2
+            exit 1
+        fi
+    done
 fi
 
 measure_probe() {  # build round
@@ -87,12 +95,12 @@ if rows:
     return "$code"
 }
 
+BUILDS=("${CANDS[@]}" baseline)
 for round in $(seq "$ROUNDS"); do
-    order="candidate baseline"
-    [ $((round % 2)) = 0 ] && order="baseline candidate"
-    for build in $order; do
+    for i in "${!BUILDS[@]}"; do
+        build=${BUILDS[$(((i + round - 1) % ${#BUILDS[@]}))]}
         path=$BASE_PATH
-        [ "$build" = candidate ] && path=$CAND:$BASE_PATH
+        [ "$build" = baseline ] || path=/tmp/site_$build:$BASE_PATH
         PYTHONPATH=$path "measure_$MEASURE" "$build" "$round"
         code=$?
         if [ "$code" != 0 ]; then
