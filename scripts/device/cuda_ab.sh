@@ -17,8 +17,10 @@
 #   order; $OUT/kernel-ab.txt, one line per process.
 # Every process runs under a time limit (LIMIT_S, default 150 s; the tests 300 s): a candidate that hangs is
 # killed and reported instead of holding the call to the device tool's limit (one hang once took a session's
-# remaining device time). Exit status: 0; 1 if the tests failed or a process hung or failed; 2 without an
-# installable candidate.
+# remaining device time), and no process starts that would likely end past DEADLINE_S seconds after the start
+# (default 560: the device tool's 600-s call limit; the estimate is the last process's duration), so a call that
+# asked for too many rounds returns what it measured instead of being cut off mid-process. Exit status: 0; 1 if
+# the tests failed, a process hung or failed, or the deadline cut rounds; 2 without an installable candidate.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 if [ -z "${EJKERNEL_DEVICE_READY:-}" ]; then
@@ -41,6 +43,7 @@ esac
 KERNEL=${KERNEL:-flash_backward_kernel}
 CASE=${CASE:-flash}
 LIMIT_S=${LIMIT_S:-150}
+DEADLINE_S=${DEADLINE_S:-560}
 read -r -a CANDS <<< "${CANDIDATES:-cand}"
 BASE_PATH=$PYTHONPATH
 mkdir -p "$OUT"
@@ -96,13 +99,21 @@ if rows:
 }
 
 BUILDS=("${CANDS[@]}" baseline)
+last=0
 for round in $(seq "$ROUNDS"); do
     for i in "${!BUILDS[@]}"; do
         build=${BUILDS[$(((i + round - 1) % ${#BUILDS[@]}))]}
+        if [ $((SECONDS + last)) -gt "$DEADLINE_S" ]; then
+            echo "stopping before $build round $round: ${SECONDS} s gone, the last process took ${last} s," \
+                "DEADLINE_S is $DEADLINE_S" >&2
+            exit 1
+        fi
+        started=$SECONDS
         path=$BASE_PATH
         [ "$build" = baseline ] || path=/tmp/site_$build:$BASE_PATH
         PYTHONPATH=$path "measure_$MEASURE" "$build" "$round"
         code=$?
+        last=$((SECONDS - started))
         if [ "$code" != 0 ]; then
             echo "$build round $round: exit $code (killed after ${LIMIT_S} s, or failed)" >&2
             status=1
