@@ -218,22 +218,16 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
   auto k_tile = [&](int stage) { return smem_address(shared.k[stage]); };
   auto v_tile = [&](int stage) { return smem_address(shared.v[stage]); };
 
-  auto issue_scores = [&](int stage) {
+  // The scores of the block's first `keys` keys (all_keys, or half_keys: the first BN / 2 into s[0, BN / 4), the
+  // same fragment columns)
+  const std::integral_constant<int, BN> all_keys;
+  const std::integral_constant<int, BN / 2> half_keys;
+  auto issue_scores = [&](int stage, auto keys) {
     cute::warpgroup_arrive();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
-      gmma_ss<T, BN, Major::K, Major::K>(k_major(q_tile, kForwardRows, 64 * group, k),
-                                         k_major(k_tile(stage), BN, 0, k), s, k > 0);
-    }
-    cute::warpgroup_commit_batch();
-  };
-  // The scores of the block's first 64 keys only (s[0, BN / 4): the same fragment columns)
-  auto issue_half_scores = [&](int stage) {
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      gmma_ss<T, BN / 2, Major::K, Major::K>(k_major(q_tile, kForwardRows, 64 * group, k),
-                                             k_major(k_tile(stage), BN, 0, k), s, k > 0);
+      gmma_ss<T, decltype(keys)::value, Major::K, Major::K>(k_major(q_tile, kForwardRows, 64 * group, k),
+                                                            k_major(k_tile(stage), BN, 0, k), s, k > 0);
     }
     cute::warpgroup_commit_batch();
   };
@@ -322,7 +316,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
       const int key0 = (blocks.last - 1 - it) * BN;
       if (it == group) barrier_wait(&shared.q_full, q_phase);
       barrier_wait(&shared.k_full[full], phase);
-      issue_scores(stage);
+      issue_scores(stage, all_keys);
       cute::warpgroup_wait<0>();
       fence_operands<BN / 2>(s);
       if (t == 0) barrier_arrive(&shared.k_empty[stage]);
@@ -371,8 +365,8 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
     // serialize every wgmma of the kernel (C7511 / C7515).
     auto first_block = [&](auto half) {
       take_turn();
-      if constexpr (decltype(half)::value) issue_half_scores(first_stage);
-      else issue_scores(first_stage);
+      if constexpr (decltype(half)::value) issue_scores(first_stage, half_keys);
+      else issue_scores(first_stage, all_keys);
       pass_turn();
       cute::warpgroup_wait<0>();
       fence_operands<BN / 2>(s);
@@ -418,7 +412,7 @@ __device__ __forceinline__ void consume_key_blocks(Shared& shared, const Problem
       barrier_wait(&shared.k_full[stage], phase);
       barrier_wait(&shared.v_full[previous], previous_phase);
       take_turn();
-      issue_scores(stage);
+      issue_scores(stage, all_keys);
       rescale_output();
       issue_values(p, previous, it > 1);
       pass_turn();
