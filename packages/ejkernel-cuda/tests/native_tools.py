@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -29,10 +30,18 @@ needs_nvcc = pytest.mark.skipif(not NVCC, reason="no nvcc on this machine: the n
 
 
 def cuobjdump(*arguments: str) -> str:
-    """cuobjdump's output (nvdisasm, which ``-sass`` runs, found beside it); skips where there is none."""
+    """cuobjdump's output (nvdisasm, which ``-sass`` runs, found beside it); skips where there is none. The same
+    call on an unchanged file is answered once per process (the library's SASS takes ~12 s to disassemble)."""
     tool = nvidia_tool("cuobjdump")
     if tool is None:
         pytest.skip("no cuobjdump (the dev group's nvidia-cuda-cuobjdump) to read the SASS with")
+    stamps = tuple(os.stat(argument).st_mtime_ns if os.path.isfile(argument) else None for argument in arguments)
+    return _cuobjdump(tool, arguments, stamps)
+
+
+@functools.lru_cache(maxsize=8)
+def _cuobjdump(tool: str, arguments: tuple[str, ...], stamps: tuple[int | None, ...]) -> str:
+    """``stamps``: the files' modification times, so that a rebuilt library is read again."""
     nvdisasm = nvidia_tool("nvdisasm")
     env = dict(os.environ, PATH=os.pathsep.join(filter(None, [nvdisasm and str(Path(nvdisasm).parent),
                                                                os.environ.get("PATH")])))
