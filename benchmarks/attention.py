@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS_DIR, relative_error, time_calls, usable_platforms, versions  # noqa: E402,F401 (re-exported)
+from _harness import (RESULTS_DIR, failure, relative_error, time_calls,  # noqa: E402,F401 (re-exported)
+                      usable_platforms, versions)
 
 
 # ---- implementations ---------------------------------------------------------------------------------
@@ -180,11 +181,11 @@ def implementations(selected: list[str] | None, configured: list[str] = ()) -> l
     if selected:
         here = ", ".join(i.name for i in impls)
         missing = [name for name in selected if name not in {i.name for i in impls}]
-        if missing:  # misspelled, or not usable here (the reason was printed above)
-            print(f"# --impls: not run: {', '.join(missing)} (here: {here})", file=sys.stderr)
         impls = [i for i in impls if i.name in selected]
         if not impls and not configured:
             raise SystemExit(f"--impls {','.join(selected)}: none of these runs here; available: {here}")
+        if missing:  # misspelled, or not usable here (the reason was printed above)
+            print(f"# --impls: not run: {', '.join(missing)} (here: {here})", file=sys.stderr)
     return impls + configured_impls(list(configured))
 
 
@@ -236,7 +237,7 @@ def interleaved_rows(impls, inputs, d, seq, batch, heads, causal, mode, args) ->
         try:
             steps[impl.name] = make_step(impl, causal, mode)
         except Exception as exc:  # noqa: BLE001
-            rows[impl.name]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            rows[impl.name]["error"] = failure(exc)
     times = {name: [] for name in steps}
     names = list(steps)
     for r in range(args.rounds):
@@ -246,7 +247,7 @@ def interleaved_rows(impls, inputs, d, seq, batch, heads, causal, mode, args) ->
             try:
                 times[name].append(time_step(steps[name], inputs, mode, args.warmup, args.reps, args.calls))
             except Exception as exc:  # noqa: BLE001
-                rows[name]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                rows[name]["error"] = failure(exc)
                 del times[name]
     for name, secs in times.items():
         median = float(np.median(secs))
@@ -432,7 +433,7 @@ def main(argv=None) -> int:
                                              causal=causal, **err))
                     except Exception as exc:  # noqa: BLE001
                         numerics.append(dict(impl=impl.name, head_dim=d, seq=seq, causal=causal,
-                                             error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                                             error=failure(exc)))
                 for mode in args.modes.split(","):
                     for row in interleaved_rows(impls, inputs, d, seq, batch, heads, causal, mode, args):
                         rows.append(row)
