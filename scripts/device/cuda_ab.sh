@@ -32,6 +32,7 @@ ROUNDS=2
 for argument in "$@"; do
     case $argument in
         --tests) TESTS=1 ;;
+        *[!0-9]* | '') echo "arguments: [--tests] [ROUNDS, a whole number], not '$argument'" >&2; exit 2 ;;
         *) ROUNDS=$argument ;;
     esac
 done
@@ -45,6 +46,12 @@ CASE=${CASE:-flash}
 LIMIT_S=${LIMIT_S:-150}
 DEADLINE_S=${DEADLINE_S:-560}
 read -r -a CANDS <<< "${CANDIDATES:-cand}"
+for name in "${CANDS[@]}"; do
+    case $name in
+        baseline | *[!A-Za-z0-9._-]*) echo "CANDIDATES: '$name' is not a usable name (.whl/<name>/, not 'baseline')" >&2
+                                     exit 2 ;;
+    esac
+done
 BASE_PATH=$PYTHONPATH
 mkdir -p "$OUT"
 for name in "${CANDS[@]}"; do
