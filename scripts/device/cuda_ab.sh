@@ -5,13 +5,16 @@
 #   bash scripts/device/cuda_ab.sh [--tests] [ROUNDS]          # there (ROUNDS: 2)
 #   MEASURE=kernels KERNEL=flash_forward_kernel CASE=flash-shapes bash scripts/device/cuda_ab.sh --tests
 #   CANDIDATES="cand cand126" bash scripts/device/cuda_ab.sh     # several candidates (.whl/<name>/, one wheel each)
+#   MEASURE=paged CANDIDATES="p3 p6" bash scripts/device/cuda_ab.sh 3   # the paged kernel's mixed batch
 #
-# --tests: each candidate's GPU tests (the cuda package, dispatch, export) run first, and a failure stops the A/B
-# (a wrong kernel's times mean nothing). Then ROUNDS rounds of every build (the baseline: the carried wheel),
-# the order rotating by one build per round (in the paged probe's rounds on an H100 the first process of each
-# round read 2-3 % faster: use a multiple of the build count), measuring by MEASURE:
+# --tests: each candidate's GPU tests (TEST_PATHS, default the cuda package, dispatch, export) run first, and a
+# failure stops the A/B (a wrong kernel's times mean nothing). Then ROUNDS rounds of every build (the baseline:
+# the carried wheel), the order rotating by one build per round (in the paged probe's rounds on an H100 the first
+# process of each round read 2-3 % faster: use a multiple of the build count), measuring by MEASURE:
 # - probe (default): benchmarks/experiments/cuda_flash_probe.py (standard shapes, FA3 beside them: compare each
 #   build's ratio to FA3 in its own process); $OUT/cuda-ab.jsonl, one line per measurement with build and round;
+# - paged: benchmarks/experiments/cuda_paged_probe.py on the mixed batch and its parts (PARTS, default
+#   mixed,decode,prefill), LAYERS (default 8) calls per executable, the default schedule; $OUT/paged-ab.jsonl;
 # - kernels: Nsight Compute's durations of the kernels matching KERNEL (default flash_backward_kernel) in
 #   `benchmarks/experiments/kernel_times.py --case CASE` (default flash: S = 2k causal, then 8k), in launch
 #   order; $OUT/kernel-ab.txt, one line per process.
@@ -38,8 +41,8 @@ for argument in "$@"; do
 done
 MEASURE=${MEASURE:-probe}
 case $MEASURE in
-    probe | kernels) ;;
-    *) echo "MEASURE must be probe or kernels, not '$MEASURE'" >&2; exit 2 ;;
+    probe | paged | kernels) ;;
+    *) echo "MEASURE must be probe, paged or kernels, not '$MEASURE'" >&2; exit 2 ;;
 esac
 KERNEL=${KERNEL:-flash_backward_kernel}
 CASE=${CASE:-flash}
@@ -66,7 +69,8 @@ if [ "$TESTS" = 1 ]; then
     for name in "${CANDS[@]}"; do
         echo "$name's GPU tests $(date -u +%H:%M:%S)"
         PYTHONPATH=/tmp/site_$name:$BASE_PATH OUT=$OUT/tests-$name timeout --kill-after=10 300 \
-            bash scripts/device/gpu_tests.sh packages/ejkernel-cuda/tests tests/test_dispatch.py tests/test_export.py \
+            bash scripts/device/gpu_tests.sh \
+            ${TEST_PATHS:-packages/ejkernel-cuda/tests tests/test_dispatch.py tests/test_export.py} \
             2>&1 | tail -3
         code=${PIPESTATUS[0]}
         if [ "$code" != 0 ]; then
@@ -76,13 +80,26 @@ if [ "$TESTS" = 1 ]; then
     done
 fi
 
-measure_probe() {  # build round
-    timeout --kill-after=10 "$LIMIT_S" env OUT= python3 benchmarks/experiments/cuda_flash_probe.py \
-        --impls ejkernel-cuda-native,flash-attn3 --reps 30 | grep '^{' | python3 -c "
+tag_rows() {  # build round file: the JSON lines of stdin with the build and round added, appended to file
+    grep '^{' | python3 -c "
 import json, sys
 for line in sys.stdin:
-    row = json.loads(line); row.update(build='$1', round=$2); print(json.dumps(row), flush=True)
-" | tee -a "$OUT/cuda-ab.jsonl"
+    row = json.loads(line); row.update(build=sys.argv[1], round=int(sys.argv[2])); print(json.dumps(row), flush=True)
+" "$1" "$2" | tee -a "$3"
+}
+
+measure_probe() {  # build round
+    timeout --kill-after=10 "$LIMIT_S" env OUT= python3 benchmarks/experiments/cuda_flash_probe.py \
+        --impls ejkernel-cuda-native,flash-attn3 --reps 30 | tag_rows "$1" "$2" "$OUT/cuda-ab.jsonl"
+    return "${PIPESTATUS[0]}"
+}
+
+measure_paged() {  # build round
+    local share
+    share=$(python3 -c 'from ejkernel_cuda.ragged_page_attention import PACKED_SHARE; print(PACKED_SHARE)') || return 1
+    timeout --kill-after=10 "$LIMIT_S" env OUT= python3 benchmarks/experiments/cuda_paged_probe.py --impls cuda \
+        --shares "$share" --parts "${PARTS:-mixed,decode,prefill}" --layers "${LAYERS:-8}" |
+        tag_rows "$1" "$2" "$OUT/paged-ab.jsonl"
     return "${PIPESTATUS[0]}"
 }
 
