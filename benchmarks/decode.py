@@ -52,6 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import relative_error, time_calls, usable_gpu_platforms, versions  # noqa: E402
+from _harness import failure  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STANDARD = (32, 4096)
@@ -426,7 +427,7 @@ def run_mixed(args, H, Hkv, D, dtype, copy_gbps, tflops, rows, save) -> None:
                                gbps=nbytes / secs / 1e9, tflops=flops / secs / 1e12,
                                rel_err=relative_error(step(sets[0][0]), ref))
                 except Exception as exc:  # noqa: BLE001
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    row["error"] = failure(exc)
                 rows.append(row)
                 save()
                 shown = (f"{row['ms'] * 1e3:8.1f} us = {100 * row['roofline_share']:3.0f} % of the {row['binds']} "
@@ -470,9 +471,9 @@ def cache_note(doc) -> str:
 
 
 def print_report(doc) -> None:
+    setup = doc["setup"]
     print(f"## {doc['device']}, {doc['date'][:10]}: decode GB/s (share of copy bandwidth {doc['copy_gbps']:.0f} GB/s); "
-          f"{doc['setup']['heads']}/{doc['setup']['kv_heads']} heads, D={doc['setup']['head_dim']}, {doc['setup']['dtype']}"
-          f"{cache_note(doc)}")
+          f"{setup['heads']}/{setup['kv_heads']} heads, D={setup['head_dim']}, {setup['dtype']}{cache_note(doc)}")
     print(markdown_table(doc))
     layer_keys = sorted({k for r in doc["results"] for k in r if k.startswith("gbps_layers")})
     for key in layer_keys:
@@ -553,9 +554,10 @@ def plot(doc, path: Path) -> None:
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(f"decode attention, {doc['setup']['heads']}/{doc['setup']['kv_heads']} heads, D={doc['setup']['head_dim']},"
-                 f" {doc['setup']['dtype']}{cache_note(doc)} — {doc['device']}, {doc['date'][:10]} (jax {doc['versions'].get('jax')}, "
-                 f"triton {doc['versions'].get('triton')})", fontsize=10)
+    setup, software = doc["setup"], doc["versions"]
+    fig.suptitle(f"decode attention, {setup['heads']}/{setup['kv_heads']} heads, D={setup['head_dim']},"
+                 f" {setup['dtype']}{cache_note(doc)} — {doc['device']}, {doc['date'][:10]} "
+                 f"(jax {software.get('jax')}, triton {software.get('triton')})", fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 0.94))
     fig.savefig(path, dpi=110)
 
@@ -652,9 +654,11 @@ def main(argv=None) -> int:
     def document():
         return dict(device=kind, date=now.isoformat(timespec="seconds"), versions=versions(), copy_gbps=copy_gbps,
                     matmul_tflops=tflops,
-                    setup=dict(shapes=shapes, standard=standard_shape, page_sizes=page_sizes, heads=H, kv_heads=Hkv, head_dim=D,
-                               dtype=str(dtype), kv_dtype=str(kv_dtype), warmup=args.warmup, reps=args.reps, calls=args.calls,
-                               timing="median of reps; each rep = mean of back-to-back calls ended by block_until_ready",
+                    setup=dict(shapes=shapes, standard=standard_shape, page_sizes=page_sizes, heads=H, kv_heads=Hkv,
+                               head_dim=D, dtype=str(dtype), kv_dtype=str(kv_dtype), warmup=args.warmup, reps=args.reps,
+                               calls=args.calls,
+                               timing="median of reps; each rep = mean of back-to-back calls ended by "
+                                      "block_until_ready",
                                gbps="K+V bytes read (2*B*ctx*Hkv*D*itemsize) / time",
                                copy="x + 1 over 4 GiB float32, read + write"),
                     implementations=[i.name for i in impls], results=rows)
@@ -728,7 +732,7 @@ def main(argv=None) -> int:
                     if ref is not None:
                         row["rel_err"] = relative_error(step(inputs[0]), ref)
                 except Exception as exc:  # noqa: BLE001
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    row["error"] = failure(exc)
                 rows.append(row)
                 save()
                 shown = (f"{row['gbps']:7.0f} GB/s ({100 * row['share']:3.0f} %) {row['ms']:8.4f} ms "

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import attention as bench  # benchmarks/attention.py: timing, inputs, FLOPs, numerics, versions
+from _harness import failure
 
 GiB = 2**30
 
@@ -92,7 +93,8 @@ def dense_variant(empty_row_guard: str, query_chunks: int | None):
     return attend
 
 
-def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype, mode: str = "fwd+bwd", causal: bool = True) -> str:
+def rule_path(batch: int, seq: int, heads: int, head_dim: int, dtype, mode: str = "fwd+bwd",
+              causal: bool = True) -> str:
     """Which path the default config takes at this shape on this device: differentiated (``fwd+bwd``) or a
     forward that is not (``fwd``; its own, smaller memory rule)."""
     from ejkernel.modules.operations.flash_attention import FlashAttentionCall
@@ -241,7 +243,7 @@ def main(argv=None) -> int:
                                    save=save_memory)
         except Exception as exc:  # noqa: BLE001 -- the speed part still runs
             traceback.print_exc()
-            doc["memory"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            doc["memory"] = dict(error=failure(exc))
         save()
 
     impls = xla_impls([s for s in args.impls.split(",") if s])
@@ -263,7 +265,7 @@ def main(argv=None) -> int:
                         doc["numerics"].append(dict(impl=impl.name, seq=seq, causal=causal,
                                                     **bench.errors(impl, *inputs[0], causal)))
                     except Exception as exc:  # noqa: BLE001
-                        doc["numerics"].append(dict(impl=impl.name, seq=seq, causal=causal, error=str(exc)[:200]))
+                        doc["numerics"].append(dict(impl=impl.name, seq=seq, causal=causal, error=failure(exc)))
                 for mode in args.modes.split(","):
                     if mode != "fwd" and impl.name in fwd_only:
                         continue
@@ -281,11 +283,11 @@ def main(argv=None) -> int:
                         flops = bench.attention_flops(batch, args.heads, seq, args.head_dim, causal, mode)
                         row.update(ms=secs * 1e3, tflops=flops / secs / 1e12)
                     except Exception as exc:  # noqa: BLE001 -- e.g. out of memory: the row says so
-                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                        row["error"] = failure(exc)
                     doc["results"].append(row)
                     save()
-                    shown = (f"{row['tflops']:7.1f} TFLOP/s {row['ms']:8.3f} ms (first call {row['first_call_s']:5.1f} s)"
-                             if "tflops" in row else row["error"])
+                    shown = (f"{row['tflops']:7.1f} TFLOP/s {row['ms']:8.3f} ms "
+                             f"(first call {row['first_call_s']:5.1f} s)" if "tflops" in row else row["error"])
                     print(f"S={seq:5d} B={batch:2d} {'causal' if causal else 'full  '} {mode:7s} {impl.name:28s} "
                           f"{shown}", flush=True)
         del inputs
