@@ -14,7 +14,8 @@ First run on an H200 on 2026-11-27 (packages/ejkernel-cuda/NOTES.md, "Where the 
 
 Per part it runs `--calls` calls back to back over `--sets` input sets and prints one JSON line: the last call's
 span (first item's start to last item's end), per kind of item (query tiles, packed tiles) the count, median and
-total time, the packed tiles' K/V rate per SM (64 KB per 128-key block over the item's time), how many SMs held
+total time, the medians of an item's three phases (from its dealing to its first key block's arrival, the dealer's
+key loop, and what follows it: merge, staging, stores, the item's barriers), the packed tiles' K/V rate per SM (64 KB per 128-key block over the item's time), how many SMs held
 each kind over the span; across the calls, the median gap between one call's last item and the next one's first
 (launches, combine, table), the period (globaltimer, per call), the host's and the wall time per call, and each
 call's span and median SM clock (clock64 cycles over globaltimer ns per item).
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RECORDS = 32768  # paged_forward.cu's kTimelineRecords
 RECORD = np.dtype([("start", "<i8"), ("end", "<i8"), ("sm", "<i4"), ("packed", "<i4"), ("blocks", "<i4"),
-                   ("cycles", "<i4")])
+                   ("cycles", "<i4"), ("first_block", "<i4"), ("loop_end", "<i4")])
 BLOCK_BYTES = 128 * 128 * 2 * 2  # a 128-key block of K and V at D = 128, 16-bit
 
 
@@ -80,7 +81,11 @@ def summary(records: np.ndarray) -> dict:
         start, end = (mine["start"] - t0) / 1e3, (mine["end"] - t0) / 1e3
         busy = ((start[None, :] <= grid[:, None]) & (grid[:, None] < end[None, :])).sum(axis=1)
         entry = {"count": len(mine), "median_us": float(np.median(us)), "sm_us": float(us.sum()),
-                 "sms_median": float(np.median(busy)), "sms_max": int(busy.max())}
+                 "sms_median": float(np.median(busy)), "sms_max": int(busy.max()),
+                 # an item's three phases (medians, us): to its first key block, the key loop, the rest
+                 "to_first_block_us": float(np.median(mine["first_block"])) / 1e3,
+                 "key_loop_us": float(np.median(mine["loop_end"] - mine["first_block"])) / 1e3,
+                 "after_loop_us": float(np.median(mine["end"] - mine["start"] - mine["loop_end"])) / 1e3}
         if kind == 1:
             rate = mine["blocks"] * BLOCK_BYTES / (us * 1e3)  # GB/s
             entry.update(gbps_per_sm_median=float(np.median(rate)),

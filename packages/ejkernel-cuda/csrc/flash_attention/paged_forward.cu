@@ -452,11 +452,12 @@ __device__ __forceinline__ void store_split_partial(const PagedParams& params, c
 // EJK_PAGED_TIMELINE (an experiment build's -D flag, off in the package): each item's SM, kind, key blocks,
 // start / end (%globaltimer, ns) and SM clock cycles over it (clock64: their ratio is the SM's clock) are
 // written as a TimelineRecord to the last kTimelineRecords records' worth of the split partials (free unless
-// split-K fills more than ~490 of its 528 slots); the record index is the work buffer's fourth int. Read by
+// split-K fills more than ~488 of its 528 slots); the record index is the work buffer's fourth int. Read by
 // benchmarks/experiments/cuda_paged_timeline.py.
 struct TimelineRecord {
   long long start, end;
   int sm, packed, blocks, cycles;
+  int first_block, loop_end;  // ns after start: the item's first key block landed; the dealer's key loop ended
 };
 constexpr int kTimelineRecords = 32768;
 
@@ -467,7 +468,8 @@ __device__ __forceinline__ long long globaltimer() {
 }
 
 __device__ __forceinline__ void record_item(const PagedParams& params, const PagedItem& item, const ItemKeys& keys,
-                                            long long started, long long started_clock) {
+                                            long long started, long long started_clock, long long first_block,
+                                            long long loop_end) {
   const int index = atomicAdd(params.next_item + 3, 1);
   if (index >= kTimelineRecords) return;
   int sm;
@@ -475,7 +477,8 @@ __device__ __forceinline__ void record_item(const PagedParams& params, const Pag
   TimelineRecord* records = reinterpret_cast<TimelineRecord*>(
       params.split_partials + static_cast<size_t>(kSplitSlots) * kSplitSlotFloats) - kTimelineRecords;
   const int cycles = static_cast<int>(clock64() - started_clock);
-  records[index] = {started, globaltimer(), sm, item.packed, keys.blocks.last - keys.blocks.first, cycles};
+  records[index] = {started, globaltimer(), sm, item.packed, keys.blocks.last - keys.blocks.first, cycles,
+                    static_cast<int>(first_block - started), static_cast<int>(loop_end - started)};
 }
 #endif
 
@@ -522,7 +525,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
     const int group = warpgroup - 1;  // 0 or 1: rows [64 * group, 64 * group + 64) of a query tile
     const int t = threadIdx.x % 128;
 #ifdef EJK_PAGED_TIMELINE
-    long long started = 0, started_clock = 0;
+    long long started = 0, started_clock = 0, first_block = 0, loop_end = 0;
 #endif
     for (;;) {
       if (threadIdx.x == kForwardThreads / 3) {  // the dealer
@@ -538,11 +541,21 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
       const PagedItem item = current;
       if (item.seq == -2) break;
       const ItemKeys keys = item_keys(params, features, item);
+#ifdef EJK_PAGED_TIMELINE
+      if (threadIdx.x / 32 == kForwardThreads / 3 / 32) {  // the dealer's whole warp (the products are warp-wide)
+        // block 0 lands in stage 0, full barrier 0, phase 0 (fresh each item)
+        if (keys.blocks.last > keys.blocks.first) barrier_wait(&pipeline.k_full[0], 0);
+        first_block = globaltimer();
+      }
+#endif
       ConsumerRows<D> rows;
       if (!item.packed) {
         const Extras sinks{features.sinks, features.num_sinks, nullptr, nullptr};
         consume_key_blocks<T, D, BN, Capped, Shared, true>(pipeline, keys.problem, sinks, item.row_begin,
                                                            keys.row_end, keys.blocks, item.head, 0, group, t, rows);
+#ifdef EJK_PAGED_TIMELINE
+        if (threadIdx.x == kForwardThreads / 3) loop_end = globaltimer();
+#endif
         stage_output<T, D>(pipeline.q, group, t, rows);
         named_sync(3 + group, 128);
         store_paged_rows<T, D>(params, pipeline.q, item, group, t, item.head, 1);
@@ -556,6 +569,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
         consume_key_blocks<T, D, BN, Capped, Shared, true, true>(pipeline, keys.problem, sinks, 0, keys.row_end,
                                                                  keys.blocks, item.head * heads, 0, group, t, rows,
                                                                  heads);
+#ifdef EJK_PAGED_TIMELINE
+        if (threadIdx.x == kForwardThreads / 3) loop_end = globaltimer();
+#endif
         merge_split_rows<T, D, BN>(pipeline, keys.blocks.last - keys.blocks.first, group, t,
                                    exponent_unit(features.softcap > 0.f, params.softmax_scale), rows);
         if (group == 0 && item.splits) {  // one chunk of the keys: combine_split_rows_kernel finishes the rows
@@ -571,7 +587,9 @@ __global__ void __launch_bounds__(kForwardThreads, 1) paged_forward_kernel(const
       fence_async_shared();
       __syncthreads();  // the item's shared memory and barriers are free again
 #ifdef EJK_PAGED_TIMELINE
-      if (threadIdx.x == kForwardThreads / 3) record_item(params, item, keys, started, started_clock);
+      if (threadIdx.x == kForwardThreads / 3) {
+        record_item(params, item, keys, started, started_clock, first_block, loop_end);
+      }
 #endif
     }
   }
