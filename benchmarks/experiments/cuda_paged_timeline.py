@@ -15,10 +15,11 @@ First run on an H200 on 2026-11-27 (packages/ejkernel-cuda/NOTES.md, "Where the 
 Per part it runs `--calls` calls back to back over `--sets` input sets and prints one JSON line: the last call's
 span (first item's start to last item's end), per kind of item (query tiles, packed tiles) the count, median and
 total time, the medians of an item's three phases (from its dealing to its first key block's arrival, the dealer's
-key loop, and what follows it: merge, staging, stores, the item's barriers), the packed tiles' K/V rate per SM (64 KB per 128-key block over the item's time), how many SMs held
-each kind over the span; across the calls, the median gap between one call's last item and the next one's first
-(launches, combine, table), the period (globaltimer, per call), the host's and the wall time per call, and each
-call's span and median SM clock (clock64 cycles over globaltimer ns per item).
+key loop, and what follows it: merge, staging, stores, the item's barriers), the packed tiles' K/V rate per SM
+(64 KB per 128-key block over the item's time), how many SMs held each kind over the span; across the calls, the
+median gap between one call's last item and the next one's first (launches, combine, table), the period
+(globaltimer, per call), the host's and the wall time per call, and each call's span and median SM clock (clock64
+cycles over globaltimer ns per item).
 ``--out`` writes PREFIX.json (with the last call's records) and PREFIX.png (its items per SM over time).
 """
 
