@@ -272,6 +272,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
     };
     // One block pair; `masked`: a compile-time flag, so the elementwise work is branch-free
     auto step = [&](int it, int head, int row0, auto masked) {
+      // the step's index as a value the compiler knows warp-uniform (a shuffle from lane 0): the stage's tile
+      // addresses and the descriptors derived from them then stay in uniform registers (from a per-thread
+      // index, each Q / dO / dS^T descriptor was moved there by two R2URs before its wgmma: 134 per step)
+      it = __shfl_sync(0xffffffff, it, 0);
       const int stage = it % kBackwardStages, phase = (it / kBackwardStages) & 1;
       const uint32_t q_tile = smem_address(shared.q[stage]), do_tile = smem_address(shared.d_out[stage]);
       const uint32_t k_tile = in_loop(k_tile_0), v_tile = in_loop(v_tile_0);
