@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(kForwardThreads, 1) flash_forward_kernel(const
       }
       // The next ticket once this tile's loads are issued (the consumers have its last blocks to go, which hide
       // the atomic's latency), not when the tile starts: drawn a tile ahead, a CTA that had just begun a long
-      // causal tile took the next long one too, and the tiles' end spread (list scheduling with reservations:
-      // modelled at +1.3 % of a causal forward at S = 2k, +3.7 % at 8k and 16k, against drawing at the end).
+      // causal tile took the next long one too, and the tiles' ends spread (benchmarks/experiments/
+      // tile_schedule_model.py: +1.3 % of a causal forward at S = 2k, +4 % at 8k and 16k; measured -1 to -3 %).
       index = gridDim.x + atomicAdd(params.next_tile, 1);
     }
   }
