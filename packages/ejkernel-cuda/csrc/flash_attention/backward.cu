@@ -130,8 +130,10 @@ inline size_t dq_accum_elements(const Problem& p, int64_t head_dim) {
 }
 
 constexpr int kConvertThreads = 256;  // dq_convert_kernel
-constexpr int kSyncDsWritten = 1;  // named barriers of the two consumer warpgroups
-constexpr int kSyncDqWritten = 2;
+// Named barriers of the two consumer warpgroups; the first two with the dQ warp (kDqBarrierThreads)
+constexpr int kSyncDsWritten = 1;  // both dS^T halves are in shared memory, and the dQ tile is free again
+constexpr int kSyncDqWritten = 2;  // both warpgroups' dQ columns are in the dQ tile
+constexpr int kDqBarrierThreads = 256 + 32;
 constexpr int kSyncKeysRead = 3;      // epilogue: no product reads the K and V tiles any more
 constexpr int kSyncStaged = 4;        // + group: the warpgroup's dK / dV rows are in shared memory
 
@@ -225,6 +227,25 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         }
         barrier_arrive(&shared.rows_full[stage]);
       }
+    } else if (num_steps > 0 && warp == 2) {
+      // The dQ warp, FlashAttention-3's hand-over: once both warpgroups' dQ columns are in the dQ tile it adds the
+      // tile into the accumulator (one bulk reduce-add: rows past the length hold zeros, their P is 0, and land
+      // in padding) and, once the copy has read the tile, frees it for the next block's columns. The consumers
+      // then never wait on the copy (a consumer thread issuing it held up its warpgroup's next products).
+      named_arrive(kSyncDsWritten, kDqBarrierThreads);  // the tile starts free
+      StepWalk walk(kv_head * group_size, blocks);
+      for (int it = 0; it < num_steps; ++it, walk.next()) {
+        named_sync(kSyncDqWritten, kDqBarrierThreads);
+        if (lane == 0) {
+          float* chunk = params.dq_accum +
+                         ((static_cast<size_t>(batch) * problem.q_heads + walk.head) * q_chunks(problem) + walk.block) *
+                             (BM * D);
+          bulk_reduce_add(chunk, shared.dq, BM * D * sizeof(float));
+          bulk_wait_read();  // (the last one also keeps the CTA's shared memory until the copy has read it)
+        }
+        __syncwarp();
+        if (it + 1 < num_steps) named_arrive(kSyncDsWritten, kDqBarrierThreads);
+      }
     }
     return;
   }
@@ -245,7 +266,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
   // 32-column half would start inside a swizzle atom of the K tile)
   constexpr int kDqCols = 64;
   const bool computes_dq = D == 128 || group == 0;
-  const bool reduces = group == 0 && t == 0;  // the thread that issues the bulk reduce-adds
 
   float dk[D / 2], dv[D / 2];
   float s[BM / 2], dp[BM / 2];
@@ -351,8 +371,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       const uint32_t ds_tile = smem_address(shared.ds[it % 2]);
       store_fragment_pairs<BM>(ds_tile, 64 * group, t, ds_operand);
       fence_async_shared();
-      if (reduces) bulk_wait_read();  // the last block's dQ has left the shared tile
-      named_sync(kSyncDsWritten, 256);
+      named_sync(kSyncDsWritten, kDqBarrierThreads);  // (the dQ warp's arrival: the last block's dQ has left)
 
       float dq[kDqCols / 2];
       if (computes_dq) {
@@ -385,24 +404,16 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
         }
       }
       next_block();
-      // the chunk's address too (the reducing warp's ~30 instructions after the barrier, on the same path)
-      float* chunk = params.dq_accum +
-                     ((static_cast<size_t>(batch) * problem.q_heads + head) * q_chunks(problem) + row0 / BM) * BM * D;
-      asm volatile("" : "+l"(chunk));
       cute::warpgroup_wait<0>();
       fence_operands<D / 2>(dk);
       fence_operands<BM / 4>(ds_operand);
       if (t == 0) barrier_arrive(&shared.rows_empty[stage]);
       fence_async_shared();
-      // Only the reducing thread's warp waits for both warpgroups' dQ columns; the other warps go on to the
-      // next block. Its dS^T goes to the other tile; the one after that reuses this block's tile, read by
-      // products that completed before kSyncDsWritten of the next block. The dQ tile is rewritten only after
-      // that barrier too, which the reducing warp reaches once this block's reduce-add has read the tile.
-      if (group == 0 && t < 32) named_sync(kSyncDqWritten, 256);
-      else named_arrive(kSyncDqWritten, 256);
-      if (reduces) {  // the whole chunk: rows past the length hold zeros (their P is 0) and land in padding
-        bulk_reduce_add(chunk, shared.dq, BM * D * sizeof(float));
-      }
+      // Only the dQ warp waits for both warpgroups' dQ columns; the consumers go on to the next block. Its dS^T
+      // goes to the other tile; the one after that reuses this block's tile, read by products that completed
+      // before kSyncDsWritten of the next block. The dQ tile is rewritten only after that barrier too, which
+      // the dQ warp joins once this block's reduce-add has read the tile.
+      named_arrive(kSyncDqWritten, kDqBarrierThreads);
     };
     for (int it = 0; it < num_steps; ++it) {
       const int head = walk.head, row0 = walk.row0();
