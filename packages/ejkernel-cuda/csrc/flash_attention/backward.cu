@@ -9,7 +9,8 @@
 //   in registers; dV += P^T dO and dK += dS^T Q (wgmma, P^T / dS^T from registers);
 //   dS^T goes to shared memory, and dQ_block = dS K (wgmma: dS read transposed, each warpgroup 64 of the
 //   head dim's columns) goes through shared memory into a float32 accumulator (64-query chunks) by one bulk
-//   reduce-add (cp.reduce.async.bulk) per block. A last kernel scales it and writes dQ in q's layout/dtype.
+//   reduce-add (cp.reduce.async.bulk) per block, issued by a third producer warp (the dQ warp). A last kernel
+//   scales it and writes dQ in q's layout/dtype.
 // GQA sums dK/dV over the group's query heads in registers; at the end they leave through the K and V tiles
 // by TMA stores.
 //
