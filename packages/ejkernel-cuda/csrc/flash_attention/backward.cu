@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       asm volatile("" : "+r"(walk.head), "+r"(walk.block), "+r"(next_unmasked));  // here, not after the wait
     };
     // One block pair; `masked`: a compile-time flag, so the elementwise work is branch-free
-    auto step = [&](int it, int head, int row0, auto masked) {
+    auto step = [&](int it, int row0, auto masked) {
       // the step's index as a value the compiler knows warp-uniform (a shuffle from lane 0): the stage's tile
       // addresses and the descriptors derived from them then stay in uniform registers (from a per-thread
       // index, each Q / dO / dS^T descriptor was moved there by two R2URs before its wgmma: 134 per step)
@@ -417,11 +417,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) flash_backward_kernel(con
       named_arrive(kSyncDqWritten, kDqBarrierThreads);
     };
     for (int it = 0; it < num_steps; ++it) {
-      const int head = walk.head, row0 = walk.row0();
+      const int row0 = walk.row0();
       if (next_unmasked) {
-        step(it, head, row0, std::false_type{});
+        step(it, row0, std::false_type{});
       } else {
-        step(it, head, row0, std::true_type{});
+        step(it, row0, std::true_type{});
       }
     }
   }
