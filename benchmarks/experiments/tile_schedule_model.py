@@ -79,9 +79,19 @@ def main(argv=None) -> int:
     parser.add_argument("--block-us", type=float, default=1.81, help="per 128-key block of a 128-row tile")
     parser.add_argument("--lead", type=float, default=2.0, help="blocks before the tile's end of the lead policy")
     args = parser.parse_args(argv)
+    try:
+        seqs = [int(seq) for seq in args.seqs.split(",")]
+    except ValueError:
+        parser.error(f"--seqs {args.seqs!r}: expected comma-separated whole numbers, e.g. 2048,8192")
+    for seq in seqs:  # the model's tiles are whole 128-row tiles of whole sequences
+        if seq <= 0 or seq % 128 or args.tokens % seq:
+            parser.error(f"--seqs {seq}: expected a positive multiple of 128 that divides --tokens {args.tokens}")
+    if args.sms <= 0 or args.heads <= 0 or args.lead < 0:
+        parser.error(f"--sms {args.sms}, --heads {args.heads}, --lead {args.lead}: "
+                     "expected sms and heads > 0, lead >= 0")
     print("causal, us    | greedy | lead   | reserve | reserve / greedy")
     for backward in (False, True):
-        for seq in map(int, args.seqs.split(",")):
+        for seq in seqs:
             block_us = args.block_us * (0.5 * 2.2 / 1.81 if backward else 1.0)  # a backward 64-row step ~1.1 us
             times = tile_times(seq, args.heads, args.tokens, args.head_dim, backward, args.tile_us, block_us)
             spans = {p: makespan(times, args.sms, p, args.lead * block_us) for p in ("greedy", "lead", "reserve")}
