@@ -4,6 +4,7 @@ subprocess, 8 with EJKERNEL_PALLAS_CONFORMANCE=1; one device in process)."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import pytest
 from pallas_test_helpers import InterpretedConformance, full_conformance
 
@@ -30,3 +31,65 @@ def test_float32_dots_take_the_calls_precision(pallas_interpret, precision, expe
 
     found = matmul_precisions(jax.grad(loss), arrays["query"])
     assert found and set(found) == {expected}, found
+
+
+_COLLECTIVES = {"ppermute", "psum", "psum_invariant", "all_gather", "all_to_all", "reduce_scatter", "pmax", "pmin"}
+
+
+def _collectives_out_of_turn(jaxpr) -> list[str]:
+    """Collectives of ``jaxpr`` (nested ones included) whose operands do not come from an ordered host
+    callback (through varying-axis casts) or whose results do not go into one."""
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    consumers: dict = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if not isinstance(v, jax.extend.core.Literal):
+                consumers.setdefault(v, []).append(e)
+
+    def ordered_callback(e) -> bool:
+        return e is not None and e.primitive.name == "io_callback" and bool(e.params.get("ordered"))
+
+    def source(v):
+        e = producers.get(v)
+        while e is not None and e.primitive.name in ("pvary", "pcast"):
+            e = producers.get(e.invars[0])
+        return e
+
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name in _COLLECTIVES:
+            fed = all(isinstance(v, jax.extend.core.Literal) or ordered_callback(source(v)) for v in e.invars)
+            read = all(any(map(ordered_callback, consumers.get(v, []))) for v in e.outvars)
+            if not (fed and read):
+                found.append(f"{e.primitive.name} (operands from an ordered callback: {fed}, results into one: {read})")
+        for param in e.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _collectives_out_of_turn(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _collectives_out_of_turn(sub)
+    return found
+
+
+def test_interpreted_ring_runs_its_collectives_between_kernels(pallas_interpret):
+    """The TPU interpreter's kernels wait for the other devices' at barriers, ordered after the previous
+    kernel but not after their data: every ppermute and psum of an interpreted ring passes through ordered
+    callbacks, or a device could start a kernel beside its ppermute and hang the ring (ring_attention.py's
+    ``_in_turn``). Traced on an abstract 4-device mesh, forward and every gradient."""
+    from jax.sharding import AbstractMesh, AxisType
+    from jax.sharding import PartitionSpec as P
+
+    arrays, options = case_inputs("full_softcap_sinks", devices=4)
+    names = ("query", "key", "value", "softmax_aux")
+    mesh = AbstractMesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+    sequence = P(None, "sp")
+
+    def local(*values):
+        return ring_attention(**dict(zip(names, values)), **options, axis_name="sp", platform="pallas")
+
+    ring = jax.shard_map(local, mesh=mesh, in_specs=(sequence,) * 3 + (P(),), out_specs=sequence)
+    loss = lambda *values: ring(*values).sum()  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(arrays[n] for n in names))
+    primitives = str(jaxpr)
+    assert "ppermute" in primitives and "psum" in primitives, "the traced ring has no collectives to check"
+    assert _collectives_out_of_turn(jaxpr.jaxpr) == []

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 from jax import lax
 
@@ -37,12 +38,35 @@ class _RingStatic:
     block: object  # tpu._Static
     axis_name: str | None
     precision: jax.lax.Precision  # the call's: of the matmuls outside the kernels (delta, sinks)
+    in_order: bool = False
+    """Every collective waits for the kernels before it (a ring under the TPU interpreter, see :func:`_in_turn`)."""
 
 
 def _ring_position(axis_name):
     if axis_name is None:
         return 1, jnp.zeros((), jnp.int32)
     return lax.axis_size(axis_name), lax.axis_index(axis_name).astype(jnp.int32)
+
+
+def _in_turn(rs: _RingStatic, collective, operands):
+    """``collective(operands)``; when ``rs.in_order``, strictly between the interpreted kernels before and
+    after it. The TPU interpreter's kernels meet the other devices' at barriers in host callbacks and are
+    ordered after one another (ordered callbacks), not after their data, so XLA's CPU runtime may start a
+    device's next kernel beside its ppermute: a device waiting at a kernel barrier while its peers wait in
+    the ppermute never returns (a 4-device CI run aborted so, at XLA's 40-s collective timeout). Operands
+    and result pass through ordered callbacks (host copies; XLA's CPU pipeline drops optimization
+    barriers, which hung every run). Compiled kernels keep the overlap of transfer and compute."""
+    if not rs.in_order:
+        return collective(operands)
+    operands = _ordered_identity(operands)
+    return _ordered_identity(collective(operands))
+
+
+def _ordered_identity(tree):
+    """``tree`` through an ordered host callback, keeping each leaf's varying axes (the callback drops them)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    copied = jax.experimental.io_callback(lambda t: t, shapes, tree, ordered=True)
+    return jax.tree.map(varying_like, copied, tree)
 
 
 def _merge(o_a, lse_a, o_b, lse_b):
@@ -56,6 +80,7 @@ def _merge(o_a, lse_a, o_b, lse_b):
 
 def _forward(rs: _RingStatic, q, k, v, q_seg, kv_seg, aux):
     size, rank = _ring_position(rs.axis_name)
+    rotate = functools.partial(_rotate, rs.axis_name, size)
     sq, skv = q.shape[1], k.shape[1]
     q_len, kv_len = size * sq, size * skv
     batch, _, heads, _ = q.shape
@@ -69,7 +94,7 @@ def _forward(rs: _RingStatic, q, k, v, q_seg, kv_seg, aux):
         o_b, lse_b = tpu.block_forward(rs.block, q, k_cur, v_cur, q_seg, seg_cur, q_start=rank * sq,
                                        kv_start=src * skv, q_len=q_len, kv_len=kv_len)
         o, lse = _merge(o, lse, o_b, lse_b)
-        k_cur, v_cur, seg_cur = _rotate(rs.axis_name, size, (k_cur, v_cur, seg_cur))
+        k_cur, v_cur, seg_cur = _in_turn(rs, rotate, (k_cur, v_cur, seg_cur))
         return o, lse, k_cur, v_cur, seg_cur
 
     o, lse, *_ = lax.fori_loop(0, size, step, (o, lse, k, v, kv_seg))
@@ -101,6 +126,7 @@ def _ring_bwd(rs, residuals, d_out):
 def _backward(rs, residuals, d_out):
     q, k, v, q_seg, kv_seg, aux, out, lse = residuals
     size, rank = _ring_position(rs.axis_name)
+    rotate = functools.partial(_rotate, rs.axis_name, size)
     sq, skv = q.shape[1], k.shape[1]
     q_len, kv_len = size * sq, size * skv
     delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -111,9 +137,8 @@ def _backward(rs, residuals, d_out):
         dq_b, dk_b, dv_b = tpu.block_backward(rs.block, q, k_cur, v_cur, q_seg, seg_cur, d_out, lse, delta,
                                               q_start=rank * sq, kv_start=src * skv, q_len=q_len, kv_len=kv_len)
         dq = dq + dq_b
-        k_cur, v_cur, seg_cur, dk_cur, dv_cur = _rotate(
-            rs.axis_name, size, (k_cur, v_cur, seg_cur, dk_cur + dk_b, dv_cur + dv_b)
-        )
+        shard = (k_cur, v_cur, seg_cur, dk_cur + dk_b, dv_cur + dv_b)
+        k_cur, v_cur, seg_cur, dk_cur, dv_cur = _in_turn(rs, rotate, shard)
         return dq, k_cur, v_cur, seg_cur, dk_cur, dv_cur
 
     zeros = varying_like((jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
@@ -125,7 +150,7 @@ def _backward(rs, residuals, d_out):
         finite = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
         p_sink = jnp.exp(aux.astype(jnp.float32)[None, :, None, :] - finite[..., None])  # [B, H, Sq, K]
         d_aux = -jnp.sum(p_sink * delta[..., None], axis=(0, 2))
-        d_aux = summed_like(d_aux, aux, rs.axis_name)
+        d_aux = _in_turn(rs, lambda d: summed_like(d, aux, rs.axis_name), d_aux)
         d_aux = d_aux.astype(aux.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_aux
 
@@ -149,7 +174,8 @@ def ring_attention(call: RingAttentionCall, blocks: TpuFlashBlocks, *, interpret
         precision=call.precision if query.dtype == jnp.float32 else None, interpret=interpret,
     )
     aux = None if call.softmax_aux is None else call.softmax_aux.reshape(query.shape[2], -1)
-    rs = _RingStatic(block=block, axis_name=call.axis_name, precision=call.precision)
+    rs = _RingStatic(block=block, axis_name=call.axis_name, precision=call.precision,
+                     in_order=interpret is not False and call.axis_name is not None)
     return _ring(rs, query, call.key, call.value, call.q_segment_ids, call.kv_segment_ids, aux)
 
 
