@@ -51,11 +51,11 @@ def _ring_position(axis_name):
 def _in_turn(rs: _RingStatic, collective, operands):
     """``collective(operands)``; when ``rs.in_order``, strictly between the interpreted kernels before and
     after it. The TPU interpreter's kernels meet the other devices' at barriers in host callbacks and are
-    ordered after one another (ordered callbacks), not after their data, so XLA's CPU runtime may start a
-    device's next kernel beside its ppermute: a device waiting at a kernel barrier while its peers wait in
-    the ppermute never returns (a 4-device CI run aborted so, at XLA's 40-s collective timeout). Operands
-    and result pass through ordered callbacks (host copies; XLA's CPU pipeline drops optimization
-    barriers, which hung every run). Compiled kernels keep the overlap of transfer and compute."""
+    ordered after one another (ordered callbacks), not after their data, so XLA's CPU runtime may run a
+    kernel's barrier beside a ppermute: a device waiting at a kernel barrier while its peers wait in the
+    ppermute never returns (a 4-device CI run aborted so, at XLA's 40-s collective timeout). Operands and
+    result pass through ordered callbacks (host copies; XLA's CPU pipeline drops optimization barriers,
+    which hung every run). Compiled kernels keep the overlap of transfer and compute."""
     if not rs.in_order:
         return collective(operands)
     operands = _ordered_identity(operands)
