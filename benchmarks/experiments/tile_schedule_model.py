@@ -79,6 +79,14 @@ def main(argv=None) -> int:
     parser.add_argument("--block-us", type=float, default=1.81, help="per 128-key block of a 128-row tile")
     parser.add_argument("--lead", type=float, default=2.0, help="blocks before the tile's end of the lead policy")
     args = parser.parse_args(argv)
+    positive = {"--sms": args.sms, "--heads": args.heads, "--tokens": args.tokens, "--head-dim": args.head_dim,
+                "--block-us": args.block_us}
+    for flag, value in positive.items():
+        if value <= 0:
+            parser.error(f"{flag} {value}: expected a value > 0")
+    for flag, value in (("--tile-us", args.tile_us), ("--lead", args.lead)):
+        if value < 0:
+            parser.error(f"{flag} {value}: expected a value >= 0")
     try:
         seqs = [int(seq) for seq in args.seqs.split(",")]
     except ValueError:
@@ -86,9 +94,6 @@ def main(argv=None) -> int:
     for seq in seqs:  # the model's tiles are whole 128-row tiles of whole sequences
         if seq <= 0 or seq % 128 or args.tokens % seq:
             parser.error(f"--seqs {seq}: expected a positive multiple of 128 that divides --tokens {args.tokens}")
-    if args.sms <= 0 or args.heads <= 0 or args.lead < 0:
-        parser.error(f"--sms {args.sms}, --heads {args.heads}, --lead {args.lead}: "
-                     "expected sms and heads > 0, lead >= 0")
     print("causal, us    | greedy | lead   | reserve | reserve / greedy")
     for backward in (False, True):
         for seq in seqs:
