@@ -64,28 +64,33 @@ def flash_reference(query, key, value, bias=None, **keywords):
 @contextlib.contextmanager
 def abstract_device(device_kind: str, platform: str, num_cores: int = 1):
     """Lower for a device this machine does not have (jax 0.11 reads the target from the abstract mesh)."""
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform))
+    device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform=platform)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         yield
+
+
+def _program(jaxpr):
+    """(jaxpr, equation) of ``jaxpr`` and of every jaxpr nested in it (scan, cond, custom VJP, shard_map,
+    kernel bodies), in program order: a nested jaxpr's equations right after the equation holding it."""
+    for eqn in jaxpr.eqns:
+        yield jaxpr, eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _program(inner)
 
 
 def equations(fn, *args, primitive: str) -> list:
     """The equations of ``primitive`` in ``fn``'s jaxpr (nested jaxprs and kernel bodies included), in
     program order."""
-    found = []
+    return [eqn for _, eqn in _program(jax.make_jaxpr(fn)(*args).jaxpr) if eqn.primitive.name == primitive]
 
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == primitive:
-                found.append(eqn)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
 
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+def jaxprs(fn, *args) -> list:
+    """``fn``'s jaxpr and every jaxpr nested in it that holds an equation, in program order."""
+    return list(dict.fromkeys(jaxpr for jaxpr, _ in _program(jax.make_jaxpr(fn)(*args).jaxpr)))
 
 
 def grads_of(fn, argnums):
