@@ -13,7 +13,7 @@ from jax._src.mesh import AbstractDevice, AbstractMesh
 
 from ejkernel.modules.operations._precision import matmul_precision
 from ejkernel.testing.flash_attention import reference_flash_attention
-from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS
+from ejkernel.testing.numerics import INTERPRET_COMPILER_OPTIONS, program
 
 
 class InterpretedConformance:
@@ -70,27 +70,15 @@ def abstract_device(device_kind: str, platform: str, num_cores: int = 1):
         yield
 
 
-def _program(jaxpr):
-    """(jaxpr, equation) of ``jaxpr`` and of every jaxpr nested in it (scan, cond, custom VJP, shard_map,
-    kernel bodies), in program order: a nested jaxpr's equations right after the equation holding it."""
-    for eqn in jaxpr.eqns:
-        yield jaxpr, eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _program(inner)
-
-
 def equations(fn, *args, primitive: str) -> list:
     """The equations of ``primitive`` in ``fn``'s jaxpr (nested jaxprs and kernel bodies included), in
     program order."""
-    return [eqn for _, eqn in _program(jax.make_jaxpr(fn)(*args).jaxpr) if eqn.primitive.name == primitive]
+    return [eqn for _, eqn in program(jax.make_jaxpr(fn)(*args).jaxpr) if eqn.primitive.name == primitive]
 
 
 def jaxprs(fn, *args) -> list:
     """``fn``'s jaxpr and every jaxpr nested in it that holds an equation, in program order."""
-    return list(dict.fromkeys(jaxpr for jaxpr, _ in _program(jax.make_jaxpr(fn)(*args).jaxpr)))
+    return list(dict.fromkeys(jaxpr for jaxpr, _ in program(jax.make_jaxpr(fn)(*args).jaxpr)))
 
 
 def grads_of(fn, argnums):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -459,22 +459,24 @@ def call_precision_cases():
     )
 
 
+def program(jaxpr) -> Iterator[tuple[Any, Any]]:
+    """(jaxpr, equation) of ``jaxpr`` and of every jaxpr nested in it (scan, cond, custom VJP, shard_map,
+    kernel bodies), in program order: a nested jaxpr's equations right after the equation holding it."""
+    for eqn in jaxpr.eqns:
+        yield jaxpr, eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from program(inner)
+
+
 def matmul_precisions(fn: Callable[..., Any], *args: Any) -> list[Any]:
     """The :class:`jax.lax.Precision` of every matmul (``dot_general``, ``ragged_dot_general``) in
     ``fn(*args)``'s jaxpr, nested jaxprs (scan, cond, custom VJP, ...) included; ``DEFAULT`` where none was
     recorded. Pass a gradient function to see the backward's matmuls too."""
-
-    def walk(jaxpr) -> list[Any]:
-        found = []
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
-                precision = eqn.params["precision"]
-                found.append(jax.lax.Precision.DEFAULT if precision is None else precision[0])
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        found.extend(walk(inner))
-        return found
-
-    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return [
+        jax.lax.Precision.DEFAULT if eqn.params["precision"] is None else eqn.params["precision"][0]
+        for _, eqn in program(jax.make_jaxpr(fn)(*args).jaxpr)
+        if eqn.primitive.name in ("dot_general", "ragged_dot_general")
+    ]
